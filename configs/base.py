@@ -1,0 +1,67 @@
+"""Every configuration field, with its default and what it means.
+
+Other config files start from `get_config()` here and change a few fields. Any field can be
+overridden on the command line: `--config.outer.lr=0.5 --config.data.batch_mode=same`.
+Values are checked at start-up (lowcomm_jax/config_check.py) before any compute.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+
+  # --- run ---------------------------------------------------------------------------
+  c.algorithm = "diloco"  # 'ddp' (average gradients every step) | 'diloco' (H local steps, outer step)
+  c.num_workers = 4  # workers (replicas); each has its own data stream and inner optimizer state
+  c.rounds = 20  # outer rounds; DDP takes one step per round
+  c.inner_steps = 20  # H: inner steps per worker per round (must be 1 for ddp)
+  c.seed = 0  # every random stream derives from (seed, worker_id, step)
+  c.eval_every = 5  # rounds between evaluations on the validation split (0: only at the end)
+  c.eval_batches = 8  # validation batches per evaluation (fixed windows, same every time)
+  c.checkpoint_every = 10  # rounds between checkpoints (0: only at the end)
+  c.keep_checkpoints = 2  # how many checkpoints orbax keeps
+  c.log_every = 1  # rounds between metric writes (TensorBoard + metrics.jsonl)
+
+  # --- devices: mesh ('replica', 'data', 'model') ---------------------------------------
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.replica = -1  # devices along the replica axis; -1: as many as divide num_workers
+  c.mesh.data = 1  # devices each worker splits its batch over
+  c.mesh.model = 1  # devices along 'model' (tensor parallelism; only 1 is supported so far)
+
+  # --- outer optimizer (applied to the averaged pseudo-gradient) -------------------------
+  c.outer = ml_collections.ConfigDict()
+  c.outer.lr = 0.7  # DiLoCo's outer learning rate
+  c.outer.momentum = 0.9  # outer momentum (0 disables it)
+  c.outer.nesterov = True  # Nesterov momentum, as in DiLoCo
+
+  # --- inner optimizer (each worker; for ddp the per-step optimizer) ----------------------
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.name = "adamw"  # 'adamw' | 'sgd'
+  c.optimizer.lr = 3e-3  # peak learning rate
+  c.optimizer.warmup_steps = 50  # linear warmup (inner steps)
+  c.optimizer.decay_steps = 0  # cosine decay length in inner steps; 0: rounds * inner_steps
+  c.optimizer.min_lr_ratio = 0.1  # final lr = lr * min_lr_ratio
+  c.optimizer.b1 = 0.9
+  c.optimizer.b2 = 0.95
+  c.optimizer.weight_decay = 0.1  # decoupled, on matrices only (not biases/LayerNorm)
+  c.optimizer.grad_clip = 1.0  # global-norm clipping; 0 disables it
+
+  # --- model -------------------------------------------------------------------------
+  c.model = ml_collections.ConfigDict()
+  c.model.name = "small"  # preset: tiny | small | pythia_14m | gpt2_124m (lowcomm_jax/model/presets.py)
+  c.model.vocab_size = 0  # 0: the preset's, or the tokenizer's rounded up to a multiple of 64
+  c.model.dtype = "float32"  # compute dtype: 'float32' | 'bfloat16' (parameters stay float32)
+  c.model.dropout = 0.0  # residual/embedding dropout rate during training
+  c.model.ffn_fraction = 1.0  # MatFormer width every worker trains (1.0: full FFN)
+
+  # --- data --------------------------------------------------------------------------
+  c.data = ml_collections.ConfigDict()
+  c.data.path = ""  # a plain-text corpus; '' means TinyShakespeare (local copy or download)
+  c.data.tokenizer = "byte"  # 'byte' (vocab 256, no files) | 'r50k_base' | 'gpt2' (alias)
+  c.data.batch_mode = "different"  # 'different': a stream per worker | 'same': one shared stream
+  c.data.seq_len = 128  # tokens per training window (model input length)
+  c.data.batch_size = 16  # sequences per worker per inner step
+  c.data.val_fraction = 0.1  # tail of the corpus kept for validation
+
+  return c

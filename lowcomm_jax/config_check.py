@@ -1,0 +1,91 @@
+"""Start-up validation: every problem named with its field and its fix, before any compute."""
+
+import ml_collections
+
+from lowcomm_jax.model.presets import PRESETS
+
+ALGORITHMS = ("ddp", "diloco")
+TOKENIZER_VOCAB = {"byte": 256, "r50k_base": 50257, "gpt2": 50257}
+
+
+class ConfigError(ValueError):
+  """A config that cannot run. `str()` lists each bad field with how to fix it."""
+
+  def __init__(self, problems: list[str]):
+    self.problems = problems
+    super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def validate(c: ml_collections.ConfigDict, *, num_devices: int) -> None:
+  """Raises ConfigError listing every bad field of `c` for a host with `num_devices`."""
+  problems = []
+
+  def check(ok: bool, field: str, fix: str):
+    if not ok:
+      value = c
+      for part in field.split("."):
+        value = value[part]
+      problems.append(f"{field}={value!r}: {fix}")
+
+  check(c.algorithm in ALGORITHMS, "algorithm", f"use one of {ALGORITHMS}")
+  check(c.num_workers >= 1, "num_workers", "need at least one worker")
+  check(c.rounds >= 1, "rounds", "need at least one outer round")
+  check(c.inner_steps >= 1, "inner_steps", "H must be >= 1")
+  if c.algorithm == "ddp":
+    check(c.inner_steps == 1, "inner_steps",
+          "ddp averages gradients every step; set --config.inner_steps=1 "
+          "(and raise rounds for more steps)")
+  for field in ("eval_every", "checkpoint_every", "log_every"):
+    check(c[field] >= 0, field, "must be >= 0 (0: only at the end)")
+  check(c.eval_batches >= 1, "eval_batches", "need at least one validation batch")
+
+  # Mesh: workers must spread evenly over replica devices, within the devices present.
+  m = c.mesh
+  check(m.replica == -1 or m.replica >= 1, "mesh.replica", "use -1 (auto) or a positive count")
+  check(m.data >= 1, "mesh.data", "must be >= 1")
+  check(m.model == 1, "mesh.model",
+        "tensor parallelism is not available yet; set --config.mesh.model=1")
+  if m.replica >= 1 and c.num_workers >= 1:
+    check(c.num_workers % m.replica == 0, "num_workers",
+          f"must be a multiple of mesh.replica={m.replica} (workers per device are equal); "
+          "change num_workers or set --config.mesh.replica=-1")
+  needed = max(m.replica, 1) * max(m.data, 1) * max(m.model, 1)
+  if needed > num_devices:
+    problems.append(
+        f"mesh.replica*mesh.data*mesh.model={needed}: only {num_devices} devices are visible; "
+        "shrink the mesh (mesh.replica=-1 picks what fits)")
+
+  # Model and data shapes.
+  check(c.model.name in PRESETS, "model.name", f"use one of {sorted(PRESETS)}")
+  check(c.model.dtype in ("float32", "bfloat16"), "model.dtype", "use 'float32' or 'bfloat16'")
+  check(0.0 <= c.model.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+  check(0.0 < c.model.ffn_fraction <= 1.0, "model.ffn_fraction", "must be in (0, 1]")
+  check(c.data.tokenizer in TOKENIZER_VOCAB, "data.tokenizer",
+        f"use one of {sorted(TOKENIZER_VOCAB)}")
+  check(c.data.batch_mode in ("same", "different"), "data.batch_mode",
+        "use 'same' (one shared stream) or 'different' (a stream per worker)")
+  check(c.data.batch_size >= 1, "data.batch_size", "must be >= 1")
+  if m.data >= 1:
+    check(c.data.batch_size % m.data == 0, "data.batch_size",
+          f"must be divisible by mesh.data={m.data} (each data shard gets an equal slice)")
+  check(0.0 < c.data.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
+  if c.model.name in PRESETS:
+    preset = PRESETS[c.model.name]
+    check(1 <= c.data.seq_len <= preset.block_size, "data.seq_len",
+          f"must be in [1, {preset.block_size}] (the block size of model {c.model.name!r})")
+    vocab = c.model.vocab_size or preset.vocab_size
+    tok_vocab = TOKENIZER_VOCAB.get(c.data.tokenizer)
+    if vocab and tok_vocab and vocab < tok_vocab:
+      problems.append(f"model.vocab_size={vocab}: smaller than tokenizer {c.data.tokenizer!r}'s "
+                      f"{tok_vocab} tokens; set --config.model.vocab_size=0 or larger")
+
+  # Optimizers.
+  check(c.optimizer.name in ("adamw", "sgd"), "optimizer.name", "use 'adamw' or 'sgd'")
+  check(c.optimizer.lr > 0, "optimizer.lr", "must be > 0")
+  check(c.optimizer.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
+  check(c.optimizer.grad_clip >= 0, "optimizer.grad_clip", "must be >= 0 (0 disables clipping)")
+  check(c.outer.lr > 0, "outer.lr", "must be > 0")
+  check(0.0 <= c.outer.momentum < 1.0, "outer.momentum", "must be in [0, 1)")
+
+  if problems:
+    raise ConfigError(problems)

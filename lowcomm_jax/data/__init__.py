@@ -1,0 +1,5 @@
+"""Corpora, tokenizers and per-worker grain pipelines."""
+
+from lowcomm_jax.data.corpus import DataError, resolve_corpus
+from lowcomm_jax.data.pipeline import WorkerStreams, eval_windows, split_train_val
+from lowcomm_jax.data.tokenizers import TOKENIZER_NAMES, get_tokenizer, load_tokens

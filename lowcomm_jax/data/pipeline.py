@@ -1,0 +1,92 @@
+"""grain pipelines: random training windows, one stream per worker, and fixed eval windows.
+
+Every stream is a grain MapDataset indexed by position, so a stream is a pure function of
+its seed and its iterator state is just where it is; both are checkpointed.
+
+  batch_mode='different': worker w reads its own stream, seeded from (seed, w);
+  batch_mode='same':      one stream; every worker gets the same batch at the same step.
+"""
+
+from collections.abc import Sequence
+
+import grain
+import numpy as np
+
+_ENDLESS = 2**62  # index space of a stream: random windows never run out
+
+
+_WORKER, _SHARED, _EVAL = 0, 1, 2  # stream kinds, so no two kinds ever share a seed
+
+
+def stream_seed(seed: int, kind: int, index: int = 0) -> int:
+  return int(np.random.SeedSequence([seed, kind, index]).generate_state(1)[0])
+
+
+def split_train_val(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+  """The first (1 - val_fraction) of the corpus trains, the tail validates."""
+  n_train = int(len(tokens) * (1.0 - val_fraction))
+  return tokens[:n_train], tokens[n_train:]
+
+
+class _RandomWindow(grain.transforms.RandomMap):
+  """A uniformly random window of `length` tokens (input + shifted target)."""
+
+  def __init__(self, tokens: np.ndarray, length: int):
+    if len(tokens) <= length:
+      raise ValueError(f"corpus split has {len(tokens)} tokens, fewer than a window of {length}")
+    self._tokens, self._length = tokens, length
+
+  def random_map(self, element, rng: np.random.Generator) -> np.ndarray:
+    del element
+    start = rng.integers(0, len(self._tokens) - self._length + 1)
+    return self._tokens[start:start + self._length].astype(np.int32)
+
+
+def window_dataset(tokens: np.ndarray, *, seq_len: int, batch_size: int,
+                   seed: int) -> grain.MapDataset:
+  """Endless batches [batch_size, seq_len + 1] of random windows."""
+  return (grain.MapDataset.range(_ENDLESS)
+          .random_map(_RandomWindow(tokens, seq_len + 1), seed=seed)
+          .batch(batch_size))
+
+
+class WorkerStreams:
+  """The training batches of a set of workers, a round at a time."""
+
+  def __init__(self, train_tokens: np.ndarray, *, worker_ids: Sequence[int], seq_len: int,
+               batch_size: int, seed: int, batch_mode: str):
+    if batch_mode not in ("same", "different"):
+      raise ValueError(f"batch_mode must be 'same' or 'different', got {batch_mode!r}")
+    self.worker_ids = list(worker_ids)
+    self.batch_mode = batch_mode
+    seeds = ([stream_seed(seed, _WORKER, w) for w in self.worker_ids]
+             if batch_mode == "different" else [stream_seed(seed, _SHARED)])
+    self._iters = [iter(window_dataset(train_tokens, seq_len=seq_len, batch_size=batch_size,
+                                       seed=s)) for s in seeds]
+
+  def next_round(self, inner_steps: int) -> np.ndarray:
+    """Batches [workers, inner_steps, batch_size, seq_len + 1] for one round."""
+    per_stream = [np.stack([next(it) for _ in range(inner_steps)]) for it in self._iters]
+    if self.batch_mode == "same":
+      return np.broadcast_to(per_stream[0], (len(self.worker_ids),) + per_stream[0].shape)
+    return np.stack(per_stream)
+
+  def get_state(self) -> dict:
+    return {"batch_mode": self.batch_mode, "worker_ids": self.worker_ids,
+            "streams": [it.get_state() for it in self._iters]}
+
+  def set_state(self, state: dict) -> None:
+    if state["batch_mode"] != self.batch_mode or list(state["worker_ids"]) != self.worker_ids:
+      raise ValueError(
+          f"checkpointed data streams ({state['batch_mode']}, workers {state['worker_ids']}) do "
+          f"not match this run ({self.batch_mode}, workers {self.worker_ids})")
+    for it, s in zip(self._iters, state["streams"], strict=True):
+      it.set_state(s)
+
+
+def eval_windows(val_tokens: np.ndarray, *, seq_len: int, batch_size: int, num_batches: int,
+                 seed: int) -> np.ndarray:
+  """Fixed validation batches [num_batches, batch_size, seq_len + 1], the same every eval."""
+  it = iter(window_dataset(val_tokens, seq_len=seq_len, batch_size=batch_size,
+                           seed=stream_seed(seed, _EVAL)))
+  return np.stack([next(it) for _ in range(num_batches)])

@@ -1,0 +1,5 @@
+"""GPT model family: nanoGPT-compatible GPT, MatFormer nested FFN, named presets."""
+
+from lowcomm_jax.model.gpt import GPT, count_params, next_token_loss
+from lowcomm_jax.model.matformer import NestedMLP, hidden_units
+from lowcomm_jax.model.presets import PRESETS, GPTConfig, get_preset

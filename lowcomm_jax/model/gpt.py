@@ -1,0 +1,136 @@
+"""nanoGPT-compatible GPT in Flax NNX, with GPT-NeoX options (rotary, parallel residual).
+
+Learned positions, pre-LayerNorm, exact-GELU MLP (MatFormer-nested), tied input/output
+embeddings, optional biases and dropout. Parameters are float32; `dtype` sets the compute
+dtype (bfloat16 for speed on GPUs); logits and the loss are computed in float32.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from lowcomm_jax.model.matformer import NestedMLP
+from lowcomm_jax.model.presets import GPTConfig
+
+_normal = jax.nn.initializers.normal
+
+
+def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+  if key is None or rate == 0.0:
+    return x
+  keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+def _rotary(x_BxLxNxH: jax.Array, rot_dims: int) -> jax.Array:
+  """GPT-NeoX rotary embedding on the first `rot_dims` dims of every head."""
+  seq_len = x_BxLxNxH.shape[1]
+  inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, rot_dims, 2, dtype=jnp.float32) / rot_dims))
+  angles_LxR2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  angles_LxR = jnp.concatenate([angles_LxR2, angles_LxR2], axis=-1)[None, :, None, :]
+  cos, sin = jnp.cos(angles_LxR), jnp.sin(angles_LxR)
+  x_rot, x_pass = x_BxLxNxH[..., :rot_dims], x_BxLxNxH[..., rot_dims:]
+  half = rot_dims // 2
+  rotated_half = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
+  x_rot = (x_rot.astype(jnp.float32) * cos + rotated_half.astype(jnp.float32) * sin)
+  return jnp.concatenate([x_rot.astype(x_BxLxNxH.dtype), x_pass], axis=-1)
+
+
+class CausalSelfAttention(nnx.Module):
+
+  def __init__(self, cfg: GPTConfig, *, out_std: float, rngs: nnx.Rngs):
+    dtype = jnp.dtype(cfg.dtype)
+    self.qkv = nnx.Linear(cfg.d_model, 3 * cfg.d_model, use_bias=cfg.bias, dtype=dtype,
+                          kernel_init=_normal(0.02), rngs=rngs)
+    self.proj = nnx.Linear(cfg.d_model, cfg.d_model, use_bias=cfg.bias, dtype=dtype,
+                           kernel_init=_normal(out_std), rngs=rngs)
+    self.n_head = cfg.n_head
+    # Rotary needs an even number of dims; round the configured share down to one.
+    self.rot_dims = (2 * int(cfg.head_dim * cfg.rotary_fraction / 2)
+                     if cfg.position == "rotary" else 0)
+
+  def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    b, l, d = x_BxLxD.shape
+    qkv_BxLx3D = self.qkv(x_BxLxD)
+    q, k, v = (t.reshape(b, l, self.n_head, d // self.n_head)
+               for t in jnp.split(qkv_BxLx3D, 3, axis=-1))
+    if self.rot_dims:
+      q, k = _rotary(q, self.rot_dims), _rotary(k, self.rot_dims)
+    y_BxLxNxH = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return self.proj(y_BxLxNxH.reshape(b, l, d))
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    out_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2's scaled residual projections
+    dtype = jnp.dtype(cfg.dtype)
+    self.ln1 = nnx.LayerNorm(cfg.d_model, use_bias=cfg.bias, dtype=dtype, rngs=rngs)
+    self.attn = CausalSelfAttention(cfg, out_std=out_std, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(cfg.d_model, use_bias=cfg.bias, dtype=dtype, rngs=rngs)
+    self.mlp = NestedMLP(cfg.d_model, cfg.d_ff, out_std=out_std, bias=cfg.bias, dtype=dtype,
+                         rngs=rngs)
+    self.parallel_residual = cfg.parallel_residual
+    self.dropout = cfg.dropout
+
+  def __call__(self, x: jax.Array, ffn_fraction: float, key: jax.Array | None) -> jax.Array:
+    attn_key, mlp_key = jax.random.split(key) if key is not None else (None, None)
+    attn_out = _dropout(self.attn(self.ln1(x)), self.dropout, attn_key)
+    if self.parallel_residual:
+      return x + attn_out + _dropout(self.mlp(self.ln2(x), ffn_fraction), self.dropout, mlp_key)
+    x = x + attn_out
+    return x + _dropout(self.mlp(self.ln2(x), ffn_fraction), self.dropout, mlp_key)
+
+
+class GPT(nnx.Module):
+
+  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+    if cfg.vocab_size is None:
+      raise ValueError("GPTConfig.vocab_size is unset; resolve it with presets.get_preset")
+    if cfg.d_model % cfg.n_head:
+      raise ValueError(f"d_model={cfg.d_model} is not divisible by n_head={cfg.n_head}")
+    self.cfg = cfg
+    dtype = jnp.dtype(cfg.dtype)
+    self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype,
+                         embedding_init=_normal(0.02), rngs=rngs)
+    self.wpe = (nnx.Embed(cfg.block_size, cfg.d_model, dtype=dtype,
+                          embedding_init=_normal(0.02), rngs=rngs)
+                if cfg.position == "learned" else None)
+    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layer)])
+    self.ln_f = nnx.LayerNorm(cfg.d_model, use_bias=cfg.bias, dtype=dtype, rngs=rngs)
+    self.lm_head = (None if cfg.tie_embeddings else
+                    nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype,
+                               kernel_init=_normal(0.02), rngs=rngs))
+
+  def __call__(self, tokens_BxL: jax.Array, *, ffn_fraction: float = 1.0,
+               dropout_key: jax.Array | None = None) -> jax.Array:
+    """Float32 logits [B, L, V]. `dropout_key=None` means evaluation (no dropout)."""
+    b, l = tokens_BxL.shape
+    x_BxLxD = self.wte(tokens_BxL)
+    if self.wpe is not None:
+      x_BxLxD = x_BxLxD + self.wpe(jnp.arange(l))[None]
+    keys = (jax.random.split(dropout_key, self.cfg.n_layer + 1) if dropout_key is not None
+            else [None] * (self.cfg.n_layer + 1))
+    x_BxLxD = _dropout(x_BxLxD, self.cfg.dropout, keys[-1])
+    for block, key in zip(self.blocks, keys[:-1]):
+      x_BxLxD = block(x_BxLxD, ffn_fraction, key)
+    x_BxLxD = self.ln_f(x_BxLxD)
+    if self.lm_head is None:
+      logits = self.wte.attend(x_BxLxD)
+    else:
+      logits = self.lm_head(x_BxLxD)
+    return logits.astype(jnp.float32)
+
+
+def next_token_loss(model: GPT, windows_BxL1: jax.Array, *, ffn_fraction: float = 1.0,
+                    dropout_key: jax.Array | None = None) -> jax.Array:
+  """Mean cross-entropy of predicting windows[:, 1:] from windows[:, :-1]."""
+  logits = model(windows_BxL1[:, :-1], ffn_fraction=ffn_fraction, dropout_key=dropout_key)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, windows_BxL1[:, 1:]).mean()
+
+
+def count_params(params) -> int:
+  return sum(int(x.size) for x in jax.tree.leaves(params))

@@ -1,0 +1,44 @@
+"""The optax transforms a run uses, built from its config: inner (per worker) and outer."""
+
+import jax
+import ml_collections
+import optax
+
+from lowcomm_jax import outer
+
+
+def inner_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+  """Linear warmup to `lr`, cosine decay to `lr * min_lr_ratio` over the run's inner steps."""
+  decay_steps = opt.decay_steps or total_steps
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=opt.lr, warmup_steps=opt.warmup_steps,
+      decay_steps=max(decay_steps, opt.warmup_steps + 1), end_value=opt.lr * opt.min_lr_ratio)
+
+
+def _is_matrix(params):
+  return jax.tree.map(lambda x: x.ndim >= 2, params)
+
+
+def inner_optimizer(opt: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
+  """Each worker's optimizer: (clip) + AdamW or SGD on the warmup-cosine schedule."""
+  schedule = inner_schedule(opt, total_steps)
+  if opt.name == "adamw":
+    tx = optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
+                     mask=_is_matrix)
+  elif opt.name == "sgd":
+    tx = optax.sgd(schedule)
+  else:
+    raise ValueError(f"unknown optimizer.name {opt.name!r}")
+  if opt.grad_clip > 0:
+    tx = optax.chain(optax.clip_by_global_norm(opt.grad_clip), tx)
+  return tx
+
+
+def outer_optimizer(config: ml_collections.ConfigDict,
+                    inner_tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """What turns the workers' pseudo-gradients (or gradients, for DDP) into a global update."""
+  if config.algorithm == "ddp":
+    return outer.ddp_outer(inner_tx)
+  if config.algorithm == "diloco":
+    return outer.diloco_outer(config.outer.lr, config.outer.momentum, config.outer.nesterov)
+  raise ValueError(f"unknown algorithm {config.algorithm!r}")

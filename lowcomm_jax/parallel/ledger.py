@@ -1,0 +1,70 @@
+"""Byte ledger: what each worker sends and receives, counted exactly from shapes and dtypes.
+
+Collectives (parallel/collectives.py) report every payload they move while a function is
+being traced. `count_bytes` traces a round with `jax.eval_shape` (no compute) and returns
+the per-worker totals. Under `jax.vmap` over workers the traced shapes are one worker's, so
+the count is per worker by construction.
+
+Accounting convention (the logical payload, independent of the collective's algorithm):
+  * all-reduce (mean): a worker sends its payload once and receives the reduced payload once;
+  * all-gather: a worker sends its payload once and receives the other R-1 payloads.
+A ring all-reduce moves 2(R-1)/R times the payload per worker on the wire; that transport
+factor is a property of the fabric, reported separately where it matters.
+"""
+
+import contextlib
+import dataclasses
+import threading
+
+import jax
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class CommBytes:
+  sent: int = 0
+  received: int = 0
+
+  def __add__(self, other: "CommBytes") -> "CommBytes":
+    return CommBytes(self.sent + other.sent, self.received + other.received)
+
+  def __mul__(self, n: int) -> "CommBytes":
+    return CommBytes(self.sent * n, self.received * n)
+
+
+_local = threading.local()
+
+
+def tree_bytes(tree) -> int:
+  """Bytes of all array leaves (arrays or ShapeDtypeStructs)."""
+  return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def record(kind: str, payload, group_size: int) -> None:
+  """Called by collectives at trace time; a no-op unless `count_bytes` is tracing."""
+  log = getattr(_local, "log", None)
+  if log is None:
+    return
+  n = tree_bytes(payload)
+  if kind == "all_reduce":
+    log.append(CommBytes(sent=n, received=n))
+  elif kind == "all_gather":
+    log.append(CommBytes(sent=n, received=n * (group_size - 1)))
+  else:
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+@contextlib.contextmanager
+def _recording():
+  _local.log = []
+  try:
+    yield _local.log
+  finally:
+    _local.log = None
+
+
+def count_bytes(fn, *args, **kwargs) -> CommBytes:
+  """Per-worker bytes one call of `fn` moves through the collectives (traced, not run)."""
+  with _recording() as log:
+    jax.eval_shape(fn, *args, **kwargs)
+  return sum(log, CommBytes())

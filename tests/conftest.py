@@ -1,0 +1,34 @@
+"""Test set-up: 8 forced host devices, offline data from ../shared/data, a private cache."""
+
+import os
+import pathlib
+import runpy
+import tempfile
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+REPO = pathlib.Path(__file__).resolve().parents[1]
+_SHARED_DATA = REPO.parent / "shared" / "data"
+if _SHARED_DATA.is_dir():
+  os.environ.setdefault("LOWCOMM_DATA_DIR", str(_SHARED_DATA))
+  os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(_SHARED_DATA / "tiktoken"))
+os.environ.setdefault("LOWCOMM_CACHE_DIR", tempfile.mkdtemp(prefix="lowcomm_cache_"))
+
+import pytest  # noqa: E402
+
+
+def load_config(name: str, **overrides):
+  """configs/<name>.py with dotted-field overrides, e.g. load_config('smoke', **{'outer.lr': 1.0})."""
+  config = runpy.run_path(str(REPO / "configs" / f"{name}.py"))["get_config"]()
+  for dotted, value in overrides.items():
+    node = config
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+@pytest.fixture
+def smoke_config():
+  return lambda **overrides: load_config("smoke", **overrides)

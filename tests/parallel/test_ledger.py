@@ -1,0 +1,29 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowcomm_jax.parallel import collectives, ledger
+
+
+def test_tree_bytes_counts_shapes_and_dtypes():
+  tree = {"a": jnp.zeros((3, 4), jnp.float32), "b": jax.ShapeDtypeStruct((10,), jnp.bfloat16),
+          "c": np.zeros(5, np.uint16)}
+  assert ledger.tree_bytes(tree) == 48 + 20 + 10
+
+
+def test_count_bytes_is_per_worker_under_vmap():
+  def round_fn(x_R):
+    def worker(x):
+      m = collectives.mean({"w": x, "h": x[:2].astype(jnp.bfloat16)})
+      return collectives.all_gather(m["w"][:1])
+    return jax.vmap(worker, axis_name="replica")(x_R)
+
+  counted = ledger.count_bytes(round_fn, jax.ShapeDtypeStruct((4, 8), jnp.float32))
+  # mean: 8 fp32 + 2 bf16 sent and received; all_gather: 1 fp32 sent, 3 others received.
+  assert counted == ledger.CommBytes(sent=32 + 4 + 4, received=32 + 4 + 3 * 4)
+
+
+def test_recording_is_off_outside_count_bytes():
+  f = jax.vmap(lambda x: collectives.mean(x), axis_name="replica")
+  np.testing.assert_allclose(f(jnp.arange(4.0)), jnp.full(4, 1.5))
+  assert ledger.count_bytes(lambda: None) == ledger.CommBytes()

@@ -1,0 +1,123 @@
+"""End to end: the CLI's outputs, exact resume, finished re-runs, divergence, bad configs."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import REPO
+from lowcomm_jax import config_check, train
+from lowcomm_jax.checkpoint import Checkpointer, abstract_with_shardings
+
+
+def _checkpointed_state(config, workdir):
+  r = train.build(config)
+  ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=2)
+  state, meta = ckpt.restore(ckpt.latest_round(),
+                             abstract_with_shardings(r.abstract_state, r.state_shardings))
+  ckpt.close()
+  return state, meta
+
+
+def _main(*args, cwd=REPO):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  return subprocess.run([sys.executable, "-m", "lowcomm_jax.main", *args], cwd=cwd, env=env,
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_main_writes_tensorboard_jsonl_checkpoint_and_summary(tmp_path):
+  workdir = tmp_path / "run"
+  proc = _main("--config=configs/smoke.py", f"--workdir={workdir}", "--config.rounds=4")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
+  lines = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert [l["step"] for l in lines] == [2, 4, 6, 8]  # inner steps, H=2
+  assert all({"train_loss", "tokens", "bytes_sent"} <= l.keys() for l in lines)
+  assert "eval_loss" in lines[1] and "eval_loss" in lines[3]
+  assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) \
+      == [2, 4]
+  summary = json.loads((workdir / "summary.json").read_text())
+  for key in ("eval_loss", "tokens", "bytes_sent", "bytes_sent_ddp_equivalent", "wall_seconds"):
+    assert key in summary
+  assert summary["bytes_sent_ddp_equivalent"] == 2 * summary["bytes_sent"]  # H = 2
+  assert summary["eval_loss"] < np.log(256)
+  assert "DDP would have sent" in proc.stdout
+
+  # Same command again: finishes at once, summary kept as it was.
+  again = _main("--config=configs/smoke.py", f"--workdir={workdir}", "--config.rounds=4")
+  assert again.returncode == 0
+  assert json.loads((workdir / "summary.json").read_text()) == summary
+  assert len((workdir / "metrics.jsonl").read_text().splitlines()) == 4
+  # A larger `rounds` resumes from round 4 and only adds the new rounds.
+  more = _main("--config=configs/smoke.py", f"--workdir={workdir}", "--config.rounds=6")
+  assert more.returncode == 0, more.stderr[-3000:]
+  steps = [json.loads(l)["step"] for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert steps == [2, 4, 6, 8, 10, 12]
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "ddp"])
+def test_resume_mid_run_is_bit_identical_to_an_uninterrupted_run(tmp_path, smoke_config,
+                                                                 algorithm):
+  config = smoke_config(algorithm=algorithm, rounds=4, checkpoint_every=2, **{
+      "model.dropout": 0.1, "inner_steps": 2 if algorithm == "diloco" else 1})
+  train.run(config, tmp_path / "straight")
+  stopped = train.run(config, tmp_path / "resumed", stop_after_rounds=2)
+  assert stopped == {"stopped_at_round": 2}
+  train.run(config, tmp_path / "resumed")
+  a, meta_a = _checkpointed_state(config, tmp_path / "straight")
+  b, meta_b = _checkpointed_state(config, tmp_path / "resumed")
+  assert int(a.round) == int(b.round) == 4
+  jax.tree.map(np.testing.assert_array_equal, a, b)  # every leaf, bit for bit
+  assert meta_a["streams"] == meta_b["streams"]
+  # Logged curves agree too.
+  read = lambda d: (d / "metrics.jsonl").read_text()
+  assert read(tmp_path / "straight") == read(tmp_path / "resumed")
+
+
+def test_divergence_stops_with_the_last_good_checkpoint_intact(tmp_path, smoke_config):
+  config = smoke_config(rounds=2)
+  train.run(config, tmp_path)
+  good, _ = _checkpointed_state(config, tmp_path)
+  exploding = smoke_config(rounds=4, **{"outer.lr": 1e30})  # resume, then blow up
+  with pytest.raises(train.TrainingDiverged, match="round 3.*last good checkpoint.*round 2"):
+    train.run(exploding, tmp_path)
+  after, _ = _checkpointed_state(config, tmp_path)
+  assert int(after.round) == 2
+  jax.tree.map(np.testing.assert_array_equal, good, after)
+
+
+BAD_CONFIGS = [
+    ({"algorithm": "fedavg"}, "algorithm='fedavg'"),
+    ({"inner_steps": 0}, "inner_steps=0: H must be >= 1"),
+    ({"algorithm": "ddp", "inner_steps": 5}, "set --config.inner_steps=1"),
+    ({"num_workers": 3, "mesh.replica": 2}, "num_workers=3: must be a multiple of mesh.replica"),
+    ({"mesh.replica": 16}, "only 8 devices"),
+    ({"mesh.data": 3}, "data.batch_size=4: must be divisible by mesh.data=3"),
+    ({"data.seq_len": 65}, "data.seq_len=65: must be in [1, 64]"),
+    ({"data.tokenizer": "sentencepiece"}, "data.tokenizer='sentencepiece'"),
+    ({"data.batch_mode": "mixed"}, "data.batch_mode='mixed'"),
+    ({"model.vocab_size": 100}, "model.vocab_size=100"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_CONFIGS)
+def test_bad_config_names_field_and_fix(smoke_config, overrides, message):
+  with pytest.raises(config_check.ConfigError) as e:
+    config_check.validate(smoke_config(**overrides), num_devices=8)
+  assert message in str(e.value)
+
+
+def test_cli_reports_bad_config_and_missing_corpus_without_a_traceback(tmp_path):
+  proc = _main("--config=configs/smoke.py", f"--workdir={tmp_path}", "--config.inner_steps=0")
+  assert proc.returncode == 2
+  assert "inner_steps=0: H must be >= 1" in proc.stderr and "Traceback" not in proc.stderr
+  proc = _main("--config=configs/smoke.py", f"--workdir={tmp_path}",
+               f"--config.data.path={tmp_path}/missing.txt")
+  assert proc.returncode == 2
+  assert "is not a file" in proc.stderr and "Traceback" not in proc.stderr
+  assert not (tmp_path / "checkpoints").exists()  # failed before any work
