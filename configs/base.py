@@ -42,8 +42,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.optimizer.warmup_steps = 50  # linear warmup (inner steps)
   c.optimizer.decay_steps = 0  # cosine decay length in inner steps; 0: rounds * inner_steps
   c.optimizer.min_lr_ratio = 0.1  # final lr = lr * min_lr_ratio
-  c.optimizer.b1 = 0.9
-  c.optimizer.b2 = 0.95
+  c.optimizer.b1 = 0.9  # AdamW first-moment decay
+  c.optimizer.b2 = 0.95  # AdamW second-moment decay
   c.optimizer.weight_decay = 0.1  # decoupled, on matrices only (not biases/LayerNorm)
   c.optimizer.grad_clip = 1.0  # global-norm clipping; 0 disables it
 

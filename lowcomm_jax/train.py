@@ -130,6 +130,11 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
     logging.info("run in %s already finished (round %d); keeping summary.json", workdir, latest)
     ckpt.close()
     return json.loads(summary_path.read_text())
+  if latest is not None and latest > c.rounds:
+    ckpt.close()
+    raise config_check.ConfigError([
+        f"rounds={c.rounds}: {workdir} already holds a checkpoint at round {latest}; raise "
+        "rounds to continue that run, or pass another --workdir for a new one"])
   if latest is not None:
     state, meta = ckpt.restore(latest, abstract_with_shardings(r.abstract_state,
                                                                r.state_shardings))
@@ -183,33 +188,34 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
 
   pending = None  # (round, device metrics): read one round late so the device never waits
   scalars, eval_loss = {}, None
-  with jax.set_mesh(r.mesh):
-    for round_ in range(start + 1, end + 1):
-      batches = jax.device_put(r.streams.next_round(c.inner_steps), batch_sharding)
-      state, metrics = round_step(state, batches)
-      if pending is not None:
-        finish_round(*pending)
-      pending = (round_, metrics)
-      logger.progress(round_ * c.inner_steps)
-      evaluate = _due(round_, c.eval_every, c.rounds)
-      checkpoint = _due(round_, c.checkpoint_every, end)
-      if evaluate or checkpoint or round_ == end:
-        # Checked before saving: a diverged state is never checkpointed.
-        eval_loss = float(eval_step(state.params, eval_windows_dev)) if evaluate else None
-        scalars = finish_round(*pending, eval_loss=eval_loss)
-        pending = None
-        if checkpoint:
-          ckpt.save(round_, state, {"streams": r.streams.get_state(),
-                                    "wall_seconds": wall_before + time.time() - t_start})
-  ckpt.wait()
-  ckpt.close()
-  logger.close()
+  try:
+    with jax.set_mesh(r.mesh):
+      for round_ in range(start + 1, end + 1):
+        batches = jax.device_put(r.streams.next_round(c.inner_steps), batch_sharding)
+        state, metrics = round_step(state, batches)
+        if pending is not None:
+          finish_round(*pending)
+        pending = (round_, metrics)
+        logger.progress(round_ * c.inner_steps)
+        evaluate = _due(round_, c.eval_every, c.rounds)
+        checkpoint = _due(round_, c.checkpoint_every, end)
+        if evaluate or checkpoint or round_ == end:
+          # Checked before saving: a diverged state is never checkpointed.
+          eval_loss = float(eval_step(state.params, eval_windows_dev)) if evaluate else None
+          scalars = finish_round(*pending, eval_loss=eval_loss)
+          pending = None
+          if checkpoint:
+            ckpt.save(round_, state, {"streams": r.streams.get_state(),
+                                      "wall_seconds": wall_before + time.time() - t_start})
+      if end == c.rounds and eval_loss is None:  # resumed at the end, summary was lost
+        eval_loss = float(eval_step(state.params, eval_windows_dev))
+  finally:  # also on errors: saves in flight complete, files are flushed
+    ckpt.wait()
+    ckpt.close()
+    logger.close()
   if end < c.rounds:
     return {"stopped_at_round": end}
 
-  if eval_loss is None:  # resumed exactly at the end of a run whose summary was lost
-    with jax.set_mesh(r.mesh):
-      eval_loss = float(eval_step(state.params, eval_windows_dev))
   total_steps = c.rounds * c.inner_steps
   sent = (round_bytes * c.rounds).sent
   ddp_equivalent = r.param_bytes * total_steps  # fp32 gradients every inner step

@@ -1,0 +1,30 @@
+import pathlib
+
+import pytest
+
+from conftest import REPO, load_config
+from lowcomm_jax import config_check
+
+CONFIGS = sorted(p.stem for p in (REPO / "configs").glob("*.py"))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_every_shipped_config_is_valid_on_one_device(name):
+  config_check.validate(load_config(name), num_devices=1)
+
+
+def test_ddp_and_main_job_train_on_equal_tokens():
+  diloco, ddp = load_config("diloco_hetero"), load_config("ddp")
+  tokens = lambda c: c.num_workers * c.rounds * c.inner_steps * c.data.batch_size * c.data.seq_len
+  assert tokens(diloco) == tokens(ddp)
+  assert ddp.inner_steps == 1 and diloco.inner_steps > 1
+
+
+def test_base_config_documents_every_field():
+  text = (REPO / "configs" / "base.py").read_text()
+  config = load_config("base")
+  for key in config.keys():
+    leaves = config[key].keys() if hasattr(config[key], "keys") else [key]
+    for leaf in leaves:
+      line = next(l for l in text.splitlines() if f".{leaf} = " in l)
+      assert "#" in line, f"{key}.{leaf} has no comment"
