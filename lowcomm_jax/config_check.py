@@ -2,10 +2,10 @@
 
 import ml_collections
 
+from lowcomm_jax.data.tokenizers import TOKENIZER_VOCAB
 from lowcomm_jax.model.presets import PRESETS
 
 ALGORITHMS = ("ddp", "diloco")
-TOKENIZER_VOCAB = {"byte": 256, "r50k_base": 50257, "gpt2": 50257}
 
 
 class ConfigError(ValueError):

@@ -48,10 +48,11 @@ def main(argv):
     sys.exit(2)
   print(json.dumps(summary, indent=2))
   if "bytes_sent" in summary:
+    sent, ddp = summary["bytes_sent"] / 2**20, summary["bytes_sent_ddp_equivalent"] / 2**20
+    versus = ("" if summary["algorithm"] == "ddp" or not sent else
+              f", DDP would have sent {ddp:,.1f} MiB ({ddp / sent:.0f}x more)")
     print(f"eval loss {summary['eval_loss']:.4f} after {summary['tokens']:,} tokens; each worker "
-          f"sent {summary['bytes_sent'] / 2**20:,.1f} MiB, DDP would have sent "
-          f"{summary['bytes_sent_ddp_equivalent'] / 2**20:,.1f} MiB "
-          f"({summary['bytes_ratio_vs_ddp']:.0f}x more). Workdir: {workdir}")
+          f"sent {sent:,.1f} MiB{versus}. Workdir: {workdir}")
 
 
 if __name__ == "__main__":

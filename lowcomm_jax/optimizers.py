@@ -4,7 +4,7 @@ import jax
 import ml_collections
 import optax
 
-from lowcomm_jax import outer
+from lowcomm_jax import aggregate, outer
 
 
 def inner_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
@@ -36,9 +36,15 @@ def inner_optimizer(opt: ml_collections.ConfigDict, total_steps: int) -> optax.G
 
 def outer_optimizer(config: ml_collections.ConfigDict,
                     inner_tx: optax.GradientTransformation) -> optax.GradientTransformation:
-  """What turns the workers' pseudo-gradients (or gradients, for DDP) into a global update."""
+  """What turns the workers' pseudo-gradients (or gradients, for DDP) into a global update.
+
+  The aggregator comes first: it is the chain's only communication. DDP clips and steps the
+  averaged gradient with the per-step optimizer; DiLoCo applies its outer Nesterov rule.
+  """
   if config.algorithm == "ddp":
-    return outer.ddp_outer(inner_tx)
-  if config.algorithm == "diloco":
-    return outer.diloco_outer(config.outer.lr, config.outer.momentum, config.outer.nesterov)
-  raise ValueError(f"unknown algorithm {config.algorithm!r}")
+    rule = inner_tx
+  elif config.algorithm == "diloco":
+    rule = outer.diloco_outer(config.outer.lr, config.outer.momentum, config.outer.nesterov)
+  else:
+    raise ValueError(f"unknown algorithm {config.algorithm!r}")
+  return optax.chain(aggregate.replica_mean("replica"), rule)

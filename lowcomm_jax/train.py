@@ -10,6 +10,7 @@ import logging
 import math
 import pathlib
 import time
+from collections.abc import Callable
 
 import jax
 import ml_collections
@@ -17,11 +18,11 @@ import numpy as np
 from flax import nnx
 
 from lowcomm_jax import config_check, optimizers, steps
-from lowcomm_jax.checkpoint import Checkpointer, abstract_with_shardings
+from lowcomm_jax.checkpoint import Checkpointer, CheckpointMismatch, abstract_with_shardings
 from lowcomm_jax.data import (DataError, WorkerStreams, eval_windows, get_tokenizer, load_tokens,
                               resolve_corpus, split_train_val)
 from lowcomm_jax.metrics import MetricsLogger
-from lowcomm_jax.model import GPT, count_params, get_preset, next_token_loss
+from lowcomm_jax.model import GPT, GPTConfig, count_params, get_preset, next_token_loss
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
 
 
@@ -34,11 +35,11 @@ class _Run:
   """Everything built from the config before the first round."""
   config: ml_collections.ConfigDict
   mesh: jax.sharding.Mesh
-  model_cfg: object
-  graphdef: object
-  round_step: object
-  eval_step: object
-  init_fn: object
+  model_cfg: GPTConfig
+  graphdef: nnx.GraphDef
+  round_step: Callable[[steps.TrainState, jax.Array], tuple[steps.TrainState, dict]]
+  eval_step: Callable[[dict, jax.Array], jax.Array]
+  init_fn: Callable[[], steps.TrainState]
   abstract_state: steps.TrainState
   state_shardings: steps.TrainState
   streams: WorkerStreams
@@ -125,21 +126,30 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   summary_path = workdir / "summary.json"
   ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=c.keep_checkpoints)
 
+  schedule_steps = c.optimizer.decay_steps or c.rounds * c.inner_steps
   latest = ckpt.latest_round()
-  if latest is not None and latest >= c.rounds and summary_path.exists():
-    logging.info("run in %s already finished (round %d); keeping summary.json", workdir, latest)
-    ckpt.close()
-    return json.loads(summary_path.read_text())
   if latest is not None and latest > c.rounds:
     ckpt.close()
     raise config_check.ConfigError([
         f"rounds={c.rounds}: {workdir} already holds a checkpoint at round {latest}; raise "
         "rounds to continue that run, or pass another --workdir for a new one"])
+  if latest == c.rounds and summary_path.exists():
+    logging.info("run in %s already finished (round %d); keeping summary.json", workdir, latest)
+    ckpt.close()
+    return json.loads(summary_path.read_text())
   if latest is not None:
     state, meta = ckpt.restore(latest, abstract_with_shardings(r.abstract_state,
                                                                r.state_shardings))
-    r.streams.set_state(meta["streams"])
+    try:
+      r.streams.set_state(meta["streams"])
+    except ValueError as e:
+      ckpt.close()
+      raise CheckpointMismatch(f"{e}; resume with the data config that wrote {workdir}") from e
     wall_before = meta["wall_seconds"]
+    if meta["schedule_steps"] != schedule_steps:
+      logging.warning("the inner lr schedule now spans %d steps (was %d): extending `rounds` "
+                      "re-stretches the cosine decay; set optimizer.decay_steps to keep it "
+                      "fixed", schedule_steps, meta["schedule_steps"])
     logging.info("resumed %s from round %d", workdir, latest)
   else:
     state = jax.jit(r.init_fn, out_shardings=r.state_shardings)()
@@ -177,15 +187,21 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
           f"param_norm={scalars['param_norm']}). The last good checkpoint "
           f"(round {ckpt.latest_round()}) in {ckpt.directory} is intact; lower "
           "optimizer.lr or outer.lr and resume from it")
+    now = time.perf_counter()
+    rounds_timed = round_ - clock["round"]
     scalars.update(round=round_, tokens=round_ * tokens_per_round,
                    bytes_sent=(round_bytes * round_).sent,
-                   bytes_received=(round_bytes * round_).received)
+                   bytes_received=(round_bytes * round_).received,
+                   bytes_sent_round=round_bytes.sent, bytes_received_round=round_bytes.received,
+                   steps_per_second=rounds_timed * c.inner_steps / (now - clock["time"]))
+    clock.update(round=round_, time=now)
     if eval_loss is not None:
       scalars["eval_loss"] = eval_loss
     if eval_loss is not None or _due(round_, c.log_every, end):
       logger.write(round_ * c.inner_steps, scalars)
     return scalars
 
+  clock = {"round": start, "time": time.perf_counter()}  # for steps_per_second
   pending = None  # (round, device metrics): read one round late so the device never waits
   scalars, eval_loss = {}, None
   try:
@@ -206,6 +222,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
           pending = None
           if checkpoint:
             ckpt.save(round_, state, {"streams": r.streams.get_state(),
+                                      "schedule_steps": schedule_steps,
                                       "wall_seconds": wall_before + time.time() - t_start})
       if end == c.rounds and eval_loss is None:  # resumed at the end, summary was lost
         eval_loss = float(eval_step(state.params, eval_windows_dev))
@@ -218,7 +235,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
 
   total_steps = c.rounds * c.inner_steps
   sent = (round_bytes * c.rounds).sent
-  ddp_equivalent = r.param_bytes * total_steps  # fp32 gradients every inner step
+  # DDP all-reduces fp32 gradients every inner step (nothing with a single worker).
+  ddp_equivalent = r.param_bytes * total_steps if c.num_workers > 1 else 0
   summary = {
       "algorithm": c.algorithm, "num_workers": c.num_workers, "rounds": c.rounds,
       "inner_steps": c.inner_steps, "model": c.model.name, "params": r.param_count,
@@ -227,7 +245,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
       "tokens": c.rounds * tokens_per_round,
       "bytes_sent": sent, "bytes_received": (round_bytes * c.rounds).received,
       "bytes_sent_ddp_equivalent": ddp_equivalent,
-      "bytes_ratio_vs_ddp": ddp_equivalent / sent,
+      "bytes_ratio_vs_ddp": ddp_equivalent / sent if sent else None,
       "wall_seconds": wall_before + time.time() - t_start,
   }
   if lead:

@@ -24,7 +24,8 @@ def test_base_config_documents_every_field():
   text = (REPO / "configs" / "base.py").read_text()
   config = load_config("base")
   for key in config.keys():
-    leaves = config[key].keys() if hasattr(config[key], "keys") else [key]
-    for leaf in leaves:
-      line = next(l for l in text.splitlines() if f".{leaf} = " in l)
-      assert "#" in line, f"{key}.{leaf} has no comment"
+    fields = ([f"{key}.{leaf}" for leaf in config[key].keys()] if hasattr(config[key], "keys")
+              else [key])
+    for field in fields:
+      line = next(l for l in text.splitlines() if l.strip().startswith(f"c.{field} = "))
+      assert "#" in line, f"{field} has no comment"

@@ -2,4 +2,5 @@
 
 from lowcomm_jax.data.corpus import DataError, resolve_corpus
 from lowcomm_jax.data.pipeline import WorkerStreams, eval_windows, split_train_val
-from lowcomm_jax.data.tokenizers import TOKENIZER_NAMES, get_tokenizer, load_tokens
+from lowcomm_jax.data.tokenizers import (TOKENIZER_NAMES, TOKENIZER_VOCAB, get_tokenizer,
+                                         load_tokens)

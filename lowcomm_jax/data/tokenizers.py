@@ -7,7 +7,8 @@ import numpy as np
 
 from lowcomm_jax.data.corpus import DataError, cache_dir
 
-TOKENIZER_NAMES = ("byte", "r50k_base", "gpt2")
+TOKENIZER_VOCAB = {"byte": 256, "r50k_base": 50257, "gpt2": 50257}  # name -> vocabulary size
+TOKENIZER_NAMES = tuple(TOKENIZER_VOCAB)
 _ALIASES = {"gpt2": "r50k_base"}  # same ranks; r50k_base needs one file instead of two
 
 
@@ -61,7 +62,12 @@ def load_tokens(corpus: pathlib.Path, tokenizer) -> np.ndarray:
   path = cache_dir() / "tokens" / f"{key}.npy"
   if path.is_file():
     return np.load(path)
-  tokens = tokenizer.encode(raw.decode("utf-8"))
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise DataError(f"corpus {corpus} is not UTF-8 text ({e}); convert it or point "
+                    "data.path at a plain-text file") from e
+  tokens = tokenizer.encode(text)
   path.parent.mkdir(parents=True, exist_ok=True)
   tmp = path.with_name(path.stem + ".part.npy")
   np.save(tmp, tokens)

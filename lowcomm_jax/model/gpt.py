@@ -52,14 +52,23 @@ class CausalSelfAttention(nnx.Module):
     self.rot_dims = (2 * int(cfg.head_dim * cfg.rotary_fraction / 2)
                      if cfg.position == "rotary" else 0)
 
-  def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+  def __call__(self, x_BxLxD: jax.Array, *, dropout: float = 0.0,
+               key: jax.Array | None = None) -> jax.Array:
     b, l, d = x_BxLxD.shape
     qkv_BxLx3D = self.qkv(x_BxLxD)
     q, k, v = (t.reshape(b, l, self.n_head, d // self.n_head)
                for t in jnp.split(qkv_BxLx3D, 3, axis=-1))
     if self.rot_dims:
       q, k = _rotary(q, self.rot_dims), _rotary(k, self.rot_dims)
-    y_BxLxNxH = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    if key is None or dropout == 0.0:  # fused kernel (cuDNN flash attention on GPUs)
+      y_BxLxNxH = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    else:  # nanoGPT's dropout on the attention probabilities needs them materialized
+      scores_BxNxLxL = jnp.einsum("blnh,bmnh->bnlm", q, k).astype(jnp.float32)
+      scores_BxNxLxL = scores_BxNxLxL / math.sqrt(q.shape[-1])
+      causal = jnp.tril(jnp.ones((l, l), bool))
+      probs = jax.nn.softmax(jnp.where(causal, scores_BxNxLxL, -jnp.inf), axis=-1)
+      probs = _dropout(probs, dropout, key).astype(v.dtype)
+      y_BxLxNxH = jnp.einsum("bnlm,bmnh->blnh", probs, v)
     return self.proj(y_BxLxNxH.reshape(b, l, d))
 
 
@@ -68,17 +77,21 @@ class Block(nnx.Module):
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
     out_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2's scaled residual projections
     dtype = jnp.dtype(cfg.dtype)
-    self.ln1 = nnx.LayerNorm(cfg.d_model, use_bias=cfg.bias, dtype=dtype, rngs=rngs)
+    self.ln1 = nnx.LayerNorm(cfg.d_model, epsilon=1e-5, use_bias=cfg.bias, dtype=dtype,
+                             rngs=rngs)
     self.attn = CausalSelfAttention(cfg, out_std=out_std, rngs=rngs)
-    self.ln2 = nnx.LayerNorm(cfg.d_model, use_bias=cfg.bias, dtype=dtype, rngs=rngs)
+    self.ln2 = nnx.LayerNorm(cfg.d_model, epsilon=1e-5, use_bias=cfg.bias, dtype=dtype,
+                             rngs=rngs)
     self.mlp = NestedMLP(cfg.d_model, cfg.d_ff, out_std=out_std, bias=cfg.bias, dtype=dtype,
                          rngs=rngs)
     self.parallel_residual = cfg.parallel_residual
     self.dropout = cfg.dropout
 
   def __call__(self, x: jax.Array, ffn_fraction: float, key: jax.Array | None) -> jax.Array:
-    attn_key, mlp_key = jax.random.split(key) if key is not None else (None, None)
-    attn_out = _dropout(self.attn(self.ln1(x)), self.dropout, attn_key)
+    probs_key, attn_key, mlp_key = (jax.random.split(key, 3) if key is not None
+                                    else (None, None, None))
+    attn_out = self.attn(self.ln1(x), dropout=self.dropout, key=probs_key)
+    attn_out = _dropout(attn_out, self.dropout, attn_key)
     if self.parallel_residual:
       return x + attn_out + _dropout(self.mlp(self.ln2(x), ffn_fraction), self.dropout, mlp_key)
     x = x + attn_out
@@ -100,7 +113,8 @@ class GPT(nnx.Module):
                           embedding_init=_normal(0.02), rngs=rngs)
                 if cfg.position == "learned" else None)
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layer)])
-    self.ln_f = nnx.LayerNorm(cfg.d_model, use_bias=cfg.bias, dtype=dtype, rngs=rngs)
+    self.ln_f = nnx.LayerNorm(cfg.d_model, epsilon=1e-5, use_bias=cfg.bias, dtype=dtype,
+                             rngs=rngs)
     self.lm_head = (None if cfg.tie_embeddings else
                     nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype,
                                kernel_init=_normal(0.02), rngs=rngs))

@@ -1,3 +1,3 @@
 """Outer algorithms as optax GradientTransformations applied to pseudo-gradients."""
 
-from lowcomm_jax.outer.diloco import ddp_outer, diloco_outer, pseudo_gradient, replica_mean
+from lowcomm_jax.outer.diloco import diloco_outer, pseudo_gradient

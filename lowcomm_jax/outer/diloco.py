@@ -1,51 +1,24 @@
-"""DiLoCo's outer step and DDP as its one-step special case, written as optax chains.
+"""DiLoCo's outer rule (Douillard et al. 2023) as an optax transform on pseudo-gradients.
 
-A round ends with every worker holding a pseudo-gradient Δ_w = θ_global − θ_w (DiLoCo) or
-its gradient at θ_global (DDP). The outer transform turns Δ_w into the update of θ_global:
+A round ends with every worker holding Δ_w = θ_global − θ_w. The wiring chains an
+aggregator (aggregate/, where communication happens) with this rule:
 
-    diloco:  chain(replica_mean, sgd(lr, momentum, nesterov))   # Douillard et al. 2023
-    ddp:     chain(replica_mean, <the inner optimizer>)           # average, then AdamW
+    optax.chain(aggregate.replica_mean('replica'), diloco_outer(lr=0.7, momentum=0.9))
 
-`replica_mean` is where communication happens: an all-reduce over the named worker axis.
-After it every worker holds the same value, so the rest of the chain (and the new global
-parameters) are identical on all workers — the runner maps workers with `jax.vmap(...,
-out_axes=None)` and JAX checks that this holds.
+Δ is a descent direction, so the outer step treats it like a gradient: θ ← θ − lr·(Nesterov Δ̄).
+DDP is the one-step special case: Δ_w is the gradient at θ_global and the outer rule is the
+per-step optimizer itself (optimizers.py).
 """
 
 import jax
 import optax
 
-from lowcomm_jax.parallel import collectives
-
 
 def pseudo_gradient(global_params, local_params):
-  """Δ = θ_global − θ_local: a descent direction, so the outer step *subtracts* lr·Δ."""
+  """Δ = θ_global − θ_local."""
   return jax.tree.map(lambda g, l: g - l, global_params, local_params)
 
 
-def replica_mean(axis_name: str = "replica") -> optax.GradientTransformation:
-  """Stateless transform: the mean of the updates over all workers on `axis_name`."""
-
-  def init_fn(params):
-    del params
-    return optax.EmptyState()
-
-  def update_fn(updates, state, params=None):
-    del params
-    return collectives.mean(updates, axis_name), state
-
-  return optax.GradientTransformation(init_fn, update_fn)
-
-
-def diloco_outer(lr: float, momentum: float, nesterov: bool = True,
-                 axis_name: str = "replica") -> optax.GradientTransformation:
-  """Mean pseudo-gradient, then SGD with (Nesterov) momentum: DiLoCo's outer optimizer."""
-  return optax.chain(
-      replica_mean(axis_name),
-      optax.sgd(lr, momentum=momentum or None, nesterov=nesterov and bool(momentum)))
-
-
-def ddp_outer(step_optimizer: optax.GradientTransformation,
-              axis_name: str = "replica") -> optax.GradientTransformation:
-  """Mean gradient, then the per-step optimizer (clipping happens after the mean)."""
-  return optax.chain(replica_mean(axis_name), step_optimizer)
+def diloco_outer(lr: float, momentum: float, nesterov: bool = True) -> optax.GradientTransformation:
+  """SGD with (Nesterov) momentum on the aggregated pseudo-gradient; momentum 0 is plain SGD."""
+  return optax.sgd(lr, momentum=momentum or None, nesterov=nesterov and bool(momentum))

@@ -45,7 +45,7 @@ def record(kind: str, payload, group_size: int) -> None:
   log = getattr(_local, "log", None)
   if log is None:
     return
-  n = tree_bytes(payload)
+  n = tree_bytes(payload) if group_size > 1 else 0  # a lone worker sends nothing
   if kind == "all_reduce":
     log.append(CommBytes(sent=n, received=n))
   elif kind == "all_gather":
@@ -64,7 +64,14 @@ def _recording():
 
 
 def count_bytes(fn, *args, **kwargs) -> CommBytes:
-  """Per-worker bytes one call of `fn` moves through the collectives (traced, not run)."""
+  """Per-worker bytes one call of `fn` moves through the collectives (traced, not run).
+
+  `fn` must be a plain (un-jitted) function: a jitted one may answer from its trace cache
+  without running the collectives' Python code, so nothing would be recorded.
+  """
+  if hasattr(fn, "lower"):
+    raise TypeError("count_bytes needs the plain function, not its jax.jit wrapper")
   with _recording() as log:
-    jax.eval_shape(fn, *args, **kwargs)
+    # A fresh wrapper per call, so eval_shape's own cache never skips the trace.
+    jax.eval_shape(lambda *a, **k: fn(*a, **k), *args, **kwargs)
   return sum(log, CommBytes())

@@ -72,3 +72,14 @@ def test_causal_model_does_not_see_the_future():
     a, b = model(tokens), model(changed)
     np.testing.assert_allclose(a[0, :10], b[0, :10], atol=1e-5)
     assert not np.allclose(a[0, 10:], b[0, 10:])
+
+
+def test_dropout_path_attention_equals_fused_attention_at_rate_zero():
+  cfg = get_preset("tiny", tokenizer_vocab=256, position="rotary", rotary_fraction=0.5)
+  model = GPT(cfg, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(0), (2, 9, cfg.d_model))
+  fused = model.blocks[0].attn(x)
+  materialized = model.blocks[0].attn(x, dropout=1e-9, key=jax.random.key(1))
+  np.testing.assert_allclose(fused, materialized, atol=1e-5)
+  dropped = model.blocks[0].attn(x, dropout=0.5, key=jax.random.key(1))
+  assert not np.allclose(fused, dropped)

@@ -3,7 +3,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowcomm_jax.outer import ddp_outer, diloco_outer, pseudo_gradient, replica_mean
+from lowcomm_jax.aggregate import replica_mean
+from lowcomm_jax.outer import diloco_outer, pseudo_gradient
+
+
+def _diloco(lr, momentum, nesterov=True):
+  """The chain the runner builds for DiLoCo: mean over workers, then the outer rule."""
+  return optax.chain(replica_mean("replica"), diloco_outer(lr, momentum, nesterov))
 
 
 def _outer_round(tx, params, state, local_params_R):
@@ -16,7 +22,7 @@ def _outer_round(tx, params, state, local_params_R):
 
 
 def test_outer_nesterov_matches_hand_computed_two_rounds():
-  tx = diloco_outer(lr=0.7, momentum=0.9, nesterov=True)
+  tx = _diloco(lr=0.7, momentum=0.9)
   theta0 = jnp.array([1.0, 2.0])
   state = tx.init(theta0)
   # Round 1: Δ = θ - θ_w = [0.2, -0.2], [0.4, 0.2] -> mean [0.3, 0.0]
@@ -31,28 +37,8 @@ def test_outer_nesterov_matches_hand_computed_two_rounds():
 
 
 def test_outer_without_momentum_is_plain_averaging_at_lr_one():
-  tx = diloco_outer(lr=1.0, momentum=0.0)
+  tx = _diloco(lr=1.0, momentum=0.0)
   theta = jnp.array([1.0, -1.0, 3.0])
   locals_R = jnp.array([[0.0, 0.0, 0.0], [2.0, 2.0, 2.0], [1.0, -4.0, 4.0]])
   new, _ = _outer_round(tx, theta, tx.init(theta), locals_R)
   np.testing.assert_allclose(new, locals_R.mean(0), rtol=1e-6)  # lr 1 => θ' = mean of θ_w
-
-
-def test_replica_mean_is_the_mean_over_workers_and_stateless():
-  tx = replica_mean()
-  g = jnp.arange(12.0).reshape(4, 3)
-  out, state = jax.vmap(lambda u: tx.update(u, tx.init(u)), axis_name="replica",
-                        out_axes=(None, None))(g)
-  np.testing.assert_allclose(out, g.mean(0))
-  assert state == optax.EmptyState()
-
-
-def test_ddp_outer_averages_then_applies_the_step_optimizer():
-  tx = ddp_outer(optax.sgd(0.1))
-  params = jnp.zeros(2)
-  grads = jnp.array([[1.0, 2.0], [3.0, 6.0]])
-  def worker(g):
-    u, _ = tx.update(g, tx.init(params), params)
-    return u
-  np.testing.assert_allclose(jax.vmap(worker, axis_name="replica", out_axes=None)(grads),
-                             [-0.2, -0.4], rtol=1e-6)

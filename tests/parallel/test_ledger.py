@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from lowcomm_jax.parallel import collectives, ledger
 
@@ -21,6 +22,19 @@ def test_count_bytes_is_per_worker_under_vmap():
   counted = ledger.count_bytes(round_fn, jax.ShapeDtypeStruct((4, 8), jnp.float32))
   # mean: 8 fp32 + 2 bf16 sent and received; all_gather: 1 fp32 sent, 3 others received.
   assert counted == ledger.CommBytes(sent=32 + 4 + 4, received=32 + 4 + 3 * 4)
+
+
+def test_counting_twice_gives_the_same_answer_and_jitted_functions_are_refused():
+  f = jax.vmap(lambda x: collectives.mean(x), axis_name="replica")
+  x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+  assert ledger.count_bytes(f, x) == ledger.count_bytes(f, x) == ledger.CommBytes(32, 32)
+  with pytest.raises(TypeError, match="plain function"):
+    ledger.count_bytes(jax.jit(f), x)
+
+
+def test_a_single_worker_sends_nothing():
+  f = jax.vmap(lambda x: collectives.mean(x), axis_name="replica")
+  assert ledger.count_bytes(f, jax.ShapeDtypeStruct((1, 8), jnp.float32)) == ledger.CommBytes()
 
 
 def test_recording_is_off_outside_count_bytes():

@@ -1,0 +1,3 @@
+"""How workers' decoded contributions combine: optax transforms over the replica axis."""
+
+from lowcomm_jax.aggregate.mean import replica_mean
