@@ -3,8 +3,8 @@
 Both train the same model on the same batch shape in the same process. The bare baselines
 are hand-written `jax.jit` AdamW steps fed pre-made device batches (no data pipeline, no
 outer step): one call per step, and the same step scanned H times per call. The runner is measured as train.run drives it: grain batches
-for a round, device_put, one jitted round of H inner steps + the outer step, metrics read one
-round late. Runs alternate (bare, runner, bare, ...) and the median of each is reported.
+for a round, device_put, the jitted local program (H scanned inner steps) and the jitted
+outer step, metrics read one round late. Runs alternate (bare, runner, bare, ...) and the median of each is reported.
 
   python bench/overhead.py [--model small] [--inner_steps 20] [--rounds 6] [--repeats 3]
 
@@ -31,7 +31,6 @@ from flax import nnx  # noqa: E402
 
 from lowcomm_jax import optimizers, train  # noqa: E402
 from lowcomm_jax.model import next_token_loss  # noqa: E402
-from lowcomm_jax.parallel import mesh as mesh_lib  # noqa: E402
 
 
 def bare_steps_per_second(r, config, batches_HxBxL1, rounds: int) -> dict[str, float]:
@@ -77,18 +76,18 @@ def bare_steps_per_second(r, config, batches_HxBxL1, rounds: int) -> dict[str, f
 
 def runner_steps_per_second(r, config, rounds: int) -> float:
   """Inner steps per second per worker, driving the jitted round as train.run does."""
-  sharding = mesh_lib.round_batches(r.mesh)
+  fns = train.jitted_steps(r)
+  weights = r.worker_weights([config.inner_steps])
   with jax.set_mesh(r.mesh):
     state = jax.jit(r.init_fn, out_shardings=r.state_shardings)()
-    round_step = jax.jit(r.round_step, out_shardings=(r.state_shardings, None))
-    state, metrics = round_step(state, jax.device_put(r.streams.next_round(config.inner_steps),
-                                                      sharding))  # compile
+    state, metrics, _ = train.train_round(r, fns, state, [r.streams[0].next_round(
+        config.inner_steps)], weights)  # compile
     jax.block_until_ready(metrics)
     t0 = time.perf_counter()
     pending = None
     for _ in range(rounds):
-      batches = jax.device_put(r.streams.next_round(config.inner_steps), sharding)
-      state, metrics = round_step(state, batches)
+      batches = [r.streams[0].next_round(config.inner_steps)]
+      state, metrics, _ = train.train_round(r, fns, state, batches, weights)
       if pending is not None:
         jax.device_get(pending)  # the runner's one-round-late metrics read
       pending = metrics
@@ -116,7 +115,7 @@ def main():
   config.data.batch_size = args.batch_size
   config.data.seq_len = args.seq_len
   r = train.build(config)
-  bare_batches = [jax.device_put(b) for b in r.streams.next_round(args.inner_steps)[0]]  # [H, B, L+1]
+  bare_batches = [jax.device_put(b) for b in r.streams[0].next_round(args.inner_steps)[0]]  # [H, B, L+1]
 
   per_step, scanned, runner = [], [], []
   for _ in range(args.repeats):

@@ -23,6 +23,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.keep_checkpoints = 2  # how many checkpoints orbax keeps
   c.log_every = 1  # rounds between metric writes (TensorBoard + metrics.jsonl)
 
+  # --- hosts: one row per process (lowcomm_jax/hosts.py); [] = num_workers at full width
+  c.hosts = []  # e.g. [host(tier=1.0), host(tier=0.25, workers=2)] with hosts.host
+
   # --- devices: mesh ('replica', 'data', 'model') ---------------------------------------
   c.mesh = ml_collections.ConfigDict()
   c.mesh.replica = -1  # devices along the replica axis; -1: as many as divide num_workers
@@ -34,6 +37,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.outer.lr = 0.7  # DiLoCo's outer learning rate
   c.outer.momentum = 0.9  # outer momentum (0 disables it)
   c.outer.nesterov = True  # Nesterov momentum, as in DiLoCo
+  c.outer.dylu = False  # Dynamic Local Updates: H_w = max(1, ceil(H * speed_w / max speed))
+
+  # --- aggregation of pseudo-gradients --------------------------------------------------
+  c.aggregate = ml_collections.ConfigDict()
+  c.aggregate.weighting = "uniform"  # 'uniform' | 'tokens' (weight workers by tokens processed)
 
   # --- inner optimizer (each worker; for ddp the per-step optimizer) ----------------------
   c.optimizer = ml_collections.ConfigDict()
@@ -53,7 +61,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.vocab_size = 0  # 0: the preset's, or the tokenizer's rounded up to a multiple of 64
   c.model.dtype = "float32"  # compute dtype: 'float32' | 'bfloat16' (parameters stay float32)
   c.model.dropout = 0.0  # residual/embedding dropout rate during training
-  c.model.ffn_fraction = 1.0  # MatFormer width every worker trains (1.0: full FFN)
 
   # --- data --------------------------------------------------------------------------
   c.data = ml_collections.ConfigDict()

@@ -59,7 +59,6 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int) -> None:
   check(c.model.name in PRESETS, "model.name", f"use one of {sorted(PRESETS)}")
   check(c.model.dtype in ("float32", "bfloat16"), "model.dtype", "use 'float32' or 'bfloat16'")
   check(0.0 <= c.model.dropout < 1.0, "model.dropout", "must be in [0, 1)")
-  check(0.0 < c.model.ffn_fraction <= 1.0, "model.ffn_fraction", "must be in (0, 1]")
   check(c.data.tokenizer in TOKENIZER_VOCAB, "data.tokenizer",
         f"use one of {sorted(TOKENIZER_VOCAB)}")
   check(c.data.batch_mode in ("same", "different"), "data.batch_mode",
@@ -78,6 +77,44 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int) -> None:
     if vocab and tok_vocab and vocab < tok_vocab:
       problems.append(f"model.vocab_size={vocab}: smaller than tokenizer {c.data.tokenizer!r}'s "
                       f"{tok_vocab} tokens; set --config.model.vocab_size=0 or larger")
+
+  # Host table (one row per process; lowcomm_jax/hosts.py).
+  check(c.aggregate.weighting in ("uniform", "tokens"), "aggregate.weighting",
+        "use 'uniform' or 'tokens'")
+  if c.outer.dylu:
+    check(c.algorithm == "diloco", "outer.dylu", "Dynamic Local Updates need algorithm=diloco")
+  rows = list(c.hosts)
+  for i, row in enumerate(rows):
+    where = f"hosts[{i}]"
+    for key, ok, fix in (
+        ("tier", lambda v: 0.0 < v <= 1.0, "the FFN fraction must be in (0, 1]"),
+        ("workers", lambda v: v >= 1, "need at least one worker per host"),
+        ("batch_size", lambda v: v >= 0, "must be >= 0 (0: data.batch_size)"),
+        ("inner_steps", lambda v: v >= 0, "must be >= 0 (0: the config's inner_steps)"),
+        ("speed", lambda v: v >= 0, "must be >= 0 (0: measure it)")):
+      if key in row and not ok(row[key]):
+        problems.append(f"{where}.{key}={row[key]!r}: {fix}")
+    if "tier" not in row or "workers" not in row:
+      problems.append(f"{where}: needs at least 'tier' and 'workers' (use hosts.host(...))")
+    if c.algorithm == "ddp" and row.get("inner_steps", 0) not in (0, 1):
+      problems.append(f"{where}.inner_steps={row['inner_steps']}: ddp takes one step per "
+                      "round; leave it 0")
+    if m.data >= 1 and row.get("batch_size", 0) % m.data:
+      problems.append(f"{where}.batch_size={row['batch_size']}: must be divisible by "
+                      f"mesh.data={m.data}")
+  if rows:
+    total = sum(row.get("workers", 0) for row in rows)
+    if total != c.num_workers:
+      problems.append(f"num_workers={c.num_workers}: the host table has {total} workers; set "
+                      f"--config.num_workers={total}")
+    sizes = {row.get("batch_size", 0) or c.data.batch_size for row in rows}
+    if c.data.batch_mode == "same" and len(sizes) > 1:
+      problems.append(f"data.batch_mode='same': hosts use batch sizes {sorted(sizes)}; the "
+                      "same batch needs one batch size (or use 'different')")
+    if len(rows) > 1 and m.replica > 1:
+      problems.append(f"mesh.replica={m.replica}: several hosts in one process share one "
+                      "replica device; set --config.mesh.replica=-1 (or launch one process "
+                      "per host)")
 
   # Optimizers.
   check(c.optimizer.name in ("adamw", "sgd"), "optimizer.name", "use 'adamw' or 'sgd'")

@@ -34,11 +34,17 @@ def inner_optimizer(opt: ml_collections.ConfigDict, total_steps: int) -> optax.G
   return tx
 
 
-def outer_optimizer(config: ml_collections.ConfigDict,
-                    inner_tx: optax.GradientTransformation) -> optax.GradientTransformation:
+def needs_nested_mean(config: ml_collections.ConfigDict, hosts, d_ff: int) -> bool:
+  """Plain mean unless some worker trains a narrower FFN or workers are weighted by tokens."""
+  return config.aggregate.weighting == "tokens" or any(h.hidden != d_ff for h in hosts)
+
+
+def outer_optimizer(config: ml_collections.ConfigDict, inner_tx: optax.GradientTransformation,
+                    *, nested: bool = False) -> optax.GradientTransformation:
   """What turns the workers' pseudo-gradients (or gradients, for DDP) into a global update.
 
-  The aggregator comes first: it is the chain's only communication. DDP clips and steps the
+  The aggregator comes first: it is the chain's only communication. `nested` picks the
+  tier-aware weighted mean (aggregate/nested.py) over the plain one. DDP clips and steps the
   averaged gradient with the per-step optimizer; DiLoCo applies its outer Nesterov rule.
   """
   if config.algorithm == "ddp":
@@ -47,4 +53,5 @@ def outer_optimizer(config: ml_collections.ConfigDict,
     rule = outer.diloco_outer(config.outer.lr, config.outer.momentum, config.outer.nesterov)
   else:
     raise ValueError(f"unknown algorithm {config.algorithm!r}")
-  return optax.chain(aggregate.replica_mean("replica"), rule)
+  aggregator = aggregate.nested_mean("replica") if nested else aggregate.replica_mean("replica")
+  return optax.chain(aggregator, rule)

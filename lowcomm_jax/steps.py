@@ -1,16 +1,19 @@
-"""Pure, jittable steps: a whole round (all workers' inner steps + the outer step) and eval.
+"""Pure, jittable steps: one host's local round, the global outer step, and eval.
 
-A round, for workers w = 0..R-1 stacked on the replica axis:
+A round, for workers w stacked on the replica axis:
 
-    diloco: θ_w ← θ_global; H inner steps (lax.scan) on worker w's batches;
-            Δ_w = θ_global − θ_w;  θ_global ← θ_global + outer_tx(Δ_w)
-    ddp:    Δ_w = ∇L(θ_global; batch_w);  θ_global ← θ_global + outer_tx(Δ_w)
+    local (per host, its own program — tier width m and H may differ between hosts):
+      diloco: θ_w ← θ_global[:m]; H inner steps (lax.scan);  Δ_w = θ_global[:m] − θ_w
+      ddp:    Δ_w = ∇L(θ_global[:m]; batch_w)
+      then Δ_w is zero-padded back to full shape ([:m] cuts every FFN to m hidden units)
+    outer (one global program, identical shapes everywhere):
+      θ_global ← θ_global + outer_tx(Δ_w)      (aggregator, then the outer rule)
 
-Workers are mapped with `jax.vmap(axis_name='replica', spmd_axis_name='replica')`, so the
-stack is split over the mesh's replica devices and the outer transform's named-axis mean
-becomes an all-reduce. Global parameters and the outer state are unmapped (`out_axes=None`):
-JAX verifies they come out identical on every worker. Worker parameters exist only inside
-the round — every round starts from θ_global — while inner optimizer states persist.
+Workers are mapped with `jax.vmap(axis_name='replica', spmd_axis_name='replica')`: a stack
+split over the mesh's replica devices, on which the aggregator's named-axis mean becomes an
+all-reduce. θ_global and the outer state are unmapped (`out_axes=None`): JAX verifies they
+come out identical on every worker. Worker parameters exist only inside a round — every
+round starts from θ_global — while inner optimizer states persist.
 """
 
 from typing import Any, Callable, NamedTuple
@@ -19,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lowcomm_jax.model.matformer import pad_tier, slice_tier, tier_mask
 from lowcomm_jax.outer import pseudo_gradient
 
 LossFn = Callable[[Any, jax.Array, jax.Array | None], jax.Array]  # (params, windows, key)
@@ -26,15 +30,21 @@ LossFn = Callable[[Any, jax.Array, jax.Array | None], jax.Array]  # (params, win
 
 class TrainState(NamedTuple):
   round: jax.Array  # outer rounds completed
-  rng: jax.Array  # raw key data of the run's base key; per-step keys fold in (round, worker, step)
+  rng: jax.Array  # raw key data of the run's base key; step keys fold in (round, worker, step)
   params: Any  # θ_global
   outer_opt_state: Any  # DiLoCo: outer momentum; DDP: the per-step optimizer's state
-  worker_opt_state: Any  # [R, ...] inner optimizer state per worker (DiLoCo); () for DDP
+  worker_opt_state: tuple  # per host: [workers, ...] inner optimizer states (DiLoCo); () for DDP
 
 
-def make_round_step(loss_fn: LossFn, *, algorithm: str, inner_tx: optax.GradientTransformation,
-                    outer_tx: optax.GradientTransformation, axis_name: str = "replica"):
-  """`round_step(state, batches[R, H, B, L+1]) -> (state, metrics)`, ready to jit."""
+def round_key(state: TrainState) -> jax.Array:
+  return jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.round)
+
+
+def make_local_round(loss_fn: LossFn, *, algorithm: str, inner_tx: optax.GradientTransformation,
+                     hidden: int, d_ff: int, axis_name: str = "replica"):
+  """`local_round(state, opt_state[G], batches[G, H, B, L+1], worker_ids[G])`
+  -> (Δ[G, full shapes], opt_state[G], losses[G, H]) for one host's G workers of width `hidden`.
+  """
   grad_fn = jax.value_and_grad(loss_fn)
 
   def diloco_local(params, opt_state, batches_HxBxL1, key):
@@ -56,32 +66,46 @@ def make_round_step(loss_fn: LossFn, *, algorithm: str, inner_tx: optax.Gradient
 
   local = {"diloco": diloco_local, "ddp": ddp_local}[algorithm]
 
-  def worker_round(params, outer_opt_state, opt_state, batches, round_key):
-    key = jax.random.fold_in(round_key, jax.lax.axis_index(axis_name))
-    delta, opt_state, losses_H = local(params, opt_state, batches, key)
-    updates, outer_opt_state = outer_tx.update(delta, outer_opt_state, params)
-    return optax.apply_updates(params, updates), outer_opt_state, opt_state, losses_H
+  def worker(global_params, opt_state, batches, key):
+    params = global_params if hidden == d_ff else slice_tier(global_params, hidden)
+    delta, opt_state, losses = local(params, opt_state, batches, key)
+    if hidden != d_ff:
+      delta = pad_tier(delta, global_params)
+    return delta, opt_state, losses
 
-  all_workers = jax.vmap(worker_round, in_axes=(None, None, 0, 0, None),
-                         out_axes=(None, None, 0, 0), axis_name=axis_name,
-                         spmd_axis_name=axis_name)
+  def local_round(state: TrainState, opt_state_G, batches_GxHxBxL1, worker_ids_G):
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(round_key(state), worker_ids_G)
+    return jax.vmap(worker, in_axes=(None, 0, 0, 0), axis_name=axis_name,
+                    spmd_axis_name=axis_name)(state.params, opt_state_G, batches_GxHxBxL1, keys)
 
-  def round_step(state: TrainState, batches_RxHxBxL1: jax.Array):
-    round_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.round)
-    params, outer_opt_state, worker_opt_state, losses_RxH = all_workers(
-        state.params, state.outer_opt_state, state.worker_opt_state, batches_RxHxBxL1,
-        round_key)
-    update_norm = optax.tree.norm(jax.tree.map(jnp.subtract, params, state.params))
-    metrics = {
-        "train_loss": losses_RxH.mean(),
-        "train_loss_per_worker": losses_RxH.mean(axis=1),
-        "param_norm": optax.tree.norm(params),
-        "outer_update_norm": update_norm,
-    }
-    return TrainState(state.round + 1, state.rng, params, outer_opt_state,
-                      worker_opt_state), metrics
+  return local_round
 
-  return round_step
+
+def make_outer_step(outer_tx: optax.GradientTransformation, *, nested: bool,
+                    axis_name: str = "replica"):
+  """`outer_step(params, outer_state, Δ[R], hidden[R], weight[R]) -> (params, outer_state, metrics)`.
+
+  With `nested`, worker w's aggregation weights are its tier mask (first hidden[w] FFN units)
+  times weight[w]; otherwise the aggregator is a plain mean and hidden/weight are unused.
+  """
+
+  def worker(params, outer_opt_state, delta, hidden, weight):
+    extra = {}
+    if nested:
+      extra["coordinate_weights"] = jax.tree.map(lambda m: m * weight, tier_mask(params, hidden))
+    updates, outer_opt_state = outer_tx.update(delta, outer_opt_state, params, **extra)
+    return optax.apply_updates(params, updates), outer_opt_state
+
+  def outer_step(params, outer_opt_state, deltas_R, hidden_R, weight_R):
+    new_params, outer_opt_state = jax.vmap(
+        worker, in_axes=(None, None, 0, 0, 0), out_axes=(None, None), axis_name=axis_name,
+        spmd_axis_name=axis_name)(params, outer_opt_state, deltas_R, hidden_R, weight_R)
+    metrics = {"param_norm": optax.tree.norm(new_params),
+               "outer_update_norm": optax.tree.norm(jax.tree.map(jnp.subtract, new_params,
+                                                                 params))}
+    return new_params, outer_opt_state, metrics
+
+  return outer_step
 
 
 def make_eval_step(loss_fn: LossFn):
@@ -93,16 +117,12 @@ def make_eval_step(loss_fn: LossFn):
   return eval_step
 
 
-def init_state(params, *, seed: int, num_workers: int, algorithm: str,
-               inner_tx: optax.GradientTransformation,
+def init_state(params, *, seed: int, algorithm: str, host_inits,
                outer_tx: optax.GradientTransformation) -> TrainState:
-  """Round-0 state: every worker's inner optimizer starts fresh at θ_global = params."""
-  if algorithm == "diloco":
-    one = inner_tx.init(params)
-    worker_opt_state = jax.tree.map(
-        lambda x: jnp.broadcast_to(x, (num_workers,) + x.shape), one)
-  else:
-    worker_opt_state = ()
+  """Round-0 state. `host_inits`: per host, (workers, inner_tx.init of its tier's params)."""
+  worker_opt_state = tuple(
+      jax.tree.map(lambda x, n=n: jnp.broadcast_to(x, (n,) + x.shape), one)
+      for n, one in host_inits) if algorithm == "diloco" else ()
   return TrainState(round=jnp.zeros((), jnp.int32),
                     rng=jax.random.key_data(jax.random.key(seed)),
                     params=params, outer_opt_state=outer_tx.init(params),

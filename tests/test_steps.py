@@ -11,11 +11,13 @@ from lowcomm_jax.parallel import ledger, mesh as mesh_lib
 
 def _train_rounds(config, rounds: int):
   r = train.build(config)
+  fns = train.jitted_steps(r)
   with jax.set_mesh(r.mesh):
     state = jax.jit(r.init_fn, out_shardings=r.state_shardings)()
-    step = jax.jit(r.round_step, out_shardings=(r.state_shardings, None))
     for _ in range(rounds):
-      state, metrics = step(state, r.streams.next_round(config.inner_steps))
+      batches = [s.next_round(h.inner_steps) for s, h in zip(r.streams, r.hosts)]
+      state, metrics, _ = train.train_round(r, fns, state, batches,
+                                            r.worker_weights([h.inner_steps for h in r.hosts]))
   return r, state, metrics
 
 
@@ -64,34 +66,43 @@ def _all_reduced_elements(hlo: str) -> int:
   return total
 
 
-def test_one_parameter_sized_all_reduce_per_round_and_ledger_agrees(smoke_config):
+def test_inner_steps_communicate_nothing_and_the_outer_step_moves_the_params_once(
+    smoke_config):
   for algorithm, h in (("diloco", 3), ("ddp", 1)):
     config = smoke_config(algorithm=algorithm, inner_steps=h, num_workers=4,
                           **{"mesh.replica": 4})
     r = train.build(config)
-    sharding = mesh_lib.round_batches(r.mesh)
+    assert r.outer_bytes() == ledger.CommBytes(sent=r.param_bytes, received=r.param_bytes)
+    local_fns, finish_fn = train.jitted_steps(r)
     batches = jax.ShapeDtypeStruct((4, h, config.data.batch_size, config.data.seq_len + 1),
-                                   np.int32, sharding=sharding)
-    assert ledger.count_bytes(r.round_step, r.abstract_state, batches) == ledger.CommBytes(
-        sent=r.param_bytes, received=r.param_bytes)
+                                   np.int32, sharding=mesh_lib.round_batches(r.mesh))
+    opt = r.abstract_state.worker_opt_state[0] if r.abstract_state.worker_opt_state else ()
     with jax.set_mesh(r.mesh):
-      hlo = jax.jit(r.round_step, in_shardings=(r.state_shardings, sharding)).lower(
-          r.abstract_state, batches).compile().as_text()
-    # H inner steps communicate nothing; the outer mean moves every parameter once (plus a
-    # few scalars for the metrics).
-    moved = _all_reduced_elements(hlo)
+      local_hlo = local_fns[0].lower(
+          r.abstract_state, opt, batches, np.arange(4, dtype=np.int32)).compile().as_text()
+      deltas = jax.tree.map(  # split over 'replica', as the local programs leave them
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=mesh_lib.per_worker(r.mesh)),
+          jax.eval_shape(local_fns[0], r.abstract_state, opt, batches,
+                         np.arange(4, dtype=np.int32)))
+      outer_hlo = finish_fn.lower(
+          r.abstract_state, r.abstract_state.worker_opt_state, (deltas[0],), (deltas[2],),
+          r.hidden_per_worker, np.ones(4, np.float32)).compile().as_text()
+    assert _all_reduced_elements(local_hlo) == 0  # H inner steps: no communication
+    # The outer mean moves every parameter once (plus a few scalars for the metrics).
+    moved = _all_reduced_elements(outer_hlo)
     assert r.param_count <= moved <= r.param_count + 16, (algorithm, moved, r.param_count)
 
 
 def test_runner_keeps_inner_adam_state_and_outer_momentum_across_rounds(smoke_config):
   config = smoke_config(num_workers=2, inner_steps=3, **{"outer.lr": 0.5, "outer.momentum": 0.9})
   r = train.build(config)
+  fns = train.jitted_steps(r)
   with jax.set_mesh(r.mesh):
     state = jax.jit(r.init_fn, out_shardings=r.state_shardings)()
-    step = jax.jit(r.round_step, out_shardings=(r.state_shardings, None))
     history = [state]
     for _ in range(3):
-      state, _ = step(state, r.streams.next_round(config.inner_steps))
+      state, _, _ = train.train_round(r, fns, state, [r.streams[0].next_round(3)],
+                                      r.worker_weights([3]))
       history.append(state)
   # Every worker's AdamW has taken rounds * H steps: its state was never reset.
   counts = [x for x in jax.tree.leaves(state.worker_opt_state) if x.dtype == np.int32]

@@ -1,3 +1,4 @@
 """How workers' decoded contributions combine: optax transforms over the replica axis."""
 
 from lowcomm_jax.aggregate.mean import replica_mean
+from lowcomm_jax.aggregate.nested import nested_mean

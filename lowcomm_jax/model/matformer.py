@@ -39,3 +39,52 @@ class NestedMLP(nnx.Module):
     if self.proj_bias is not None:
       y_BxLxD = y_BxLxD + self.proj_bias[...].astype(self.dtype)
     return y_BxLxD
+
+
+# --- Tiers as parameter trees ------------------------------------------------------------
+# A tier of width m holds only the first m hidden units of every NestedMLP: its parameters
+# are the full tree with these leaves cut along their hidden axis. The outer step works on
+# full shapes, so tier-shaped pseudo-gradients are zero-padded back and weighted by a mask.
+
+_HIDDEN_AXIS = {"fc_kernel": 1, "fc_bias": 0, "proj_kernel": 0}  # NestedMLP leaves
+
+
+def _hidden_axis(path) -> int | None:
+  name = getattr(path[-1], "key", None)
+  return _HIDDEN_AXIS.get(name)
+
+
+def slice_tier(params, m: int):
+  """The tier-m parameters: every FFN leaf cut to its first m hidden units (static m)."""
+  def cut(path, x):
+    axis = _hidden_axis(path)
+    return x if axis is None else jax.lax.slice_in_dim(x, 0, m, axis=axis)
+  return jax.tree_util.tree_map_with_path(cut, params)
+
+
+def pad_tier(tier_tree, full_like):
+  """Zero-pads a tier-shaped tree (e.g. a pseudo-gradient) back to the full shapes."""
+  def pad(path, x, full):
+    axis = _hidden_axis(path)
+    if axis is None:
+      return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, full.shape[axis] - x.shape[axis])
+    return jnp.pad(x, widths)
+  return jax.tree_util.tree_map_with_path(pad, tier_tree, full_like)
+
+
+def tier_mask(full_like, m: jax.Array):
+  """Per-coordinate 1/0 weights of a tier-m worker, as small broadcastable arrays.
+
+  `m` may be traced (different per vmapped worker). FFN leaves get a mask over the hidden
+  axis (shape (1, F), (F,) or (F, 1)); every other leaf a scalar 1: all tiers train it.
+  """
+  def mask(path, x):
+    axis = _hidden_axis(path)
+    if axis is None:
+      return jnp.ones((), jnp.float32)
+    shape = [1] * x.ndim
+    shape[axis] = x.shape[axis]
+    return (jnp.arange(x.shape[axis]) < m).astype(jnp.float32).reshape(shape)
+  return jax.tree_util.tree_map_with_path(mask, full_like)

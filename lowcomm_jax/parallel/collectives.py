@@ -20,3 +20,9 @@ def all_gather(tree, axis_name: str = "replica"):
   """Every worker's `tree`, stacked on a new leading axis (an all-gather)."""
   ledger.record("all_gather", tree, jax.lax.axis_size(axis_name))
   return jax.lax.all_gather(tree, axis_name)
+
+
+def sum(tree, axis_name: str = "replica"):  # noqa: A001 - mirrors lax.psum
+  """Sum of `tree` over all workers on `axis_name` (an all-reduce)."""
+  ledger.record("all_reduce", tree, jax.lax.axis_size(axis_name))
+  return jax.lax.psum(tree, axis_name)

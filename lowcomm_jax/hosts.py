@@ -1,0 +1,51 @@
+"""The host table: which workers exist, and each one's tier, batch size, H and speed.
+
+`config.hosts` has one entry per process (one host, or one GPU of a multi-GPU host):
+  tier        FFN fraction this host's workers train (1.0 = full width, MatFormer tier 0)
+  workers     number of workers on this host
+  batch_size  per-worker batch (0: data.batch_size)
+  inner_steps H for this host (0: the config's inner_steps; DyLU may change it)
+  speed       relative speed for DyLU (0: measure it in the first round)
+Without a host table, `num_workers` full-width workers form a single host entry.
+Workers are numbered host by host: host 0's workers first.
+"""
+
+import dataclasses
+
+import ml_collections
+
+from lowcomm_jax.model.matformer import hidden_units
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSpec:
+  index: int  # row of the host table (= process id in multi-process runs)
+  worker_ids: tuple[int, ...]
+  tier: float
+  hidden: int  # FFN hidden units the tier trains
+  batch_size: int
+  inner_steps: int
+  speed: float  # 0: measured
+
+
+def host_table(config: ml_collections.ConfigDict, d_ff: int) -> list[HostSpec]:
+  rows = list(config.hosts) or [ml_collections.ConfigDict(
+      {"tier": 1.0, "workers": config.num_workers, "batch_size": 0, "inner_steps": 0,
+       "speed": 0.0})]
+  table, next_id = [], 0
+  for i, row in enumerate(rows):
+    ids = tuple(range(next_id, next_id + row.workers))
+    next_id += row.workers
+    table.append(HostSpec(
+        index=i, worker_ids=ids, tier=float(row.tier), hidden=hidden_units(d_ff, row.tier),
+        batch_size=row.get("batch_size", 0) or config.data.batch_size,
+        inner_steps=row.get("inner_steps", 0) or config.inner_steps,
+        speed=float(row.get("speed", 0.0))))
+  return table
+
+
+def host(tier: float, workers: int = 1, batch_size: int = 0, inner_steps: int = 0,
+         speed: float = 0.0) -> ml_collections.ConfigDict:
+  """A host-table row for config files: `c.hosts = [host(1.0), host(0.25), ...]`."""
+  return ml_collections.ConfigDict({"tier": tier, "workers": workers, "batch_size": batch_size,
+                                    "inner_steps": inner_steps, "speed": speed})
