@@ -1,13 +1,18 @@
-"""The main job: DiLoCo with 4 workers.
+"""The main job: heterogeneous DiLoCo with MatFormer tiers.
 
-For now the 4 workers run on this machine's devices (vmapped when there is one device);
-the heterogeneous host table (MatFormer tiers, per-host H) builds on this file.
-On 2 CPU cores it finishes in a few minutes and prints eval loss, tokens and the bytes
-each worker sent next to what DDP would have sent.
+Host table: one full-width host (tier 1.0, e.g. an A100) and three narrow hosts training
+25% of every FFN (e.g. a 4090 and two A6000s), one worker each. The outer step averages
+each FFN hidden unit over the workers that trained it (aggregate/nested.py), so the
+full-width worker is never diluted by the narrow ones' zeros.
+
+Without a launcher it runs in one process with 4 local workers; on 2 CPU cores it finishes
+in a few minutes and prints eval loss, tokens and bytes sent next to what DDP would send.
 """
 
 import pathlib
 import runpy
+
+from lowcomm_jax.hosts import host
 
 _base = runpy.run_path(str(pathlib.Path(__file__).with_name("base.py")))
 
@@ -15,6 +20,7 @@ _base = runpy.run_path(str(pathlib.Path(__file__).with_name("base.py")))
 def get_config():
   c = _base["get_config"]()
   c.algorithm = "diloco"
+  c.hosts = [host(tier=1.0), host(tier=0.25), host(tier=0.25), host(tier=0.25)]
   c.num_workers = 4
   c.rounds = 15
   c.inner_steps = 20

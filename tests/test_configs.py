@@ -20,6 +20,15 @@ def test_ddp_and_main_job_train_on_equal_tokens():
   assert ddp.inner_steps == 1 and diloco.inner_steps > 1
 
 
+def test_main_job_is_one_full_width_host_and_three_quarter_width_hosts():
+  c = load_config("diloco_hetero")
+  assert [h.tier for h in c.hosts] == [1.0, 0.25, 0.25, 0.25]
+  assert [h.workers for h in c.hosts] == [1, 1, 1, 1]
+  assert load_config("LSSS_same").data.batch_mode == "same"
+  assert load_config("LSSS_diff").data.batch_mode == "different"
+  assert [h.tier for h in load_config("L_only").hosts] == [1.0]
+
+
 def test_base_config_documents_every_field():
   text = (REPO / "configs" / "base.py").read_text()
   config = load_config("base")

@@ -1,0 +1,114 @@
+"""Heterogeneous hosts in one process: MatFormer tiers, nested aggregation, DyLU, host tables."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from lowcomm_jax import config_check, train
+from lowcomm_jax.hosts import host
+
+
+def _tiers_config(smoke_config, hosts, **overrides):
+  return smoke_config(hosts=hosts, num_workers=sum(h.workers for h in hosts), **overrides)
+
+
+def _params_after(config, rounds):
+  r = train.build(config)
+  fns = train.jitted_steps(r)
+  with jax.set_mesh(r.mesh):
+    state = jax.jit(r.init_fn, out_shardings=r.state_shardings)()
+    for _ in range(rounds):
+      batches = [s.next_round(h.inner_steps) for s, h in zip(r.streams, r.hosts)]
+      state, metrics, _ = train.train_round(r, fns, state, batches,
+                                            r.worker_weights([h.inner_steps for h in r.hosts]))
+  return r, state.params, metrics
+
+
+def test_narrow_workers_never_dilute_the_full_width_workers_outer_units(smoke_config):
+  """Round 1 from the same θ: FFN units only the L worker trains move exactly as if L were
+  alone, while units every tier trains (and all other parameters) get the narrow workers'
+  contributions too."""
+  alone = _tiers_config(smoke_config, [host(1.0)])
+  shared = _tiers_config(smoke_config, [host(1.0), host(0.25, workers=2)])
+  r, p_alone, _ = _params_after(alone, 1)
+  _, p_shared, _ = _params_after(shared, 1)
+  m = r.hosts[0].hidden // 4  # the 25% tier's hidden units
+  for name, axis in (("fc_kernel", 1), ("fc_bias", 0), ("proj_kernel", 0)):
+    a = p_alone["blocks"][0]["mlp"][name]
+    b = p_shared["blocks"][0]["mlp"][name]
+    outer = (slice(None),) * axis + (slice(m, None),)
+    inner = (slice(None),) * axis + (slice(0, m),)
+    np.testing.assert_allclose(a[outer], b[outer], rtol=1e-5, atol=1e-7)
+    assert not np.allclose(a[inner], b[inner])
+  assert not np.allclose(p_alone["wte"]["embedding"], p_shared["wte"]["embedding"])
+
+
+def test_heterogeneous_run_end_to_end(tmp_path, smoke_config):
+  config = _tiers_config(smoke_config, [host(1.0), host(0.25), host(0.5, batch_size=2)],
+                         rounds=6, eval_every=3, inner_steps=3)
+  summary = train.run(config, tmp_path)
+  lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert lines[-1]["train_loss_worker_0"] < lines[0]["train_loss_worker_0"]  # tier 0 learns
+  assert [w["tier"] for w in summary["workers"]] == [1.0, 0.25, 0.5]
+  assert [w["process"] for w in summary["workers"]] == [0, 1, 2]
+  assert all(0.0 <= w["idle_fraction"] < 1.0 for w in summary["workers"])
+  tiers = summary["tiers"]
+  assert tiers["0.25"]["param_bytes"] < tiers["0.5"]["param_bytes"] < tiers["1.0"]["param_bytes"]
+  assert tiers["0.25"]["optimizer_bytes"] < tiers["1.0"]["optimizer_bytes"]
+  # Tokens count each host's own batch size: (4 + 4 + 2) x 3 steps x 32 tokens x 6 rounds.
+  assert summary["tokens"] == 10 * 3 * 32 * 6
+  assert {"compute_s_host_0", "idle_s_host_2", "inner_steps_host_1"} <= lines[0].keys()
+
+
+def test_dylu_with_configured_speeds_gives_slow_hosts_fewer_steps(tmp_path, smoke_config):
+  config = _tiers_config(smoke_config, [host(1.0, speed=1.0), host(0.25, speed=0.3)],
+                         rounds=2, inner_steps=4, **{"outer.dylu": True})
+  summary = train.run(config, tmp_path)
+  assert [w["inner_steps"] for w in summary["workers"]] == [4, 2]  # ceil(4 * 0.3) = 2
+  assert summary["tokens"] == (4 + 2) * 4 * 32 * 2
+
+
+def test_dylu_measures_speeds_in_the_first_round(tmp_path, smoke_config):
+  config = _tiers_config(smoke_config, [host(1.0), host(0.25)], rounds=3, inner_steps=6,
+                         **{"outer.dylu": True})
+  summary = train.run(config, tmp_path)
+  steps = [w["inner_steps"] for w in summary["workers"]]
+  assert max(steps) == 6 and min(steps) >= 1
+  lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert lines[0]["inner_steps_host_0"] == lines[0]["inner_steps_host_1"] == 6  # measuring
+  assert [lines[-1][f"inner_steps_host_{i}"] for i in (0, 1)] == steps
+
+
+def test_heterogeneous_resume_is_bit_identical(tmp_path, smoke_config):
+  config = _tiers_config(smoke_config, [host(1.0), host(0.5)], rounds=4, checkpoint_every=2,
+                         **{"aggregate.weighting": "tokens"})
+  a = train.run(config, tmp_path / "straight")
+  train.run(config, tmp_path / "resumed", stop_after_rounds=2)
+  b = train.run(config, tmp_path / "resumed")
+  assert a["eval_loss"] == b["eval_loss"] and a["tokens"] == b["tokens"]
+
+
+BAD_HOST_TABLES = [
+    ([host(0.0)], "hosts[0].tier=0.0: the FFN fraction must be in (0, 1]"),
+    ([host(1.5)], "hosts[0].tier=1.5"),
+    ([host(1.0), host(0.5, workers=0)], "hosts[1].workers=0"),
+    ([host(1.0, workers=2), host(0.5)], "num_workers=2: the host table has 3 workers"),
+]
+
+
+@pytest.mark.parametrize("hosts,message", BAD_HOST_TABLES)
+def test_bad_host_tables_fail_at_start_up(smoke_config, hosts, message):
+  with pytest.raises(config_check.ConfigError) as e:
+    config_check.validate(smoke_config(hosts=hosts), num_devices=1)
+  assert message in str(e.value)
+
+
+def test_same_batches_need_one_batch_size_and_ddp_one_step(smoke_config):
+  with pytest.raises(config_check.ConfigError, match="one batch size"):
+    config_check.validate(_tiers_config(smoke_config, [host(1.0), host(0.5, batch_size=2)],
+                                        **{"data.batch_mode": "same"}), num_devices=1)
+  with pytest.raises(config_check.ConfigError, match="ddp takes one step"):
+    config_check.validate(_tiers_config(smoke_config, [host(1.0, inner_steps=5)],
+                                        algorithm="ddp", inner_steps=1), num_devices=1)
