@@ -78,20 +78,19 @@ def runner_steps_per_second(r, config, rounds: int) -> float:
   """Inner steps per second per worker, driving the jitted round as train.run does."""
   fns = train.jitted_steps(r)
   weights = r.worker_weights([config.inner_steps])
-  with jax.set_mesh(r.mesh):
-    state = jax.jit(r.init_fn, out_shardings=r.state_shardings)()
-    state, metrics, _ = train.train_round(r, fns, state, [r.streams[0].next_round(
-        config.inner_steps)], weights)  # compile
-    jax.block_until_ready(metrics)
-    t0 = time.perf_counter()
-    pending = None
-    for _ in range(rounds):
-      batches = [r.streams[0].next_round(config.inner_steps)]
-      state, metrics, _ = train.train_round(r, fns, state, batches, weights)
-      if pending is not None:
-        jax.device_get(pending)  # the runner's one-round-late metrics read
-      pending = metrics
-    jax.device_get(pending)
+  state, workers = train.init_run(r, fns)
+  state, workers, metrics, _ = train.train_round(
+      r, fns, state, workers, [r.streams[0].next_round(config.inner_steps)], weights)  # compile
+  jax.block_until_ready(metrics)
+  t0 = time.perf_counter()
+  pending = None
+  for _ in range(rounds):
+    batches = [r.streams[0].next_round(config.inner_steps)]
+    state, workers, metrics, _ = train.train_round(r, fns, state, workers, batches, weights)
+    if pending is not None:
+      jax.device_get(pending)  # the runner's one-round-late metrics read
+    pending = metrics
+  jax.device_get(pending)
   return rounds * config.inner_steps / (time.perf_counter() - t0)
 
 

@@ -26,6 +26,13 @@ def get_config() -> ml_collections.ConfigDict:
   # --- hosts: one row per process (lowcomm_jax/hosts.py); [] = num_workers at full width
   c.hosts = []  # e.g. [host(tier=1.0), host(tier=0.25, workers=2)] with hosts.host
 
+  # --- processes (jax.distributed); unset fields fall back to JAX's/SLURM's env variables
+  c.distributed = ml_collections.ConfigDict()
+  c.distributed.coordinator_address = ""  # 'host:port' of process 0 ('' = env / single)
+  c.distributed.num_processes = 0  # 0: from the environment, else 1
+  c.distributed.process_id = -1  # -1: from the environment
+  c.distributed.heartbeat_timeout_s = 60  # a silent process is declared dead after this
+
   # --- devices: mesh ('replica', 'data', 'model') ---------------------------------------
   c.mesh = ml_collections.ConfigDict()
   c.mesh.replica = -1  # devices along the replica axis; -1: as many as divide num_workers

@@ -16,8 +16,9 @@ class ConfigError(ValueError):
     super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def validate(c: ml_collections.ConfigDict, *, num_devices: int) -> None:
-  """Raises ConfigError listing every bad field of `c` for a host with `num_devices`."""
+def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: int = 1,
+             local_devices: int | None = None) -> None:
+  """Raises ConfigError listing every bad field of `c` for this run's processes and devices."""
   problems = []
 
   def check(ok: bool, field: str, fix: str):
@@ -115,6 +116,24 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int) -> None:
       problems.append(f"mesh.replica={m.replica}: several hosts in one process share one "
                       "replica device; set --config.mesh.replica=-1 (or launch one process "
                       "per host)")
+
+  # Several processes: process p runs host p on all of its devices.
+  if num_processes > 1:
+    local = (local_devices or 1) // max(m.data * m.model, 1)
+    if rows and len(rows) != num_processes:
+      problems.append(f"hosts: the host table has {len(rows)} rows but {num_processes} "
+                      "processes joined; give one row per process")
+    per_process = ({row.get("workers", 0) for row in rows} if rows
+                   else {c.num_workers // num_processes})
+    if not rows and c.num_workers % num_processes:
+      problems.append(f"num_workers={c.num_workers}: not divisible by the {num_processes} "
+                      "processes; use a multiple or give a host table")
+    if len(per_process) > 1:
+      problems.append(f"hosts: workers per process {sorted(per_process)} differ; every "
+                      "process must run the same number of workers (one per device is usual)")
+    if any(w % local for w in per_process if w):
+      problems.append(f"hosts: each process has {local} replica device(s); its workers must be "
+                      "a multiple of that")
 
   # Optimizers.
   check(c.optimizer.name in ("adamw", "sgd"), "optimizer.name", "use 'adamw' or 'sgd'")

@@ -6,8 +6,9 @@
   batch_size  per-worker batch (0: data.batch_size)
   inner_steps H for this host (0: the config's inner_steps; DyLU may change it)
   speed       relative speed for DyLU (0: measure it in the first round)
-Without a host table, `num_workers` full-width workers form a single host entry.
-Workers are numbered host by host: host 0's workers first.
+Without a host table, `num_workers` full-width workers are split evenly over the processes
+(one entry per process). Workers are numbered host by host: host 0's workers first. In a
+multi-process run, process p runs host p; in a single process, every host runs locally.
 """
 
 import dataclasses
@@ -28,10 +29,10 @@ class HostSpec:
   speed: float  # 0: measured
 
 
-def host_table(config: ml_collections.ConfigDict, d_ff: int) -> list[HostSpec]:
-  rows = list(config.hosts) or [ml_collections.ConfigDict(
-      {"tier": 1.0, "workers": config.num_workers, "batch_size": 0, "inner_steps": 0,
-       "speed": 0.0})]
+def host_table(config: ml_collections.ConfigDict, d_ff: int,
+               num_processes: int = 1) -> list[HostSpec]:
+  rows = list(config.hosts) or [host(1.0, workers=config.num_workers // num_processes)
+                                for _ in range(num_processes)]
   table, next_id = [], 0
   for i, row in enumerate(rows):
     ids = tuple(range(next_id, next_id + row.workers))

@@ -35,6 +35,8 @@ def main(argv):
   logging.getLogger().setLevel(logging.INFO)
   logging.getLogger("absl").addFilter(_QuietCheckpointing())
   # Imported here so `--help` and flag errors stay fast (jax/TensorFlow load slowly).
+  from lowcomm_jax.parallel import distributed
+  distributed.initialize(_CONFIG.value)  # before any other JAX use; no-op single-process
   from lowcomm_jax import train
   from lowcomm_jax.checkpoint import CheckpointMismatch
   from lowcomm_jax.config_check import ConfigError

@@ -29,11 +29,12 @@ LossFn = Callable[[Any, jax.Array, jax.Array | None], jax.Array]  # (params, win
 
 
 class TrainState(NamedTuple):
+  """The global state, identical on every process. Each process also keeps its own hosts'
+  inner optimizer states ([workers, ...] per host; none for DDP) beside it."""
   round: jax.Array  # outer rounds completed
   rng: jax.Array  # raw key data of the run's base key; step keys fold in (round, worker, step)
   params: Any  # θ_global
   outer_opt_state: Any  # DiLoCo: outer momentum; DDP: the per-step optimizer's state
-  worker_opt_state: tuple  # per host: [workers, ...] inner optimizer states (DiLoCo); () for DDP
 
 
 def round_key(state: TrainState) -> jax.Array:
@@ -117,13 +118,15 @@ def make_eval_step(loss_fn: LossFn):
   return eval_step
 
 
-def init_state(params, *, seed: int, algorithm: str, host_inits,
-               outer_tx: optax.GradientTransformation) -> TrainState:
-  """Round-0 state. `host_inits`: per host, (workers, inner_tx.init of its tier's params)."""
-  worker_opt_state = tuple(
-      jax.tree.map(lambda x, n=n: jnp.broadcast_to(x, (n,) + x.shape), one)
-      for n, one in host_inits) if algorithm == "diloco" else ()
+def init_state(params, *, seed: int, outer_tx: optax.GradientTransformation) -> TrainState:
+  """Round-0 global state."""
   return TrainState(round=jnp.zeros((), jnp.int32),
                     rng=jax.random.key_data(jax.random.key(seed)),
-                    params=params, outer_opt_state=outer_tx.init(params),
-                    worker_opt_state=worker_opt_state)
+                    params=params, outer_opt_state=outer_tx.init(params))
+
+
+def init_workers(params, *, workers: int, hidden: int, d_ff: int,
+                 inner_tx: optax.GradientTransformation):
+  """A host's [workers, ...] inner optimizer states, fresh, for its tier's parameters."""
+  one = inner_tx.init(params if hidden == d_ff else slice_tier(params, hidden))
+  return jax.tree.map(lambda x: jnp.broadcast_to(x, (workers,) + x.shape), one)

@@ -17,12 +17,11 @@ def _tiers_config(smoke_config, hosts, **overrides):
 def _params_after(config, rounds):
   r = train.build(config)
   fns = train.jitted_steps(r)
-  with jax.set_mesh(r.mesh):
-    state = jax.jit(r.init_fn, out_shardings=r.state_shardings)()
-    for _ in range(rounds):
-      batches = [s.next_round(h.inner_steps) for s, h in zip(r.streams, r.hosts)]
-      state, metrics, _ = train.train_round(r, fns, state, batches,
-                                            r.worker_weights([h.inner_steps for h in r.hosts]))
+  state, workers = train.init_run(r, fns)
+  for _ in range(rounds):
+    batches = [s.next_round(h.inner_steps) for s, h in zip(r.streams, r.hosts)]
+    state, workers, metrics, _ = train.train_round(
+        r, fns, state, workers, batches, r.worker_weights([h.inner_steps for h in r.hosts]))
   return r, state.params, metrics
 
 

@@ -12,13 +12,12 @@ from lowcomm_jax.parallel import ledger, mesh as mesh_lib
 def _train_rounds(config, rounds: int):
   r = train.build(config)
   fns = train.jitted_steps(r)
-  with jax.set_mesh(r.mesh):
-    state = jax.jit(r.init_fn, out_shardings=r.state_shardings)()
-    for _ in range(rounds):
-      batches = [s.next_round(h.inner_steps) for s, h in zip(r.streams, r.hosts)]
-      state, metrics, _ = train.train_round(r, fns, state, batches,
-                                            r.worker_weights([h.inner_steps for h in r.hosts]))
-  return r, state, metrics
+  state, workers = train.init_run(r, fns)
+  for _ in range(rounds):
+    batches = [s.next_round(h.inner_steps) for s, h in zip(r.streams, r.hosts)]
+    state, workers, metrics, _ = train.train_round(
+        r, fns, state, workers, batches, r.worker_weights([h.inner_steps for h in r.hosts]))
+  return r, state, workers, metrics
 
 
 def test_diloco_h1_sgd_outer_lr1_equals_ddp_with_sgd(smoke_config):
@@ -26,23 +25,22 @@ def test_diloco_h1_sgd_outer_lr1_equals_ddp_with_sgd(smoke_config):
             "optimizer.grad_clip": 0.0, "num_workers": 4}
   diloco = smoke_config(algorithm="diloco", **{"outer.lr": 1.0, "outer.momentum": 0.0}, **common)
   ddp = smoke_config(algorithm="ddp", **common)
-  _, s_diloco, m_diloco = _train_rounds(diloco, 4)
-  _, s_ddp, m_ddp = _train_rounds(ddp, 4)
+  _, s_diloco, _, m_diloco = _train_rounds(diloco, 4)
+  _, s_ddp, _, m_ddp = _train_rounds(ddp, 4)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5),
                s_diloco.params, s_ddp.params)
   np.testing.assert_allclose(m_diloco["train_loss_per_worker"], m_ddp["train_loss_per_worker"],
                              rtol=1e-5)
   # ...and training moved the parameters (the equivalence is not between two no-ops).
-  r0 = train.build(ddp)
-  init = jax.jit(r0.init_fn)()
+  init = jax.jit(train.build(ddp).init_fn)()
   assert not np.allclose(init.params["wte"]["embedding"], s_ddp.params["wte"]["embedding"])
 
 
 def test_workers_split_over_devices_match_workers_vmapped_on_one(smoke_config):
   assert jax.device_count() >= 4
   config = lambda replica: smoke_config(num_workers=4, **{"mesh.replica": replica})
-  r4, s4, m4 = _train_rounds(config(4), 2)
-  r1, s1, m1 = _train_rounds(config(1), 2)
+  r4, s4, w4, m4 = _train_rounds(config(4), 2)
+  r1, s1, _, m1 = _train_rounds(config(1), 2)
   assert dict(r4.mesh.shape)["replica"] == 4 and dict(r1.mesh.shape)["replica"] == 1
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4),
                s4.params, s1.params)
@@ -50,7 +48,7 @@ def test_workers_split_over_devices_match_workers_vmapped_on_one(smoke_config):
   # 'different' batches: every worker saw its own data.
   assert len(set(np.round(np.asarray(m4["train_loss_per_worker"]), 6))) == 4
   # Worker optimizer states live on their own devices, split over 'replica'.
-  for leaf in jax.tree.leaves(s4.worker_opt_state):
+  for leaf in jax.tree.leaves(w4):
     assert leaf.shape[0] == 4 and len(leaf.sharding.device_set) == 4
     assert leaf.sharding.spec[0] == "replica"
 
@@ -73,20 +71,16 @@ def test_inner_steps_communicate_nothing_and_the_outer_step_moves_the_params_onc
                           **{"mesh.replica": 4})
     r = train.build(config)
     assert r.outer_bytes() == ledger.CommBytes(sent=r.param_bytes, received=r.param_bytes)
-    local_fns, finish_fn = train.jitted_steps(r)
+    local_fns, finish_fn, _ = train.jitted_steps(r)
     batches = jax.ShapeDtypeStruct((4, h, config.data.batch_size, config.data.seq_len + 1),
                                    np.int32, sharding=mesh_lib.round_batches(r.mesh))
-    opt = r.abstract_state.worker_opt_state[0] if r.abstract_state.worker_opt_state else ()
+    opt = r.abstract_workers()[0]
+    ids = jax.ShapeDtypeStruct((4,), np.int32, sharding=mesh_lib.per_worker(r.mesh))
+    deltas, losses = r.abstract_round_inputs()
     with jax.set_mesh(r.mesh):
-      local_hlo = local_fns[0].lower(
-          r.abstract_state, opt, batches, np.arange(4, dtype=np.int32)).compile().as_text()
-      deltas = jax.tree.map(  # split over 'replica', as the local programs leave them
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=mesh_lib.per_worker(r.mesh)),
-          jax.eval_shape(local_fns[0], r.abstract_state, opt, batches,
-                         np.arange(4, dtype=np.int32)))
-      outer_hlo = finish_fn.lower(
-          r.abstract_state, r.abstract_state.worker_opt_state, (deltas[0],), (deltas[2],),
-          r.hidden_per_worker, np.ones(4, np.float32)).compile().as_text()
+      local_hlo = local_fns[0].lower(r.abstract_state, opt, batches, ids).compile().as_text()
+      outer_hlo = finish_fn.lower(r.abstract_state, deltas, losses, r.hidden_per_worker,
+                                  np.ones(4, np.float32)).compile().as_text()
     assert _all_reduced_elements(local_hlo) == 0  # H inner steps: no communication
     # The outer mean moves every parameter once (plus a few scalars for the metrics).
     moved = _all_reduced_elements(outer_hlo)
@@ -97,15 +91,14 @@ def test_runner_keeps_inner_adam_state_and_outer_momentum_across_rounds(smoke_co
   config = smoke_config(num_workers=2, inner_steps=3, **{"outer.lr": 0.5, "outer.momentum": 0.9})
   r = train.build(config)
   fns = train.jitted_steps(r)
-  with jax.set_mesh(r.mesh):
-    state = jax.jit(r.init_fn, out_shardings=r.state_shardings)()
-    history = [state]
-    for _ in range(3):
-      state, _, _ = train.train_round(r, fns, state, [r.streams[0].next_round(3)],
-                                      r.worker_weights([3]))
-      history.append(state)
+  state, workers = train.init_run(r, fns)
+  history = [state]
+  for _ in range(3):
+    state, workers, _, _ = train.train_round(r, fns, state, workers,
+                                             [r.streams[0].next_round(3)], r.worker_weights([3]))
+    history.append(state)
   # Every worker's AdamW has taken rounds * H steps: its state was never reset.
-  counts = [x for x in jax.tree.leaves(state.worker_opt_state) if x.dtype == np.int32]
+  counts = [x for x in jax.tree.leaves(workers) if x.dtype == np.int32]
   assert counts and all(np.all(c == 3 * 3) for c in counts)
   # Nesterov: θ_r+1 - θ_r = -lr (Δ̄_r + m·trace_r) with trace_r = Δ̄_r + m·trace_r-1.
   # Recover Δ̄_r from the parameters and check the carried trace against it.

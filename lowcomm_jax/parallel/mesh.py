@@ -1,6 +1,9 @@
-"""Device meshes with axes ('replica', 'data', 'model') and the shardings the runner uses."""
+"""Device meshes with axes ('replica', 'data', 'model'), and moving arrays between the
+process-local mesh (where each host runs its own local program) and the global mesh
+(where the one outer step runs over every process's devices)."""
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 AXES = ("replica", "data", "model")
@@ -11,11 +14,25 @@ def replica_devices(num_workers: int, available: int) -> int:
   return max(d for d in range(1, min(num_workers, available) + 1) if num_workers % d == 0)
 
 
+def _mesh(devices, replica: int, data: int, model: int) -> Mesh:
+  grid = np.asarray(devices[:replica * data * model], dtype=object).reshape(replica, data, model)
+  return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
+
+
 def make_mesh(replica: int, data: int = 1, model: int = 1) -> Mesh:
-  """A mesh over the first replica*data*model devices, with Auto axis types."""
-  n = replica * data * model
-  return jax.make_mesh((replica, data, model), AXES, axis_types=(AxisType.Auto,) * 3,
-                       devices=jax.devices()[:n])
+  """A mesh over the first replica*data*model devices, process-major, with Auto axes.
+
+  Process-major order puts process p's devices (and so its workers) in one contiguous block
+  of the replica axis, matching the host table's worker numbering.
+  """
+  devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+  return _mesh(devices, replica, data, model)
+
+
+def make_local_mesh(data: int = 1, model: int = 1) -> Mesh:
+  """This process's devices only: where its hosts' local programs run."""
+  devices = jax.local_devices()
+  return _mesh(devices, len(devices) // (data * model), data, model)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -30,3 +47,34 @@ def per_worker(mesh: Mesh) -> NamedSharding:
 def round_batches(mesh: Mesh) -> NamedSharding:
   """[R, H, B, L] batches: workers over 'replica', each worker's batch over 'data'."""
   return NamedSharding(mesh, P("replica", None, "data"))
+
+
+def local_view(tree, local_mesh: Mesh):
+  """A globally replicated tree as arrays on this process's mesh (no copy)."""
+  sharding = replicated(local_mesh)
+
+  def view(x):
+    if x.is_fully_addressable:
+      return x
+    shards = {s.device: s.data for s in x.addressable_shards}
+    return jax.make_array_from_single_device_arrays(
+        x.shape, sharding, [shards[d] for d in sharding.addressable_devices])
+  return jax.tree.map(view, tree)
+
+
+def to_global(tree, global_mesh: Mesh, total_workers: int):
+  """Per-worker arrays [G, ...] of this process -> global arrays [R, ...] split over 'replica'.
+
+  Each local device already holds its workers' rows; the global array is stitched from those
+  shards without a copy (a single process's arrays are global already).
+  """
+  if jax.process_count() == 1:
+    return tree
+  sharding = per_worker(global_mesh)
+
+  def stitch(x):
+    shape = (total_workers,) + x.shape[1:]
+    shards = {s.device: s.data for s in x.addressable_shards}
+    devices = sharding.addressable_devices_indices_map(shape)
+    return jax.make_array_from_single_device_arrays(shape, sharding, [shards[d] for d in devices])
+  return jax.tree.map(stitch, tree)

@@ -1,0 +1,235 @@
+"""Assembling a run from its config: mesh, data, model, hosts, optimizers, step functions.
+
+`build(config)` validates the config and does everything but compute. `train_round` runs
+one synchronous round: each host this process owns runs its local program on this
+process's devices, then all processes run the one global outer step together.
+"""
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+
+from lowcomm_jax import config_check, optimizers, steps
+from lowcomm_jax.data import (DataError, WorkerStreams, eval_windows, get_tokenizer, load_tokens,
+                              resolve_corpus, split_train_val)
+from lowcomm_jax.hosts import HostSpec, host_table
+from lowcomm_jax.model import GPT, GPTConfig, count_params, get_preset, next_token_loss
+from lowcomm_jax.model.matformer import slice_tier
+from lowcomm_jax.parallel import ledger, mesh as mesh_lib
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything built from the config before the first round."""
+  config: ml_collections.ConfigDict
+  mesh: jax.sharding.Mesh  # global: every process's devices
+  local_mesh: jax.sharding.Mesh  # this process's devices (== mesh in a single process)
+  model_cfg: GPTConfig
+  graphdef: nnx.GraphDef
+  hosts: list[HostSpec]  # all of them
+  local_hosts: list[int]  # indices of the hosts this process runs
+  local_rounds: list[Callable]  # per local host: steps.make_local_round
+  init_workers: list[Callable]  # per local host: params -> [G, ...] inner optimizer states
+  finish_round: Callable  # (state, deltas, losses, hidden, weight) -> (state, metrics)
+  eval_step: Callable[[dict, jax.Array], jax.Array]
+  init_fn: Callable[[], steps.TrainState]
+  abstract_state: steps.TrainState
+  state_shardings: steps.TrainState
+  streams: list[WorkerStreams]  # per local host
+  eval_windows: np.ndarray
+  param_count: int
+  param_bytes: int
+  tier_bytes: dict[float, dict[str, int]]  # per tier: parameter and optimizer bytes per worker
+  hidden_per_worker: np.ndarray  # [R] FFN hidden units each worker trains
+
+  def worker_weights(self, inner_steps_per_host) -> np.ndarray:
+    """[R] aggregation weights: 1, or tokens processed this round (aggregate.weighting)."""
+    c = self.config
+    if c.aggregate.weighting == "tokens":
+      return np.asarray([h.batch_size * H * c.data.seq_len
+                          for h, H in zip(self.hosts, inner_steps_per_host)
+                         for _ in h.worker_ids], np.float32)
+    return np.ones((c.num_workers,), np.float32)
+
+  def abstract_round_inputs(self):
+    """Shapes (with shardings) of the outer step's per-worker inputs: Δ and losses."""
+    sharding = mesh_lib.per_worker(self.mesh)
+    deltas = jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.config.num_workers,) + x.shape,
+                                                         x.dtype, sharding=sharding),
+                          self.abstract_state.params)
+    return deltas, jax.ShapeDtypeStruct((self.config.num_workers,), jnp.float32,
+                                        sharding=sharding)
+
+  def outer_bytes(self) -> ledger.CommBytes:
+    """Per-worker bytes of one outer step, from tracing it (nothing runs)."""
+    deltas, losses = self.abstract_round_inputs()
+    return ledger.count_bytes(self.finish_round, self.abstract_state, deltas, losses,
+                              self.hidden_per_worker,
+                              self.worker_weights([h.inner_steps for h in self.hosts]))
+
+  def abstract_workers(self):
+    """Shapes and shardings of this process's worker states (for restoring them)."""
+    sharding = mesh_lib.per_worker(self.local_mesh)
+    params = self.abstract_state.params
+    return tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                              jax.eval_shape(f, params)) for f in self.init_workers)
+
+
+def _loss_fn(graphdef):
+  def loss_fn(params, windows, key):
+    return next_token_loss(nnx.merge(graphdef, params), windows, dropout_key=key)
+  return loss_fn
+
+
+def build(config: ml_collections.ConfigDict) -> Run:
+  """Validates the config, loads data, builds the model and the step functions (no compute)."""
+  nproc = jax.process_count()
+  config_check.validate(config, num_devices=jax.device_count(), num_processes=nproc,
+                        local_devices=jax.local_device_count())
+  c = config
+  tokenizer = get_tokenizer(c.data.tokenizer)
+  tokens = load_tokens(resolve_corpus(c.data.path), tokenizer)
+  train_tokens, val_tokens = split_train_val(tokens, c.data.val_fraction)
+  if min(len(train_tokens), len(val_tokens)) <= c.data.seq_len + 1:
+    raise DataError(f"the corpus has {len(tokens)} tokens: too few for data.seq_len="
+                    f"{c.data.seq_len} in both splits; use a longer corpus or a shorter seq_len")
+
+  model_cfg = get_preset(c.model.name, vocab_size=c.model.vocab_size,
+                         tokenizer_vocab=tokenizer.vocab_size, dtype=c.model.dtype,
+                         dropout=c.model.dropout)
+  hosts = host_table(c, model_cfg.d_ff, nproc)
+  if nproc > 1:  # one host per process, each on all of its devices
+    local_hosts = [jax.process_index()]
+    mesh = mesh_lib.make_mesh(jax.device_count() // (c.mesh.data * c.mesh.model),
+                              c.mesh.data, c.mesh.model)
+    local_mesh = mesh_lib.make_local_mesh(c.mesh.data, c.mesh.model)
+  else:
+    local_hosts = list(range(len(hosts)))
+    replica = (c.mesh.replica if c.mesh.replica > 0 else 1 if len(hosts) > 1 else
+               mesh_lib.replica_devices(c.num_workers,
+                                        jax.device_count() // (c.mesh.data * c.mesh.model)))
+    mesh = local_mesh = mesh_lib.make_mesh(replica, c.mesh.data, c.mesh.model)
+
+  def graphdef_of(d_ff):
+    tier_cfg = dataclasses.replace(model_cfg, d_ff=d_ff)
+    return nnx.split(nnx.eval_shape(lambda: GPT(tier_cfg, rngs=nnx.Rngs(0))), nnx.Param)[0]
+
+  graphdef = graphdef_of(model_cfg.d_ff)
+  inner_tx = optimizers.inner_optimizer(c.optimizer, c.rounds * c.inner_steps)
+  nested = optimizers.needs_nested_mean(c, hosts, model_cfg.d_ff)
+  outer_tx = optimizers.outer_optimizer(c, inner_tx, nested=nested)
+  outer_step = steps.make_outer_step(outer_tx, nested=nested)
+  mine = [hosts[i] for i in local_hosts]
+  local_rounds = [
+      steps.make_local_round(_loss_fn(graphdef_of(h.hidden)), algorithm=c.algorithm,
+                             inner_tx=inner_tx, hidden=h.hidden, d_ff=model_cfg.d_ff)
+      for h in mine]
+  init_workers = [
+      (lambda p, h=h: steps.init_workers(p, workers=len(h.worker_ids), hidden=h.hidden,
+                                         d_ff=model_cfg.d_ff, inner_tx=inner_tx))
+      if c.algorithm == "diloco" else (lambda p: ()) for h in mine]
+
+  def init_fn():
+    params = nnx.to_pure_dict(nnx.state(GPT(model_cfg, rngs=nnx.Rngs(params=c.seed)), nnx.Param))
+    return steps.init_state(params, seed=c.seed, outer_tx=outer_tx)
+
+  def finish_round(state, deltas_R, losses_R, hidden_R, weight_R):
+    """The global program: aggregate all workers' Δ and apply the outer rule."""
+    params, outer_opt_state, metrics = outer_step(state.params, state.outer_opt_state,
+                                                  deltas_R, hidden_R, weight_R)
+    metrics.update(train_loss=losses_R.mean(), train_loss_per_worker=losses_R)
+    return steps.TrainState(state.round + 1, state.rng, params, outer_opt_state), metrics
+
+  abstract_state = jax.eval_shape(init_fn)
+  tier_bytes = {}
+  for h in hosts:
+    tier_params = jax.eval_shape(lambda p, m=h.hidden: slice_tier(p, m), abstract_state.params)
+    tier_opt = (inner_tx.init(tier_params) if c.algorithm == "diloco"
+                else abstract_state.outer_opt_state)
+    tier_bytes[h.tier] = {"param_bytes": ledger.tree_bytes(tier_params),
+                          "optimizer_bytes": ledger.tree_bytes(jax.eval_shape(lambda: tier_opt))}
+  rep = mesh_lib.replicated(mesh)
+  return Run(
+      config=c, mesh=mesh, local_mesh=local_mesh, model_cfg=model_cfg, graphdef=graphdef,
+      hosts=hosts, local_hosts=local_hosts, local_rounds=local_rounds,
+      init_workers=init_workers, finish_round=finish_round,
+      eval_step=steps.make_eval_step(_loss_fn(graphdef)), init_fn=init_fn,
+      abstract_state=abstract_state,
+      state_shardings=jax.tree.map(lambda _: rep, abstract_state),
+      streams=[WorkerStreams(train_tokens, worker_ids=h.worker_ids, seq_len=c.data.seq_len,
+                             batch_size=h.batch_size, seed=c.seed,
+                             batch_mode=c.data.batch_mode) for h in mine],
+      eval_windows=eval_windows(val_tokens, seq_len=c.data.seq_len,
+                                batch_size=c.data.batch_size, num_batches=c.eval_batches,
+                                seed=c.seed),
+      param_count=count_params(abstract_state.params),
+      param_bytes=ledger.tree_bytes(abstract_state.params), tier_bytes=tier_bytes,
+      hidden_per_worker=np.asarray([h.hidden for h in hosts for _ in h.worker_ids], np.int32))
+
+
+def jitted_steps(r: Run):
+  """(per-local-host jitted local programs, jitted global outer program, worker init).
+
+  A host's local program re-traces when its H changes (DyLU). Donation halves peak memory
+  on accelerators; on CPU a host copy taken by an async checkpoint may alias device memory,
+  so nothing is donated there.
+  """
+  donate = jax.default_backend() != "cpu"
+  per_worker = mesh_lib.per_worker(r.local_mesh)
+  local = [jax.jit(f, donate_argnums=(1,) if donate else (),
+                   out_shardings=(per_worker, per_worker, per_worker)) for f in r.local_rounds]
+  finish = jax.jit(r.finish_round, out_shardings=(r.state_shardings,
+                                                  mesh_lib.replicated(r.mesh)),
+                   donate_argnums=(0,) if donate else ())
+  init = [jax.jit(f, out_shardings=per_worker) for f in r.init_workers]
+  return local, finish, init
+
+
+def init_run(r: Run, fns) -> tuple[steps.TrainState, tuple]:
+  """Round-0 global state and this process's fresh worker states."""
+  with jax.set_mesh(r.mesh):
+    state = jax.jit(r.init_fn, out_shardings=r.state_shardings)()
+  view = mesh_lib.local_view(state.params, r.local_mesh)
+  with jax.set_mesh(r.local_mesh):
+    workers = tuple(init(view) for init in fns[2])
+  return state, workers
+
+
+def train_round(r: Run, fns, state: steps.TrainState, workers: tuple, batches_per_host,
+                weight_R, *, timed: bool = False):
+  """One synchronous round: this process's hosts' local programs, then the outer step.
+
+  Returns (state, workers, device metrics, per-local-host compute seconds if `timed`).
+  Timing blocks on each host's result: that is what measuring it means.
+  """
+  local_fns, finish_fn, _ = fns
+  sharding = mesh_lib.round_batches(r.local_mesh)
+  view = mesh_lib.local_view(state, r.local_mesh)
+  deltas, new_workers, losses, compute = [], [], [], []
+  with jax.set_mesh(r.local_mesh):
+    for k, i in enumerate(r.local_hosts):
+      batches = jax.device_put(batches_per_host[k], sharding)
+      ids = jax.device_put(np.asarray(r.hosts[i].worker_ids, np.int32),
+                           mesh_lib.per_worker(r.local_mesh))
+      t0 = time.perf_counter()
+      delta, opt_state, loss_GxH = local_fns[k](view, workers[k], batches, ids)
+      if timed:
+        jax.block_until_ready(delta)
+        compute.append(time.perf_counter() - t0)
+      deltas.append(delta)
+      new_workers.append(opt_state)
+      losses.append(loss_GxH.mean(axis=1))
+    cat = lambda *xs: jnp.concatenate(xs) if len(xs) > 1 else xs[0]
+    deltas_local = jax.tree.map(cat, *deltas)
+    losses_local = cat(*losses)
+  deltas_R = mesh_lib.to_global(deltas_local, r.mesh, r.config.num_workers)
+  losses_R = mesh_lib.to_global(losses_local, r.mesh, r.config.num_workers)
+  with jax.set_mesh(r.mesh):
+    state, metrics = finish_fn(state, deltas_R, losses_R, r.hidden_per_worker, weight_R)
+  return state, tuple(new_workers), metrics, compute
