@@ -48,6 +48,8 @@ def main(argv):
   except (ConfigError, DataError, CheckpointMismatch, train.TrainingDiverged) as e:
     print(f"lowcomm_jax: error: {e}", file=sys.stderr)
     sys.exit(2)
+  if train.jax.process_index() != 0:
+    return  # process 0 reports for the run
   print(json.dumps(summary, indent=2))
   if "bytes_sent" in summary:
     sent, ddp = summary["bytes_sent"] / 2**20, summary["bytes_sent_ddp_equivalent"] / 2**20

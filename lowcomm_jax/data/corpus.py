@@ -51,7 +51,7 @@ def resolve_corpus(path: str = "", *, download_timeout_s: float = 20.0) -> pathl
         f"with one of: {DATA_DIR_ENV}=DIR holding {relative}; a copy at {cached}; or "
         "--config.data.path=/path/to/any/text.txt") from e
   cached.parent.mkdir(parents=True, exist_ok=True)
-  tmp = cached.with_suffix(".part")
+  tmp = cached.with_suffix(f".{os.getpid()}.part")  # processes may race here
   tmp.write_bytes(text)
   tmp.replace(cached)  # atomic: a half-written download never looks complete
   return cached

@@ -1,6 +1,7 @@
 """Tokenizers (byte-level and tiktoken GPT-2 BPE) and an on-disk cache of tokenized corpora."""
 
 import hashlib
+import os
 import pathlib
 
 import numpy as np
@@ -69,7 +70,7 @@ def load_tokens(corpus: pathlib.Path, tokenizer) -> np.ndarray:
                     "data.path at a plain-text file") from e
   tokens = tokenizer.encode(text)
   path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_name(path.stem + ".part.npy")
+  tmp = path.with_name(f"{path.stem}.{os.getpid()}.part.npy")  # processes may race here
   np.save(tmp, tokens)
   tmp.replace(path)
   return tokens

@@ -1,0 +1,112 @@
+"""Real multi-process runs: processes on 127.0.0.1 joined by jax.distributed (gloo on CPU)."""
+
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+
+from conftest import REPO
+from lowcomm_jax import train
+from lowcomm_jax.checkpoint import Checkpointer, abstract_with_shardings
+
+SMOKE = ["--config=configs/smoke.py", "--config.rounds=3", "--config.checkpoint_every=3"]
+
+
+def _launch(*args, timeout=420):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # the launcher gives each process its own device count
+  return subprocess.Popen([sys.executable, "launch/local.py", *args], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _final_params(config, workdir):
+  r = train.build(config)
+  ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=2)
+  state = ckpt.restore_state(ckpt.latest_round(),
+                             abstract_with_shardings(r.abstract_state, r.state_shardings))
+  ckpt.close()
+  return state.params
+
+
+def test_two_processes_match_one_process_with_the_same_two_workers(tmp_path, smoke_config):
+  proc = _launch("--num_processes", "2", "--", *SMOKE, f"--workdir={tmp_path / 'two'}")
+  out, err = proc.communicate(timeout=420)
+  assert proc.returncode == 0, (out + err)[-4000:]
+  assert "[p0]" in out and "[p1]" in out and "all 2 processes finished" in out
+  config = smoke_config(rounds=3, checkpoint_every=3)
+  one = train.run(config, tmp_path / "one")
+  two = json.loads((tmp_path / "two" / "summary.json").read_text())
+  assert two["bytes_sent"] == one["bytes_sent"] and two["tokens"] == one["tokens"]
+  np.testing.assert_allclose(two["eval_loss"], one["eval_loss"], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-6),
+               _final_params(config, tmp_path / "two"), _final_params(config, tmp_path / "one"))
+  # Each process checkpointed its own worker's optimizer state.
+  assert (tmp_path / "two/checkpoints/process_0/3").is_dir()
+  assert (tmp_path / "two/checkpoints/process_1/3").is_dir()
+
+
+def test_four_heterogeneous_processes(tmp_path):
+  proc = _launch("--num_processes", "4", "--", "--config=configs/diloco_hetero.py",
+                 f"--workdir={tmp_path}", "--config.model.name=tiny", "--config.rounds=4",
+                 "--config.inner_steps=4", "--config.data.seq_len=32",
+                 "--config.data.batch_size=4", "--config.eval_batches=2",
+                 "--config.optimizer.warmup_steps=2", "--config.checkpoint_every=4")
+  out, err = proc.communicate(timeout=420)
+  assert proc.returncode == 0, (out + err)[-4000:]
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert [w["tier"] for w in summary["workers"]] == [1.0, 0.25, 0.25, 0.25]
+  assert [w["process"] for w in summary["workers"]] == [0, 1, 2, 3]
+  lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert lines[-1]["train_loss_worker_0"] < lines[0]["train_loss_worker_0"]
+  assert "compute_s_host_3" in lines[0]  # every process's timing reached process 0
+
+
+def test_a_killed_process_stops_the_run_and_a_restart_resumes_it(tmp_path):
+  args = ["--config=configs/smoke.py", f"--workdir={tmp_path}", "--config.model.name=small",
+          "--config.data.seq_len=64", "--config.inner_steps=4", "--config.rounds=10",
+          "--config.checkpoint_every=2", "--config.eval_every=0"]
+  proc = _launch("--num_processes", "2", "--restarts", "1", "--heartbeat_timeout", "10",
+                 "--", *args)
+  pid = None
+  deadline = time.time() + 300
+  for line in proc.stdout:  # find process 1's pid, then wait for a checkpoint
+    if m := re.match(r"\[launcher\] process 1: pid (\d+)", line):
+      pid = int(m.group(1))
+    if pid and (tmp_path / "checkpoints" / "2").is_dir():
+      break
+    assert time.time() < deadline, "no checkpoint appeared"
+  killed_at = time.time()
+  os.kill(pid, signal.SIGKILL)
+  rest, err = proc.communicate(timeout=420)
+  assert proc.returncode == 0, (rest + err)[-4000:]
+  assert "process 1 exited with code -9" in err and "restart 1 of 1" in err
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["rounds"] == 10
+  steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert steps == sorted(set(steps)) and steps[-1] == 40  # no duplicated rounds after resume
+  assert time.time() - killed_at < 400
+
+
+def test_without_restarts_a_killed_process_fails_the_launcher_quickly(tmp_path):
+  args = ["--config=configs/smoke.py", f"--workdir={tmp_path}", "--config.model.name=small",
+          "--config.data.seq_len=64", "--config.inner_steps=4", "--config.rounds=50"]
+  proc = _launch("--num_processes", "2", "--heartbeat_timeout", "10", "--", *args)
+  for line in proc.stdout:
+    if m := re.match(r"\[launcher\] process 0: pid (\d+)", line):
+      pid = int(m.group(1))
+    if "[p1]" in line and "rounds 0..50" in line:  # both processes are training
+      break
+  time.sleep(2)
+  killed_at = time.time()
+  os.kill(pid, signal.SIGKILL)
+  _, err = proc.communicate(timeout=60)
+  assert proc.returncode == 1
+  assert time.time() - killed_at < 10  # well within the heartbeat timeout
+  assert "process 0 exited with code -9" in err and "Its last lines" in err
