@@ -2,9 +2,11 @@
 
   python bench/diloco_vs_ddp.py [--workdir bench/results/diloco_vs_ddp]
 
-Runs configs/diloco_hetero.py (4 workers, 15 rounds x H=20) and configs/ddp.py (4 workers,
-300 steps) through train.run, then prints the report table plus the bytes ratio and the
-loss gap, and writes them to <workdir>/result.json. Existing finished runs are reused.
+Runs DiLoCo with 4 full-width workers (configs/diloco_hetero.py without its host table:
+15 rounds x H=20), the heterogeneous main job itself (1 full + 3 quarter-width FFN workers)
+and configs/ddp.py (4 workers, 300 steps) through train.run, then prints the report table
+plus the bytes ratio and the loss gap of homogeneous DiLoCo vs DDP, and writes them to
+<workdir>/result.json. Existing finished runs are reused.
 """
 
 import argparse
@@ -24,10 +26,13 @@ def main():
   p.add_argument("--workdir", type=pathlib.Path, default=REPO / "bench/results/diloco_vs_ddp")
   args = p.parse_args()
   summaries = {}
-  for name in ("diloco_hetero", "ddp"):
-    config = runpy.run_path(str(REPO / "configs" / f"{name}.py"))["get_config"]()
+  runs = (("diloco", "diloco_hetero", {"hosts": []}), ("diloco_hetero", "diloco_hetero", {}),
+          ("ddp", "ddp", {}))
+  for name, config_file, overrides in runs:
+    config = runpy.run_path(str(REPO / "configs" / f"{config_file}.py"))["get_config"]()
+    config.update(overrides)
     summaries[name] = train.run(config, args.workdir / name)
-  diloco, ddp = summaries["diloco_hetero"], summaries["ddp"]
+  diloco, ddp = summaries["diloco"], summaries["ddp"]
   assert diloco["tokens"] == ddp["tokens"], "the comparison needs equal tokens"
   result = {
       "tokens": diloco["tokens"],
@@ -37,8 +42,9 @@ def main():
       "bytes_ratio_ddp_over_diloco": ddp["bytes_sent"] / diloco["bytes_sent"],
       "wall_seconds_diloco": diloco["wall_seconds"], "wall_seconds_ddp": ddp["wall_seconds"],
   }
+  result["eval_loss_diloco_hetero"] = summaries["diloco_hetero"]["eval_loss"]
   (args.workdir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
-  print(report.markdown_table([args.workdir / "diloco_hetero", args.workdir / "ddp"]))
+  print(report.markdown_table([args.workdir / name for name, _, _ in runs]))
   print(json.dumps(result, indent=2))
 
 

@@ -52,7 +52,7 @@ def launch_once(args, main_args: list[str]) -> tuple[int, int | None, list[str]]
       env["JAX_PLATFORMS"] = "cpu"
       env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count="
                           f"{args.devices_per_process}").strip()
-    proc = subprocess.Popen([sys.executable, "-m", "lowcomm_jax.main", *main_args], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", args.module, *main_args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     print(f"[launcher] process {i}: pid {proc.pid}", flush=True)
@@ -97,6 +97,8 @@ def main(argv=None) -> int:
                       help="seconds before JAX's coordinator declares a silent process dead")
   parser.add_argument("--devices_per_process", type=int, default=1,
                       help="forced CPU devices per process (0: use the real accelerators)")
+  parser.add_argument("--module", default="lowcomm_jax.main",
+                      help="python module each process runs (e.g. bench.outer_step)")
   args, rest = parser.parse_known_args(argv)
   main_args = rest[1:] if rest[:1] == ["--"] else rest
   for attempt in range(args.restarts + 1):

@@ -48,13 +48,19 @@ class Run:
   tier_bytes: dict[float, dict[str, int]]  # per tier: parameter and optimizer bytes per worker
   hidden_per_worker: np.ndarray  # [R] FFN hidden units each worker trains
 
+  def round_tokens(self, inner_steps_per_host) -> list[int]:
+    """Tokens each host's workers process in a round with these H."""
+    return [len(h.worker_ids) * h.batch_size * H * self.config.data.seq_len
+            for h, H in zip(self.hosts, inner_steps_per_host)]
+
   def worker_weights(self, inner_steps_per_host) -> np.ndarray:
     """[R] aggregation weights: 1, or tokens processed this round (aggregate.weighting)."""
     c = self.config
     if c.aggregate.weighting == "tokens":
-      return np.asarray([h.batch_size * H * c.data.seq_len
-                          for h, H in zip(self.hosts, inner_steps_per_host)
-                         for _ in h.worker_ids], np.float32)
+      per_worker = [t / len(h.worker_ids)
+                    for h, t in zip(self.hosts, self.round_tokens(inner_steps_per_host))]
+      return np.asarray([t for h, t in zip(self.hosts, per_worker) for _ in h.worker_ids],
+                        np.float32)
     return np.ones((c.num_workers,), np.float32)
 
   def abstract_round_inputs(self):
@@ -108,12 +114,16 @@ def build(config: ml_collections.ConfigDict) -> Run:
     local_hosts = [jax.process_index()]
     mesh = mesh_lib.make_mesh(jax.device_count() // (c.mesh.data * c.mesh.model),
                               c.mesh.data, c.mesh.model)
-    local_mesh = mesh_lib.make_local_mesh(c.mesh.data, c.mesh.model)
+    local_mesh = mesh_lib.local_part(mesh)
   else:
     local_hosts = list(range(len(hosts)))
-    replica = (c.mesh.replica if c.mesh.replica > 0 else 1 if len(hosts) > 1 else
-               mesh_lib.replica_devices(c.num_workers,
-                                        jax.device_count() // (c.mesh.data * c.mesh.model)))
+    if c.mesh.replica > 0:
+      replica = c.mesh.replica
+    elif len(hosts) > 1:  # several hosts' programs share this process: one replica device
+      replica = 1
+    else:
+      replica = mesh_lib.replica_devices(c.num_workers,
+                                         jax.device_count() // (c.mesh.data * c.mesh.model))
     mesh = local_mesh = mesh_lib.make_mesh(replica, c.mesh.data, c.mesh.model)
 
   def graphdef_of(d_ff):
@@ -121,19 +131,19 @@ def build(config: ml_collections.ConfigDict) -> Run:
     return nnx.split(nnx.eval_shape(lambda: GPT(tier_cfg, rngs=nnx.Rngs(0))), nnx.Param)[0]
 
   graphdef = graphdef_of(model_cfg.d_ff)
-  inner_tx = optimizers.inner_optimizer(c.optimizer, c.rounds * c.inner_steps)
+  # Each host's inner schedule spans its own number of steps (rounds x its H).
+  inner_txs = [optimizers.inner_optimizer(c.optimizer, c.rounds * h.inner_steps) for h in hosts]
   nested = optimizers.needs_nested_mean(c, hosts, model_cfg.d_ff)
-  outer_tx = optimizers.outer_optimizer(c, inner_tx, nested=nested)
+  outer_tx = optimizers.outer_optimizer(c, inner_txs[0], nested=nested)
   outer_step = steps.make_outer_step(outer_tx, nested=nested)
-  mine = [hosts[i] for i in local_hosts]
   local_rounds = [
-      steps.make_local_round(_loss_fn(graphdef_of(h.hidden)), algorithm=c.algorithm,
-                             inner_tx=inner_tx, hidden=h.hidden, d_ff=model_cfg.d_ff)
-      for h in mine]
+      steps.make_local_round(_loss_fn(graphdef_of(hosts[i].hidden)), algorithm=c.algorithm,
+                             inner_tx=inner_txs[i], hidden=hosts[i].hidden, d_ff=model_cfg.d_ff)
+      for i in local_hosts]
   init_workers = [
-      (lambda p, h=h: steps.init_workers(p, workers=len(h.worker_ids), hidden=h.hidden,
-                                         d_ff=model_cfg.d_ff, inner_tx=inner_tx))
-      if c.algorithm == "diloco" else (lambda p: ()) for h in mine]
+      (lambda p, h=hosts[i], tx=inner_txs[i]: steps.init_workers(
+          p, workers=len(h.worker_ids), hidden=h.hidden, d_ff=model_cfg.d_ff, inner_tx=tx))
+      if c.algorithm == "diloco" else (lambda p: ()) for i in local_hosts]
 
   def init_fn():
     params = nnx.to_pure_dict(nnx.state(GPT(model_cfg, rngs=nnx.Rngs(params=c.seed)), nnx.Param))
@@ -148,12 +158,12 @@ def build(config: ml_collections.ConfigDict) -> Run:
 
   abstract_state = jax.eval_shape(init_fn)
   tier_bytes = {}
-  for h in hosts:
+  for h, tx in zip(hosts, inner_txs):
     tier_params = jax.eval_shape(lambda p, m=h.hidden: slice_tier(p, m), abstract_state.params)
-    tier_opt = (inner_tx.init(tier_params) if c.algorithm == "diloco"
-                else abstract_state.outer_opt_state)
+    tier_opt = (jax.eval_shape(tx.init, tier_params) if c.algorithm == "diloco"
+                else abstract_state.outer_opt_state)  # DDP: the one per-step optimizer
     tier_bytes[h.tier] = {"param_bytes": ledger.tree_bytes(tier_params),
-                          "optimizer_bytes": ledger.tree_bytes(jax.eval_shape(lambda: tier_opt))}
+                          "optimizer_bytes": ledger.tree_bytes(tier_opt)}
   rep = mesh_lib.replicated(mesh)
   return Run(
       config=c, mesh=mesh, local_mesh=local_mesh, model_cfg=model_cfg, graphdef=graphdef,
@@ -162,9 +172,9 @@ def build(config: ml_collections.ConfigDict) -> Run:
       eval_step=steps.make_eval_step(_loss_fn(graphdef)), init_fn=init_fn,
       abstract_state=abstract_state,
       state_shardings=jax.tree.map(lambda _: rep, abstract_state),
-      streams=[WorkerStreams(train_tokens, worker_ids=h.worker_ids, seq_len=c.data.seq_len,
-                             batch_size=h.batch_size, seed=c.seed,
-                             batch_mode=c.data.batch_mode) for h in mine],
+      streams=[WorkerStreams(train_tokens, worker_ids=hosts[i].worker_ids,
+                             seq_len=c.data.seq_len, batch_size=hosts[i].batch_size,
+                             seed=c.seed, batch_mode=c.data.batch_mode) for i in local_hosts],
       eval_windows=eval_windows(val_tokens, seq_len=c.data.seq_len,
                                 batch_size=c.data.batch_size, num_batches=c.eval_batches,
                                 seed=c.seed),
@@ -212,6 +222,8 @@ def train_round(r: Run, fns, state: steps.TrainState, workers: tuple, batches_pe
   sharding = mesh_lib.round_batches(r.local_mesh)
   view = mesh_lib.local_view(state, r.local_mesh)
   deltas, new_workers, losses, compute = [], [], [], []
+  if timed:  # the previous round's outer step must not count as this round's compute
+    jax.block_until_ready(view)
   with jax.set_mesh(r.local_mesh):
     for k, i in enumerate(r.local_hosts):
       batches = jax.device_put(batches_per_host[k], sharding)

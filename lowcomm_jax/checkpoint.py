@@ -40,6 +40,8 @@ class _ProcessStore:
     directory.mkdir(parents=True, exist_ok=True)
 
   def steps(self) -> list[int]:
+    for stale in self.directory.glob("*.tmp-*"):  # left by a process killed mid-save
+      shutil.rmtree(stale, ignore_errors=True)
     return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
 
   def save(self, step: int, workers, data: dict) -> None:
@@ -89,9 +91,21 @@ class Checkpointer:
       mine = int(np.min(multihost_utils.process_allgather(np.asarray(mine, np.int64))))
     return mine if mine >= 0 else None
 
+  def discard_after(self, round_: int) -> None:
+    """Drops every part newer than the round all processes agreed to resume from, so the
+    rounds redone are saved again (orbax skips steps at or below its newest one)."""
+    for step in self._global.all_steps():
+      if step > round_:
+        self._global.delete(step)
+    for step in self._local.steps():
+      if step > round_:
+        shutil.rmtree(self._local.directory / str(step), ignore_errors=True)
+
   def save(self, round_: int, state, meta: dict, workers, data: dict) -> None:
-    self._global.save(round_, args=ocp.args.Composite(
+    saved = self._global.save(round_, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+    if not saved:
+      raise RuntimeError(f"orbax declined to save round {round_} in {self.directory}")
     self._local.save(round_, workers, data)
 
   def restore_state(self, round_: int, abstract_state):

@@ -84,6 +84,8 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
         "use 'uniform' or 'tokens'")
   if c.outer.dylu:
     check(c.algorithm == "diloco", "outer.dylu", "Dynamic Local Updates need algorithm=diloco")
+  check(c.keep_checkpoints >= 2, "keep_checkpoints",
+        "keep at least 2: a crash mid-save must leave an older complete checkpoint")
   rows = list(c.hosts)
   for i, row in enumerate(rows):
     where = f"hosts[{i}]"
@@ -97,6 +99,9 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
         problems.append(f"{where}.{key}={row[key]!r}: {fix}")
     if "tier" not in row or "workers" not in row:
       problems.append(f"{where}: needs at least 'tier' and 'workers' (use hosts.host(...))")
+    if c.outer.dylu and row.get("inner_steps", 0):
+      problems.append(f"{where}.inner_steps={row['inner_steps']}: with outer.dylu the hosts' H "
+                      "come from their speeds; leave it 0 (or set outer.dylu=False)")
     if c.algorithm == "ddp" and row.get("inner_steps", 0) not in (0, 1):
       problems.append(f"{where}.inner_steps={row['inner_steps']}: ddp takes one step per "
                       "round; leave it 0")
@@ -109,9 +114,12 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
       problems.append(f"num_workers={c.num_workers}: the host table has {total} workers; set "
                       f"--config.num_workers={total}")
     sizes = {row.get("batch_size", 0) or c.data.batch_size for row in rows}
-    if c.data.batch_mode == "same" and len(sizes) > 1:
-      problems.append(f"data.batch_mode='same': hosts use batch sizes {sorted(sizes)}; the "
-                      "same batch needs one batch size (or use 'different')")
+    steps = {row.get("inner_steps", 0) or c.inner_steps for row in rows}
+    if c.data.batch_mode == "same" and (len(sizes) > 1 or len(steps) > 1 or c.outer.dylu):
+      problems.append(f"data.batch_mode='same': hosts use batch sizes {sorted(sizes)} and H "
+                      f"{sorted(steps)}{' with DyLU' if c.outer.dylu else ''}; the same batch "
+                      "at the same step needs one batch size and one fixed H (or use "
+                      "'different')")
     if len(rows) > 1 and m.replica > 1:
       problems.append(f"mesh.replica={m.replica}: several hosts in one process share one "
                       "replica device; set --config.mesh.replica=-1 (or launch one process "
@@ -120,6 +128,10 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   # Several processes: process p runs host p on all of its devices.
   if num_processes > 1:
     local = (local_devices or 1) // max(m.data * m.model, 1)
+    if local_devices and num_devices != local_devices * num_processes:
+      problems.append(f"processes expose {num_devices} devices in all but this one has "
+                      f"{local_devices}: every process must expose the same number of devices "
+                      "(run one process per GPU)")
     if rows and len(rows) != num_processes:
       problems.append(f"hosts: the host table has {len(rows)} rows but {num_processes} "
                       "processes joined; give one row per process")

@@ -5,7 +5,7 @@
   workers     number of workers on this host
   batch_size  per-worker batch (0: data.batch_size)
   inner_steps H for this host (0: the config's inner_steps; DyLU may change it)
-  speed       relative speed for DyLU (0: measure it in the first round)
+  speed       relative speed for DyLU (0: measure it, in round 2 after compilation)
 Without a host table, `num_workers` full-width workers are split evenly over the processes
 (one entry per process). Workers are numbered host by host: host 0's workers first. In a
 multi-process run, process p runs host p; in a single process, every host runs locally.

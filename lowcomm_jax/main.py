@@ -37,6 +37,7 @@ def main(argv):
   # Imported here so `--help` and flag errors stay fast (jax/TensorFlow load slowly).
   from lowcomm_jax.parallel import distributed
   distributed.initialize(_CONFIG.value)  # before any other JAX use; no-op single-process
+  import jax
   from lowcomm_jax import train
   from lowcomm_jax.checkpoint import CheckpointMismatch
   from lowcomm_jax.config_check import ConfigError
@@ -48,7 +49,7 @@ def main(argv):
   except (ConfigError, DataError, CheckpointMismatch, train.TrainingDiverged) as e:
     print(f"lowcomm_jax: error: {e}", file=sys.stderr)
     sys.exit(2)
-  if train.jax.process_index() != 0:
+  if jax.process_index() != 0:
     return  # process 0 reports for the run
   print(json.dumps(summary, indent=2))
   if "bytes_sent" in summary:

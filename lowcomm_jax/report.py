@@ -22,8 +22,9 @@ def read_metrics(workdir: pathlib.Path) -> list[dict]:
 
 def summary_row(workdir: pathlib.Path) -> dict:
   s = json.loads((pathlib.Path(workdir) / "summary.json").read_text())
-  return {**s, "run": pathlib.Path(workdir).name, "MiB sent/worker": s["bytes_sent"] / 2**20,
-          "DDP/this bytes": s["bytes_sent_ddp_equivalent"] / s["bytes_sent"]}
+  sent = s["bytes_sent"]  # 0 for a lone worker: it talks to nobody
+  return {**s, "run": pathlib.Path(workdir).name, "MiB sent/worker": sent / 2**20,
+          "DDP/this bytes": s["bytes_sent_ddp_equivalent"] / sent if sent else float("nan")}
 
 
 def markdown_table(workdirs) -> str:

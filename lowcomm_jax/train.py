@@ -23,8 +23,6 @@ from lowcomm_jax.metrics import MetricsLogger
 from lowcomm_jax.outer import dylu_inner_steps
 from lowcomm_jax.parallel import mesh as mesh_lib
 
-__all__ = ["TrainingDiverged", "build", "init_run", "jitted_steps", "run", "train_round"]
-
 
 class TrainingDiverged(RuntimeError):
   """A non-finite loss or parameter; the last good checkpoint is left as it was."""
@@ -39,6 +37,7 @@ class _Schedule:
   """Per-host H and the timing behind DyLU and idle accounting (persisted in checkpoints)."""
   inner_steps: list[int]  # current H per host
   tokens: int = 0  # all workers, cumulative
+  measured: bool = False  # DyLU has measured the hosts' speeds
   compute_seconds: list[float] = dataclasses.field(default_factory=list)  # per host, cumulative
   idle_seconds: list[float] = dataclasses.field(default_factory=list)
 
@@ -74,8 +73,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   configured = [h.inner_steps for h in hosts]
   if c.outer.dylu and all(h.speed > 0 for h in hosts):
     configured = dylu_inner_steps(c.inner_steps, [h.speed for h in hosts])
-  sched = _Schedule(configured, 0, [0.0] * len(hosts), [0.0] * len(hosts))
+  sched = _Schedule(configured, 0, False, [0.0] * len(hosts), [0.0] * len(hosts))
   if latest is not None:
+    ckpt.discard_after(latest)
     state, meta, workers, data = ckpt.restore(
         latest, abstract_with_shardings(r.abstract_state, r.state_shardings),
         r.abstract_workers())
@@ -96,7 +96,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
     state, workers = init_run(r, fns)
     wall_before = 0.0
   start = int(state.round)
-  measure_dylu = c.outer.dylu and not all(h.speed > 0 for h in hosts) and start == 0
+  # DyLU without configured speeds times the hosts once, in the second round this process
+  # runs (the first compiles).
+  measure_dylu = c.outer.dylu and not all(h.speed > 0 for h in hosts) and not sched.measured
 
   eval_step = jax.jit(r.eval_step)
   eval_windows_dev = jax.device_put(r.eval_windows, mesh_lib.replicated(r.mesh))
@@ -145,15 +147,15 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
                  for k, i in enumerate(r.local_hosts)]
       state, workers, metrics, compute = train_round(
           r, fns, state, workers, batches, r.worker_weights(sched.inner_steps), timed=timed)
-      sched.tokens += sum(len(h.worker_ids) * h.batch_size * H * c.data.seq_len
-                          for h, H in zip(hosts, sched.inner_steps))
+      sched.tokens += sum(r.round_tokens(sched.inner_steps))
       extra = {"tokens": sched.tokens}
       if timed:
         compute = _all_hosts(compute)
         extra.update(_host_timing(sched, compute))
-        if measure_dylu and round_ == start + 1:
+        if measure_dylu and round_ == start + 2:
           speeds = [H / t for H, t in zip(sched.inner_steps, compute)]
           sched.inner_steps = dylu_inner_steps(c.inner_steps, speeds)
+          sched.measured = True
           logging.info("DyLU: measured steps/s per host %s -> H per host %s",
                        [f"{v:.2f}" for v in speeds], sched.inner_steps)
       if pending is not None:
@@ -223,7 +225,8 @@ def _summary(r: Run, sched: _Schedule, round_bytes, eval_loss, scalars, wall: fl
   for i, h in enumerate(r.hosts):
     busy = sched.compute_seconds[i] + sched.idle_seconds[i]
     for w in h.worker_ids:
-      workers.append({"worker": w, "process": h.index, "tier": h.tier,
+      workers.append({"worker": w, "host": h.index,
+                      "process": h.index if jax.process_count() > 1 else 0, "tier": h.tier,
                       "inner_steps": sched.inner_steps[i],
                       "idle_fraction": sched.idle_seconds[i] / busy if busy else 0.0})
   return {

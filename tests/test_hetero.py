@@ -8,6 +8,7 @@ import pytest
 
 from lowcomm_jax import config_check, train
 from lowcomm_jax.hosts import host
+from test_train import _checkpointed_state
 
 
 def _tiers_config(smoke_config, hosts, **overrides):
@@ -51,7 +52,8 @@ def test_heterogeneous_run_end_to_end(tmp_path, smoke_config):
   lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert lines[-1]["train_loss_worker_0"] < lines[0]["train_loss_worker_0"]  # tier 0 learns
   assert [w["tier"] for w in summary["workers"]] == [1.0, 0.25, 0.5]
-  assert [w["process"] for w in summary["workers"]] == [0, 1, 2]
+  assert [w["host"] for w in summary["workers"]] == [0, 1, 2]
+  assert [w["process"] for w in summary["workers"]] == [0, 0, 0]  # all hosts in one process
   assert all(0.0 <= w["idle_fraction"] < 1.0 for w in summary["workers"])
   tiers = summary["tiers"]
   assert tiers["0.25"]["param_bytes"] < tiers["0.5"]["param_bytes"] < tiers["1.0"]["param_bytes"]
@@ -69,15 +71,19 @@ def test_dylu_with_configured_speeds_gives_slow_hosts_fewer_steps(tmp_path, smok
   assert summary["tokens"] == (4 + 2) * 4 * 32 * 2
 
 
-def test_dylu_measures_speeds_in_the_first_round(tmp_path, smoke_config):
-  config = _tiers_config(smoke_config, [host(1.0), host(0.25)], rounds=3, inner_steps=6,
+def test_dylu_measures_speeds_in_round_two(tmp_path, smoke_config):
+  config = _tiers_config(smoke_config, [host(1.0), host(0.25)], rounds=4, inner_steps=6,
                          **{"outer.dylu": True})
   summary = train.run(config, tmp_path)
   steps = [w["inner_steps"] for w in summary["workers"]]
   assert max(steps) == 6 and min(steps) >= 1
   lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert lines[0]["inner_steps_host_0"] == lines[0]["inner_steps_host_1"] == 6  # measuring
+  for measuring in lines[:2]:  # round 1 compiles, round 2 is timed, then H is set
+    assert measuring["inner_steps_host_0"] == measuring["inner_steps_host_1"] == 6
   assert [lines[-1][f"inner_steps_host_{i}"] for i in (0, 1)] == steps
+  # Tokens follow the H each host actually ran, round by round.
+  ran = [l["inner_steps_host_0"] + l["inner_steps_host_1"] for l in lines]
+  assert summary["tokens"] == sum(ran) * 4 * 32
 
 
 def test_heterogeneous_resume_is_bit_identical(tmp_path, smoke_config):
@@ -87,6 +93,10 @@ def test_heterogeneous_resume_is_bit_identical(tmp_path, smoke_config):
   train.run(config, tmp_path / "resumed", stop_after_rounds=2)
   b = train.run(config, tmp_path / "resumed")
   assert a["eval_loss"] == b["eval_loss"] and a["tokens"] == b["tokens"]
+  (state_a, workers_a), data_a = _checkpointed_state(config, tmp_path / "straight")
+  (state_b, workers_b), data_b = _checkpointed_state(config, tmp_path / "resumed")
+  jax.tree.map(np.testing.assert_array_equal, (state_a, workers_a), (state_b, workers_b))
+  assert data_a == data_b
 
 
 BAD_HOST_TABLES = [

@@ -63,6 +63,7 @@ def test_four_heterogeneous_processes(tmp_path):
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert [w["tier"] for w in summary["workers"]] == [1.0, 0.25, 0.25, 0.25]
   assert [w["process"] for w in summary["workers"]] == [0, 1, 2, 3]
+  assert [w["host"] for w in summary["workers"]] == [0, 1, 2, 3]
   lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert lines[-1]["train_loss_worker_0"] < lines[0]["train_loss_worker_0"]
   assert "compute_s_host_3" in lines[0]  # every process's timing reached process 0
@@ -87,8 +88,10 @@ def test_a_killed_process_stops_the_run_and_a_restart_resumes_it(tmp_path):
   rest, err = proc.communicate(timeout=420)
   assert proc.returncode == 0, (rest + err)[-4000:]
   assert "process 1 exited with code -9" in err and "restart 1 of 1" in err
+  resumed = re.search(r"\[p0\].*resumed .* from round (\d+)", rest)
+  assert resumed and int(resumed.group(1)) >= 2, "the restart did not resume"
   summary = json.loads((tmp_path / "summary.json").read_text())
-  assert summary["rounds"] == 10
+  assert summary["rounds"] == 10 and summary["tokens"] == 10 * 2 * 4 * 4 * 64
   steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert steps == sorted(set(steps)) and steps[-1] == 40  # no duplicated rounds after resume
   assert time.time() - killed_at < 400
@@ -110,3 +113,13 @@ def test_without_restarts_a_killed_process_fails_the_launcher_quickly(tmp_path):
   assert proc.returncode == 1
   assert time.time() - killed_at < 10  # well within the heartbeat timeout
   assert "process 0 exited with code -9" in err and "Its last lines" in err
+
+
+def test_a_host_table_that_does_not_fit_the_processes_fails_at_start_up(tmp_path):
+  proc = _launch("--num_processes", "2", "--", "--config=configs/diloco_hetero.py",
+                 f"--workdir={tmp_path}")
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 1
+  assert "the host table has 4 rows but 2 processes joined" in out + err
+  assert "Traceback" not in out + err
+  assert not (tmp_path / "checkpoints").exists()

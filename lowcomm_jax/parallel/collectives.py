@@ -6,14 +6,28 @@ turning these into cross-device all-reduces), or `jax.shard_map` over a mesh axi
 """
 
 import jax
+from jax.flatten_util import ravel_pytree
 
 from lowcomm_jax.parallel import ledger
+
+
+def _as_one_buffer(reduce, tree):
+  """Applies an all-reduce to the whole tree as one flat buffer per dtype.
+
+  Many small collectives each pay the fabric's latency (milliseconds over gloo/TCP); one
+  buffer pays it once, like DDP's gradient buckets. The ravel/unravel copies are local.
+  """
+  leaves = jax.tree.leaves(tree)
+  if len(leaves) <= 1 or len({x.dtype for x in leaves}) > 1:
+    return jax.tree.map(reduce, tree)
+  flat, unravel = ravel_pytree(tree)
+  return unravel(reduce(flat))
 
 
 def mean(tree, axis_name: str = "replica"):
   """Mean of `tree` over all workers on `axis_name` (an all-reduce)."""
   ledger.record("all_reduce", tree, jax.lax.axis_size(axis_name))
-  return jax.lax.pmean(tree, axis_name)
+  return _as_one_buffer(lambda x: jax.lax.pmean(x, axis_name), tree)
 
 
 def all_gather(tree, axis_name: str = "replica"):
@@ -25,4 +39,4 @@ def all_gather(tree, axis_name: str = "replica"):
 def sum(tree, axis_name: str = "replica"):  # noqa: A001 - mirrors lax.psum
   """Sum of `tree` over all workers on `axis_name` (an all-reduce)."""
   ledger.record("all_reduce", tree, jax.lax.axis_size(axis_name))
-  return jax.lax.psum(tree, axis_name)
+  return _as_one_buffer(lambda x: jax.lax.psum(x, axis_name), tree)

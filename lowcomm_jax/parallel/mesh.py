@@ -29,10 +29,15 @@ def make_mesh(replica: int, data: int = 1, model: int = 1) -> Mesh:
   return _mesh(devices, replica, data, model)
 
 
-def make_local_mesh(data: int = 1, model: int = 1) -> Mesh:
-  """This process's devices only: where its hosts' local programs run."""
-  devices = jax.local_devices()
-  return _mesh(devices, len(devices) // (data * model), data, model)
+def local_part(global_mesh: Mesh) -> Mesh:
+  """This process's block of the global mesh: where its hosts' local programs run.
+
+  Taken from the global mesh (not jax.local_devices()) so local and global device orders
+  agree, which `to_global` relies on to stitch shards without a copy.
+  """
+  p = jax.process_index()
+  rows = [row for row in global_mesh.devices if all(d.process_index == p for d in row.flat)]
+  return Mesh(np.asarray(rows, dtype=object), AXES, axis_types=(AxisType.Auto,) * 3)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
