@@ -32,3 +32,18 @@ def load_config(name: str, **overrides):
 @pytest.fixture
 def smoke_config():
   return lambda **overrides: load_config("smoke", **overrides)
+
+
+def train_rounds(config, rounds: int):
+  """Builds `config` and trains `rounds` rounds the way train.run does, without the files.
+
+  Returns (run, global state, this process's worker states, last round's metrics)."""
+  from lowcomm_jax import train
+  r = train.build(config)
+  fns = train.jitted_steps(r)
+  state, workers = train.init_run(r, fns)
+  for _ in range(rounds):
+    batches = [s.next_round(h.inner_steps) for s, h in zip(r.streams, r.hosts)]
+    state, workers, metrics, _ = train.train_round(
+        r, fns, state, workers, batches, r.worker_weights([h.inner_steps for h in r.hosts]))
+  return r, state, workers, metrics

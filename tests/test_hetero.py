@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from lowcomm_jax import config_check, train
+from conftest import train_rounds
 from lowcomm_jax.hosts import host
 from test_train import _checkpointed_state
 
@@ -16,13 +17,7 @@ def _tiers_config(smoke_config, hosts, **overrides):
 
 
 def _params_after(config, rounds):
-  r = train.build(config)
-  fns = train.jitted_steps(r)
-  state, workers = train.init_run(r, fns)
-  for _ in range(rounds):
-    batches = [s.next_round(h.inner_steps) for s, h in zip(r.streams, r.hosts)]
-    state, workers, metrics, _ = train.train_round(
-        r, fns, state, workers, batches, r.worker_weights([h.inner_steps for h in r.hosts]))
+  r, state, _, metrics = train_rounds(config, rounds)
   return r, state.params, metrics
 
 

@@ -5,19 +5,9 @@ import re
 import jax
 import numpy as np
 
+from conftest import train_rounds
 from lowcomm_jax import train
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
-
-
-def _train_rounds(config, rounds: int):
-  r = train.build(config)
-  fns = train.jitted_steps(r)
-  state, workers = train.init_run(r, fns)
-  for _ in range(rounds):
-    batches = [s.next_round(h.inner_steps) for s, h in zip(r.streams, r.hosts)]
-    state, workers, metrics, _ = train.train_round(
-        r, fns, state, workers, batches, r.worker_weights([h.inner_steps for h in r.hosts]))
-  return r, state, workers, metrics
 
 
 def test_diloco_h1_sgd_outer_lr1_equals_ddp_with_sgd(smoke_config):
@@ -25,8 +15,8 @@ def test_diloco_h1_sgd_outer_lr1_equals_ddp_with_sgd(smoke_config):
             "optimizer.grad_clip": 0.0, "num_workers": 4}
   diloco = smoke_config(algorithm="diloco", **{"outer.lr": 1.0, "outer.momentum": 0.0}, **common)
   ddp = smoke_config(algorithm="ddp", **common)
-  _, s_diloco, _, m_diloco = _train_rounds(diloco, 4)
-  _, s_ddp, _, m_ddp = _train_rounds(ddp, 4)
+  _, s_diloco, _, m_diloco = train_rounds(diloco, 4)
+  _, s_ddp, _, m_ddp = train_rounds(ddp, 4)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-5),
                s_diloco.params, s_ddp.params)
   np.testing.assert_allclose(m_diloco["train_loss_per_worker"], m_ddp["train_loss_per_worker"],
@@ -39,8 +29,8 @@ def test_diloco_h1_sgd_outer_lr1_equals_ddp_with_sgd(smoke_config):
 def test_workers_split_over_devices_match_workers_vmapped_on_one(smoke_config):
   assert jax.device_count() >= 4
   config = lambda replica: smoke_config(num_workers=4, **{"mesh.replica": replica})
-  r4, s4, w4, m4 = _train_rounds(config(4), 2)
-  r1, s1, _, m1 = _train_rounds(config(1), 2)
+  r4, s4, w4, m4 = train_rounds(config(4), 2)
+  r1, s1, _, m1 = train_rounds(config(1), 2)
   assert dict(r4.mesh.shape)["replica"] == 4 and dict(r1.mesh.shape)["replica"] == 1
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4),
                s4.params, s1.params)
