@@ -84,8 +84,9 @@ def main():
   deltas, losses = jax.tree.map(zeros, deltas), zeros(losses)
   finish = fns[1]
   with jax.set_mesh(r.mesh):
-    outer = _median_seconds(lambda: finish(state, deltas, losses, r.hidden_per_worker,
-                                           weights)[0].params, args.repeats)
+    hidden, weights = r.replicated_input(r.hidden_per_worker), r.replicated_input(weights)
+    outer = _median_seconds(lambda: finish(state, deltas, losses, hidden, weights)[0].params,
+                            args.repeats)
     # Bare all-reduce of the same bytes per worker.
     sharding = NamedSharding(r.mesh, P("replica"))
     flat = jax.make_array_from_callback(

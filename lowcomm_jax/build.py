@@ -47,6 +47,19 @@ class Run:
   param_bytes: int
   tier_bytes: dict[float, dict[str, int]]  # per tier: parameter and optimizer bytes per worker
   hidden_per_worker: np.ndarray  # [R] FFN hidden units each worker trains
+  _placed: dict = dataclasses.field(default_factory=dict)
+
+  def replicated_input(self, x: np.ndarray) -> jax.Array:
+    """`x` as a global replicated array, placed once per distinct value.
+
+    Placing host data on a multi-process mesh checks that every process passed the same
+    value — an all-gather. Paid every round, it was most of the outer step's overhead.
+    """
+    x = np.asarray(x)
+    key = (x.dtype.str, x.shape, x.tobytes())
+    if key not in self._placed:
+      self._placed[key] = jax.device_put(x, mesh_lib.replicated(self.mesh))
+    return self._placed[key]
 
   def round_tokens(self, inner_steps_per_host) -> list[int]:
     """Tokens each host's workers process in a round with these H."""
@@ -243,5 +256,7 @@ def train_round(r: Run, fns, state: steps.TrainState, workers: tuple, batches_pe
   deltas_R = mesh_lib.to_global(deltas_local, r.mesh, r.config.num_workers)
   losses_R = mesh_lib.to_global(losses_local, r.mesh, r.config.num_workers)
   with jax.set_mesh(r.mesh):
-    state, metrics = finish_fn(state, deltas_R, losses_R, r.hidden_per_worker, weight_R)
+    state, metrics = finish_fn(state, deltas_R, losses_R,
+                               r.replicated_input(r.hidden_per_worker),
+                               r.replicated_input(weight_R))
   return state, tuple(new_workers), metrics, compute
