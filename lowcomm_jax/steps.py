@@ -90,17 +90,24 @@ def make_outer_step(outer_tx: optax.GradientTransformation, *, nested: bool,
   times weight[w]; otherwise the aggregator is a plain mean and hidden/weight are unused.
   """
 
-  def worker(params, outer_opt_state, delta, hidden, weight):
+  def coordinate_weights(params, hidden, weight):
+    return jax.tree.map(lambda m: m * weight, tier_mask(params, hidden))
+
+  def worker(params, outer_opt_state, delta, hidden, weight, totals):
     extra = {}
     if nested:
-      extra["coordinate_weights"] = jax.tree.map(lambda m: m * weight, tier_mask(params, hidden))
+      extra = {"coordinate_weights": coordinate_weights(params, hidden, weight),
+               "weight_totals": totals}
     updates, outer_opt_state = outer_tx.update(delta, outer_opt_state, params, **extra)
     return optax.apply_updates(params, updates), outer_opt_state
 
   def outer_step(params, outer_opt_state, deltas_R, hidden_R, weight_R):
+    # Σ_w weights from the replicated per-worker vectors: computed here, never communicated.
+    totals = (jax.tree.map(lambda w: w.sum(0), jax.vmap(coordinate_weights, in_axes=(None, 0, 0))(
+        params, hidden_R, weight_R)) if nested else None)
     new_params, outer_opt_state = jax.vmap(
-        worker, in_axes=(None, None, 0, 0, 0), out_axes=(None, None), axis_name=axis_name,
-        spmd_axis_name=axis_name)(params, outer_opt_state, deltas_R, hidden_R, weight_R)
+        worker, in_axes=(None, None, 0, 0, 0, None), out_axes=(None, None), axis_name=axis_name,
+        spmd_axis_name=axis_name)(params, outer_opt_state, deltas_R, hidden_R, weight_R, totals)
     metrics = {"param_norm": optax.tree.norm(new_params),
                "outer_update_norm": optax.tree.norm(jax.tree.map(jnp.subtract, new_params,
                                                                  params))}

@@ -38,6 +38,9 @@ def test_narrow_workers_never_dilute_the_full_width_workers_outer_units(smoke_co
     np.testing.assert_allclose(a[outer], b[outer], rtol=1e-5, atol=1e-7)
     assert not np.allclose(a[inner], b[inner])
   assert not np.allclose(p_alone["wte"]["embedding"], p_shared["wte"]["embedding"])
+  # Only the pseudo-gradient crosses the network: the weight totals are computed locally.
+  shared_run = train.build(shared)
+  assert shared_run.outer_bytes().sent == shared_run.param_bytes
 
 
 def test_heterogeneous_run_end_to_end(tmp_path, smoke_config):

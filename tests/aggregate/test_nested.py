@@ -9,8 +9,9 @@ from lowcomm_jax.model.matformer import pad_tier, slice_tier, tier_mask
 
 def _aggregate(deltas_R, weights_R):
   tx = nested_mean()
-  return jax.vmap(lambda d, w: tx.update(d, tx.init(d), coordinate_weights=w)[0],
-                  axis_name="replica", out_axes=None)(deltas_R, weights_R)
+  totals = jax.tree.map(lambda w: w.sum(0), weights_R)
+  update = lambda d, w: tx.update(d, tx.init(d), coordinate_weights=w, weight_totals=totals)[0]
+  return jax.vmap(update, axis_name="replica", out_axes=None)(deltas_R, weights_R)
 
 
 def test_two_tiers_hand_computed():
