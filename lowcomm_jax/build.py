@@ -160,7 +160,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
 
   def init_fn():
     params = nnx.to_pure_dict(nnx.state(GPT(model_cfg, rngs=nnx.Rngs(params=c.seed)), nnx.Param))
-    return steps.init_state(params, seed=c.seed, outer_tx=outer_tx)
+    return steps.init_state(params, seed=c.seed, outer_tx=outer_tx, num_workers=c.num_workers)
 
   def finish_round(state, deltas_R, losses_R, hidden_R, weight_R):
     """The global program: aggregate all workers' Δ and apply the outer rule."""
@@ -170,21 +170,27 @@ def build(config: ml_collections.ConfigDict) -> Run:
     return steps.TrainState(state.round + 1, state.rng, params, outer_opt_state), metrics
 
   abstract_state = jax.eval_shape(init_fn)
+  aggregator_state, rule_state = jax.eval_shape(outer_tx.init, abstract_state.params)
   tier_bytes = {}
   for h, tx in zip(hosts, inner_txs):
     tier_params = jax.eval_shape(lambda p, m=h.hidden: slice_tier(p, m), abstract_state.params)
     tier_opt = (jax.eval_shape(tx.init, tier_params) if c.algorithm == "diloco"
-                else abstract_state.outer_opt_state)  # DDP: the one per-step optimizer
+                else rule_state)  # DDP: the one per-step optimizer
     tier_bytes[h.tier] = {"param_bytes": ledger.tree_bytes(tier_params),
-                          "optimizer_bytes": ledger.tree_bytes(tier_opt)}
+                          "optimizer_bytes": ledger.tree_bytes(tier_opt),
+                          "codec_state_bytes": ledger.tree_bytes(aggregator_state)}
   rep = mesh_lib.replicated(mesh)
+  state_shardings = steps.TrainState(
+      rep, rep, jax.tree.map(lambda _: rep, abstract_state.params),
+      (jax.tree.map(lambda _: mesh_lib.per_worker(mesh), abstract_state.outer_opt_state[0]),
+       jax.tree.map(lambda _: rep, abstract_state.outer_opt_state[1])))
   return Run(
       config=c, mesh=mesh, local_mesh=local_mesh, model_cfg=model_cfg, graphdef=graphdef,
       hosts=hosts, local_hosts=local_hosts, local_rounds=local_rounds,
       init_workers=init_workers, finish_round=finish_round,
       eval_step=steps.make_eval_step(_loss_fn(graphdef)), init_fn=init_fn,
       abstract_state=abstract_state,
-      state_shardings=jax.tree.map(lambda _: rep, abstract_state),
+      state_shardings=state_shardings,
       streams=[WorkerStreams(train_tokens, worker_ids=hosts[i].worker_ids,
                              seq_len=c.data.seq_len, batch_size=hosts[i].batch_size,
                              seed=c.seed, batch_mode=c.data.batch_mode) for i in local_hosts],
@@ -233,7 +239,8 @@ def train_round(r: Run, fns, state: steps.TrainState, workers: tuple, batches_pe
   """
   local_fns, finish_fn, _ = fns
   sharding = mesh_lib.round_batches(r.local_mesh)
-  view = mesh_lib.local_view(state, r.local_mesh)
+  # Local programs read θ_global and the round key, never the (partly per-worker) outer state.
+  view = mesh_lib.local_view(state._replace(outer_opt_state=()), r.local_mesh)
   deltas, new_workers, losses, compute = [], [], [], []
   if timed:  # the previous round's outer step must not count as this round's compute
     jax.block_until_ready(view)

@@ -2,6 +2,7 @@
 
 import ml_collections
 
+from lowcomm_jax.compress import CODECS
 from lowcomm_jax.data.tokenizers import TOKENIZER_VOCAB
 from lowcomm_jax.model.presets import PRESETS
 
@@ -39,6 +40,8 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   for field in ("eval_every", "checkpoint_every", "log_every"):
     check(c[field] >= 0, field, "must be >= 0 (0: only at the end)")
   check(c.eval_batches >= 1, "eval_batches", "need at least one validation batch")
+
+  _check_compress(c, check)
 
   # Mesh: workers must spread evenly over replica devices, within the devices present.
   m = c.mesh
@@ -157,3 +160,23 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
 
   if problems:
     raise ConfigError(problems)
+
+
+def _check_compress(c: ml_collections.ConfigDict, check) -> None:
+  z = c.compress
+  check(z.codec in CODECS, "compress.codec", f"use one of {CODECS}")
+  check(0.0 < z.beta <= 1.0, "compress.beta", "the error-buffer decay must be in (0, 1]")
+  check(z.quant_block >= 0, "compress.quant_block", "use 0 (per row) or a positive block size")
+  check(0.0 < z.density <= 1.0, "compress.density", "must be in (0, 1]")
+  check(z.chunk >= 0, "compress.chunk", "use 0 (per tensor, topk only) or a positive side")
+  check(z.k >= 1, "compress.k", "send at least one entry per chunk")
+  if z.codec in ("sparseloco", "demo"):
+    check(z.chunk >= 2, "compress.chunk", f"{z.codec} is chunked; use e.g. 64")
+  if z.codec == "topk":
+    check(z.value_bits in (2, 32), "compress.value_bits", "topk sends 32-bit or 2-bit values")
+  if z.codec == "demo":
+    check(z.value_bits in (1, 32), "compress.value_bits",
+          "demo sends 32-bit values or 1-bit signs (value_bits=1)")
+  if z.codec == "fp8":
+    check(not z.stochastic_rounding, "compress.stochastic_rounding",
+          "stochastic rounding is implemented for int8/int4 only; set it False for fp8")

@@ -4,7 +4,7 @@ import jax
 import ml_collections
 import optax
 
-from lowcomm_jax import aggregate, outer
+from lowcomm_jax import aggregate, compress, outer
 
 
 def inner_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
@@ -43,15 +43,34 @@ def outer_optimizer(config: ml_collections.ConfigDict, inner_tx: optax.GradientT
                     *, nested: bool = False) -> optax.GradientTransformation:
   """What turns the workers' pseudo-gradients (or gradients, for DDP) into a global update.
 
-  The aggregator comes first: it is the chain's only communication. `nested` picks the
-  tier-aware weighted mean (aggregate/nested.py) over the plain one. DDP clips and steps the
-  averaged gradient with the per-step optimizer; DiLoCo applies its outer Nesterov rule.
+  The aggregator comes first: it is the chain's only communication. With a codec
+  (`compress.codec`) it is the compressed mean (encode, all-gather payloads, decode); else
+  `nested` picks the tier-aware weighted mean (aggregate/nested.py) over the plain one (the
+  compressed mean takes the same tier weights). DDP steps the averaged gradient with the
+  per-step optimizer — or, with `demo`, with sign descent (DeMo/DisTrO); DiLoCo applies its
+  outer Nesterov rule.
   """
-  if config.algorithm == "ddp":
+  codec = compress.make_codec(config.compress, lr=config.optimizer.lr)
+  if config.algorithm == "ddp" and config.compress.codec == "demo":
+    rule = sign_descent(config.optimizer, config.rounds)
+  elif config.algorithm == "ddp":
     rule = inner_tx
   elif config.algorithm == "diloco":
     rule = outer.diloco_outer(config.outer.lr, config.outer.momentum, config.outer.nesterov)
   else:
     raise ValueError(f"unknown algorithm {config.algorithm!r}")
-  aggregator = aggregate.nested_mean("replica") if nested else aggregate.replica_mean("replica")
+  if codec is not None:
+    aggregator = aggregate.compressed_mean(codec, "replica", seed=config.seed)
+  elif nested:
+    aggregator = aggregate.nested_mean("replica")
+  else:
+    aggregator = aggregate.replica_mean("replica")
   return optax.chain(aggregator, rule)
+
+
+def sign_descent(opt: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
+  """DeMo's outer step: θ ← θ − lr·(sign(ĝ) + wd·θ) on the decoded gradient ĝ (decoupled
+  weight decay on matrices), on the run's warmup-cosine schedule."""
+  return optax.chain(optax.scale_by_sign(),
+                     optax.add_decayed_weights(opt.weight_decay, mask=_is_matrix),
+                     optax.scale_by_learning_rate(inner_schedule(opt, total_steps)))

@@ -25,6 +25,9 @@ import optax
 from lowcomm_jax.model.matformer import pad_tier, slice_tier, tier_mask
 from lowcomm_jax.outer import pseudo_gradient
 
+# vmap axes of the outer chain's state (aggregator, rule): per worker, global.
+PER_WORKER_AGGREGATOR = (0, None)
+
 LossFn = Callable[[Any, jax.Array, jax.Array | None], jax.Array]  # (params, windows, key)
 
 
@@ -34,7 +37,10 @@ class TrainState(NamedTuple):
   round: jax.Array  # outer rounds completed
   rng: jax.Array  # raw key data of the run's base key; step keys fold in (round, worker, step)
   params: Any  # θ_global
-  outer_opt_state: Any  # DiLoCo: outer momentum; DDP: the per-step optimizer's state
+  # optax.chain(aggregator, rule) state: (aggregator's [R, ...] per worker — a codec's
+  # error-feedback buffer, sharded over 'replica' — , the rule's: DiLoCo's outer momentum
+  # or DDP's per-step optimizer state, replicated)
+  outer_opt_state: Any
 
 
 def round_key(state: TrainState) -> jax.Array:
@@ -86,7 +92,8 @@ def make_outer_step(outer_tx: optax.GradientTransformation, *, nested: bool,
                     axis_name: str = "replica"):
   """`outer_step(params, outer_state, Δ[R], hidden[R], weight[R]) -> (params, outer_state, metrics)`.
 
-  With `nested`, worker w's aggregation weights are its tier mask (first hidden[w] FFN units)
+  `outer_tx` is `optax.chain(aggregator, rule)`; the aggregator's state is per worker (mapped
+  over the replica axis), the rule's is global. With `nested`, worker w's aggregation weights are its tier mask (first hidden[w] FFN units)
   times weight[w]; otherwise the aggregator is a plain mean and hidden/weight are unused.
   """
 
@@ -106,7 +113,8 @@ def make_outer_step(outer_tx: optax.GradientTransformation, *, nested: bool,
     totals = (jax.tree.map(lambda w: w.sum(0), jax.vmap(coordinate_weights, in_axes=(None, 0, 0))(
         params, hidden_R, weight_R)) if nested else None)
     new_params, outer_opt_state = jax.vmap(
-        worker, in_axes=(None, None, 0, 0, 0, None), out_axes=(None, None), axis_name=axis_name,
+        worker, in_axes=(None, PER_WORKER_AGGREGATOR, 0, 0, 0, None),
+        out_axes=(None, PER_WORKER_AGGREGATOR), axis_name=axis_name,
         spmd_axis_name=axis_name)(params, outer_opt_state, deltas_R, hidden_R, weight_R, totals)
     metrics = {"param_norm": optax.tree.norm(new_params),
                "outer_update_norm": optax.tree.norm(jax.tree.map(jnp.subtract, new_params,
@@ -125,11 +133,15 @@ def make_eval_step(loss_fn: LossFn):
   return eval_step
 
 
-def init_state(params, *, seed: int, outer_tx: optax.GradientTransformation) -> TrainState:
-  """Round-0 global state."""
+def init_state(params, *, seed: int, outer_tx: optax.GradientTransformation,
+               num_workers: int) -> TrainState:
+  """Round-0 global state (the aggregator's state stacked once per worker)."""
+  aggregator_state, rule_state = outer_tx.init(params)
+  per_worker = jax.tree.map(lambda x: jnp.broadcast_to(x, (num_workers,) + x.shape),
+                            aggregator_state)
   return TrainState(round=jnp.zeros((), jnp.int32),
                     rng=jax.random.key_data(jax.random.key(seed)),
-                    params=params, outer_opt_state=outer_tx.init(params))
+                    params=params, outer_opt_state=(per_worker, rule_state))
 
 
 def init_workers(params, *, workers: int, hidden: int, d_ff: int,

@@ -129,6 +129,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
                    bytes_sent=(round_bytes * round_).sent,
                    bytes_received=(round_bytes * round_).received,
                    bytes_sent_round=round_bytes.sent, bytes_received_round=round_bytes.received,
+                   compression_ratio=_compression_ratio(r, round_bytes) or 0.0,
                    steps_per_second=(round_ - clock["round"]) * c.inner_steps
                    / (now - clock["time"]))
     clock.update(round=round_, time=now)
@@ -215,6 +216,10 @@ def _host_timing(sched: _Schedule, compute: list[float]) -> dict:
   return out
 
 
+def _compression_ratio(r: Run, round_bytes) -> float | None:
+  return r.param_bytes / round_bytes.sent if round_bytes.sent else None
+
+
 def _summary(r: Run, sched: _Schedule, round_bytes, eval_loss, scalars, wall: float) -> dict:
   c = r.config
   sent = (round_bytes * c.rounds).sent
@@ -238,6 +243,9 @@ def _summary(r: Run, sched: _Schedule, round_bytes, eval_loss, scalars, wall: fl
       "bytes_sent": sent, "bytes_received": (round_bytes * c.rounds).received,
       "bytes_sent_ddp_equivalent": ddp_equivalent,
       "bytes_ratio_vs_ddp": ddp_equivalent / sent if sent else None,
+      "codec": c.compress.codec,
+      # Dense fp32 pseudo-gradient (or gradient) bytes per round / the bytes actually sent.
+      "compression_ratio": _compression_ratio(r, round_bytes),
       "wall_seconds": wall,
       "workers": workers,
       "tiers": {str(t): b for t, b in r.tier_bytes.items()},

@@ -62,11 +62,14 @@ def test_main_writes_tensorboard_jsonl_checkpoint_and_summary(tmp_path):
   assert steps == [2, 4, 6, 8, 10, 12]
 
 
-@pytest.mark.parametrize("algorithm", ["diloco", "ddp"])
+@pytest.mark.parametrize("algorithm,codec", [("diloco", "none"), ("ddp", "none"),
+                                             ("diloco", "sparseloco")])
 def test_resume_mid_run_is_bit_identical_to_an_uninterrupted_run(tmp_path, smoke_config,
-                                                                 algorithm):
+                                                                 algorithm, codec):
+  # With a codec the per-worker error-feedback buffers are part of the resumed state.
   config = smoke_config(algorithm=algorithm, rounds=4, checkpoint_every=2, **{
-      "model.dropout": 0.1, "inner_steps": 2 if algorithm == "diloco" else 1})
+      "model.dropout": 0.1, "inner_steps": 2 if algorithm == "diloco" else 1,
+      "compress.codec": codec})
   train.run(config, tmp_path / "straight")
   stopped = train.run(config, tmp_path / "resumed", stop_after_rounds=2)
   assert stopped == {"stopped_at_round": 2}
@@ -112,6 +115,11 @@ BAD_CONFIGS = [
     ({"data.tokenizer": "sentencepiece"}, "data.tokenizer='sentencepiece'"),
     ({"data.batch_mode": "mixed"}, "data.batch_mode='mixed'"),
     ({"model.vocab_size": 100}, "model.vocab_size=100"),
+    ({"compress.codec": "zip"}, "compress.codec='zip': use one of"),
+    ({"compress.codec": "demo", "compress.value_bits": 2}, "compress.value_bits=2: demo sends"),
+    ({"compress.density": 0.0}, "compress.density=0.0: must be in (0, 1]"),
+    ({"compress.codec": "fp8", "compress.stochastic_rounding": True},
+     "compress.stochastic_rounding=True"),
 ]
 
 

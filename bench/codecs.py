@@ -1,0 +1,111 @@
+"""Compression at equal tokens on TinyShakespeare (4 workers, model `small`), and codec speed.
+
+  python bench/codecs.py [--workdir bench/results/codecs] [--only NAME ...]
+  python bench/codecs.py --speed_only
+
+Methods: DDP, DiLoCo (H=20), DiLoCo + int8 / 4-bit / SparseLoCo, DDP + DeMo, DDP + DeMo 1-bit,
+all 2,457,600 tokens. Prints a table of final eval loss, bytes sent per worker and the ratio
+vs DDP, and the encode+decode time of every codec per 10M parameters (ten 1000x1000 fp32
+matrices, jitted, median of 5). Writes <workdir>/result.json. Finished runs are reused.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import runpy
+import statistics
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
+
+import jax  # noqa: E402
+
+from lowcomm_jax import compress, train  # noqa: E402
+
+METHODS = {  # name: (config file, overrides)
+    "ddp": ("ddp", {}),
+    "diloco": ("diloco_hetero", {"hosts": []}),
+    "diloco_int8": ("diloco_hetero", {"hosts": [], "compress.codec": "int8"}),
+    "diloco_int4": ("diloco_hetero", {"hosts": [], "compress.codec": "int4"}),
+    "diloco_sparseloco": ("diloco_sparseloco", {}),
+    "ddp_demo": ("ddp_demo", {}),
+    "ddp_demo_1bit": ("ddp_demo", {"compress.value_bits": 1}),
+}
+
+
+def _config(file: str, overrides: dict):
+  config = runpy.run_path(str(REPO / "configs" / f"{file}.py"))["get_config"]()
+  for dotted, value in overrides.items():
+    node = config
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+def codec_speed(repeats: int = 5) -> dict[str, float]:
+  """Seconds for encode + decode of 10M parameters, per codec (its default settings)."""
+  tree = {f"m{i}": jax.random.normal(jax.random.key(i), (1000, 1000)) for i in range(10)}
+  out = {}
+  defaults = _config("base", {})
+  for name in compress.CODECS[1:]:
+    cfg = defaults.compress.copy_and_resolve_references()
+    cfg.codec = name
+    cfg.k = 32 if name == "demo" else cfg.k
+    codec = compress.make_codec(cfg)
+    state = codec.init(tree)
+    key = jax.random.key(0)
+    fn = jax.jit(lambda t, s, k: codec.decode(codec.encode(t, s, k)[0], t, k))
+    jax.block_until_ready(fn(tree, state, key))
+    times = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(tree, state, key))
+      times.append(time.perf_counter() - t0)
+    out[name] = statistics.median(times)
+    print(f"{name:>10}: {out[name] * 1e3:8.1f} ms per 10M params "
+          f"(payload {codec.payload_bytes(tree) / 1e6:.2f} MB of {4e-6 * 1e7:.0f} MB)", flush=True)
+  return out
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--workdir", type=pathlib.Path, default=REPO / "bench/results/codecs")
+  p.add_argument("--only", nargs="*", default=None)
+  p.add_argument("--speed_only", action="store_true")
+  args = p.parse_args()
+  result = {"speed_ms_per_10M": {k: v * 1e3 for k, v in codec_speed().items()}}
+  if not args.speed_only:
+    rows = {}
+    for name, (file, overrides) in METHODS.items():
+      if args.only and name not in args.only:
+        continue
+      workdir = args.workdir / name
+      summary_path = workdir / "summary.json"
+      if summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+      else:
+        summary = train.run(_config(file, overrides), workdir)
+      rows[name] = {k: summary[k] for k in ("eval_loss", "bytes_sent", "tokens",
+                                            "compression_ratio", "wall_seconds")}
+    if "ddp" in rows:
+      ddp = rows["ddp"]
+      for row in rows.values():
+        row["bytes_ratio_vs_ddp"] = ddp["bytes_sent"] / row["bytes_sent"]
+        row["loss_vs_ddp"] = row["eval_loss"] / ddp["eval_loss"] - 1
+    result["runs"] = rows
+    print("| method | eval loss | vs DDP | MiB sent per worker | DDP bytes / bytes | wall s |")
+    print("|---|---|---|---|---|---|")
+    for name, row in rows.items():
+      print(f"| {name} | {row['eval_loss']:.4f} | {row.get('loss_vs_ddp', 0):+.1%} | "
+            f"{row['bytes_sent'] / 2**20:.3f} | {row.get('bytes_ratio_vs_ddp', 0):,.0f} | "
+            f"{row['wall_seconds']:.0f} |")
+  args.workdir.mkdir(parents=True, exist_ok=True)
+  (args.workdir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,52 @@
+"""Compressed mean: encode locally, all-gather the payloads, decode and average.
+
+The codec (compress/) is passed in, not imported: aggregators only need its interface
+(`init`, `encode`, `average`, `decode_sum`). The payload arrays are all that crosses the
+network, so the ledger counts exactly the packed bytes.
+
+State is per worker: the codec's error-feedback buffer, and a round counter from which every
+sender's key is derived (so receivers regenerate the senders' random draws). With
+`coordinate_weights` / `weight_totals` (tier-aware aggregation, aggregate/nested.py) the
+worker encodes a_w ⊙ Δ_w and the decoded sum is divided by Σ_w a_w.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lowcomm_jax.parallel import collectives
+
+
+class CompressedMeanState(NamedTuple):
+  count: jax.Array  # rounds encoded so far
+  codec_state: Any  # this worker's error-feedback buffer (or ())
+
+
+def compressed_mean(codec, axis_name: str = "replica", seed: int = 0
+                    ) -> optax.GradientTransformationExtraArgs:
+  """Mean over the workers on `axis_name` of their decoded, compressed updates."""
+
+  def init_fn(params):
+    return CompressedMeanState(jnp.zeros((), jnp.int32), codec.init(params))
+
+  def update_fn(updates, state, params=None, *, coordinate_weights=None, weight_totals=None,
+                **extra_args):
+    del params, extra_args
+    round_key = jax.random.fold_in(jax.random.key(seed), state.count)
+    size = jax.lax.axis_size(axis_name)
+    sender_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(round_key, jnp.arange(size))
+    my_key = jax.random.fold_in(round_key, jax.lax.axis_index(axis_name))
+    if coordinate_weights is not None:
+      updates = jax.tree.map(lambda a, u: a * u, coordinate_weights, updates)
+    payload, codec_state = codec.encode(updates, state.codec_state, my_key)
+    payloads = collectives.all_gather(payload, axis_name)
+    if coordinate_weights is None:
+      mean = codec.average(payloads, updates, sender_keys)
+    else:
+      total = codec.decode_sum(payloads, updates, sender_keys)
+      mean = jax.tree.map(lambda n, d: n / jnp.where(d > 0, d, 1.0), total, weight_totals)
+    return mean, CompressedMeanState(state.count + 1, codec_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
