@@ -54,7 +54,6 @@ def codec_speed(repeats: int = 5) -> dict[str, float]:
   for name in compress.CODECS[1:]:
     cfg = defaults.compress.copy_and_resolve_references()
     cfg.codec = name
-    cfg.k = 32 if name == "demo" else cfg.k
     codec = compress.make_codec(cfg)
     state = codec.init(tree)
     key = jax.random.key(0)

@@ -55,13 +55,13 @@ def get_config() -> ml_collections.ConfigDict:
   # there is DisTrO-style training: DeMo momentum + DCT top-k, sign descent).
   c.compress = ml_collections.ConfigDict()
   c.compress.codec = "none"  # none | int8 | fp8 | int4 | topk | randomk | sparseloco | demo
-  c.compress.error_feedback = True  # keep what was not sent and re-send it (always on for sparseloco/demo)
-  c.compress.beta = 1.0  # error-buffer decay e = beta*e + x (SparseLoCo 0.95, DeMo momentum 0.999)
+  c.compress.error_feedback = True  # keep what was not sent and re-send it (sparseloco/demo always do)
+  c.compress.beta = -1.0  # error-buffer decay e = beta*e + x; -1: the codec's (1.0; SparseLoCo 0.95; DeMo momentum 0.999)
   c.compress.quant_block = 0  # int8/fp8/int4: one scale per row (0) or per this many entries
   c.compress.stochastic_rounding = False  # int8/int4: round to a random neighbour (unbiased)
   c.compress.density = 0.01  # topk (chunk=0) / randomk: fraction of each tensor's entries sent
   c.compress.chunk = 64  # topk/sparseloco/demo: chunk side (chunk x chunk blocks); topk 0 = per tensor
-  c.compress.k = 64  # topk/sparseloco/demo: entries sent per chunk (SparseLoCo 64 of 4096, DeMo 32)
+  c.compress.k = 0  # topk/sparseloco/demo: entries sent per chunk; 0: the codec's (64 of 4096; DeMo 32)
   c.compress.value_bits = 32  # topk: 32 or 2; demo: 32 or 1 (sign only); sparseloco is always 2
   c.compress.mean_over_senders = False  # demo: average each coefficient over the workers that sent it
 

@@ -165,11 +165,12 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
 def _check_compress(c: ml_collections.ConfigDict, check) -> None:
   z = c.compress
   check(z.codec in CODECS, "compress.codec", f"use one of {CODECS}")
-  check(0.0 < z.beta <= 1.0, "compress.beta", "the error-buffer decay must be in (0, 1]")
+  check(z.beta == -1.0 or 0.0 < z.beta <= 1.0, "compress.beta",
+        "the error-buffer decay must be in (0, 1], or -1 for the codec's default")
   check(z.quant_block >= 0, "compress.quant_block", "use 0 (per row) or a positive block size")
   check(0.0 < z.density <= 1.0, "compress.density", "must be in (0, 1]")
   check(z.chunk >= 0, "compress.chunk", "use 0 (per tensor, topk only) or a positive side")
-  check(z.k >= 1, "compress.k", "send at least one entry per chunk")
+  check(z.k >= 0, "compress.k", "entries per chunk: >= 1, or 0 for the codec's default")
   if z.codec in ("sparseloco", "demo"):
     check(z.chunk >= 2, "compress.chunk", f"{z.codec} is chunked; use e.g. 64")
   if z.codec == "topk":
@@ -177,6 +178,14 @@ def _check_compress(c: ml_collections.ConfigDict, check) -> None:
   if z.codec == "demo":
     check(z.value_bits in (1, 32), "compress.value_bits",
           "demo sends 32-bit values or 1-bit signs (value_bits=1)")
+    check(c.algorithm == "ddp", "algorithm",
+          "compress.codec=demo is DeMo/DisTrO's per-step optimizer (sign descent on the decoded "
+          "momentum); use --config.algorithm=ddp, or another codec for diloco")
+  tiered = c.aggregate.weighting == "tokens" or any(float(h.tier) < 1.0 for h in c.hosts)
+  if z.mean_over_senders:
+    check(not tiered, "compress.mean_over_senders",
+          "averaging over senders replaces the tier/token weights; set it False with "
+          "MatFormer tiers < 1 or aggregate.weighting=tokens")
   if z.codec == "fp8":
     check(not z.stochastic_rounding, "compress.stochastic_rounding",
           "stochastic rounding is implemented for int8/int4 only; set it False for fp8")

@@ -129,9 +129,10 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
                    bytes_sent=(round_bytes * round_).sent,
                    bytes_received=(round_bytes * round_).received,
                    bytes_sent_round=round_bytes.sent, bytes_received_round=round_bytes.received,
-                   compression_ratio=_compression_ratio(r, round_bytes) or 0.0,
                    steps_per_second=(round_ - clock["round"]) * c.inner_steps
                    / (now - clock["time"]))
+    if round_bytes.sent:
+      scalars["compression_ratio"] = _compression_ratio(r, round_bytes)
     clock.update(round=round_, time=now)
     if eval_loss is not None:
       scalars["eval_loss"] = eval_loss

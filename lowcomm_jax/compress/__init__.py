@@ -19,6 +19,15 @@ from lowcomm_jax.compress.quantize import Fp8, Uniform
 from lowcomm_jax.compress.sparse import RandomK, TopK, randomk_codec, topk_codec
 
 CODECS = ("none", "int8", "fp8", "int4", "topk", "randomk", "sparseloco", "demo")
+DEFAULT_BETA = {"sparseloco": 0.95, "demo": 0.999}  # others: 1.0 (classic error feedback)
+DEFAULT_K = {"demo": 32}  # others: 64 per 4096-entry chunk (SparseLoCo's)
+
+
+def resolved(cfg: ml_collections.ConfigDict) -> tuple[float, int]:
+  """(beta, k) with the codec's defaults filled in for the -1 / 0 config sentinels."""
+  beta = cfg.beta if cfg.beta > 0 else DEFAULT_BETA.get(cfg.codec, 1.0)
+  k = cfg.k if cfg.k > 0 else DEFAULT_K.get(cfg.codec, 64)
+  return beta, k
 
 
 def make_codec(cfg: ml_collections.ConfigDict, *, lr: float = 1.0) -> TreeCodec | None:
@@ -26,30 +35,31 @@ def make_codec(cfg: ml_collections.ConfigDict, *, lr: float = 1.0) -> TreeCodec 
   momentum scale (the run's learning rate)."""
   name = cfg.codec
   ef = cfg.error_feedback
+  beta, k = resolved(cfg)
   if name == "none":
     return None
   if name in ("int8", "int4"):
     bits = 8 if name == "int8" else 4
     return TreeCodec(name, lambda s: Uniform(s, bits, cfg.quant_block, cfg.stochastic_rounding),
-                     error_feedback=ef, beta=cfg.beta)
+                     error_feedback=ef, beta=beta)
   if name == "fp8":
-    return TreeCodec(name, lambda s: Fp8(s, cfg.quant_block), error_feedback=ef, beta=cfg.beta)
+    return TreeCodec(name, lambda s: Fp8(s, cfg.quant_block), error_feedback=ef, beta=beta)
   if name == "topk":
     return TreeCodec(name, lambda s: topk_codec(s, density=cfg.density, chunk=cfg.chunk,
-                                                 k=cfg.k, value_bits=cfg.value_bits),
-                     error_feedback=ef, beta=cfg.beta)
+                                                 k=k, value_bits=cfg.value_bits),
+                     error_feedback=ef, beta=beta)
   if name == "randomk":
     return TreeCodec(name, lambda s: randomk_codec(s, density=cfg.density),
-                     error_feedback=ef, beta=cfg.beta)
+                     error_feedback=ef, beta=beta)
   if name == "sparseloco":
-    return TreeCodec(name, lambda s: topk_codec(s, density=1.0, chunk=cfg.chunk, k=cfg.k,
+    return TreeCodec(name, lambda s: topk_codec(s, density=1.0, chunk=cfg.chunk, k=k,
                                                  value_bits=2),
-                     error_feedback=True, beta=cfg.beta)
+                     error_feedback=True, beta=beta)
   if name == "demo":
-    return TreeCodec(name, lambda s: DCTTopK(s, chunk=cfg.chunk, k=cfg.k,
+    return TreeCodec(name, lambda s: DCTTopK(s, chunk=cfg.chunk, k=k,
                                              sign_only=cfg.value_bits == 1,
                                              mean_over_senders=cfg.mean_over_senders),
-                     error_feedback=True, beta=cfg.beta, scale=lr)
+                     error_feedback=True, beta=beta, scale=lr)
   raise ValueError(f"unknown compress.codec {name!r}; use one of {CODECS}")
 
 

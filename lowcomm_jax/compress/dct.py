@@ -23,7 +23,11 @@ import numpy as np
 from lowcomm_jax.compress.chunks import chunks_for
 from lowcomm_jax.compress.codec import LeafCodec
 from lowcomm_jax.compress.packing import index_dtype, pack_bits, unpack_bits
+from lowcomm_jax.compress.quantize import valid_count, valid_mask
 from lowcomm_jax.compress.sparse import kept_per_chunk
+
+
+HIGHEST = jax.lax.Precision.HIGHEST  # full fp32 matmuls (not TF32/bf16 passes on GPUs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,18 +48,20 @@ class DCTTopK(LeafCodec):
     self.k = kept_per_chunk(k, self.chunks.size)
     self.sign_only, self.mean_over_senders = sign_only, mean_over_senders
     self.index_dtype = index_dtype(self.chunks.size)
+    self.count_dtype = index_dtype(self.k + 1)
     self.d1 = dct_matrix(self.chunks.s1)  # numpy: constants, never tracers
     self.d2 = dct_matrix(self.chunks.s2)
 
   def to_coefficients(self, x):
     """Tensor -> [chunks, s1·s2] DCT coefficients."""
     c = self.chunks.split(x)
-    y = jnp.einsum("ij,cjk,lk->cil", self.d1, c, self.d2)
+    y = jnp.einsum("ij,cjk,lk->cil", self.d1, c, self.d2, precision=HIGHEST)
     return y.reshape(self.chunks.count, self.chunks.size)
 
   def from_coefficients(self, y):
     y = y.reshape(self.chunks.count, self.chunks.s1, self.chunks.s2)
-    return self.chunks.join(jnp.einsum("ji,cjk,kl->cil", self.d1, y, self.d2))
+    return self.chunks.join(jnp.einsum("ji,cjk,kl->cil", self.d1, y, self.d2,
+                                       precision=HIGHEST))
 
   def _scatter(self, idx, values, R: int | None = None):
     rows = jnp.arange(self.chunks.count)[:, None]
@@ -71,6 +77,7 @@ class DCTTopK(LeafCodec):
     payload = {"index": idx.astype(self.index_dtype)}
     if self.sign_only:
       payload["sign"] = pack_bits((selected >= 0).astype(jnp.uint8), 1)
+      payload["valid"] = valid_count(selected, self.count_dtype)  # signs cannot say 0
     else:
       payload["value"] = selected
     return payload, self.from_coefficients(self._scatter(idx, selected))
@@ -80,8 +87,13 @@ class DCTTopK(LeafCodec):
       return payload["value"]
     n = self.chunks.count * self.k
     unpack = lambda packed: unpack_bits(packed, 1, n)
-    bits = jax.vmap(unpack)(payload["sign"]) if leading else unpack(payload["sign"])
-    return (bits.astype(jnp.float32) * 2 - 1).reshape(leading + (self.chunks.count, self.k))
+    if leading:
+      bits = jax.vmap(unpack)(payload["sign"])
+      mask = jax.vmap(lambda v: valid_mask(v, self.k))(payload["valid"])
+    else:
+      bits, mask = unpack(payload["sign"]), valid_mask(payload["valid"], self.k)
+    signs = (bits.astype(jnp.float32) * 2 - 1).reshape(leading + (self.chunks.count, self.k))
+    return signs * mask
 
   def decode(self, payload, key):
     return self.from_coefficients(self._scatter(payload["index"], self._values(payload)))
@@ -90,7 +102,7 @@ class DCTTopK(LeafCodec):
     R = payloads_R["index"].shape[0]
     values = self._values(payloads_R, (R,))
     total = self._scatter(payloads_R["index"], values, R)
-    count = self._scatter(payloads_R["index"], jnp.ones_like(values), R)
+    count = self._scatter(payloads_R["index"], (values != 0).astype(jnp.float32), R)
     return total, count, R
 
   def decode_sum(self, payloads_R, keys_R):

@@ -96,15 +96,28 @@ class Fp8(_Grouped):
 
 def two_bit_values(v, axis=-1):
   """Sparse values -> (uint8 codes 0..3, fp32 scale per row of `axis`): levels ±s, ±s/3
-  with s = max|v| (top-k values are large, so no zero level); |v − v̂| <= s/3."""
+  with s = max|v|; |v − v̂| <= s/3. There is no zero level (top-k values are the large
+  ones): callers mark selected zeros with `valid_mask`, and an all-zero row has s = 0."""
   s = jnp.max(jnp.abs(v), axis=axis, keepdims=True)
-  s = jnp.where(s > 0, s, 1.0)
-  codes = jnp.clip(jnp.round(v / s * 1.5 + 1.5), 0, 3).astype(jnp.uint8)
-  return codes, s
+  codes = jnp.clip(jnp.round(v / jnp.where(s > 0, s, 1.0) * 1.5 + 1.5), 0, 3)
+  return codes.astype(jnp.uint8), s
 
 
 def two_bit_decode(codes, s):
   return (codes.astype(jnp.float32) - 1.5) / 1.5 * s
+
+
+def valid_count(selected, dtype):
+  """Per row of top-k `selected` (sorted by falling magnitude): how many are nonzero.
+
+  Sent beside 2-bit or 1-bit values, which cannot express 0: without it a chunk with fewer
+  than k nonzeros (a tier-masked or all-zero chunk) would decode its zeros as ±levels."""
+  return jnp.sum(selected != 0, axis=1).astype(dtype)
+
+
+def valid_mask(count, k: int):
+  """[rows, k] mask of the entries `valid_count` says are real."""
+  return jnp.arange(k)[None, :] < count.astype(jnp.int32)[:, None]
 
 
 def fp8_bound(x, scale):

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from lowcomm_jax.compress.chunks import Chunks, chunks_for
 from lowcomm_jax.compress.codec import LeafCodec
 from lowcomm_jax.compress.packing import index_dtype, pack_bits, unpack_bits
-from lowcomm_jax.compress.quantize import two_bit_decode, two_bit_values
+from lowcomm_jax.compress.quantize import (two_bit_decode, two_bit_values, valid_count,
+                                           valid_mask)
 
 
 def whole_tensor(shape) -> Chunks:
@@ -39,6 +40,7 @@ class TopK(LeafCodec):
     assert value_bits in (2, 32), value_bits
     self.chunks, self.k, self.value_bits = chunks, k, value_bits
     self.index_dtype = index_dtype(chunks.size)
+    self.count_dtype = index_dtype(k + 1)
 
   def _flat_chunks(self, x):
     return self.chunks.split(x).reshape(self.chunks.count, self.chunks.size)
@@ -56,8 +58,9 @@ class TopK(LeafCodec):
     payload = {"index": idx.astype(self.index_dtype)}
     if self.value_bits == 2:
       codes, s = two_bit_values(values)
-      payload.update(codes=pack_bits(codes, 2), scale=s.reshape(-1))
-      values = two_bit_decode(codes, s)
+      valid = valid_count(values, self.count_dtype)
+      payload.update(codes=pack_bits(codes, 2), scale=s.reshape(-1), valid=valid)
+      values = two_bit_decode(codes, s) * valid_mask(valid, self.k)
     else:
       payload["value"] = values
     return payload, self._scatter(idx, values)
@@ -65,7 +68,8 @@ class TopK(LeafCodec):
   def _values(self, payload):
     if self.value_bits == 2:
       codes = unpack_bits(payload["codes"], 2, self.chunks.count * self.k)
-      return two_bit_decode(codes.reshape(self.chunks.count, self.k), payload["scale"][:, None])
+      values = two_bit_decode(codes.reshape(self.chunks.count, self.k), payload["scale"][:, None])
+      return values * valid_mask(payload["valid"], self.k)
     return payload["value"]
 
   def decode(self, payload, key):

@@ -103,3 +103,14 @@ def test_demo_step_on_two_workers_matches_the_numpy_reference(over_senders, sign
       np.testing.assert_allclose(ours[n], ref_params[n], atol=1e-5)
       for w in range(2):
         np.testing.assert_allclose(state[0].codec_state[n][w], ref_deltas[w][n], atol=1e-5)
+
+
+def test_all_zero_chunks_send_nothing_even_as_signs():
+  x = np.zeros((64, 128), np.float32)
+  x[:, :64] = RNG.standard_normal((64, 64))
+  for sign_only in (False, True):
+    codec = DCTTopK(x.shape, chunk=64, k=8, sign_only=sign_only)
+    payload, sent = codec.encode(jnp.asarray(x), None)
+    out = np.asarray(codec.decode(payload, None))
+    np.testing.assert_allclose(out[:, 64:], 0, atol=1e-7)
+    np.testing.assert_allclose(sent[:, 64:], 0, atol=1e-7)

@@ -94,10 +94,26 @@ def test_sparseloco_sends_64_of_4096_with_two_bit_values():
   payload, sent = codec.encode(x, KEY)
   chunks = 8
   assert payload["index"].dtype == np.uint16 and payload["index"].shape == (chunks, 64)
-  assert sum(a.nbytes for a in jax.tree.leaves(payload)) == chunks * (64 * 2 + 64 // 4 + 4)
+  # Per chunk: 64 uint16 indices, 64 2-bit codes, an fp32 scale, a uint8 nonzero count.
+  assert sum(a.nbytes for a in jax.tree.leaves(payload)) == chunks * (64 * 2 + 64 // 4 + 4 + 1)
   # Values are within a third of the chunk's largest selected magnitude.
   out = np.asarray(codec.decode(payload, KEY))
   np.testing.assert_array_equal(out, sent)
   kept = out != 0
   err = np.abs(out[kept] - np.asarray(x)[kept])
   assert err.max() <= np.abs(np.asarray(x)).max() / 3 + 1e-6
+
+
+@pytest.mark.parametrize("value_bits", [2, 32])
+def test_zeros_stay_zero_in_masked_and_sparse_chunks(value_bits):
+  # A tier-masked pseudo-gradient: the right half is exactly zero, and one chunk holds
+  # only three nonzeros (fewer than k).
+  x = np.zeros((128, 128), np.float32)
+  x[:, :64] = RNG.standard_normal((128, 64))
+  x[70, 100], x[71, 101], x[72, 102] = 1.0, -2.0, 0.5
+  codec = topk_codec(x.shape, density=1.0, chunk=64, k=16, value_bits=value_bits)
+  payload, sent = codec.encode(jnp.asarray(x), KEY)
+  out = np.asarray(codec.decode(payload, KEY))
+  np.testing.assert_array_equal(out, sent)
+  assert np.all(out[x == 0] == 0)
+  assert np.count_nonzero(out[64:, 64:]) == 3 and np.count_nonzero(out[:64, 64:]) == 0
