@@ -93,29 +93,33 @@ def make_outer_step(outer_tx: optax.GradientTransformation, *, nested: bool,
   """`outer_step(params, outer_state, Δ[R], hidden[R], weight[R]) -> (params, outer_state, metrics)`.
 
   `outer_tx` is `optax.chain(aggregator, rule)`; the aggregator's state is per worker (mapped
-  over the replica axis), the rule's is global. With `nested`, worker w's aggregation weights are its tier mask (first hidden[w] FFN units)
-  times weight[w]; otherwise the aggregator is a plain mean and hidden/weight are unused.
+  over the replica axis), the rule's is global. With `nested`, worker w's aggregation
+  weights are its tier mask (first hidden[w] FFN units) times weight[w]; otherwise the
+  aggregator is a plain mean and hidden/weight are unused.
   """
 
   def coordinate_weights(params, hidden, weight):
     return jax.tree.map(lambda m: m * weight, tier_mask(params, hidden))
 
-  def worker(params, outer_opt_state, delta, hidden, weight, totals):
+  def worker(params, outer_opt_state, delta, hidden, weight, all_weights, totals):
     extra = {}
     if nested:
+      # Own weights (nested mean) and everyone's (compressed mean weighs after decoding).
       extra = {"coordinate_weights": coordinate_weights(params, hidden, weight),
-               "weight_totals": totals}
+               "sender_weights": all_weights, "weight_totals": totals}
     updates, outer_opt_state = outer_tx.update(delta, outer_opt_state, params, **extra)
     return optax.apply_updates(params, updates), outer_opt_state
 
   def outer_step(params, outer_opt_state, deltas_R, hidden_R, weight_R):
     # Σ_w weights from the replicated per-worker vectors: computed here, never communicated.
-    totals = (jax.tree.map(lambda w: w.sum(0), jax.vmap(coordinate_weights, in_axes=(None, 0, 0))(
-        params, hidden_R, weight_R)) if nested else None)
+    all_weights = (jax.vmap(coordinate_weights, in_axes=(None, 0, 0))(params, hidden_R, weight_R)
+                   if nested else None)
+    totals = jax.tree.map(lambda w: w.sum(0), all_weights) if nested else None
     new_params, outer_opt_state = jax.vmap(
-        worker, in_axes=(None, PER_WORKER_AGGREGATOR, 0, 0, 0, None),
+        worker, in_axes=(None, PER_WORKER_AGGREGATOR, 0, 0, 0, None, None),
         out_axes=(None, PER_WORKER_AGGREGATOR), axis_name=axis_name,
-        spmd_axis_name=axis_name)(params, outer_opt_state, deltas_R, hidden_R, weight_R, totals)
+        spmd_axis_name=axis_name)(params, outer_opt_state, deltas_R, hidden_R, weight_R,
+                                  all_weights, totals)
     metrics = {"param_norm": optax.tree.norm(new_params),
                "outer_update_norm": optax.tree.norm(jax.tree.map(jnp.subtract, new_params,
                                                                  params))}

@@ -61,6 +61,23 @@ def test_heterogeneous_run_end_to_end(tmp_path, smoke_config):
   assert {"compute_s_host_0", "idle_s_host_2", "inner_steps_host_1"} <= lines[0].keys()
 
 
+def test_compressed_tiers_keep_the_outer_units_of_the_full_width_worker(smoke_config):
+  """With a codec the narrow worker's reconstruction outside its tier never counts: the
+  FFN units only L trains move exactly as when L is alone with the same codec."""
+  codec = {"compress.codec": "sparseloco", "compress.k": 8}
+  alone = _tiers_config(smoke_config, [host(1.0)], **codec)
+  shared = _tiers_config(smoke_config, [host(1.0), host(0.25)], **codec)
+  r, p_alone, _ = _params_after(alone, 1)
+  r_shared, p_shared, metrics = _params_after(shared, 1)
+  assert np.isfinite(float(metrics["train_loss"]))
+  m = r.hosts[0].hidden // 4
+  a = p_alone["blocks"][0]["mlp"]["fc_kernel"][:, m:]
+  b = p_shared["blocks"][0]["mlp"]["fc_kernel"][:, m:]
+  np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  # Only the packed payloads cross: far fewer bytes than the dense pseudo-gradient.
+  assert r_shared.outer_bytes().sent < r_shared.param_bytes / 20
+
+
 def test_dylu_with_configured_speeds_gives_slow_hosts_fewer_steps(tmp_path, smoke_config):
   config = _tiers_config(smoke_config, [host(1.0, speed=1.0), host(0.25, speed=0.3)],
                          rounds=2, inner_steps=4, **{"outer.dylu": True})

@@ -5,9 +5,13 @@ The codec (compress/) is passed in, not imported: aggregators only need its inte
 network, so the ledger counts exactly the packed bytes.
 
 State is per worker: the codec's error-feedback buffer, and a round counter from which every
-sender's key is derived (so receivers regenerate the senders' random draws). With
-`coordinate_weights` / `weight_totals` (tier-aware aggregation, aggregate/nested.py) the
-worker encodes a_w ⊙ Δ_w and the decoded sum is divided by Σ_w a_w.
+sender's key is derived (so receivers regenerate the senders' random draws).
+
+Tier-aware (aggregate/nested.py): with `sender_weights` (every worker's a_w, stacked [R, ...],
+known to all from the host table) and `weight_totals` (Σ_w a_w) the result is
+Σ_w a_w ⊙ decode(payload_w) / Σ_w a_w. The weights are applied after decoding, so what a
+lossy codec reconstructs outside a narrow worker's tier (a DCT chunk straddling the tier
+edge, say) never counts.
 """
 
 from typing import Any, NamedTuple
@@ -31,21 +35,19 @@ def compressed_mean(codec, axis_name: str = "replica", seed: int = 0
   def init_fn(params):
     return CompressedMeanState(jnp.zeros((), jnp.int32), codec.init(params))
 
-  def update_fn(updates, state, params=None, *, coordinate_weights=None, weight_totals=None,
+  def update_fn(updates, state, params=None, *, sender_weights=None, weight_totals=None,
                 **extra_args):
-    del params, extra_args
+    del params, extra_args  # e.g. the nested mean's own coordinate_weights
     round_key = jax.random.fold_in(jax.random.key(seed), state.count)
     size = jax.lax.axis_size(axis_name)
     sender_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(round_key, jnp.arange(size))
     my_key = jax.random.fold_in(round_key, jax.lax.axis_index(axis_name))
-    if coordinate_weights is not None:
-      updates = jax.tree.map(lambda a, u: a * u, coordinate_weights, updates)
     payload, codec_state = codec.encode(updates, state.codec_state, my_key)
     payloads = collectives.all_gather(payload, axis_name)
-    if coordinate_weights is None:
+    if sender_weights is None:
       mean = codec.average(payloads, updates, sender_keys)
     else:
-      total = codec.decode_sum(payloads, updates, sender_keys)
+      total = codec.weighted_sum(payloads, updates, sender_keys, sender_weights)
       mean = jax.tree.map(lambda n, d: n / jnp.where(d > 0, d, 1.0), total, weight_totals)
     return mean, CompressedMeanState(state.count + 1, codec_state)
 

@@ -51,6 +51,15 @@ class LeafCodec:
   def average(self, payloads_R, keys_R):
     return self.decode_sum(payloads_R, keys_R) / keys_R.shape[0]
 
+  def weighted_sum(self, payloads_R, keys_R, weights_R):
+    """Σ_w a_w ⊙ decode(payload_w) for weights broadcastable to the tensor ([R, ...])."""
+    def add(total, inputs):
+      payload, key, weight = inputs
+      return total + weight * self.decode(payload, key), None
+    total, _ = jax.lax.scan(add, jnp.zeros(self.shape, jnp.float32),
+                            (payloads_R, keys_R, weights_R))
+    return total
+
 
 class TreeCodec:
   """A codec for parameter trees: `make_leaf(shape)` per tensor, optional error feedback."""
@@ -106,13 +115,14 @@ class TreeCodec:
     return jax.tree.unflatten(jax.tree.structure(like),
                               [c.decode(p, k) for c, p, k in zip(codecs, payload, keys)])
 
-  def _over_senders(self, method: str, payloads_R, like, keys_R):
+  def _over_senders(self, method: str, payloads_R, like, keys_R, *per_leaf_trees):
     codecs = self.leaves(like)
     leaf_keys = [jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_R, i)
                  for i in range(len(codecs))]
+    extra = [jax.tree.structure(like).flatten_up_to(t) for t in per_leaf_trees]
     return jax.tree.unflatten(jax.tree.structure(like),
-                              [getattr(c, method)(p, k)
-                               for c, p, k in zip(codecs, payloads_R, leaf_keys)])
+                              [getattr(c, method)(p, k, *(e[i] for e in extra))
+                               for i, (c, p, k) in enumerate(zip(codecs, payloads_R, leaf_keys))])
 
   def average(self, payloads_R, like, keys_R):
     """Mean over the R senders of their decoded payloads ([R, ...] payload leaves)."""
@@ -121,6 +131,10 @@ class TreeCodec:
   def decode_sum(self, payloads_R, like, keys_R):
     """Sum over the R senders of their decoded payloads."""
     return self._over_senders("decode_sum", payloads_R, like, keys_R)
+
+  def weighted_sum(self, payloads_R, like, keys_R, weights_R):
+    """Σ_w a_w ⊙ decode(payload_w): `weights_R` a tree like `like` of [R, ...] weights."""
+    return self._over_senders("weighted_sum", payloads_R, like, keys_R, weights_R)
 
   def roundtrip(self, tree, state, key):
     """decode(encode(tree)) without a collective (simulator, asynchronous updates)."""

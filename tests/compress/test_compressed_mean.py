@@ -93,3 +93,29 @@ def test_roundtrip_without_a_collective():
   codec = _codec("int8")
   out, state = codec.roundtrip(TREE, codec.init(TREE), jax.random.key(0))
   jax.tree.map(lambda o, x, e: np.testing.assert_allclose(o + e, x, atol=1e-5), out, TREE, state)
+
+
+@pytest.mark.parametrize("name,overrides", [("topk", {}), ("demo", {}), ("int4", {})])
+def test_tier_weights_apply_after_decoding_so_the_wide_worker_is_not_diluted(name, overrides):
+  # Worker 0 trains all 96 columns, worker 1 (a narrow tier) only the first 40; its
+  # pseudo-gradient is zero beyond them, but a lossy codec may reconstruct something there.
+  codec = _codec(name, **overrides)
+  tx = compressed_mean(codec)
+  w = {"w": TREE["w"]}
+  mask = (jnp.arange(96) < 40).astype(jnp.float32)[None, :]
+  updates = {"w": jnp.stack([w["w"], w["w"] * mask * 0.5])}
+  weights = {"w": jnp.stack([jnp.ones_like(mask), mask])}
+  totals = {"w": weights["w"].sum(0)}
+  state = jax.tree.map(lambda x: jnp.broadcast_to(x, (2,) + x.shape), tx.init(w))
+  mean, _ = jax.vmap(lambda u, s: tx.update(u, s, sender_weights=weights, weight_totals=totals),
+                     axis_name="replica")(updates, state)
+  round_key = jax.random.fold_in(jax.random.key(0), 0)
+  decoded = []
+  for i in range(2):
+    key = jax.random.fold_in(round_key, i)
+    mine = {"w": updates["w"][i]}
+    payload, _ = codec.encode(mine, jax.tree.map(lambda x: x[i], state.codec_state), key)
+    decoded.append(codec.decode(payload, mine, key)["w"])
+  expected = (decoded[0] + mask * decoded[1]) / (1 + mask)
+  np.testing.assert_allclose(mean["w"][0], expected, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(mean["w"][0][:, 40:], decoded[0][:, 40:], rtol=1e-6, atol=1e-6)
