@@ -11,6 +11,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from conftest import REPO
 from lowcomm_jax import train
@@ -35,12 +36,15 @@ def _final_params(config, workdir):
   return state.params
 
 
-def test_two_processes_match_one_process_with_the_same_two_workers(tmp_path, smoke_config):
-  proc = _launch("--num_processes", "2", "--", *SMOKE, f"--workdir={tmp_path / 'two'}")
+@pytest.mark.parametrize("codec", ["none", "sparseloco"])
+def test_two_processes_match_one_process_with_the_same_two_workers(tmp_path, smoke_config, codec):
+  # With a codec each process holds its worker's error buffer (a shard of the global state).
+  proc = _launch("--num_processes", "2", "--", *SMOKE, f"--workdir={tmp_path / 'two'}",
+                 f"--config.compress.codec={codec}")
   out, err = proc.communicate(timeout=420)
   assert proc.returncode == 0, (out + err)[-4000:]
   assert "[p0]" in out and "[p1]" in out and "all 2 processes finished" in out
-  config = smoke_config(rounds=3, checkpoint_every=3)
+  config = smoke_config(rounds=3, checkpoint_every=3, **{"compress.codec": codec})
   one = train.run(config, tmp_path / "one")
   two = json.loads((tmp_path / "two" / "summary.json").read_text())
   assert two["bytes_sent"] == one["bytes_sent"] and two["tokens"] == one["tokens"]
