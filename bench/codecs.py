@@ -2,6 +2,7 @@
 
   python bench/codecs.py [--workdir bench/results/codecs] [--only NAME ...]
   python bench/codecs.py --speed_only
+  python bench/codecs.py --sweep            # also the SWEEP runs toward the 1000x target
 
 Methods: DDP, DiLoCo (H=20), DiLoCo + int8 / 4-bit / SparseLoCo, DDP + DeMo, DDP + DeMo 1-bit,
 all 2,457,600 tokens. Prints a table of final eval loss, bytes sent per worker and the ratio
@@ -32,6 +33,19 @@ METHODS = {  # name: (config file, overrides)
     "diloco_sparseloco": ("diloco_sparseloco", {}),
     "ddp_demo": ("ddp_demo", {}),
     "ddp_demo_1bit": ("ddp_demo", {"compress.value_bits": 1}),
+}
+
+# Toward "≥ 1000x fewer bytes than DDP within 3% of its loss" (--sweep): shorter rounds
+# (more of them, same tokens), fewer entries per chunk, DiLoCo's Nesterov outer rule.
+SWEEP = {
+    "ddp_demo_lr3e-3": ("ddp_demo", {"optimizer.lr": 3e-3}),
+    "diloco_h5": ("diloco_hetero", {"hosts": [], "rounds": 60, "inner_steps": 5,
+                                    "eval_every": 20, "checkpoint_every": 20}),
+    "diloco_sparseloco_nesterov": ("diloco_sparseloco", {"outer.lr": 0.7, "outer.momentum": 0.9}),
+    "diloco_sparseloco_h5_k24_nesterov": (
+        "diloco_sparseloco", {"rounds": 60, "inner_steps": 5, "eval_every": 20,
+                              "checkpoint_every": 20, "compress.k": 24, "outer.lr": 0.7,
+                              "outer.momentum": 0.9}),
 }
 
 
@@ -75,11 +89,13 @@ def main():
   p.add_argument("--workdir", type=pathlib.Path, default=REPO / "bench/results/codecs")
   p.add_argument("--only", nargs="*", default=None)
   p.add_argument("--speed_only", action="store_true")
+  p.add_argument("--sweep", action="store_true", help="also run the SWEEP methods")
   args = p.parse_args()
   result = {"speed_ms_per_10M": {k: v * 1e3 for k, v in codec_speed().items()}}
   if not args.speed_only:
     rows = {}
-    for name, (file, overrides) in METHODS.items():
+    methods = {**METHODS, **(SWEEP if args.sweep else {})}
+    for name, (file, overrides) in methods.items():
       if args.only and name not in args.only:
         continue
       workdir = args.workdir / name
