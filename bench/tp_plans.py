@@ -3,13 +3,14 @@
   python bench/tp_plans.py sweep [--steps 300] [--devices 4]    # train every plan, table + plot
   python bench/tp_plans.py timing --devices 4                   # step time per plan vs standard
 
-One model trained with AdamW on TinyShakespeare (byte tokens), tensor-parallel over
-`--devices` forced host devices on the 'model' axis, once per plan: standard (24 syncs for
-12 layers), spd (12), grouped k = 2, 3, 4, 6 (6, 4, 3, 2). Same seed, data and schedule for
-every plan. The sweep writes bench/results/tp_plans/<plan>.jsonl (val loss every
---eval_every steps), result.json (final val loss, syncs, all-reduces per compiled train step,
-median step time) and loss_vs_steps.png. The reference question: the fewest syncs whose final
-val loss stays within 2% of standard's.
+sweep: configs/tp_sweep.py:<plan> through the runner (`small12`: 12 layers, d=128; one
+worker; tensor-parallel over `--devices` forced host devices), once per plan: standard (24
+syncs), spd (12), grouped k = 2, 3, 4, 6 (6, 4, 3, 2). Same seed, data and schedule for every
+plan. Writes each run's workdir under bench/results/tp_plans/<plan>/, result.json (final val
+loss, syncs, all-reduces per compiled train step, step time) and loss_vs_steps.png. The
+reference question: the fewest syncs whose final val loss stays within 2% of standard's.
+
+timing: the bare jitted train step (loss, grads, AdamW) per plan, median of 20.
 """
 
 import argparse
@@ -29,12 +30,8 @@ def _parse():
   p.add_argument("--devices", type=int, default=4)
   p.add_argument("--steps", type=int, default=300)
   p.add_argument("--eval_every", type=int, default=50)
-  p.add_argument("--layers", type=int, default=12)
-  p.add_argument("--d_model", type=int, default=128)
-  p.add_argument("--heads", type=int, default=8)
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--seq_len", type=int, default=128)
-  p.add_argument("--lr", type=float, default=3e-3)
   p.add_argument("--out", type=pathlib.Path, default=REPO / "bench/results/tp_plans")
   return p.parse_args()
 
@@ -44,16 +41,11 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + f" --xla_force_host_platform_device_count={ARGS.devices}")
 os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 
-import dataclasses  # noqa: E402
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from lowcomm_jax.data import (eval_windows, get_tokenizer, load_tokens, resolve_corpus,  # noqa: E402
-                              split_train_val)
-from lowcomm_jax.data.pipeline import window_dataset  # noqa: E402
 from lowcomm_jax.model import GPT, get_preset  # noqa: E402
 from lowcomm_jax.model.tp import (SyncPlan, count_all_reduces, plan_problems,  # noqa: E402
                                   tp_loss)
@@ -64,9 +56,7 @@ PLANS = {"standard": SyncPlan("standard"), "spd": SyncPlan("spd"),
 
 
 def _setup():
-  cfg = get_preset("small", vocab_size=0, tokenizer_vocab=256, dtype="float32", dropout=0.0)
-  cfg = dataclasses.replace(cfg, n_layer=ARGS.layers, d_model=ARGS.d_model, n_head=ARGS.heads,
-                            d_ff=4 * ARGS.d_model)
+  cfg = get_preset("small12", vocab_size=0, tokenizer_vocab=256, dtype="float32", dropout=0.0)
   params = nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param))
   mesh = mesh_lib.make_mesh(1, 1, ARGS.devices)
   for name, plan in list(PLANS.items()):
@@ -74,7 +64,7 @@ def _setup():
       print(f"skipping {name}: {'; '.join(problems)}", file=sys.stderr)
       del PLANS[name]
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
-      optax.warmup_cosine_decay_schedule(0.0, ARGS.lr, 30, max(ARGS.steps, 31), ARGS.lr / 10),
+      optax.warmup_cosine_decay_schedule(0.0, 3e-3, 30, 300, 3e-4),
       b1=0.9, b2=0.95, weight_decay=0.1))
   return cfg, params, mesh, tx
 
@@ -88,47 +78,31 @@ def _train_step(cfg, plan, mesh, tx):
 
 
 def sweep():
-  cfg, params0, mesh, tx = _setup()
-  tokens = load_tokens(resolve_corpus(""), get_tokenizer("byte"))
-  train_tokens, val_tokens = split_train_val(tokens, 0.1)
-  val = eval_windows(val_tokens, seq_len=ARGS.seq_len, batch_size=ARGS.batch, num_batches=8,
-                     seed=0)
-  ARGS.out.mkdir(parents=True, exist_ok=True)
+  """Every plan of configs/tp_sweep.py through the runner (ddp, one worker, 4 shards)."""
+  import runpy  # noqa: PLC0415
+  from lowcomm_jax import train  # noqa: PLC0415
+  get_config = runpy.run_path(str(REPO / "configs" / "tp_sweep.py"))["get_config"]
   results = {}
-  for name, plan in PLANS.items():
-    batches = iter(window_dataset(train_tokens, seq_len=ARGS.seq_len, batch_size=ARGS.batch,
-                                  seed=1))
-    with jax.set_mesh(mesh):
-      step = _train_step(cfg, plan, mesh, tx)
-      evaluate = jax.jit(lambda p, w: tp_loss(p, w, cfg, plan, mesh))
-      params, opt_state = params0, tx.init(params0)
-      first = next(batches)
-      all_reduces = count_all_reduces(step.lower(params, opt_state, first).compile().as_text())
-      curve, times = [], []
-      for i in range(1, ARGS.steps + 1):
-        batch = first if i == 1 else next(batches)
-        t0 = time.perf_counter()
-        params, opt_state, loss = step(params, opt_state, batch)
-        loss = float(loss)
-        times.append(time.perf_counter() - t0)
-        if i % ARGS.eval_every == 0 or i == ARGS.steps:
-          val_loss = float(np.mean([float(evaluate(params, w)) for w in val]))
-          curve.append({"step": i, "train_loss": loss, "val_loss": val_loss})
-          print(f"{name:>12} step {i:4d} train {loss:.4f} val {val_loss:.4f}", flush=True)
-    (ARGS.out / f"{name}.jsonl").write_text("".join(json.dumps(c) + "\n" for c in curve))
-    results[name] = {"syncs_forward": plan.syncs_forward(cfg.n_layer),
-                     "all_reduces_train_step": all_reduces,
-                     "final_val_loss": curve[-1]["val_loss"],
-                     "step_time_s": statistics.median(times[min(5, len(times) - 1):])}
+  for name in PLANS:
+    config = get_config(name)
+    config.rounds, config.eval_every = ARGS.steps, ARGS.eval_every
+    config.model.tp.size = ARGS.devices
+    summary = train.run(config, ARGS.out / name)
+    lines = [json.loads(l) for l in (ARGS.out / name / "metrics.jsonl").read_text().splitlines()]
+    speeds = [l["steps_per_second"] for l in lines[1:]] or [lines[0]["steps_per_second"]]
+    results[name] = {"syncs_forward": summary["tp_syncs_forward"],
+                     "all_reduces_train_step": summary["tp_allreduces_train_step"],
+                     "final_val_loss": summary["eval_loss"],
+                     "step_time_s": 1.0 / statistics.median(speeds),
+                     "curve": [(l["step"], l["eval_loss"]) for l in lines if "eval_loss" in l]}
   base = results["standard"]["final_val_loss"]
   for r in results.values():
     r["val_loss_vs_standard"] = r["final_val_loss"] / base - 1
   within = [n for n, r in results.items() if r["val_loss_vs_standard"] <= 0.02]
   answer = min(within, key=lambda n: results[n]["syncs_forward"])
   (ARGS.out / "result.json").write_text(json.dumps(
-      {"devices": ARGS.devices, "steps": ARGS.steps, "layers": ARGS.layers,
-       "d_model": ARGS.d_model, "plans": results, "fewest_syncs_within_2pct": answer},
-      indent=2) + "\n")
+      {"devices": ARGS.devices, "steps": ARGS.steps, "plans": results,
+       "fewest_syncs_within_2pct": answer}, indent=2) + "\n")
   print("| plan | syncs (forward) | all-reduces / train step | final val loss | vs standard |"
         " step s |")
   print("|---|---|---|---|---|---|")
@@ -150,9 +124,7 @@ def _plot(results):
     return
   fig, ax = plt.subplots(figsize=(6, 4))
   for name, r in results.items():
-    curve = [json.loads(l) for l in (ARGS.out / f"{name}.jsonl").read_text().splitlines()]
-    ax.plot([c["step"] for c in curve], [c["val_loss"] for c in curve],
-            label=f"{name} ({r['syncs_forward']} syncs)")
+    ax.plot(*zip(*r["curve"]), label=f"{name} ({r['syncs_forward']} syncs)")
   ax.set_xlabel("step")
   ax.set_ylabel("val loss")
   ax.legend()

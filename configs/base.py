@@ -83,6 +83,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.vocab_size = 0  # 0: the preset's, or the tokenizer's rounded up to a multiple of 64
   c.model.dtype = "float32"  # compute dtype: 'float32' | 'bfloat16' (parameters stay float32)
   c.model.dropout = 0.0  # residual/embedding dropout rate during training
+  # Tensor parallelism inside each worker (lowcomm_jax/model/tp.py), over the mesh's 'model' axis.
+  c.model.tp = ml_collections.ConfigDict()
+  c.model.tp.size = 1  # devices on 'model' (heads and FFN split over them); 1: no TP
+  c.model.tp.sync = "standard"  # standard (2 all-reduces/block) | spd (1) | grouped | selective
+  c.model.tp.layers_per_group = 1  # grouped: blocks per all-reduce (must divide n_layer)
+  c.model.tp.attn_sync_layers = ()  # selective: blocks that keep their attention all-reduce
 
   # --- data --------------------------------------------------------------------------
   c.data = ml_collections.ConfigDict()

@@ -21,6 +21,7 @@ from lowcomm_jax.data import (DataError, WorkerStreams, eval_windows, get_tokeni
 from lowcomm_jax.hosts import HostSpec, host_table
 from lowcomm_jax.model import GPT, GPTConfig, count_params, get_preset, next_token_loss
 from lowcomm_jax.model.matformer import slice_tier
+from lowcomm_jax.model.tp import SyncPlan, count_all_reduces, tp_loss, use_gspmd_for_tp
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
 
 
@@ -92,6 +93,23 @@ class Run:
                               self.hidden_per_worker,
                               self.worker_weights([h.inner_steps for h in self.hosts]))
 
+  def tp_counts(self) -> dict:
+    """Tensor parallelism's sync points per forward and all-reduces in one compiled train
+    step (loss + gradients of one worker, read from the HLO); empty without TP."""
+    tp = self.config.model.tp
+    if tp.size <= 1:
+      return {}
+    plan = SyncPlan(tp.sync, tp.layers_per_group, tuple(tp.attn_sync_layers))
+    loss = _loss_fn(None, self.model_cfg, plan, self.local_mesh)
+    windows = jax.ShapeDtypeStruct((self.hosts[0].batch_size, self.config.data.seq_len + 1),
+                                   jnp.int32)
+    with jax.set_mesh(self.local_mesh):
+      step = jax.jit(jax.value_and_grad(lambda p, w: loss(p, w, None)))
+      hlo = step.lower(self.abstract_state.params, windows).compile().as_text()
+    return {"tp_syncs_forward": plan.syncs_forward(self.model_cfg.n_layer,
+                                                   self.model_cfg.parallel_residual),
+            "tp_allreduces_train_step": count_all_reduces(hlo)}
+
   def abstract_workers(self):
     """Shapes and shardings of this process's worker states (for restoring them)."""
     sharding = mesh_lib.per_worker(self.local_mesh)
@@ -100,7 +118,12 @@ class Run:
                               jax.eval_shape(f, params)) for f in self.init_workers)
 
 
-def _loss_fn(graphdef):
+def _loss_fn(graphdef, model_cfg: GPTConfig, plan: SyncPlan | None, mesh):
+  """(params, windows, key) -> loss: the NNX model, or its tensor-parallel form under `plan`
+  over `mesh`'s 'model' axis (no dropout there; validation requires model.dropout = 0)."""
+  if plan is not None:
+    return lambda params, windows, key: tp_loss(params, windows, model_cfg, plan, mesh)
+
   def loss_fn(params, windows, key):
     return next_token_loss(nnx.merge(graphdef, params), windows, dropout_key=key)
   return loss_fn
@@ -125,8 +148,8 @@ def build(config: ml_collections.ConfigDict) -> Run:
   hosts = host_table(c, model_cfg.d_ff, nproc)
   if nproc > 1:  # one host per process, each on all of its devices
     local_hosts = [jax.process_index()]
-    mesh = mesh_lib.make_mesh(jax.device_count() // (c.mesh.data * c.mesh.model),
-                              c.mesh.data, c.mesh.model)
+    mesh = mesh_lib.make_mesh(jax.device_count() // (c.mesh.data * c.model.tp.size),
+                              c.mesh.data, c.model.tp.size)
     local_mesh = mesh_lib.local_part(mesh)
   else:
     local_hosts = list(range(len(hosts)))
@@ -136,21 +159,30 @@ def build(config: ml_collections.ConfigDict) -> Run:
       replica = 1
     else:
       replica = mesh_lib.replica_devices(c.num_workers,
-                                         jax.device_count() // (c.mesh.data * c.mesh.model))
-    mesh = local_mesh = mesh_lib.make_mesh(replica, c.mesh.data, c.mesh.model)
+                                         jax.device_count() // (c.mesh.data * c.model.tp.size))
+    mesh = local_mesh = mesh_lib.make_mesh(replica, c.mesh.data, c.model.tp.size)
 
   def graphdef_of(d_ff):
     tier_cfg = dataclasses.replace(model_cfg, d_ff=d_ff)
     return nnx.split(nnx.eval_shape(lambda: GPT(tier_cfg, rngs=nnx.Rngs(0))), nnx.Param)[0]
 
   graphdef = graphdef_of(model_cfg.d_ff)
+  tp = c.model.tp
+  plan = (SyncPlan(tp.sync, tp.layers_per_group, tuple(tp.attn_sync_layers))
+          if tp.size > 1 else None)
+  if plan is not None:
+    use_gspmd_for_tp()
+
+  def loss_of(d_ff, on_mesh):
+    return _loss_fn(graphdef_of(d_ff), dataclasses.replace(model_cfg, d_ff=d_ff), plan, on_mesh)
+
   # Each host's inner schedule spans its own number of steps (rounds x its H).
   inner_txs = [optimizers.inner_optimizer(c.optimizer, c.rounds * h.inner_steps) for h in hosts]
   nested = optimizers.needs_nested_mean(c, hosts, model_cfg.d_ff)
   outer_tx = optimizers.outer_optimizer(c, inner_txs[0], nested=nested)
   outer_step = steps.make_outer_step(outer_tx, nested=nested)
   local_rounds = [
-      steps.make_local_round(_loss_fn(graphdef_of(hosts[i].hidden)), algorithm=c.algorithm,
+      steps.make_local_round(loss_of(hosts[i].hidden, local_mesh), algorithm=c.algorithm,
                              inner_tx=inner_txs[i], hidden=hosts[i].hidden, d_ff=model_cfg.d_ff)
       for i in local_hosts]
   init_workers = [
@@ -188,7 +220,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
       config=c, mesh=mesh, local_mesh=local_mesh, model_cfg=model_cfg, graphdef=graphdef,
       hosts=hosts, local_hosts=local_hosts, local_rounds=local_rounds,
       init_workers=init_workers, finish_round=finish_round,
-      eval_step=steps.make_eval_step(_loss_fn(graphdef)), init_fn=init_fn,
+      eval_step=steps.make_eval_step(loss_of(model_cfg.d_ff, mesh)), init_fn=init_fn,
       abstract_state=abstract_state,
       state_shardings=state_shardings,
       streams=[WorkerStreams(train_tokens, worker_ids=hosts[i].worker_ids,

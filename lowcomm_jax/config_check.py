@@ -1,10 +1,14 @@
 """Start-up validation: every problem named with its field and its fix, before any compute."""
 
+import dataclasses
+
 import ml_collections
 
 from lowcomm_jax.compress import CODECS
 from lowcomm_jax.data.tokenizers import TOKENIZER_VOCAB
+from lowcomm_jax.model.matformer import hidden_units
 from lowcomm_jax.model.presets import PRESETS
+from lowcomm_jax.model.tp import SyncPlan, plan_problems
 
 ALGORITHMS = ("ddp", "diloco")
 
@@ -47,16 +51,15 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   m = c.mesh
   check(m.replica == -1 or m.replica >= 1, "mesh.replica", "use -1 (auto) or a positive count")
   check(m.data >= 1, "mesh.data", "must be >= 1")
-  check(m.model == 1, "mesh.model",
-        "tensor parallelism is not available yet; set --config.mesh.model=1")
   if m.replica >= 1 and c.num_workers >= 1:
     check(c.num_workers % m.replica == 0, "num_workers",
           f"must be a multiple of mesh.replica={m.replica} (workers per device are equal); "
           "change num_workers or set --config.mesh.replica=-1")
-  needed = max(m.replica, 1) * max(m.data, 1) * max(m.model, 1)
+  tp = c.model.tp.size
+  needed = max(m.replica, 1) * max(m.data, 1) * max(tp, 1)
   if needed > num_devices:
     problems.append(
-        f"mesh.replica*mesh.data*mesh.model={needed}: only {num_devices} devices are visible; "
+        f"mesh.replica*mesh.data*model.tp.size={needed}: only {num_devices} devices are visible; "
         "shrink the mesh (mesh.replica=-1 picks what fits)")
 
   # Model and data shapes.
@@ -72,8 +75,19 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
     check(c.data.batch_size % m.data == 0, "data.batch_size",
           f"must be divisible by mesh.data={m.data} (each data shard gets an equal slice)")
   check(0.0 < c.data.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
+  check(tp >= 1, "model.tp.size", "must be >= 1 (1: no tensor parallelism)")
   if c.model.name in PRESETS:
     preset = PRESETS[c.model.name]
+    if tp > 1:
+      plan = SyncPlan(c.model.tp.sync, c.model.tp.layers_per_group,
+                      tuple(c.model.tp.attn_sync_layers))
+      problems.extend(plan_problems(plan, dataclasses.replace(preset, dropout=c.model.dropout),
+                                    tp))
+      for row in c.hosts:
+        hidden = hidden_units(preset.d_ff, float(row.tier))
+        if hidden % tp:
+          problems.append(f"hosts: tier {row.tier} trains {hidden} FFN units, not divisible "
+                          f"by model.tp.size={tp}; pick a tier whose width tp divides")
     check(1 <= c.data.seq_len <= preset.block_size, "data.seq_len",
           f"must be in [1, {preset.block_size}] (the block size of model {c.model.name!r})")
     vocab = c.model.vocab_size or preset.vocab_size
@@ -130,7 +144,7 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
 
   # Several processes: process p runs host p on all of its devices.
   if num_processes > 1:
-    local = (local_devices or 1) // max(m.data * m.model, 1)
+    local = (local_devices or 1) // max(m.data * tp, 1)
     if local_devices and num_devices != local_devices * num_processes:
       problems.append(f"processes expose {num_devices} devices in all but this one has "
                       f"{local_devices}: every process must expose the same number of devices "

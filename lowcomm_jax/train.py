@@ -248,6 +248,7 @@ def _summary(r: Run, sched: _Schedule, round_bytes, eval_loss, scalars, wall: fl
       # Dense fp32 pseudo-gradient (or gradient) bytes per round / the bytes actually sent.
       "compression_ratio": _compression_ratio(r, round_bytes),
       "wall_seconds": wall,
+      **r.tp_counts(),
       "workers": workers,
       "tiers": {str(t): b for t, b in r.tier_bytes.items()},
   }

@@ -29,6 +29,8 @@ PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(n_layer=2, n_head=2, d_model=32, d_ff=128, block_size=64),
     # CPU-sized character-level model used by the example configs and benchmarks.
     "small": GPTConfig(n_layer=4, n_head=4, d_model=128, d_ff=512, block_size=256),
+    # 12 layers of `small`'s width: the tensor-parallel sync-plan sweep (24 syncs standard).
+    "small12": GPTConfig(n_layer=12, n_head=8, d_model=128, d_ff=512, block_size=256),
     # Pythia-14M shape: GPT-NeoX rotary on 25% of head dims, parallel attention + MLP,
     # untied embeddings (14.07M parameters).
     "pythia_14m": GPTConfig(

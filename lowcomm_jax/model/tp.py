@@ -20,6 +20,10 @@ unsharded model (it sees its own partials, not the others'). With one device on 
 every plan is the unsharded model. Row-parallel biases are added as bias / tp on every
 device so the all-reduce sums them once.
 
+Inside the runner (per-worker `vmap` over 'replica' around this shard_map) jax 0.10.2's Shardy
+lowering rejects the nesting; runs with model.tp.size > 1 use the GSPMD partitioner
+(`use_gspmd_for_tp`).
+
 Parallel-residual blocks (GPT-NeoX) read one input for attention and MLP, so their attention
 sync point merges into the MLP's.
 """
@@ -199,7 +203,11 @@ def tp_logits(params, tokens_BxL, cfg: GPTConfig, plan: SyncPlan, mesh):
   split = split_layout(params, cfg)
   fn = jax.shard_map(
       lambda p, t: _local_logits(p, t, cfg, plan, tp), mesh=mesh,
-      in_specs=(param_specs(params, cfg), P()), out_specs=P(), axis_names={"model"})
+      in_specs=(param_specs(params, cfg), P()), out_specs=P(), axis_names={"model"},
+      # Unchecked: vma typing rejects this shard_map under the runner's
+      # vmap(spmd_axis_name='replica') (that axis is Auto). Replicated inputs' gradients are
+      # then summed once at this boundary (one more all-reduce per train step).
+      check_vma=False)
   return fn(split, tokens_BxL)
 
 
@@ -213,3 +221,11 @@ def count_all_reduces(compiled_text: str) -> int:
   """All-reduce operations in compiled HLO text (sync and async-start forms)."""
   return sum(compiled_text.count(f" {op}(") for op in ("all-reduce", "all-reduce-start"))
 
+
+
+def use_gspmd_for_tp() -> None:
+  """Switches this process to the GSPMD partitioner, which lowers a shard_map over 'model'
+  nested in vmap(spmd_axis_name='replica'); Shardy (jax 0.10.2's default) fails to verify it
+  ('sdy.manual_computation op operand shape ... must match'). Process-wide, so call it
+  before the first jit of a tensor-parallel run."""
+  jax.config.update("jax_use_shardy_partitioner", False)
