@@ -79,7 +79,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- model -------------------------------------------------------------------------
   c.model = ml_collections.ConfigDict()
-  c.model.name = "small"  # preset: tiny | small | pythia_14m | gpt2_124m (lowcomm_jax/model/presets.py)
+  c.model.name = "small"  # preset: tiny | small | small12 | pythia_14m | gpt2_124m (lowcomm_jax/model/presets.py)
   c.model.vocab_size = 0  # 0: the preset's, or the tokenizer's rounded up to a multiple of 64
   c.model.dtype = "float32"  # compute dtype: 'float32' | 'bfloat16' (parameters stay float32)
   c.model.dropout = 0.0  # residual/embedding dropout rate during training
