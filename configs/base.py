@@ -37,7 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict()
   c.mesh.replica = -1  # devices along the replica axis; -1: as many as divide num_workers
   c.mesh.data = 1  # devices each worker splits its batch over
-  c.mesh.model = 1  # devices along 'model' (tensor parallelism; only 1 is supported so far)
+  # (the 'model' axis has model.tp.size devices)
 
   # --- outer optimizer (applied to the averaged pseudo-gradient) -------------------------
   c.outer = ml_collections.ConfigDict()
