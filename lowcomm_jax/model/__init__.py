@@ -1,5 +1,6 @@
 """GPT model family: nanoGPT-compatible GPT, MatFormer nested FFN, named presets."""
 
+from lowcomm_jax.model.generate import generate
 from lowcomm_jax.model.gpt import GPT, count_params, next_token_loss
 from lowcomm_jax.model.matformer import NestedMLP, hidden_units
 from lowcomm_jax.model.presets import PRESETS, GPTConfig, get_preset

@@ -102,3 +102,20 @@ def test_bad_plans_are_named_with_their_fix():
   assert "model.tp.size=3: must divide n_head=4" in plan_problems(SyncPlan(), cfg, 3)[0]
   assert "model.tp.sync='ring'" in plan_problems(SyncPlan("ring"), cfg, 2)[0]
   assert plan_problems(SyncPlan("spd"), cfg, 4) == []
+
+
+def test_generation_under_standard_tp_equals_the_unsharded_model():
+  from lowcomm_jax.model.generate import generate
+  cfg, model, params = _model()
+  prompt = TOKENS[:, :5]
+  expected = jax.jit(lambda t: generate(model, t, 8))(prompt)
+  mesh = mesh_lib.make_mesh(1, 1, 2)
+  with jax.set_mesh(mesh):
+    got = jax.jit(lambda t: generate(
+        lambda x: tp_logits(params, x, cfg, SyncPlan(), mesh), t, 8))(prompt)
+    spd = jax.jit(lambda t: generate(
+        lambda x: tp_logits(params, x, cfg, SyncPlan("spd"), mesh), t, 8,
+        key=jax.random.key(0), temperature=0.8))(prompt)
+  np.testing.assert_array_equal(got, expected)
+  np.testing.assert_array_equal(got[:, :5], prompt)
+  assert spd.shape == (2, 13) and np.array_equal(spd[:, :5], prompt)
