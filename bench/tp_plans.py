@@ -5,7 +5,8 @@
 
 sweep: configs/tp_sweep.py:<plan> through the runner (`small12`: 12 layers, d=128; one
 worker; tensor-parallel over `--devices` forced host devices), once per plan: standard (24
-syncs), spd (12), grouped k = 2, 3, 4, 6 (6, 4, 3, 2). Same seed, data and schedule for every
+syncs), spd (12), grouped k = 2, 3, 4, 6 (6, 4, 3, 2), selective (spd + attention syncs in blocks 0
+and 11: 14). Same seed, data and schedule for every
 plan. Writes each run's workdir under bench/results/tp_plans/<plan>/, result.json (final val
 loss, syncs, all-reduces per compiled train step, step time) and loss_vs_steps.png. The
 reference question: the fewest syncs whose final val loss stays within 2% of standard's.
@@ -52,17 +53,23 @@ from lowcomm_jax.model.tp import (SyncPlan, count_all_reduces, plan_problems,  #
 from lowcomm_jax.parallel import mesh as mesh_lib  # noqa: E402
 
 PLANS = {"standard": SyncPlan("standard"), "spd": SyncPlan("spd"),
-         **{f"grouped_k{k}": SyncPlan("grouped", layers_per_group=k) for k in (2, 3, 4, 6)}}
+         **{f"grouped_k{k}": SyncPlan("grouped", layers_per_group=k) for k in (2, 3, 4, 6)},
+         "selective": SyncPlan("selective", attn_sync_layers=(0, 11))}
+
+
+def _runnable(cfg):
+  """PLANS minus those that cannot run `cfg` on --devices (named on stderr)."""
+  for name, plan in list(PLANS.items()):
+    if problems := plan_problems(plan, cfg, ARGS.devices):
+      print(f"skipping {name}: {'; '.join(problems)}", file=sys.stderr)
+      del PLANS[name]
 
 
 def _setup():
   cfg = get_preset("small12", vocab_size=0, tokenizer_vocab=256, dtype="float32", dropout=0.0)
   params = nnx.to_pure_dict(nnx.state(GPT(cfg, rngs=nnx.Rngs(0)), nnx.Param))
   mesh = mesh_lib.make_mesh(1, 1, ARGS.devices)
-  for name, plan in list(PLANS.items()):
-    if problems := plan_problems(plan, cfg, ARGS.devices):
-      print(f"skipping {name}: {'; '.join(problems)}", file=sys.stderr)
-      del PLANS[name]
+  _runnable(cfg)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
       optax.warmup_cosine_decay_schedule(0.0, 3e-3, 30, 300, 3e-4),
       b1=0.9, b2=0.95, weight_decay=0.1))
@@ -82,6 +89,7 @@ def sweep():
   import runpy  # noqa: PLC0415
   from lowcomm_jax import train  # noqa: PLC0415
   get_config = runpy.run_path(str(REPO / "configs" / "tp_sweep.py"))["get_config"]
+  _runnable(get_preset("small12", vocab_size=0, tokenizer_vocab=256))
   results = {}
   for name in PLANS:
     config = get_config(name)

@@ -81,8 +81,8 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
     if tp > 1:
       plan = SyncPlan(c.model.tp.sync, c.model.tp.layers_per_group,
                       tuple(c.model.tp.attn_sync_layers))
-      problems.extend(plan_problems(plan, dataclasses.replace(preset, dropout=c.model.dropout),
-                                    tp))
+      problems.extend(plan_problems(
+          plan, dataclasses.replace(preset, dropout=c.model.dropout, dtype=c.model.dtype), tp))
       for row in c.hosts:
         hidden = hidden_units(preset.d_ff, float(row.tier))
         if hidden % tp:
@@ -144,7 +144,11 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
 
   # Several processes: process p runs host p on all of its devices.
   if num_processes > 1:
-    local = (local_devices or 1) // max(m.data * tp, 1)
+    if local_devices and local_devices % max(m.data * tp, 1):
+      problems.append(f"mesh.data*model.tp.size={m.data * tp}: must divide this process's "
+                      f"{local_devices} device(s); a worker's data and model shards stay "
+                      "inside one process")
+    local = max((local_devices or 1) // max(m.data * tp, 1), 1)
     if local_devices and num_devices != local_devices * num_processes:
       problems.append(f"processes expose {num_devices} devices in all but this one has "
                       f"{local_devices}: every process must expose the same number of devices "

@@ -46,6 +46,9 @@ def test_spd_tp_trains_ddp_with_one_sync_per_block(tmp_path):
     ({"model.tp.size": 2, "model.tp.sync": "selective", "model.tp.attn_sync_layers": (5,)},
      "layers [5] are outside 0..1"),
     ({"model.tp.size": 2, "model.dropout": 0.1}, "model.dropout=0.1: tensor-parallel"),
+    ({"model.tp.size": 2, "model.dtype": "bfloat16"}, "model.dtype='bfloat16': tensor-parallel"),
+    ({"model.tp.size": 2, "model.tp.sync": "spd", "model.tp.attn_sync_layers": (99,)},
+     "only the 'selective' plan reads it"),
 ])
 def test_bad_tp_plans_fail_at_start_up(smoke_config, overrides, message):
   with pytest.raises(config_check.ConfigError) as e:

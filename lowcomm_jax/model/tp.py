@@ -17,8 +17,8 @@ Plans (`SyncPlan.kind`) choose the sync points:
   selective  spd, plus an attention sync in the blocks listed in `attn_sync_layers`
 Between syncs each device computes exactly; only the inputs it reads differ from the
 unsharded model (it sees its own partials, not the others'). With one device on 'model'
-every plan is the unsharded model. Row-parallel biases are added as bias / tp on every
-device so the all-reduce sums them once.
+every plan is the unsharded model. Row-parallel biases (identical on every device) are added
+to the replicated residual directly, not summed.
 
 Inside the runner (per-worker `vmap` over 'replica' around this shard_map) jax 0.10.2's Shardy
 lowering rejects the nesting; runs with model.tp.size > 1 use the GSPMD partitioner
@@ -89,6 +89,15 @@ def plan_problems(plan: SyncPlan, cfg: GPTConfig, tp: int) -> list[str]:
   if plan.kind == "selective" and bad:
     problems.append(f"model.tp.attn_sync_layers={list(plan.attn_sync_layers)}: layers {bad} "
                     f"are outside 0..{cfg.n_layer - 1}")
+  if plan.kind != "selective" and plan.attn_sync_layers:
+    problems.append(f"model.tp.attn_sync_layers={list(plan.attn_sync_layers)}: only the "
+                    "'selective' plan reads it; set model.tp.sync=selective or clear it")
+  if plan.kind != "grouped" and plan.layers_per_group != 1:
+    problems.append(f"model.tp.layers_per_group={plan.layers_per_group}: only the 'grouped' "
+                    "plan reads it; set model.tp.sync=grouped or leave it at 1")
+  if cfg.dtype != "float32":
+    problems.append(f"model.dtype={cfg.dtype!r}: tensor-parallel blocks compute in float32 "
+                    "so far; set --config.model.dtype=float32")
   if cfg.dropout:
     problems.append(f"model.dropout={cfg.dropout}: tensor-parallel blocks run without dropout; "
                     "set it to 0")
@@ -141,8 +150,9 @@ def _layer_norm(x, p):
   return y + p["bias"] if "bias" in p else y
 
 
-def _attention_partial(p, x, cfg: GPTConfig, tp: int):
-  """This device's heads: its share of the attention output projection (a partial sum)."""
+def _attention_partial(p, x, cfg: GPTConfig):
+  """This device's heads: its share of the attention output projection (a partial sum;
+  the projection's bias, which every device holds, is added by the caller)."""
   b, l, _ = x.shape
   qkv = jnp.einsum("bld,dthk->tblhk", x, p["qkv"]["kernel"])
   if "bias" in p["qkv"]:
@@ -153,19 +163,21 @@ def _attention_partial(p, x, cfg: GPTConfig, tp: int):
     if rot:
       q, k = _rotary(q, rot), _rotary(k, rot)
   y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-  out = jnp.einsum("blhk,hkd->bld", y, p["proj"]["kernel"])
-  return out + p["proj"]["bias"] / tp if "bias" in p["proj"] else out
+  return jnp.einsum("blhk,hkd->bld", y, p["proj"]["kernel"])
 
 
-def _mlp_partial(p, x, tp: int):
+def _mlp_partial(p, x):
   h = x @ p["fc_kernel"]
   if "fc_bias" in p:
     h = h + p["fc_bias"]
-  out = jax.nn.gelu(h, approximate=False) @ p["proj_kernel"]
-  return out + p["proj_bias"] / tp if "proj_bias" in p else out
+  return jax.nn.gelu(h, approximate=False) @ p["proj_kernel"]
 
 
-def _local_logits(params, tokens, cfg: GPTConfig, plan: SyncPlan, tp: int):
+def _bias(p, name):
+  return p.get(name, 0.0)
+
+
+def _local_logits(params, tokens, cfg: GPTConfig, plan: SyncPlan):
   """Runs on one device of the 'model' axis (inside shard_map)."""
   _, l = tokens.shape
   x_sync = params["wte"]["embedding"][tokens]
@@ -179,15 +191,20 @@ def _local_logits(params, tokens, cfg: GPTConfig, plan: SyncPlan, tp: int):
   plan_points = plan.sync_after(cfg.n_layer, cfg.parallel_residual)
   for i, (attn_sync, mlp_sync) in enumerate(plan_points):
     p = params["blocks"][i]
+    # Row-parallel biases are replicated: added to x_sync whole, so every device's local
+    # residual has them at once (not only 1/tp of them until the next sync).
     local = x_sync + acc
-    attn = _attention_partial(p["attn"], _layer_norm(local, p["ln1"]), cfg, tp)
+    attn = _attention_partial(p["attn"], _layer_norm(local, p["ln1"]), cfg)
     if cfg.parallel_residual:
-      acc = acc + attn + _mlp_partial(p["mlp"], _layer_norm(local, p["ln2"]), tp)
+      acc = acc + attn + _mlp_partial(p["mlp"], _layer_norm(local, p["ln2"]))
+      x_sync = x_sync + _bias(p["attn"]["proj"], "bias") + _bias(p["mlp"], "proj_bias")
     else:
       acc = acc + attn
+      x_sync = x_sync + _bias(p["attn"]["proj"], "bias")
       if attn_sync:
         x_sync, acc = sync(x_sync, acc)
-      acc = acc + _mlp_partial(p["mlp"], _layer_norm(x_sync + acc, p["ln2"]), tp)
+      acc = acc + _mlp_partial(p["mlp"], _layer_norm(x_sync + acc, p["ln2"]))
+      x_sync = x_sync + _bias(p["mlp"], "proj_bias")
     if mlp_sync:
       x_sync, acc = sync(x_sync, acc)
   x = _layer_norm(x_sync, params["ln_f"])
@@ -199,10 +216,9 @@ def _local_logits(params, tokens, cfg: GPTConfig, plan: SyncPlan, tp: int):
 def tp_logits(params, tokens_BxL, cfg: GPTConfig, plan: SyncPlan, mesh):
   """Float32 logits [B, L, V] of the GPT with `params` (its usual tree), tensor-parallel over
   `mesh`'s 'model' axis with `plan`'s sync points. Batch rows stay replicated."""
-  tp = mesh.shape["model"]
   split = split_layout(params, cfg)
   fn = jax.shard_map(
-      lambda p, t: _local_logits(p, t, cfg, plan, tp), mesh=mesh,
+      lambda p, t: _local_logits(p, t, cfg, plan), mesh=mesh,
       in_specs=(param_specs(params, cfg), P()), out_specs=P(), axis_names={"model"},
       # Unchecked: vma typing rejects this shard_map under the runner's
       # vmap(spmd_axis_name='replica') (that axis is Auto). Replicated inputs' gradients are
