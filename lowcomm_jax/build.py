@@ -94,21 +94,29 @@ class Run:
                               self.worker_weights([h.inner_steps for h in self.hosts]))
 
   def tp_counts(self) -> dict:
-    """Tensor parallelism's sync points per forward and all-reduces in one compiled train
-    step (loss + gradients of one worker, read from the HLO); empty without TP."""
+    """Tensor parallelism's sync points per forward, and the collectives of one inner step
+    read from the compiled local program of this process's first host (H steps are a scan:
+    its body holds one step's collectives once). Empty without TP."""
     tp = self.config.model.tp
     if tp.size <= 1:
       return {}
     plan = SyncPlan(tp.sync, tp.layers_per_group, tuple(tp.attn_sync_layers))
-    loss = _loss_fn(None, self.model_cfg, plan, self.local_mesh)
-    windows = jax.ShapeDtypeStruct((self.hosts[0].batch_size, self.config.data.seq_len + 1),
-                                   jnp.int32)
+    host = self.hosts[self.local_hosts[0]]
+    workers = len(host.worker_ids)
+    batches = jax.ShapeDtypeStruct(
+        (workers, host.inner_steps, host.batch_size, self.config.data.seq_len + 1), jnp.int32)
+    ids = jax.ShapeDtypeStruct((workers,), jnp.int32)
     with jax.set_mesh(self.local_mesh):
-      step = jax.jit(jax.value_and_grad(lambda p, w: loss(p, w, None)))
-      hlo = step.lower(self.abstract_state.params, windows).compile().as_text()
+      hlo = jax.jit(self.local_rounds[0]).lower(
+          self.abstract_state._replace(outer_opt_state=()), self.abstract_workers()[0],
+          batches, ids).compile().as_text()
     return {"tp_syncs_forward": plan.syncs_forward(self.model_cfg.n_layer,
                                                    self.model_cfg.parallel_residual),
-            "tp_allreduces_train_step": count_all_reduces(hlo)}
+            "tp_allreduces_train_step": count_all_reduces(hlo),
+            # Parameters stay replicated over 'model': the sharded leaves' gradients are
+            # gathered before the (replicated) optimizer update.
+            "tp_allgathers_train_step": hlo.count(" all-gather(") + hlo.count(
+                " all-gather-start(")}
 
   def abstract_workers(self):
     """Shapes and shardings of this process's worker states (for restoring them)."""

@@ -29,6 +29,7 @@ def test_standard_tp_matches_the_unsharded_run_and_reports_its_all_reduces(tmp_p
   assert sharded["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-4)
   # tiny: 2 blocks x 2 syncs; train step 2F + 1 (tests/model/test_tp.py derives it).
   assert sharded["tp_syncs_forward"] == 4 and sharded["tp_allreduces_train_step"] == 9
+  assert sharded["tp_allgathers_train_step"] >= 1  # replicated params: sharded grads gathered
   assert "tp_syncs_forward" not in plain
 
 
