@@ -33,13 +33,6 @@ def test_standard_tp_matches_the_unsharded_run_and_reports_its_all_reduces(tmp_p
   assert "tp_syncs_forward" not in plain
 
 
-def test_spd_tp_trains_ddp_with_one_sync_per_block(tmp_path):
-  summary = _run(tmp_path, "--config.model.tp.size=2", "--config.model.tp.sync=spd",
-                 "--config.algorithm=ddp", "--config.inner_steps=1", "--config.rounds=4")
-  assert summary["tp_syncs_forward"] == 2 and summary["tp_allreduces_train_step"] == 5
-  assert summary["eval_loss"] < 5.6  # learning from ln(256) = 5.55 at the start
-
-
 @pytest.mark.parametrize("overrides,message", [
     ({"model.tp.size": 3}, "model.tp.size=3: must divide n_head=2"),
     ({"model.tp.size": 2, "model.tp.sync": "grouped", "model.tp.layers_per_group": 3},
