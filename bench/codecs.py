@@ -51,12 +51,7 @@ SWEEP = {
 
 def _config(file: str, overrides: dict):
   config = runpy.run_path(str(REPO / "configs" / f"{file}.py"))["get_config"]()
-  for dotted, value in overrides.items():
-    node = config
-    *parents, leaf = dotted.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
+  config.update_from_flattened_dict(overrides)  # dotted keys, e.g. "compress.codec"
   return config
 
 
