@@ -3,6 +3,7 @@
   python bench/codecs.py [--workdir bench/results/codecs] [--only NAME ...]
   python bench/codecs.py --speed_only
   python bench/codecs.py --sweep            # also the SWEEP runs toward the 1000x target
+  python bench/codecs.py --long             # the LONG runs: 4x the tokens
 
 Methods: DDP, DiLoCo (H=20), DiLoCo + int8 / 4-bit / SparseLoCo, DDP + DeMo, DDP + DeMo 1-bit,
 all 2,457,600 tokens. Prints a table of final eval loss, bytes sent per worker and the ratio
@@ -47,6 +48,28 @@ SWEEP = {
                               "checkpoint_every": 20, "compress.k": 24, "outer.lr": 0.7,
                               "outer.momentum": 0.9}),
 }
+# DiLoCo's outer rule at this short budget (15 rounds): (lr, momentum) around the published
+# 0.7 / 0.9, and H=10 at the best of them.
+for _lr, _m in [(1.0, 0.0), (1.5, 0.0), (0.5, 0.9), (1.0, 0.5), (1.0, 0.7), (1.5, 0.5),
+                (0.8, 0.6)]:
+  SWEEP[f"diloco_outer_lr{_lr}_m{_m}"] = ("diloco_hetero", {"hosts": [], "outer.lr": _lr,
+                                                            "outer.momentum": _m})
+SWEEP["diloco_h10_outer_lr1.0_m0.5"] = ("diloco_hetero", {
+    "hosts": [], "outer.lr": 1.0, "outer.momentum": 0.5, "rounds": 30, "inner_steps": 10,
+    "eval_every": 10, "checkpoint_every": 10})
+
+# --long: the same comparison at 4x the tokens (1,200 steps, 9,830,400 tokens per run):
+# DiLoCo with H=30 under the best outer rule of the short sweep and the published one, and
+# SparseLoCo on the same rounds.
+_LONG_ROUNDS = {"rounds": 40, "inner_steps": 30, "eval_every": 10, "checkpoint_every": 20}
+LONG = {
+    "ddp": ("ddp", {"rounds": 1200, "eval_every": 200, "checkpoint_every": 400,
+                    "log_every": 50}),
+    "diloco_h30": ("diloco_hetero", {"hosts": [], "outer.lr": 0.8, "outer.momentum": 0.6,
+                                     **_LONG_ROUNDS}),
+    "diloco_h30_outer_lr0.7_m0.9": ("diloco_hetero", {"hosts": [], **_LONG_ROUNDS}),
+    "diloco_h30_sparseloco": ("diloco_sparseloco", _LONG_ROUNDS),
+}
 
 
 def _config(file: str, overrides: dict):
@@ -85,11 +108,15 @@ def main():
   p.add_argument("--only", nargs="*", default=None)
   p.add_argument("--speed_only", action="store_true")
   p.add_argument("--sweep", action="store_true", help="also run the SWEEP methods")
+  p.add_argument("--long", action="store_true",
+                 help="run the LONG methods (4x tokens) instead; default workdir codecs_long")
   args = p.parse_args()
   result = {"speed_ms_per_10M": {k: v * 1e3 for k, v in codec_speed().items()}}
   if not args.speed_only:
     rows = {}
-    methods = {**METHODS, **(SWEEP if args.sweep else {})}
+    methods = LONG if args.long else {**METHODS, **(SWEEP if args.sweep else {})}
+    if args.long and args.workdir == p.get_default("workdir"):
+      args.workdir = REPO / "bench/results/codecs_long"
     for name, (file, overrides) in methods.items():
       if args.only and name not in args.only:
         continue

@@ -5,10 +5,16 @@ Run under the launcher (one process per worker, gloo over 127.0.0.1):
   python launch/local.py --num_processes 2 --module bench.outer_step -- [--model small]
   python launch/local.py --num_processes 4 --module bench.outer_step -- [--model small]
 
-Measured in the same processes, each the median of --repeats timed calls (after warm-up):
-  outer:  the jitted global outer step (nested/plain mean all-reduce + Nesterov update)
-  psum:   a bare jitted all-reduce (sum over the replica axis) of one fp32 array with the
-          same number of bytes per worker as the pseudo-gradient
+Measured in the same processes, interleaved (every repeat times each program once, so a
+slow spell of the shared machine hits all of them alike), medians of --repeats calls:
+  outer:       the runner's jitted global outer step (mean all-reduce + Nesterov update +
+               the per-round metrics: train losses of every worker, parameter and update norms)
+  outer_lean:  the same program with the metrics dropped
+  flat_floor:  a bare all-reduce of one flat fp32 buffer followed by the Nesterov update on
+               flat parameters and momentum: what any implementation that keeps the update
+               after the all-reduce costs at least (no per-tensor work, no metrics)
+  psum:        a bare jitted all-reduce (sum over the replica axis) of one fp32 array with the
+               same number of bytes per worker as the pseudo-gradient
 and, over --rounds full rounds: per-round compute (local programs), outer step and idle.
 Process 0 writes bench/results/outer_step_<N>procs.json. Target: outer / psum <= 1.5.
 """
@@ -25,21 +31,24 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 
 
-def _median_seconds(fn, repeats: int) -> float:
+def _interleaved_medians(programs: dict, repeats: int) -> dict[str, float]:
+  """Median seconds per call of each zero-argument program, timed in turn every repeat."""
   import jax
-  jax.block_until_ready(fn())  # warm-up / compile
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
+  for fn in programs.values():  # warm-up / compile
     jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  times = {name: [] for name in programs}
+  for _ in range(repeats):
+    for name, fn in programs.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[name].append(time.perf_counter() - t0)
+  return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--model", default="small")
-  p.add_argument("--repeats", type=int, default=20)
+  p.add_argument("--repeats", type=int, default=50)
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--inner_steps", type=int, default=5)
   args = p.parse_args()
@@ -49,10 +58,10 @@ def main():
   distributed.initialize(config)
   import jax
   import numpy as np
+  import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from lowcomm_jax import train
-  from lowcomm_jax.parallel import mesh as mesh_lib
+  from lowcomm_jax import outer, train
 
   n = jax.process_count()
   config.num_workers = n
@@ -79,26 +88,41 @@ def main():
 
   # Outer step alone, on fixed inputs.
   deltas, losses = r.abstract_round_inputs()
-  zeros = lambda a: jax.make_array_from_callback(
-      a.shape, a.sharding, lambda idx: np.zeros(a.shape, a.dtype)[idx])
+  host_array = lambda shape, dtype, sharding, fill=0: jax.make_array_from_callback(
+      shape, sharding, lambda idx: np.full(shape, fill, dtype)[idx])
+  zeros = lambda a: host_array(a.shape, a.dtype, a.sharding)
   deltas, losses = jax.tree.map(zeros, deltas), zeros(losses)
   finish = fns[1]
+  lean = jax.jit(lambda *a: r.finish_round(*a)[0], out_shardings=r.state_shardings)
+  rep, per_worker = NamedSharding(r.mesh, P()), NamedSharding(r.mesh, P("replica"))
+  rule = outer.diloco_outer(config.outer.lr, config.outer.momentum, config.outer.nesterov)
+
+  def flat_step(flat_R, params, momentum):
+    updates, momentum = rule.update(flat_R.sum(0) / n, momentum, params)
+    return optax.apply_updates(params, updates), momentum
+
   with jax.set_mesh(r.mesh):
     hidden, weights = r.replicated_input(r.hidden_per_worker), r.replicated_input(weights)
-    outer = _median_seconds(lambda: finish(state, deltas, losses, hidden, weights)[0].params,
-                            args.repeats)
-    # Bare all-reduce of the same bytes per worker.
-    sharding = NamedSharding(r.mesh, P("replica"))
-    flat = jax.make_array_from_callback(
-        (n, r.param_count), sharding, lambda idx: np.ones((n, r.param_count), np.float32)[idx])
-    psum = jax.jit(lambda x: x.sum(0), out_shardings=NamedSharding(r.mesh, P()))
-    bare = _median_seconds(lambda: psum(flat), args.repeats)
+    flat_R = host_array((n, r.param_count), np.float32, per_worker, 1)
+    flat_params = host_array((r.param_count,), np.float32, rep, 1)
+    flat_momentum = jax.jit(rule.init, out_shardings=rep)(flat_params)
+    flat = jax.jit(flat_step, out_shardings=rep)
+    psum = jax.jit(lambda x: x.sum(0), out_shardings=rep)  # bare all-reduce, same bytes
+    timings = _interleaved_medians({
+        "outer": lambda: finish(state, deltas, losses, hidden, weights)[0].params,
+        "outer_lean": lambda: lean(state, deltas, losses, hidden, weights).params,
+        "flat_floor": lambda: flat(flat_R, flat_params, flat_momentum),
+        "psum": lambda: psum(flat_R)}, args.repeats)
 
   if jax.process_index() == 0:
     mean = lambda k: statistics.mean(s[k] for s in splits)
     result = {"processes": n, "model": args.model, "params": r.param_count,
-              "payload_bytes_per_worker": r.param_bytes, "outer_step_s": outer,
-              "bare_psum_s": bare, "ratio": outer / bare,
+              "payload_bytes_per_worker": r.param_bytes, "repeats": args.repeats,
+              "outer_step_s": timings["outer"], "outer_lean_s": timings["outer_lean"],
+              "flat_floor_s": timings["flat_floor"], "bare_psum_s": timings["psum"],
+              "ratio": timings["outer"] / timings["psum"],
+              "ratio_lean": timings["outer_lean"] / timings["psum"],
+              "ratio_flat_floor": timings["flat_floor"] / timings["psum"],
               "round_compute_s": mean("compute"), "round_outer_s": mean("outer"),
               "round_idle_s": mean("idle"), "inner_steps": args.inner_steps}
     out = REPO / "bench" / "results" / f"outer_step_{n}procs.json"

@@ -208,7 +208,11 @@ def build(config: ml_collections.ConfigDict) -> Run:
     """The global program: aggregate all workers' Δ and apply the outer rule."""
     params, outer_opt_state, metrics = outer_step(state.params, state.outer_opt_state,
                                                   deltas_R, hidden_R, weight_R)
-    metrics.update(train_loss=losses_R.mean(), train_loss_per_worker=losses_R)
+    # Every worker's loss by a sum over workers rather than an all-gather: XLA merges that
+    # all-reduce into the pseudo-gradient's, so the round pays one collective's latency.
+    # (`where`, not a product: one worker's NaN must not spread to the others' entries.)
+    per_worker = jnp.where(jnp.eye(losses_R.shape[0], dtype=bool), losses_R[:, None], 0).sum(0)
+    metrics.update(train_loss=per_worker.mean(), train_loss_per_worker=per_worker)
     return steps.TrainState(state.round + 1, state.rng, params, outer_opt_state), metrics
 
   abstract_state = jax.eval_shape(init_fn)

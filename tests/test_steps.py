@@ -75,6 +75,20 @@ def test_inner_steps_communicate_nothing_and_the_outer_step_moves_the_params_onc
     # The outer mean moves every parameter once (plus a few scalars for the metrics).
     moved = _all_reduced_elements(outer_hlo)
     assert r.param_count <= moved <= r.param_count + 16, (algorithm, moved, r.param_count)
+    assert " all-gather" not in outer_hlo  # the workers' losses ride in that all-reduce
+
+
+def test_a_workers_nan_loss_is_reported_as_its_own(smoke_config):
+  r = train.build(smoke_config(num_workers=4, **{"mesh.replica": 4}))
+  fns = train.jitted_steps(r)
+  state, _ = train.init_run(r, fns)
+  deltas, losses = r.abstract_round_inputs()
+  deltas = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), deltas)
+  losses = jax.device_put(np.array([1.0, np.nan, 2.0, 3.0], np.float32), losses.sharding)
+  with jax.set_mesh(r.mesh):
+    _, metrics = fns[1](state, deltas, losses, r.hidden_per_worker, np.ones(4, np.float32))
+  np.testing.assert_array_equal(metrics["train_loss_per_worker"], [1.0, np.nan, 2.0, 3.0])
+  assert np.isnan(metrics["train_loss"])
 
 
 def test_runner_keeps_inner_adam_state_and_outer_momentum_across_rounds(smoke_config):
