@@ -75,7 +75,9 @@ def test_inner_steps_communicate_nothing_and_the_outer_step_moves_the_params_onc
     # The outer mean moves every parameter once (plus a few scalars for the metrics).
     moved = _all_reduced_elements(outer_hlo)
     assert r.param_count <= moved <= r.param_count + 16, (algorithm, moved, r.param_count)
-    assert " all-gather" not in outer_hlo  # the workers' losses ride in that all-reduce
+    # ...in one collective: the workers' losses ride in that all-reduce, not an all-gather.
+    assert " all-gather" not in outer_hlo
+    assert outer_hlo.count(" all-reduce(") + outer_hlo.count(" all-reduce-start(") == 1
 
 
 def test_a_workers_nan_loss_is_reported_as_its_own(smoke_config):
