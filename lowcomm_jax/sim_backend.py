@@ -77,8 +77,6 @@ def _stack(trees):
   return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
-
-
 class SimBackend:
 
   def __init__(self, r: Run, plan: Plan, state: steps.TrainState, workers):
@@ -116,10 +114,11 @@ class SimBackend:
 
   @staticmethod
   def _make_apply(rule):
-    def apply(params, opt_state, delta, pulled):
+    def apply(params, opt_state, delta, pulled=None):
       """The rule's step, and the drift ‖θ − θ_pulled‖ / ‖θ‖ (how far the server moved
-      while the contribution was out), in one dispatch."""
-      drift = optax.tree.norm(optax.tree.sub(params, pulled)) / optax.tree.norm(params)
+      while the contribution was out) in the same dispatch; None without `pulled`."""
+      drift = (None if pulled is None else
+               optax.tree.norm(optax.tree.sub(params, pulled)) / optax.tree.norm(params))
       updates, opt_state = rule.update(delta, opt_state, params)
       return optax.apply_updates(params, updates), opt_state, drift
     return apply
@@ -207,7 +206,7 @@ class SimBackend:
   def apply_push(self, dst: str, msg: int) -> None:
     server = self.servers[dst]
     server["params"], server["opt_state"], _ = self._apply[dst](
-        server["params"], server["opt_state"], self.messages.pop(msg)["delta"], server["params"])
+        server["params"], server["opt_state"], self.messages.pop(msg)["delta"])
     self._changed(dst, update=True)
 
   def send_params(self, src: str, msg: int) -> None:

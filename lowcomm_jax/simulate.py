@@ -109,8 +109,8 @@ class _Simulation:
     ckpt.save(mark, self.backend.checkpoint_tree(), meta, self.backend.workers,
               {"streams": self.streams.get_state()})
 
-  def restore(self, ckpt: Checkpointer, mark: int) -> dict:
-    meta = ckpt.restore_meta(mark)
+  def restore(self, ckpt: Checkpointer, mark: int, meta: dict) -> None:
+    """Continues from checkpoint `mark`, whose metadata (`ckpt.restore_meta`) is `meta`."""
     if meta.get("plan") != self.fingerprint():
       ckpt.close()
       raise CheckpointMismatch(
@@ -120,13 +120,12 @@ class _Simulation:
     rep = mesh_lib.replicated(self.r.mesh)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
                             self.backend.abstract_tree(meta["backend"]))
-    tree, meta, workers, data = ckpt.restore(mark, abstract, self.r.abstract_workers()[0])
+    tree, _, workers, data = ckpt.restore(mark, abstract, self.r.abstract_workers()[0])
     self.backend.load(tree, meta["backend"])
     self.backend.workers = workers
     self.schedule.load_state(meta["schedule"])
     self.loop = EventLoop.from_state(meta["loop"])
     self.streams.set_state(data["streams"])
-    return meta
 
 
 def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
@@ -146,12 +145,13 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   latest = ckpt.latest_round()
   wall_before, finished = 0.0, False
   if latest is not None:
-    if ckpt.restore_meta(latest)["finished"] and summary_path.exists():
+    meta = ckpt.restore_meta(latest)
+    if meta["finished"] and summary_path.exists():
       ckpt.close()
       logging.info("simulation in %s already finished; keeping summary.json", workdir)
       return json.loads(summary_path.read_text())
     ckpt.discard_after(latest)  # parts of a save cut short; they are redone
-    meta = sim.restore(ckpt, latest)
+    sim.restore(ckpt, latest, meta)
     wall_before, finished = meta["wall_seconds"], meta["finished"]
     logging.info("resumed simulation %s at virtual t=%.1fs", workdir, sim.loop.now)
   else:
@@ -180,8 +180,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
       ckpt.wait()
       raise TrainingDiverged(
           f"non-finite training at virtual t={sim.loop.now:.1f}s (train-loss sum {losses}, "
-          f"global param norm {norm}, eval {eval_loss}). The last good checkpoint (round-equivalent {ckpt.latest_round()}) "
-          f"in {ckpt.directory} is intact; lower optimizer.lr or outer.lr and resume from it")
+          f"global param norm {norm}, eval {eval_loss}). The last good checkpoint "
+          f"(round-equivalent {ckpt.latest_round()}) in {ckpt.directory} is intact; lower "
+          "optimizer.lr or outer.lr and resume from it")
 
   def record(eval_loss: float | None) -> None:
     a = schedule.acct
@@ -211,10 +212,12 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
       if not len(sim.loop):
         break  # the final evaluation and checkpoint follow the loop
       evaluate_now = c.eval_every > 0 and mark % c.eval_every == 0
-      if evaluate_now or (c.log_every > 0 and mark % c.log_every == 0):
-        record(evaluate() if evaluate_now else None)
+      logged = evaluate_now or (c.log_every > 0 and mark % c.log_every == 0)
+      if logged:
+        record(evaluate() if evaluate_now else None)  # checks finiteness first
       if c.checkpoint_every > 0 and mark % c.checkpoint_every == 0:
-        check_finite()
+        if not logged:
+          check_finite()
         sim.save(ckpt, mark, {"wall_seconds": wall_before + time.time() - t_start,
                               "finished": False})
         saved += 1
@@ -276,7 +279,8 @@ def final_global_params(config: ml_collections.ConfigDict, workdir: str | pathli
   sim = _Simulation(config)
   ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=config.keep_checkpoints)
   try:
-    sim.restore(ckpt, ckpt.latest_round())
+    latest = ckpt.latest_round()
+    sim.restore(ckpt, latest, ckpt.restore_meta(latest))
   finally:
     ckpt.close()
   return sim.backend.global_params()
