@@ -57,6 +57,12 @@ for _lr, _m in [(1.0, 0.0), (1.5, 0.0), (0.5, 0.9), (1.0, 0.5), (1.0, 0.7), (1.5
 SWEEP["diloco_h10_outer_lr1.0_m0.5"] = ("diloco_hetero", {
     "hosts": [], "outer.lr": 1.0, "outer.momentum": 0.5, "rounds": 30, "inner_steps": 10,
     "eval_every": 10, "checkpoint_every": 10})
+# Is the remaining gap a matter of the inner learning rate? Each side tuned on its own: DiLoCo
+# (best outer rule above) and DDP, AdamW lr below and above the shared 3e-3.
+for _lr in (2e-3, 5e-3, 1e-2):
+  SWEEP[f"diloco_outer_lr1.0_m0.5_inner_lr{_lr:g}"] = ("diloco_hetero", {
+      "hosts": [], "outer.lr": 1.0, "outer.momentum": 0.5, "optimizer.lr": _lr})
+  SWEEP[f"ddp_lr{_lr:g}"] = ("ddp", {"optimizer.lr": _lr})
 
 # --long: the same comparison at 4x the tokens (1,200 steps, 9,830,400 tokens per run):
 # DiLoCo with H=30 under one of the two best outer rules of the short sweep (0.8 / 0.6, within

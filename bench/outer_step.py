@@ -7,12 +7,14 @@ Run under the launcher (one process per worker, gloo over 127.0.0.1):
 
 Measured in the same processes, interleaved (every repeat times each program once, so a
 slow spell of the shared machine hits all of them alike), medians of --repeats calls:
-  outer:       the runner's jitted global outer step (mean all-reduce + Nesterov update +
-               the per-round metrics: train losses of every worker, parameter and update norms)
-  outer_lean:  the same program with the metrics dropped
+  outer:       the runner's jitted global outer step (mean all-reduce + Nesterov update on
+               the flat θ and momentum + the per-round metrics: train losses of every
+               worker, parameter and update norms)
+  outer_lean:  the same program on a round that logs, evaluates and checkpoints nothing:
+               no metrics (the runner's other rounds)
   flat_floor:  a bare all-reduce of one flat fp32 buffer followed by the Nesterov update on
-               flat parameters and momentum: what any implementation that keeps the update
-               after the all-reduce costs at least (no per-tensor work, no metrics)
+               flat parameters and momentum, written directly: what any implementation that
+               keeps the update after the all-reduce costs at least (no metrics)
   psum:        a bare jitted all-reduce (sum over the replica axis) of one fp32 array with the
                same number of bytes per worker as the pseudo-gradient
 and, over --rounds full rounds: per-round compute (local programs), outer step and idle.
@@ -93,7 +95,6 @@ def main():
   zeros = lambda a: host_array(a.shape, a.dtype, a.sharding)
   deltas, losses = jax.tree.map(zeros, deltas), zeros(losses)
   finish = fns[1]
-  lean = jax.jit(lambda *a: r.finish_round(*a)[0], out_shardings=r.state_shardings)
   rep, per_worker = NamedSharding(r.mesh, P()), NamedSharding(r.mesh, P("replica"))
   rule = outer.diloco_outer(config.outer.lr, config.outer.momentum, config.outer.nesterov)
 
@@ -110,7 +111,8 @@ def main():
     psum = jax.jit(lambda x: x.sum(0), out_shardings=rep)  # bare all-reduce, same bytes
     timings = _interleaved_medians({
         "outer": lambda: finish(state, deltas, losses, hidden, weights)[0].params,
-        "outer_lean": lambda: lean(state, deltas, losses, hidden, weights).params,
+        "outer_lean": lambda: finish(state, deltas, losses, hidden, weights,
+                                     metrics=False)[0].params,
         "flat_floor": lambda: flat(flat_R, flat_params, flat_momentum),
         "psum": lambda: psum(flat_R)}, args.repeats)
 

@@ -71,7 +71,7 @@ def python_loop(workers: int, rounds: int) -> float:
       losses.append(loss.mean(axis=1))
     cat = lambda *xs: jnp.concatenate(xs)
     state, _ = finish(state, jax.tree.map(cat, *deltas), cat(*losses), r.hidden_per_worker,
-                      weights)
+                      weights, metrics=False)  # as the simulator calls it
     return state, jax.tree.map(cat, *new_opt)
 
   for _ in range(2):  # compiles, as in `simulated`

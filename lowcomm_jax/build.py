@@ -23,6 +23,7 @@ from lowcomm_jax.model import GPT, GPTConfig, count_params, get_preset, next_tok
 from lowcomm_jax.model.matformer import slice_tier
 from lowcomm_jax.model.tp import SyncPlan, count_all_reduces, tp_loss, use_gspmd_for_tp
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
+from lowcomm_jax.parallel.flat import ParamLayout
 
 
 @dataclasses.dataclass
@@ -33,11 +34,12 @@ class Run:
   local_mesh: jax.sharding.Mesh  # this process's devices (== mesh in a single process)
   model_cfg: GPTConfig
   graphdef: nnx.GraphDef
+  layout: ParamLayout  # the flat θ_global's tree view (abstract tree: layout.abstract)
   hosts: list[HostSpec]  # all of them
   local_hosts: list[int]  # indices of the hosts this process runs
   local_rounds: list[Callable]  # per local host: steps.make_local_round
   init_workers: list[Callable]  # per local host: params -> [G, ...] inner optimizer states
-  finish_round: Callable  # (state, deltas, losses, hidden, weight) -> (state, metrics)
+  finish_round: Callable  # (state, deltas, losses, hidden, weight, metrics) -> (state, metrics)
   eval_step: Callable[[dict, jax.Array], jax.Array]
   init_fn: Callable[[], steps.TrainState]
   abstract_state: steps.TrainState
@@ -175,6 +177,10 @@ def build(config: ml_collections.ConfigDict) -> Run:
     return nnx.split(nnx.eval_shape(lambda: GPT(tier_cfg, rngs=nnx.Rngs(0))), nnx.Param)[0]
 
   graphdef = graphdef_of(model_cfg.d_ff)
+
+  def param_tree():
+    return nnx.to_pure_dict(nnx.state(GPT(model_cfg, rngs=nnx.Rngs(params=c.seed)), nnx.Param))
+  layout = ParamLayout.of(jax.eval_shape(param_tree))
   tp = c.model.tp
   plan = (SyncPlan(tp.sync, tp.layers_per_group, tuple(tp.attn_sync_layers))
           if tp.size > 1 else None)
@@ -187,39 +193,50 @@ def build(config: ml_collections.ConfigDict) -> Run:
   # Each host's inner schedule spans its own number of steps (rounds x its H).
   inner_txs = [optimizers.inner_optimizer(c.optimizer, c.rounds * h.inner_steps) for h in hosts]
   nested = optimizers.needs_nested_mean(c, hosts, model_cfg.d_ff)
-  outer_tx = optimizers.outer_optimizer(c, inner_txs[0], nested=nested)
-  outer_step = steps.make_outer_step(outer_tx, nested=nested)
+  outer_tx = optimizers.outer_optimizer(c, inner_txs[0], layout, nested=nested)
+  outer_step = steps.make_outer_step(outer_tx, nested=nested, layout=layout)
   # Asynchronous algorithms (simulator) run DiLoCo's local program; their servers differ.
   local_algorithm = "ddp" if c.algorithm == "ddp" else "diloco"
   local_rounds = [
       steps.make_local_round(loss_of(hosts[i].hidden, local_mesh), algorithm=local_algorithm,
-                             inner_tx=inner_txs[i], hidden=hosts[i].hidden, d_ff=model_cfg.d_ff)
+                             inner_tx=inner_txs[i], hidden=hosts[i].hidden, d_ff=model_cfg.d_ff,
+                             layout=layout)
       for i in local_hosts]
   init_workers = [
       (lambda p, h=hosts[i], tx=inner_txs[i]: steps.init_workers(
-          p, workers=len(h.worker_ids), hidden=h.hidden, d_ff=model_cfg.d_ff, inner_tx=tx))
+          p, workers=len(h.worker_ids), hidden=h.hidden, d_ff=model_cfg.d_ff, layout=layout,
+          inner_tx=tx))
       if local_algorithm == "diloco" else (lambda p: ()) for i in local_hosts]
 
   def init_fn():
-    params = nnx.to_pure_dict(nnx.state(GPT(model_cfg, rngs=nnx.Rngs(params=c.seed)), nnx.Param))
-    return steps.init_state(params, seed=c.seed, outer_tx=outer_tx, num_workers=c.num_workers)
+    return steps.init_state(layout.ravel(param_tree()), seed=c.seed, outer_tx=outer_tx,
+                            num_workers=c.num_workers)
 
-  def finish_round(state, deltas_R, losses_R, hidden_R, weight_R):
-    """The global program: aggregate all workers' Δ and apply the outer rule."""
-    params, outer_opt_state, metrics = outer_step(state.params, state.outer_opt_state,
-                                                  deltas_R, hidden_R, weight_R)
-    # Every worker's loss by a sum over workers rather than an all-gather: XLA merges that
-    # all-reduce into the pseudo-gradient's, so the round pays one collective's latency.
-    # (`where`, not a product: one worker's NaN must not spread to the others' entries.)
-    per_worker = jnp.where(jnp.eye(losses_R.shape[0], dtype=bool), losses_R[:, None], 0).sum(0)
-    metrics.update(train_loss=per_worker.mean(), train_loss_per_worker=per_worker)
-    return steps.TrainState(state.round + 1, state.rng, params, outer_opt_state), metrics
+  def finish_round(state, deltas_R, losses_R, hidden_R, weight_R, metrics: bool = True):
+    """The global program: aggregate all workers' Δ and apply the outer rule.
+
+    With `metrics` (static; the runner asks on rounds that log, evaluate or checkpoint) it
+    also returns every worker's train loss and the parameter and update norms. Without,
+    the round is one all-reduce of Δ and the update: the losses would be a second
+    collective (XLA puts them in the same all-reduce op, but gloo still runs one transfer
+    per operand) and the norms two more passes over θ.
+    """
+    params, outer_opt_state, out = outer_step(state.params, state.outer_opt_state,
+                                              deltas_R, hidden_R, weight_R, norms=metrics)
+    if metrics:
+      # Every worker's loss by a sum over workers, not an all-gather: XLA merges it into
+      # the pseudo-gradient's all-reduce op. (`where`, not a product: one worker's NaN must
+      # not spread to the others' entries.)
+      per_worker = jnp.where(jnp.eye(losses_R.shape[0], dtype=bool), losses_R[:, None],
+                             0).sum(0)
+      out.update(train_loss=per_worker.mean(), train_loss_per_worker=per_worker)
+    return steps.TrainState(state.round + 1, state.rng, params, outer_opt_state), out
 
   abstract_state = jax.eval_shape(init_fn)
   aggregator_state, rule_state = jax.eval_shape(outer_tx.init, abstract_state.params)
   tier_bytes = {}
   for h, tx in zip(hosts, inner_txs):
-    tier_params = jax.eval_shape(lambda p, m=h.hidden: slice_tier(p, m), abstract_state.params)
+    tier_params = jax.eval_shape(lambda p, m=h.hidden: slice_tier(p, m), layout.abstract)
     tier_opt = (jax.eval_shape(tx.init, tier_params) if local_algorithm == "diloco"
                 else rule_state)  # DDP: the one per-step optimizer
     tier_bytes[h.tier] = {"param_bytes": ledger.tree_bytes(tier_params),
@@ -232,9 +249,10 @@ def build(config: ml_collections.ConfigDict) -> Run:
        jax.tree.map(lambda _: rep, abstract_state.outer_opt_state[1])))
   return Run(
       config=c, mesh=mesh, local_mesh=local_mesh, model_cfg=model_cfg, graphdef=graphdef,
+      layout=layout,
       hosts=hosts, local_hosts=local_hosts, local_rounds=local_rounds,
       init_workers=init_workers, finish_round=finish_round,
-      eval_step=steps.make_eval_step(loss_of(model_cfg.d_ff, mesh)), init_fn=init_fn,
+      eval_step=steps.make_eval_step(loss_of(model_cfg.d_ff, mesh), layout), init_fn=init_fn,
       abstract_state=abstract_state,
       state_shardings=state_shardings,
       streams=[WorkerStreams(train_tokens, worker_ids=hosts[i].worker_ids,
@@ -243,8 +261,8 @@ def build(config: ml_collections.ConfigDict) -> Run:
       eval_windows=eval_windows(val_tokens, seq_len=c.data.seq_len,
                                 batch_size=c.data.batch_size, num_batches=c.eval_batches,
                                 seed=c.seed),
-      param_count=count_params(abstract_state.params),
-      param_bytes=ledger.tree_bytes(abstract_state.params), tier_bytes=tier_bytes,
+      param_count=count_params(layout.abstract),
+      param_bytes=ledger.tree_bytes(layout.abstract), tier_bytes=tier_bytes,
       hidden_per_worker=np.asarray([h.hidden for h in hosts for _ in h.worker_ids], np.int32))
 
 
@@ -261,7 +279,7 @@ def jitted_steps(r: Run):
                    out_shardings=(per_worker, per_worker, per_worker)) for f in r.local_rounds]
   finish = jax.jit(r.finish_round, out_shardings=(r.state_shardings,
                                                   mesh_lib.replicated(r.mesh)),
-                   donate_argnums=(0,) if donate else ())
+                   static_argnames="metrics", donate_argnums=(0,) if donate else ())
   init = [jax.jit(f, out_shardings=per_worker) for f in r.init_workers]
   return local, finish, init
 
@@ -277,10 +295,11 @@ def init_run(r: Run, fns) -> tuple[steps.TrainState, tuple]:
 
 
 def train_round(r: Run, fns, state: steps.TrainState, workers: tuple, batches_per_host,
-                weight_R, *, timed: bool = False):
+                weight_R, *, timed: bool = False, metrics: bool = True):
   """One synchronous round: this process's hosts' local programs, then the outer step.
 
-  Returns (state, workers, device metrics, per-local-host compute seconds if `timed`).
+  Returns (state, workers, device metrics (empty without `metrics`), per-local-host compute
+  seconds if `timed`).
   Timing blocks on each host's result: that is what measuring it means.
   """
   local_fns, finish_fn, _ = fns
@@ -309,7 +328,7 @@ def train_round(r: Run, fns, state: steps.TrainState, workers: tuple, batches_pe
   deltas_R = mesh_lib.to_global(deltas_local, r.mesh, r.config.num_workers)
   losses_R = mesh_lib.to_global(losses_local, r.mesh, r.config.num_workers)
   with jax.set_mesh(r.mesh):
-    state, metrics = finish_fn(state, deltas_R, losses_R,
-                               r.replicated_input(r.hidden_per_worker),
-                               r.replicated_input(weight_R))
-  return state, tuple(new_workers), metrics, compute
+    state, round_metrics = finish_fn(state, deltas_R, losses_R,
+                                     r.replicated_input(r.hidden_per_worker),
+                                     r.replicated_input(weight_R), metrics=metrics)
+  return state, tuple(new_workers), round_metrics, compute

@@ -5,6 +5,7 @@ import ml_collections
 import optax
 
 from lowcomm_jax import aggregate, compress, outer
+from lowcomm_jax.parallel.flat import ParamLayout, tree_view
 
 
 def inner_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
@@ -40,7 +41,8 @@ def needs_nested_mean(config: ml_collections.ConfigDict, hosts, d_ff: int) -> bo
 
 
 def outer_optimizer(config: ml_collections.ConfigDict, inner_tx: optax.GradientTransformation,
-                    *, nested: bool = False) -> optax.GradientTransformation:
+                    layout: ParamLayout, *, nested: bool = False
+                    ) -> optax.GradientTransformation:
   """What turns the workers' pseudo-gradients (or gradients, for DDP) into a global update.
 
   The aggregator comes first: it is the chain's only communication. With a codec
@@ -49,21 +51,25 @@ def outer_optimizer(config: ml_collections.ConfigDict, inner_tx: optax.GradientT
   compressed mean takes the same tier weights). DDP steps the averaged gradient with the
   per-step optimizer — or, with `demo`, with sign descent (DeMo/DisTrO); DiLoCo applies its
   outer Nesterov rule.
+
+  It runs on flat Δ and θ (parallel/flat.py). The plain mean and DiLoCo's rule are
+  elementwise and run on the flat buffer as is; codecs (per tensor), the nested mean (tier
+  masks per FFN leaf) and DDP's optimizers (weight decay on matrices only) see the tree.
   """
   codec = compress.make_codec(config.compress, lr=config.optimizer.lr)
   if config.algorithm == "ddp" and config.compress.codec == "demo":
-    rule = sign_descent(config.optimizer, config.rounds)
+    rule = tree_view(sign_descent(config.optimizer, config.rounds), layout)
   elif config.algorithm == "ddp":
-    rule = inner_tx
+    rule = tree_view(inner_tx, layout)
   elif config.algorithm in ("diloco", "async", "async_dn", "halos"):
     # The synchronous outer step. (Asynchronous servers' rules: sim_backend.server_rules.)
     rule = outer.diloco_outer(config.outer.lr, config.outer.momentum, config.outer.nesterov)
   else:
     raise ValueError(f"unknown algorithm {config.algorithm!r}")
   if codec is not None:
-    aggregator = aggregate.compressed_mean(codec, "replica", seed=config.seed)
+    aggregator = tree_view(aggregate.compressed_mean(codec, "replica", seed=config.seed), layout)
   elif nested:
-    aggregator = aggregate.nested_mean("replica")
+    aggregator = tree_view(aggregate.nested_mean("replica"), layout)
   else:
     aggregator = aggregate.replica_mean("replica")
   return optax.chain(aggregator, rule)

@@ -85,10 +85,10 @@ class SimBackend:
     self.rng = state.rng
     self.rules = server_rules(c, plan)
     self.local_round = jax.jit(r.local_rounds[0])
-    self.finish_round = jax.jit(r.finish_round)
+    self.finish_round = jax.jit(r.finish_round, static_argnames="metrics")
     self.codec = compress.make_codec(c.compress, lr=c.optimizer.lr) if self.rules else None
     self._apply = {name: jax.jit(self._make_apply(rule)) for name, rule in self.rules.items()}
-    self._roundtrip = (jax.jit(jax.vmap(self.codec.roundtrip)) if self.codec else None)
+    self._roundtrip = jax.jit(jax.vmap(self._make_roundtrip(r.layout))) if self.codec else None
     self._merge = jax.jit(outer.merge_global, static_argnums=3)
     self._push = jax.jit(outer.pseudo_gradient)  # an LPS pushes θ_ref − θ_LPS
     self.workers = workers  # [W, ...] inner optimizer states
@@ -106,11 +106,18 @@ class SimBackend:
     self.revisions = {name: 0 for name in self.servers}
     self.codec_states = (jax.tree.map(
         lambda x: jnp.broadcast_to(x, (plan.num_workers,) + x.shape),
-        self.codec.init(state.params)) if self.codec else ())
+        self.codec.init(r.layout.abstract)) if self.codec else ())
     self.messages = {}  # id -> payload tree (job deltas + loss, pushes, GPS models)
     self.snapshots = {}  # (server, revision) -> params pulled by jobs still out
     self.job_snapshot = {}  # job id -> (server, revision)
     self._queued: list[Job] = []
+
+  def _make_roundtrip(self, layout):
+    def roundtrip(delta, codec_state, key):
+      """decode(encode(Δ)) on the tensors (codecs are per tensor; Δ is flat)."""
+      decoded, codec_state = self.codec.roundtrip(layout.unravel(delta), codec_state, key)
+      return layout.ravel(decoded), codec_state
+    return roundtrip
 
   @staticmethod
   def _make_apply(rule):
@@ -191,7 +198,7 @@ class SimBackend:
                              g["params"], g["opt_state"])
     r = self.r
     state, _ = self.finish_round(state, deltas, losses, r.hidden_per_worker,
-                                 r.worker_weights([self.config.inner_steps]))
+                                 r.worker_weights([self.config.inner_steps]), metrics=False)
     g["params"], g["opt_state"] = state.params, state.outer_opt_state
     for job in jobs:
       self._release(job)

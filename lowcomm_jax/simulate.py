@@ -49,7 +49,7 @@ def make_plan(c: ml_collections.ConfigDict, r: Run) -> Plan:
       inter_gbps=n.inter_gbps_matrix or n.inter_gbps,
       inter_latency_s=n.inter_latency_matrix or n.inter_latency_s)
   codec = compress.make_codec(c.compress, lr=c.optimizer.lr)
-  params = r.abstract_state.params
+  params = r.layout.abstract
   return Plan(inner_steps=inner, rounds=c.rounds,
               total_steps=c.num_workers * c.rounds * c.inner_steps, speeds=speeds,
               network=network,

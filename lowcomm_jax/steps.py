@@ -9,6 +9,9 @@ A round, for workers w stacked on the replica axis:
     outer (one global program, identical shapes everywhere):
       θ_global ← θ_global + outer_tx(Δ_w)      (aggregator, then the outer rule)
 
+θ_global, the outer state and Δ are flat vectors (parallel/flat.py); the local program
+unravels θ_global into the model's tree and ravels Δ back.
+
 Workers are mapped with `jax.vmap(axis_name='replica', spmd_axis_name='replica')`: a stack
 split over the mesh's replica devices, on which the aggregator's named-axis mean becomes an
 all-reduce. θ_global and the outer state are unmapped (`out_axes=None`): JAX verifies they
@@ -24,6 +27,7 @@ import optax
 
 from lowcomm_jax.model.matformer import pad_tier, slice_tier, tier_mask
 from lowcomm_jax.outer import pseudo_gradient
+from lowcomm_jax.parallel.flat import ParamLayout
 
 # vmap axes of the outer chain's state (aggregator, rule): per worker, global.
 PER_WORKER_AGGREGATOR = (0, None)
@@ -36,7 +40,7 @@ class TrainState(NamedTuple):
   inner optimizer states ([workers, ...] per host; none for DDP) beside it."""
   round: jax.Array  # outer rounds completed
   rng: jax.Array  # raw key data of the run's base key; step keys fold in (round, worker, step)
-  params: Any  # θ_global
+  params: jax.Array  # θ_global, flat (parallel/flat.py: the run's ParamLayout views it)
   # optax.chain(aggregator, rule) state: (aggregator's [R, ...] per worker — a codec's
   # error-feedback buffer, sharded over 'replica' — , the rule's: DiLoCo's outer momentum
   # or DDP's per-step optimizer state, replicated)
@@ -48,9 +52,10 @@ def round_key(state: TrainState) -> jax.Array:
 
 
 def make_local_round(loss_fn: LossFn, *, algorithm: str, inner_tx: optax.GradientTransformation,
-                     hidden: int, d_ff: int, axis_name: str = "replica"):
+                     hidden: int, d_ff: int, layout: ParamLayout, axis_name: str = "replica"):
   """`local_round(state, opt_state[G], batches[G, H, B, L+1], worker_ids[G])`
-  -> (Δ[G, full shapes], opt_state[G], losses[G, H]) for one host's G workers of width `hidden`.
+  -> (Δ[G, N] flat at full width, opt_state[G], losses[G, H]) for one host's G workers of
+  width `hidden`.
   """
   grad_fn = jax.value_and_grad(loss_fn)
 
@@ -73,12 +78,13 @@ def make_local_round(loss_fn: LossFn, *, algorithm: str, inner_tx: optax.Gradien
 
   local = {"diloco": diloco_local, "ddp": ddp_local}[algorithm]
 
-  def worker(global_params, opt_state, batches, key):
+  def worker(global_flat, opt_state, batches, key):
+    global_params = layout.unravel(global_flat)
     params = global_params if hidden == d_ff else slice_tier(global_params, hidden)
     delta, opt_state, losses = local(params, opt_state, batches, key)
     if hidden != d_ff:
       delta = pad_tier(delta, global_params)
-    return delta, opt_state, losses
+    return layout.ravel(delta), opt_state, losses
 
   def local_round(state: TrainState, opt_state_G, batches_GxHxBxL1, worker_ids_G):
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(round_key(state), worker_ids_G)
@@ -89,49 +95,53 @@ def make_local_round(loss_fn: LossFn, *, algorithm: str, inner_tx: optax.Gradien
 
 
 def make_outer_step(outer_tx: optax.GradientTransformation, *, nested: bool,
-                    axis_name: str = "replica"):
-  """`outer_step(params, outer_state, Δ[R], hidden[R], weight[R]) -> (params, outer_state, metrics)`.
+                    layout: ParamLayout, axis_name: str = "replica"):
+  """`outer_step(params, outer_state, Δ[R], hidden[R], weight[R], norms) -> (params,
+  outer_state, metrics)`; metrics hold the parameter and update norms when `norms`.
 
   `outer_tx` is `optax.chain(aggregator, rule)`; the aggregator's state is per worker (mapped
   over the replica axis), the rule's is global. With `nested`, worker w's aggregation
   weights are its tier mask (first hidden[w] FFN units) times weight[w]; otherwise the
-  aggregator is a plain mean and hidden/weight are unused.
+  aggregator is a plain mean and hidden/weight are unused. Parameters and Δ are flat; the
+  tier weights are small broadcastable trees, which the nested aggregator (a tree view)
+  applies to the unraveled Δ.
   """
 
-  def coordinate_weights(params, hidden, weight):
-    return jax.tree.map(lambda m: m * weight, tier_mask(params, hidden))
+  def coordinate_weights(hidden, weight):
+    return jax.tree.map(lambda m: m * weight, tier_mask(layout.abstract, hidden))
 
   def worker(params, outer_opt_state, delta, hidden, weight, all_weights, totals):
     extra = {}
     if nested:
       # Own weights (nested mean) and everyone's (compressed mean weighs after decoding).
-      extra = {"coordinate_weights": coordinate_weights(params, hidden, weight),
+      extra = {"coordinate_weights": coordinate_weights(hidden, weight),
                "sender_weights": all_weights, "weight_totals": totals}
     updates, outer_opt_state = outer_tx.update(delta, outer_opt_state, params, **extra)
     return optax.apply_updates(params, updates), outer_opt_state
 
-  def outer_step(params, outer_opt_state, deltas_R, hidden_R, weight_R):
+  def outer_step(params, outer_opt_state, deltas_R, hidden_R, weight_R, norms: bool = True):
     # Σ_w weights from the replicated per-worker vectors: computed here, never communicated.
-    all_weights = (jax.vmap(coordinate_weights, in_axes=(None, 0, 0))(params, hidden_R, weight_R)
-                   if nested else None)
+    all_weights = (jax.vmap(coordinate_weights)(hidden_R, weight_R) if nested else None)
     totals = jax.tree.map(lambda w: w.sum(0), all_weights) if nested else None
     new_params, outer_opt_state = jax.vmap(
         worker, in_axes=(None, PER_WORKER_AGGREGATOR, 0, 0, 0, None, None),
         out_axes=(None, PER_WORKER_AGGREGATOR), axis_name=axis_name,
         spmd_axis_name=axis_name)(params, outer_opt_state, deltas_R, hidden_R, weight_R,
                                   all_weights, totals)
-    metrics = {"param_norm": optax.tree.norm(new_params),
-               "outer_update_norm": optax.tree.norm(jax.tree.map(jnp.subtract, new_params,
-                                                                 params))}
+    metrics = {}
+    if norms:  # two more passes over θ: worth it on rounds that log or checkpoint
+      metrics = {"param_norm": jnp.linalg.norm(new_params),
+                 "outer_update_norm": jnp.linalg.norm(new_params - params)}
     return new_params, outer_opt_state, metrics
 
   return outer_step
 
 
-def make_eval_step(loss_fn: LossFn):
-  """`eval_step(params, windows[N, B, L+1]) -> mean loss` over N fixed batches."""
+def make_eval_step(loss_fn: LossFn, layout: ParamLayout):
+  """`eval_step(flat params, windows[N, B, L+1]) -> mean loss` over N fixed batches."""
 
-  def eval_step(params, windows_NxBxL1):
+  def eval_step(flat_params, windows_NxBxL1):
+    params = layout.unravel(flat_params)
     return jax.lax.map(lambda batch: loss_fn(params, batch, None), windows_NxBxL1).mean()
 
   return eval_step
@@ -148,8 +158,9 @@ def init_state(params, *, seed: int, outer_tx: optax.GradientTransformation,
                     params=params, outer_opt_state=(per_worker, rule_state))
 
 
-def init_workers(params, *, workers: int, hidden: int, d_ff: int,
+def init_workers(flat_params, *, workers: int, hidden: int, d_ff: int, layout: ParamLayout,
                  inner_tx: optax.GradientTransformation):
   """A host's [workers, ...] inner optimizer states, fresh, for its tier's parameters."""
+  params = layout.unravel(flat_params)
   one = inner_tx.init(params if hidden == d_ff else slice_tier(params, hidden))
   return jax.tree.map(lambda x: jnp.broadcast_to(x, (workers,) + x.shape), one)

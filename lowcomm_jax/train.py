@@ -117,6 +117,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   def finish(round_: int, metrics, extra: dict, eval_loss: float | None = None) -> dict:
     """Checks one round's metrics on the host (blocking on them) and logs them if due."""
     scalars = jax.device_get(metrics)
+    if not scalars:  # a round that logs, evaluates and checkpoints nothing computes none
+      return scalars
     if not (math.isfinite(scalars["train_loss"]) and math.isfinite(scalars["param_norm"])):
       ckpt.wait()
       raise TrainingDiverged(
@@ -147,8 +149,15 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
     for round_ in range(start + 1, end + 1):
       batches = [r.streams[k].next_round(sched.inner_steps[i])
                  for k, i in enumerate(r.local_hosts)]
+      evaluate = _due(round_, c.eval_every, c.rounds)
+      checkpoint = _due(round_, c.checkpoint_every, end)
+      # The round's metrics (losses, norms) cost a collective and two passes over θ: only
+      # on rounds that use them. Divergence is checked on those rounds, so always before a
+      # checkpoint is written.
+      logged = evaluate or checkpoint or _due(round_, c.log_every, end)
       state, workers, metrics, compute = train_round(
-          r, fns, state, workers, batches, r.worker_weights(sched.inner_steps), timed=timed)
+          r, fns, state, workers, batches, r.worker_weights(sched.inner_steps), timed=timed,
+          metrics=logged)
       sched.tokens += sum(r.round_tokens(sched.inner_steps))
       extra = {"tokens": sched.tokens}
       if timed:
@@ -164,8 +173,6 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
         finish(*pending)
       pending = (round_, metrics, extra)
       logger.progress(round_ * c.inner_steps)
-      evaluate = _due(round_, c.eval_every, c.rounds)
-      checkpoint = _due(round_, c.checkpoint_every, end)
       if evaluate or checkpoint or round_ == end:
         # Checked before saving: a diverged state is never checkpointed.
         eval_loss = _evaluate(r, eval_step, state, eval_windows_dev) if evaluate else None

@@ -18,7 +18,7 @@ def _tiers_config(smoke_config, hosts, **overrides):
 
 def _params_after(config, rounds):
   r, state, _, metrics = train_rounds(config, rounds)
-  return r, state.params, metrics
+  return r, r.layout.unravel(state.params), metrics
 
 
 def test_narrow_workers_never_dilute_the_full_width_workers_outer_units(smoke_config):

@@ -104,6 +104,21 @@ def test_divergence_stops_with_the_last_good_checkpoint_intact(tmp_path, smoke_c
   assert "non-finite training at round 3" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_divergence_on_a_round_that_logs_nothing_is_caught_before_the_next_checkpoint(
+    tmp_path, smoke_config):
+  """Rounds that neither log, evaluate nor checkpoint skip θ's norm: an exploded θ after
+  round 3 shows as round 4's non-finite loss, before round 4's checkpoint is written."""
+  config = smoke_config(rounds=2)
+  train.run(config, tmp_path)
+  good, _ = _checkpointed_state(config, tmp_path)
+  exploding = smoke_config(rounds=4, log_every=100, eval_every=0, **{"outer.lr": 1e30})
+  with pytest.raises(train.TrainingDiverged, match="round 4.*last good checkpoint.*round 2"):
+    train.run(exploding, tmp_path)
+  after, _ = _checkpointed_state(config, tmp_path)
+  assert int(after[0].round) == 2
+  jax.tree.map(np.testing.assert_array_equal, good, after)
+
+
 BAD_CONFIGS = [
     ({"algorithm": "fedavg"}, "algorithm='fedavg'"),
     ({"inner_steps": 0}, "inner_steps=0: H must be >= 1"),
