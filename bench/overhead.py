@@ -75,7 +75,8 @@ def bare_steps_per_second(r, config, batches_HxBxL1, rounds: int) -> dict[str, f
 
 
 def runner_steps_per_second(r, config, rounds: int) -> float:
-  """Inner steps per second per worker, driving the jitted round as train.run does."""
+  """Inner steps per second per worker, driving the jitted round as train.run does with
+  log_every=1 (metrics every round, read a round late)."""
   fns = train.jitted_steps(r)
   weights = r.worker_weights([config.inner_steps])
   state, workers = train.init_run(r, fns)

@@ -38,9 +38,9 @@ class Run:
   hosts: list[HostSpec]  # all of them
   local_hosts: list[int]  # indices of the hosts this process runs
   local_rounds: list[Callable]  # per local host: steps.make_local_round
-  init_workers: list[Callable]  # per local host: params -> [G, ...] inner optimizer states
+  init_workers: list[Callable]  # per local host: flat θ -> [G, ...] inner optimizer states
   finish_round: Callable  # (state, deltas, losses, hidden, weight, metrics) -> (state, metrics)
-  eval_step: Callable[[dict, jax.Array], jax.Array]
+  eval_step: Callable[[jax.Array, jax.Array], jax.Array]  # (flat θ, windows) -> loss
   init_fn: Callable[[], steps.TrainState]
   abstract_state: steps.TrainState
   state_shardings: steps.TrainState

@@ -128,7 +128,8 @@ class Checkpointer:
       raise CheckpointMismatch(
           f"the checkpoint at {self.directory} (round {round_}) does not fit this config "
           f"({type(e).__name__}: {str(e)[:300]}). Resume with the config and host table that "
-          "wrote it, or start fresh with another --workdir") from e
+          "wrote it, or start fresh with another --workdir. (Checkpoints written before "
+          "lowcomm_jax stored θ as one flat vector, 2026-11-22, do not restore.)") from e
     return g.state, g.meta, workers, data
 
   def wait(self) -> None:

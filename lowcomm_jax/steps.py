@@ -9,8 +9,9 @@ A round, for workers w stacked on the replica axis:
     outer (one global program, identical shapes everywhere):
       θ_global ← θ_global + outer_tx(Δ_w)      (aggregator, then the outer rule)
 
-θ_global, the outer state and Δ are flat vectors (parallel/flat.py); the local program
-unravels θ_global into the model's tree and ravels Δ back.
+θ_global, Δ and DiLoCo's outer momentum are flat vectors (parallel/flat.py); the local
+program unravels θ_global into the model's tree and ravels Δ back. (State of transforms that
+need the tensors, e.g. a codec's error feedback or DDP's AdamW, stays tree-shaped.)
 
 Workers are mapped with `jax.vmap(axis_name='replica', spmd_axis_name='replica')`: a stack
 split over the mesh's replica devices, on which the aggregator's named-axis mean becomes an

@@ -115,7 +115,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
                sched.inner_steps, round_bytes.sent)
 
   def finish(round_: int, metrics, extra: dict, eval_loss: float | None = None) -> dict:
-    """Checks one round's metrics on the host (blocking on them) and logs them if due."""
+    """Checks one round's metrics on the host (blocking on them) and logs them if due; {}
+    for a round without metrics. Between rounds with metrics nothing blocks: the host may
+    dispatch up to log_every rounds ahead of the devices (each holds only its batches)."""
     scalars = jax.device_get(metrics)
     if not scalars:  # a round that logs, evaluates and checkpoints nothing computes none
       return scalars
@@ -142,7 +144,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
       logger.write(round_ * c.inner_steps, scalars)
     return scalars
 
-  clock = {"round": start, "time": time.perf_counter()}  # for steps_per_second
+  # steps_per_second: over the rounds since the last round with metrics.
+  clock = {"round": start, "time": time.perf_counter()}
   pending = None  # (round, device metrics, host scalars): read a round late, device never waits
   scalars, eval_loss = {}, None
   try:
@@ -154,10 +157,10 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
       # The round's metrics (losses, norms) cost a collective and two passes over θ: only
       # on rounds that use them. Divergence is checked on those rounds, so always before a
       # checkpoint is written.
-      logged = evaluate or checkpoint or _due(round_, c.log_every, end)
+      with_metrics = evaluate or checkpoint or _due(round_, c.log_every, end)
       state, workers, metrics, compute = train_round(
           r, fns, state, workers, batches, r.worker_weights(sched.inner_steps), timed=timed,
-          metrics=logged)
+          metrics=with_metrics)
       sched.tokens += sum(r.round_tokens(sched.inner_steps))
       extra = {"tokens": sched.tokens}
       if timed:

@@ -72,6 +72,8 @@ def test_inner_steps_communicate_nothing_and_the_outer_step_moves_the_params_onc
       local_hlo = local_fns[0].lower(r.abstract_state, opt, batches, ids).compile().as_text()
       outer_hlo = finish_fn.lower(r.abstract_state, deltas, losses, r.hidden_per_worker,
                                   np.ones(4, np.float32)).compile().as_text()
+      quiet_hlo = finish_fn.lower(r.abstract_state, deltas, losses, r.hidden_per_worker,
+                                  np.ones(4, np.float32), metrics=False).compile().as_text()
     assert _all_reduced_elements(local_hlo) == 0  # H inner steps: no communication
     # The outer mean moves every parameter once (plus a few scalars for the metrics).
     moved = _all_reduced_elements(outer_hlo)
@@ -79,6 +81,9 @@ def test_inner_steps_communicate_nothing_and_the_outer_step_moves_the_params_onc
     # ...in one collective: the workers' losses ride in that all-reduce, not an all-gather.
     assert " all-gather" not in outer_hlo
     assert outer_hlo.count(" all-reduce(") + outer_hlo.count(" all-reduce-start(") == 1
+    # A round without metrics moves exactly the flat pseudo-gradient, nothing else.
+    assert _all_reduced_elements(quiet_hlo) == r.param_count
+    assert " all-gather" not in quiet_hlo
 
 
 def test_a_workers_nan_loss_is_reported_as_its_own(smoke_config):

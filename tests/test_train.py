@@ -119,6 +119,21 @@ def test_divergence_on_a_round_that_logs_nothing_is_caught_before_the_next_check
   jax.tree.map(np.testing.assert_array_equal, good, after)
 
 
+def test_rounds_without_metrics_train_the_same_and_only_due_rounds_are_logged(
+    tmp_path, smoke_config):
+  fields = {"rounds": 4, "eval_every": 0, "checkpoint_every": 0}
+  every, sparse = smoke_config(**fields), smoke_config(log_every=3, **fields)
+  a, b = train.run(every, tmp_path / "every"), train.run(sparse, tmp_path / "sparse")
+  assert a["eval_loss"] == b["eval_loss"]
+  jax.tree.map(np.testing.assert_array_equal, _checkpointed_state(every, tmp_path / "every"),
+               _checkpointed_state(sparse, tmp_path / "sparse"))
+  # Rounds 1-2 computed no metrics; 3 (log_every) and 4 (the last) logged theirs in full.
+  rows = [json.loads(line)
+          for line in (tmp_path / "sparse" / "metrics.jsonl").read_text().splitlines()]
+  assert [row["round"] for row in rows] == [3, 4]
+  assert all(np.isfinite(row["param_norm"]) and "train_loss_worker_1" in row for row in rows)
+
+
 BAD_CONFIGS = [
     ({"algorithm": "fedavg"}, "algorithm='fedavg'"),
     ({"inner_steps": 0}, "inner_steps=0: H must be >= 1"),

@@ -27,7 +27,6 @@ class ParamLayout:
   shapes: tuple[tuple[int, ...], ...]
   offsets: tuple[int, ...]
   size: int
-  dtype: Any
 
   @classmethod
   def of(cls, tree) -> "ParamLayout":
@@ -40,18 +39,16 @@ class ParamLayout:
                        f"{sorted(map(str, dtypes))}")
     sizes = [math.prod(x.shape) for x in leaves]
     offsets = tuple(itertools.accumulate([0] + sizes[:-1]))
-    return cls(abstract, treedef, tuple(x.shape for x in leaves), offsets, sum(sizes),
-               dtypes.pop())
-
-  @property
-  def flat_abstract(self) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((self.size,), self.dtype)
+    return cls(abstract, treedef, tuple(x.shape for x in leaves), offsets, sum(sizes))
 
   def ravel(self, tree) -> jax.Array:
     """The tree's leaves, flattened and concatenated along the last axis. Leaves may carry
     the same leading batch dims (e.g. [G, ...] per worker): [..., size]."""
     leaves = self.treedef.flatten_up_to(tree)
     batch = leaves[0].shape[:leaves[0].ndim - len(self.shapes[0])]
+    for x, shape in zip(leaves, self.shapes):  # e.g. an unpadded tier tree would fit silently
+      if x.shape != batch + shape:
+        raise ValueError(f"leaf of shape {x.shape} where the layout has {batch + shape}")
     return jnp.concatenate([x.reshape(batch + (-1,)) for x in leaves], axis=-1)
 
   def unravel(self, flat: jax.Array):

@@ -34,6 +34,28 @@ def test_layout_of_mixed_dtypes_is_refused():
     ParamLayout.of({"a": jnp.zeros(2), "b": jnp.zeros(2, jnp.bfloat16)})
 
 
+def test_ravel_refuses_a_tree_of_other_shapes():
+  layout = ParamLayout.of(_tree())
+  cut = jax.tree.map(lambda x: x[..., :1], _tree())  # e.g. a tier tree that was not padded
+  with pytest.raises(ValueError, match="where the layout has"):
+    layout.ravel(cut)
+
+
+def test_tree_view_passes_extra_args_through_as_trees():
+  """The nested and compressed means take tier weights as trees: they must arrive intact."""
+  tree = _tree()
+  layout = ParamLayout.of(tree)
+
+  def update(updates, state, params=None, *, coordinate_weights):
+    return jax.tree.map(lambda w, u: w * u, coordinate_weights, updates), state
+
+  weights = jax.tree.map(lambda x: jnp.full(x.shape[-1:], 2.0), tree)  # broadcast over rows
+  flat_tx = tree_view(optax.GradientTransformationExtraArgs(lambda p: (), update), layout)
+  out, _ = flat_tx.update(layout.ravel(tree), flat_tx.init(layout.ravel(tree)),
+                          coordinate_weights=weights)
+  np.testing.assert_allclose(out, 2.0 * layout.ravel(tree), rtol=1e-6)
+
+
 def test_tree_view_gives_the_tree_transforms_update_and_state():
   """AdamW with weight decay on matrices only: the mask needs the tree, the view keeps it."""
   tree, grads = _tree(0), _tree(1)
