@@ -42,21 +42,17 @@ class ParamLayout:
     return cls(abstract, treedef, tuple(x.shape for x in leaves), offsets, sum(sizes))
 
   def ravel(self, tree) -> jax.Array:
-    """The tree's leaves, flattened and concatenated along the last axis. Leaves may carry
-    the same leading batch dims (e.g. [G, ...] per worker): [..., size]."""
+    """The tree's leaves, flattened and concatenated: [size]. (Per worker: under vmap.)"""
     leaves = self.treedef.flatten_up_to(tree)
-    batch = leaves[0].shape[:leaves[0].ndim - len(self.shapes[0])]
     for x, shape in zip(leaves, self.shapes):  # e.g. an unpadded tier tree would fit silently
-      if x.shape != batch + shape:
-        raise ValueError(f"leaf of shape {x.shape} where the layout has {batch + shape}")
-    return jnp.concatenate([x.reshape(batch + (-1,)) for x in leaves], axis=-1)
+      if x.shape != shape:
+        raise ValueError(f"leaf of shape {x.shape} where the layout has {shape}")
+    return jnp.concatenate([x.reshape(-1) for x in leaves])
 
   def unravel(self, flat: jax.Array):
-    """The tree view of `flat` ([..., size]: leading batch dims are kept on every leaf)."""
-    batch = flat.shape[:-1]
-    leaves = [jax.lax.slice_in_dim(flat, o, o + math.prod(s), axis=flat.ndim - 1)
-              .reshape(batch + s) for o, s in zip(self.offsets, self.shapes)]
-    return self.treedef.unflatten(leaves)
+    """The tree view of `flat` ([size]); XLA fuses the slices into their consumers."""
+    return self.treedef.unflatten([jax.lax.slice_in_dim(flat, o, o + math.prod(s)).reshape(s)
+                                   for o, s in zip(self.offsets, self.shapes)])
 
 
 def tree_view(tx: optax.GradientTransformation, layout: ParamLayout

@@ -13,7 +13,7 @@ def _tree(key=0):
           "blocks": [{"k": jax.random.normal(k3, (2, 2, 2))}]}
 
 
-def test_ravel_unravel_round_trip_in_leaf_order_with_batch_dims():
+def test_ravel_unravel_round_trip_in_leaf_order_and_per_worker_under_vmap():
   tree = _tree()
   layout = ParamLayout.of(tree)
   assert layout.size == 12 + 4 + 8
@@ -22,11 +22,12 @@ def test_ravel_unravel_round_trip_in_leaf_order_with_batch_dims():
   np.testing.assert_array_equal(flat, np.concatenate(
       [np.ravel(tree["b"]), np.ravel(tree["blocks"][0]["k"]), np.ravel(tree["w"])]))
   jax.tree.map(np.testing.assert_array_equal, layout.unravel(flat), tree)
+  # As the runner uses it: one worker per vmapped row.
   stacked = jax.tree.map(lambda *xs: jnp.stack(xs), tree, _tree(1))  # [2, ...] per leaf
-  flat_2 = layout.ravel(stacked)
+  flat_2 = jax.vmap(layout.ravel)(stacked)
   assert flat_2.shape == (2, layout.size)
   np.testing.assert_array_equal(flat_2[1], layout.ravel(_tree(1)))
-  jax.tree.map(np.testing.assert_array_equal, layout.unravel(flat_2), stacked)
+  jax.tree.map(np.testing.assert_array_equal, jax.vmap(layout.unravel)(flat_2), stacked)
 
 
 def test_layout_of_mixed_dtypes_is_refused():
