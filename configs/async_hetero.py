@@ -5,9 +5,14 @@ two regions, behind one global parameter server. Each worker pulls the latest gl
 takes H_w = ceil(H * speed_w / max speed) AdamW steps on its own data, and sends its
 pseudo-gradient; the server applies each on arrival with Delayed Nesterov (momentum once
 per N = 8 arrivals). The default model is Pythia-14M's shape on GPT-2 BPE, as in the
-reference experiments; on a CPU try `--config.model.name=tiny --config.data.tokenizer=byte`.
+reference experiments:
 
     python -m lowcomm_jax.main --config=configs/async_hetero.py
+
+On a CPU, the byte-level `tiny` model (its windows are at most 64 tokens) in its own workdir:
+
+    python -m lowcomm_jax.main --config=configs/async_hetero.py --config.model.name=tiny \
+        --config.data.tokenizer=byte --config.data.seq_len=64 --workdir=runs/async_hetero_tiny
 """
 
 import pathlib

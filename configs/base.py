@@ -23,6 +23,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 10  # rounds between checkpoints (0: only at the end)
   c.keep_checkpoints = 2  # how many checkpoints orbax keeps
   c.log_every = 1  # rounds between metric writes (TensorBoard + metrics.jsonl)
+  # Resuming a workdir under another config is refused, except for rounds and the cadence
+  # fields above (and distributed.*): name other fields here to let them change.
+  c.resume_allow = ""  # e.g. 'outer.lr,seed': fields allowed to differ on resume (recorded)
 
   # --- hosts: one row per process (lowcomm_jax/hosts.py); [] = num_workers at full width
   c.hosts = []  # e.g. [host(tier=1.0), host(tier=0.25, workers=2)] with hosts.host
@@ -33,6 +36,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.distributed.num_processes = 0  # 0: from the environment, else 1
   c.distributed.process_id = -1  # -1: from the environment
   c.distributed.heartbeat_timeout_s = 60  # a silent process is declared dead after this
+  c.distributed.join_timeout_s = 300  # wait this long for all processes, then name the missing
+  # Where process 0's coordinator listens. '' = the coordinator_address host only (its port);
+  # '0.0.0.0:PORT' listens on every interface. Unauthenticated: keep it on a private network.
+  c.distributed.coordinator_bind_address = ""  # 'host:port' ('' = coordinator_address's host)
 
   # --- devices: mesh ('replica', 'data', 'model') ---------------------------------------
   c.mesh = ml_collections.ConfigDict()

@@ -6,6 +6,7 @@ process's devices, then all processes run the one global outer step together.
 """
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 
@@ -15,10 +16,11 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from lowcomm_jax import config_check, optimizers, steps
+from lowcomm_jax import config_check, memory, optimizers, steps
 from lowcomm_jax.data import (DataError, WorkerStreams, eval_windows, get_tokenizer, load_tokens,
                               resolve_corpus, split_train_val)
 from lowcomm_jax.hosts import HostSpec, host_table
+from lowcomm_jax.metrics import announce_compile
 from lowcomm_jax.model import GPT, GPTConfig, count_params, get_preset, next_token_loss
 from lowcomm_jax.model.matformer import slice_tier
 from lowcomm_jax.model.tp import SyncPlan, count_all_reduces, tp_loss, use_gspmd_for_tp
@@ -222,7 +224,8 @@ def build(config: ml_collections.ConfigDict) -> Run:
     per operand) and the norms two more passes over θ.
     """
     params, outer_opt_state, out = outer_step(state.params, state.outer_opt_state,
-                                              deltas_R, hidden_R, weight_R, norms=metrics)
+                                              deltas_R, hidden_R, weight_R, state.round,
+                                              norms=metrics)
     if metrics:
       # Every worker's loss by a sum over workers, not an all-gather: XLA merges it into
       # the pseudo-gradient's all-reduce op. (`where`, not a product: one worker's NaN must
@@ -247,7 +250,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
       rep, rep, jax.tree.map(lambda _: rep, abstract_state.params),
       (jax.tree.map(lambda _: mesh_lib.per_worker(mesh), abstract_state.outer_opt_state[0]),
        jax.tree.map(lambda _: rep, abstract_state.outer_opt_state[1])))
-  return Run(
+  run = Run(
       config=c, mesh=mesh, local_mesh=local_mesh, model_cfg=model_cfg, graphdef=graphdef,
       layout=layout,
       hosts=hosts, local_hosts=local_hosts, local_rounds=local_rounds,
@@ -264,6 +267,8 @@ def build(config: ml_collections.ConfigDict) -> Run:
       param_count=count_params(layout.abstract),
       param_bytes=ledger.tree_bytes(layout.abstract), tier_bytes=tier_bytes,
       hidden_per_worker=np.asarray([h.hidden for h in hosts for _ in h.worker_ids], np.int32))
+  memory.check(run)  # nothing is allocated yet: refuse in seconds, not at RESOURCE_EXHAUSTED
+  return run
 
 
 def jitted_steps(r: Run):
@@ -286,6 +291,7 @@ def jitted_steps(r: Run):
 
 def init_run(r: Run, fns) -> tuple[steps.TrainState, tuple]:
   """Round-0 global state and this process's fresh worker states."""
+  logging.info("compiling the initial state…")
   with jax.set_mesh(r.mesh):
     state = jax.jit(r.init_fn, out_shardings=r.state_shardings)()
   view = mesh_lib.local_view(state.params, r.local_mesh)
@@ -314,6 +320,7 @@ def train_round(r: Run, fns, state: steps.TrainState, workers: tuple, batches_pe
       batches = jax.device_put(batches_per_host[k], sharding)
       ids = jax.device_put(np.asarray(r.hosts[i].worker_ids, np.int32),
                            mesh_lib.per_worker(r.local_mesh))
+      announce_compile(local_fns[k], f"the local program for host {i}")
       t0 = time.perf_counter()
       delta, opt_state, loss_GxH = local_fns[k](view, workers[k], batches, ids)
       if timed:
@@ -327,6 +334,7 @@ def train_round(r: Run, fns, state: steps.TrainState, workers: tuple, batches_pe
     losses_local = cat(*losses)
   deltas_R = mesh_lib.to_global(deltas_local, r.mesh, r.config.num_workers)
   losses_R = mesh_lib.to_global(losses_local, r.mesh, r.config.num_workers)
+  announce_compile(finish_fn, "the outer step")
   with jax.set_mesh(r.mesh):
     state, round_metrics = finish_fn(state, deltas_R, losses_R,
                                      r.replicated_input(r.hidden_per_worker),

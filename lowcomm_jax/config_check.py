@@ -1,18 +1,22 @@
 """Start-up validation: every problem named with its field and its fix, before any compute."""
 
 import dataclasses
+import os
+import runpy
 
 import ml_collections
 
+from lowcomm_jax import config_doc, run_identity
 from lowcomm_jax.compress import CODECS
 from lowcomm_jax.data.tokenizers import TOKENIZER_VOCAB
 from lowcomm_jax.model.matformer import hidden_units
 from lowcomm_jax.model.presets import PRESETS
-from lowcomm_jax.model.tp import SyncPlan, plan_problems
+from lowcomm_jax.model.tp import SYNC_PLANS, SyncPlan, plan_problems
 from lowcomm_jax.sim.speeds import HETEROGENEITY
 
 ALGORITHMS = ("ddp", "diloco", "async", "async_dn", "halos")
 SIMULATED_ONLY = ("async", "async_dn", "halos")
+# The defaults every config starts from (absent in a non-editable install: checks skipped).
 
 
 class ConfigError(ValueError):
@@ -46,6 +50,8 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   for field in ("eval_every", "checkpoint_every", "log_every"):
     check(c[field] >= 0, field, "must be >= 0 (0: only at the end)")
   check(c.eval_batches >= 1, "eval_batches", "need at least one validation batch")
+  check(c.seed >= 0, "seed", "must be >= 0 (random streams derive from it)")
+  problems.extend(distributed_problems(c))
 
   _check_compress(c, check)
   _check_sim(c, check, problems, num_processes)
@@ -69,6 +75,9 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   check(c.model.name in PRESETS, "model.name", f"use one of {sorted(PRESETS)}")
   check(c.model.dtype in ("float32", "bfloat16"), "model.dtype", "use 'float32' or 'bfloat16'")
   check(0.0 <= c.model.dropout < 1.0, "model.dropout", "must be in [0, 1)")
+  check(c.model.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0: the preset's)")
+  # Only read with tp.size > 1, but a typo should not wait for the run that shards.
+  check(c.model.tp.sync in SYNC_PLANS, "model.tp.sync", f"use one of {SYNC_PLANS}")
   check(c.data.tokenizer in TOKENIZER_VOCAB, "data.tokenizer",
         f"use one of {sorted(TOKENIZER_VOCAB)}")
   check(c.data.batch_mode in ("same", "different"), "data.batch_mode",
@@ -177,8 +186,19 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   check(c.optimizer.lr > 0, "optimizer.lr", "must be > 0")
   check(c.optimizer.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
   check(c.optimizer.grad_clip >= 0, "optimizer.grad_clip", "must be >= 0 (0 disables clipping)")
+  check(c.optimizer.decay_steps >= 0, "optimizer.decay_steps",
+        "must be >= 0 (0: rounds * inner_steps)")
+  check(0.0 <= c.optimizer.min_lr_ratio <= 1.0, "optimizer.min_lr_ratio",
+        "must be in [0, 1] (the final lr is lr * min_lr_ratio)")
+  for field in ("b1", "b2"):
+    check(0.0 <= c.optimizer[field] < 1.0, f"optimizer.{field}",
+          "AdamW's moment decay must be in [0, 1) (e.g. 0.9, 0.95)")
+  check(c.optimizer.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0 (0: none)")
   check(c.outer.lr > 0, "outer.lr", "must be > 0")
   check(0.0 <= c.outer.momentum < 1.0, "outer.momentum", "must be in [0, 1)")
+  check(c.outer.dn_buffer >= 0, "outer.dn_buffer", "must be >= 0 (0: the server's workers)")
+  if c.algorithm not in ("async_dn", "halos"):  # those check [0, 1/N] with the simulator
+    check(c.outer.dn_c >= 0, "outer.dn_c", "Delayed Nesterov's c must be >= 0")
 
   if problems:
     raise ConfigError(problems)
@@ -195,6 +215,18 @@ def _check_compress(c: ml_collections.ConfigDict, check) -> None:
   check(z.k >= 0, "compress.k", "entries per chunk: >= 1, or 0 for the codec's default")
   if z.codec in ("sparseloco", "demo"):
     check(z.chunk >= 2, "compress.chunk", f"{z.codec} is chunked; use e.g. 64")
+    check(z.error_feedback, "compress.error_feedback",
+          f"{z.codec} always keeps its error buffer; leave it True (or pick another codec)")
+  if z.codec in ("topk", "sparseloco", "demo") and z.chunk > 0 and z.k > 0:
+    # Codecs cap k at half a chunk silently (beyond that the indices cost more than the
+    # dense chunk): a larger k would not send what it says.
+    most = max(z.chunk * z.chunk // 2, 1)
+    check(z.k <= most, "compress.k",
+          f"a {z.chunk}x{z.chunk} chunk sends at most half its entries ({most}); lower k "
+          "or raise compress.chunk")
+  if z.codec == "topk" and z.chunk == 0:
+    check(z.k == 0, "compress.k", "topk with chunk=0 keeps compress.density of each tensor; "
+          "set k=0 (or a chunk side to send k per chunk)")
   if z.codec == "topk":
     check(z.value_bits in (2, 32), "compress.value_bits", "topk sends 32-bit or 2-bit values")
   if z.codec == "demo":
@@ -213,6 +245,62 @@ def _check_compress(c: ml_collections.ConfigDict, check) -> None:
           "stochastic rounding is implemented for int8/int4 only; set it False for fp8")
 
 
+def _base_defaults() -> ml_collections.ConfigDict | None:
+  if not config_doc.BASE.is_file():
+    return None
+  return runpy.run_path(str(config_doc.BASE))["get_config"]()
+
+
+def _changed_from_base(node: ml_collections.ConfigDict, prefix: str) -> list[str]:
+  """`prefix.*` fields (but `prefix.enabled`) whose value differs from configs/base.py's."""
+  base = _base_defaults()
+  if base is None:
+    return []
+  mine = run_identity.flatten(run_identity.to_json(node), f"{prefix}.")
+  theirs = run_identity.flatten(run_identity.to_json(base[prefix]), f"{prefix}.")
+  return [f"{k}={v!r}" for k, v in mine.items()
+          if k != f"{prefix}.enabled" and k in theirs and v != theirs[k]]
+
+
+def _host_port(value: str) -> tuple[str, int] | None:
+  """('host', port) of 'host:port' ('[v6]:port' too), or None when it is not that."""
+  host, sep, port = value.rpartition(":")
+  if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    return None
+  return host.strip("[]"), int(port)
+
+
+def distributed_problems(c: ml_collections.ConfigDict,
+                         environ: dict | None = None) -> list[str]:
+  """The `distributed.*` fields' problems; checked again before joining (nothing has
+  validated the config then)."""
+  env = os.environ if environ is None else environ
+  d = c.distributed
+  problems = []
+  if d.num_processes < 0:
+    problems.append(f"distributed.num_processes={d.num_processes}: must be >= 0 "
+                    "(0: from the environment)")
+  if d.process_id < -1 or (d.num_processes > 0 and d.process_id >= d.num_processes):
+    problems.append(f"distributed.process_id={d.process_id}: must be in "
+                    f"[0, {max(d.num_processes, 1)}) or -1 (from the environment)")
+  for field in ("coordinator_address", "coordinator_bind_address"):
+    if d[field] and _host_port(d[field]) is None:
+      problems.append(f"distributed.{field}={d[field]!r}: use 'host:port' (e.g. "
+                      "'10.0.0.1:1234'; '[::1]:1234' for IPv6), or '' "
+                      + ("for the environment's" if field == "coordinator_address"
+                         else "to bind to the coordinator_address host"))
+  if (d.num_processes > 1 and not d.coordinator_address
+      and not env.get("JAX_COORDINATOR_ADDRESS") and int(env.get("SLURM_NTASKS", "1")) <= 1):
+    problems.append(f"distributed.num_processes={d.num_processes}: no coordinator to join "
+                    "(the run would silently stay single-process); set "
+                    "--config.distributed.coordinator_address=HOST:PORT of process 0 (or "
+                    "JAX_COORDINATOR_ADDRESS, or launch under SLURM / launch/local.py)")
+  for field in ("heartbeat_timeout_s", "join_timeout_s"):
+    if d[field] < 1:
+      problems.append(f"distributed.{field}={d[field]}: must be >= 1 second")
+  return problems
+
+
 def _numbers(values) -> bool:
   return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
 
@@ -224,6 +312,10 @@ def _check_sim(c: ml_collections.ConfigDict, check, problems: list[str],
     check(s.enabled, "sim.enabled", f"algorithm={c.algorithm!r} runs in the simulator; set "
           "--config.sim.enabled=True")
   if not s.enabled:
+    changed = _changed_from_base(s, "sim")
+    if changed:
+      problems.append(f"{', '.join(changed)}: ignored unless sim.enabled=True; set "
+                      "--config.sim.enabled=True or leave them at their defaults")
     return
   check(c.algorithm != "ddp", "algorithm", "the simulator runs diloco, async, async_dn or "
         "halos; run ddp with sim.enabled=False")
@@ -270,7 +362,6 @@ def _check_sim(c: ml_collections.ConfigDict, check, problems: list[str],
   if c.data.batch_mode == "same":
     check(c.algorithm == "diloco" and not c.outer.dylu, "data.batch_mode",
           "workers that run at their own pace read their own streams; use 'different'")
-  check(c.outer.dn_buffer >= 0, "outer.dn_buffer", "must be >= 0 (0: the server's workers)")
   if c.algorithm in ("async_dn", "halos") and c.outer.dn_buffer >= 0 and c.num_workers >= 1:
     # N per server: outer.dn_buffer, else all workers (async_dn) or the region's (halos).
     regions = placed or [w * n.regions // c.num_workers for w in range(c.num_workers)]

@@ -2,6 +2,7 @@
 
 The default workdir is `runs/<config file name>`. Re-running the same command resumes from
 the workdir's latest checkpoint; a finished run returns its summary at once.
+`--print_config` prints the resolved config, each field with its meaning, and exits.
 """
 
 import json
@@ -12,10 +13,51 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file.",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file "
+                                          "(path or path:argument).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default runs/<config name>).")
+_PRINT_CONFIG = flags.DEFINE_bool(
+    "print_config", False, "Print the resolved config (every field with its value and the "
+    "comment from configs/base.py that explains it) and exit without training.")
 flags.mark_flags_as_required(["config"])
+
+
+def _fail(message: str) -> None:
+  print(f"lowcomm_jax: error: {message}", file=sys.stderr)
+  sys.exit(2)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, after lowcomm_jax's own check of the config file and override
+  names (absl reports those as tracebacks); every problem is one line and exit code 2."""
+  from lowcomm_jax import command_line
+  try:
+    command_line.check(argv[1:])
+    return flags.FLAGS(argv)
+  except command_line.UsageError as e:
+    _fail(str(e))
+  except flags.Error as e:
+    _fail(f"{str(e).splitlines()[0]} (see --help)")
+  except Exception as e:  # anything absl or ml_collections raise while applying overrides
+    reason = str(e).strip().splitlines()
+    _fail(f"{type(e).__name__}: {reason[0] if reason else ''} (see --help)")
+
+
+def _validate_early(config) -> None:
+  """Validates the config on this process's devices before the training modules load.
+
+  build() validates again; doing it here first makes a bad value fail in about a second
+  instead of after importing orbax, grain and the model."""
+  import copy
+  import jax
+  from lowcomm_jax import config_check
+  if config.sim.enabled:  # the simulator vmaps every worker on one device
+    config = copy.deepcopy(config)
+    with config.unlocked():
+      config.mesh.replica = 1
+  config_check.validate(config, num_devices=jax.device_count(),
+                        num_processes=jax.process_count(),
+                        local_devices=jax.local_device_count())
 
 
 def default_workdir(config_path: str) -> str:
@@ -31,17 +73,32 @@ class _QuietCheckpointing(logging.Filter):
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    _fail(f"unexpected arguments {argv[1:]}: every option is a flag, --name=value (see --help)")
+  if _PRINT_CONFIG.value:
+    from lowcomm_jax import config_doc
+    print(config_doc.describe(_CONFIG.value))
+    return
   logging.getLogger().setLevel(logging.INFO)
   logging.getLogger("absl").addFilter(_QuietCheckpointing())
-  # Imported here so `--help` and flag errors stay fast (jax/TensorFlow load slowly).
+  # jax's backend probe logs "Unable to initialize backend 'tpu'" at INFO wherever there is
+  # no TPU; its warnings and errors (a GPU backend failing) still show.
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+  # Imported here so `--help` and flag errors stay fast (jax and orbax load slowly).
+  from lowcomm_jax.config_check import ConfigError
   from lowcomm_jax.parallel import distributed
-  distributed.initialize(_CONFIG.value)  # before any other JAX use; no-op single-process
+  from lowcomm_jax.run_identity import ResumeRefused
+  try:
+    distributed.initialize(_CONFIG.value)  # before any other JAX use; no-op single-process
+    _validate_early(_CONFIG.value)
+  except distributed.DistributedError as e:
+    _fail(str(e))
+  except ConfigError as e:
+    _fail(str(e) if len(e.problems) > 1 else f"invalid config: {e.problems[0]}")
   import jax
   from lowcomm_jax import train
   from lowcomm_jax.checkpoint import CheckpointMismatch
-  from lowcomm_jax.config_check import ConfigError
   from lowcomm_jax.data import DataError
+  from lowcomm_jax.workdir import WorkdirError
 
   workdir = _WORKDIR.value or default_workdir(config_flags.get_config_filename(flags.FLAGS["config"]))
   run = train.run
@@ -50,7 +107,8 @@ def main(argv):
     run = simulate.run
   try:
     summary = run(_CONFIG.value, workdir)
-  except (ConfigError, DataError, CheckpointMismatch, train.TrainingDiverged) as e:
+  except (ConfigError, DataError, CheckpointMismatch, ResumeRefused, WorkdirError,
+          train.TrainingDiverged) as e:
     print(f"lowcomm_jax: error: {e}", file=sys.stderr)
     sys.exit(2)
   if jax.process_index() != 0:
@@ -67,7 +125,9 @@ def main(argv):
               f", DDP would have sent {ddp:,.1f} MiB ({ddp / sent:.0f}x more)")
     print(f"eval loss {summary['eval_loss']:.4f} after {summary['tokens']:,} tokens; each worker "
           f"sent {sent:,.1f} MiB{versus}. Workdir: {workdir}")
+  print(f"Compare runs: python -m lowcomm_jax.report {workdir} [other workdirs] --plot out.png; "
+        "reference numbers: BENCHMARKS.md")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

@@ -2,15 +2,20 @@
 
   python -m lowcomm_jax.report runs/diloco_hetero runs/ddp [--plot curves.png]
 
-prints a markdown table from each workdir's summary.json and, with --plot, draws eval and
-train loss against tokens from metrics.jsonl (needs matplotlib: pip install -e ".[plot]").
-Simulated runs (summary "simulated") get the simulator's columns (virtual time, staleness,
-drift, idle) and their plot has eval loss against virtual seconds, inner steps and bytes.
+prints a markdown table from each workdir's summary.json, then the config fields that differ
+between the runs (from each workdir's config.json). With --plot it draws, from
+metrics.jsonl, eval loss against bytes sent per worker beside eval loss against tokens, and
+train loss against tokens (needs matplotlib: pip install -e ".[plot]"). Simulated runs
+(summary "simulated") get the simulator's columns (virtual time, staleness, drift, idle),
+and their plot's third panel is eval loss against virtual seconds.
 """
 
 import argparse
 import json
 import pathlib
+
+from lowcomm_jax import run_identity
+from lowcomm_jax.config_doc import host_row
 
 COLUMNS = [("run", "{}"), ("algorithm", "{}"), ("num_workers", "{}"), ("inner_steps", "{}"),
            ("rounds", "{}"), ("eval_loss", "{:.4f}"), ("tokens", "{:,}"),
@@ -24,8 +29,22 @@ SIM_COLUMNS = [("run", "{}"), ("algorithm", "{}"), ("heterogeneity", "{}"), ("dy
 
 
 def read_metrics(workdir: pathlib.Path) -> list[dict]:
-  path = pathlib.Path(workdir) / "metrics.jsonl"
-  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  """The metric rows of metrics.jsonl as the run trained: a resume under a changed config
+  (an `"event": "resume"` row at step s) supersedes the rows logged before it past s; a
+  line a crash cut short is skipped."""
+  rows = []
+  for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines():
+    try:
+      row = json.loads(line)
+    except ValueError:
+      continue
+    if not isinstance(row, dict) or "step" not in row:
+      continue
+    if "event" in row:
+      rows = [r for r in rows if r["step"] <= row["step"]]
+    else:
+      rows.append(row)
+  return rows
 
 
 def summary_row(workdir: pathlib.Path) -> dict:
@@ -39,7 +58,7 @@ def summary_row(workdir: pathlib.Path) -> dict:
 
 
 def markdown_table(workdirs) -> str:
-  rows = [summary_row(w) for w in workdirs]
+  rows = [{**summary_row(w), "run": name} for name, w in zip(labels(workdirs), workdirs)]
   columns = SIM_COLUMNS if rows and all(r.get("simulated") for r in rows) else COLUMNS
   lines = ["| " + " | ".join(name for name, _ in columns) + " |",
            "|" + "---|" * len(columns)]
@@ -48,42 +67,118 @@ def markdown_table(workdirs) -> str:
   return "\n".join(lines)
 
 
-def plot(workdirs, out: pathlib.Path) -> None:
+def read_config(workdir: pathlib.Path) -> dict | None:
+  """The run's config as a nested dict (config.json's "config", written by the runner);
+  None without a readable config.json (runs from before it was written)."""
+  try:
+    return json.loads((pathlib.Path(workdir) / "config.json").read_text())["config"]
+  except (OSError, ValueError, KeyError):
+    return None
+
+
+MISSING = object()  # a field one run's config lacks (written by another version)
+
+
+def _cell(value) -> str:
+  if value is MISSING:
+    return "—"
+  if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+    text = "[" + ", ".join(host_row(v) for v in value) + "]"
+  else:
+    text = repr(value)
+  return text.replace("|", "\\|")
+
+
+def labels(workdirs) -> list[str]:
+  """Each run's name: its workdir's last part, or the whole path where two would clash."""
+  names = [pathlib.Path(w).name for w in workdirs]
+  return names if len(set(names)) == len(names) else [str(w) for w in workdirs]
+
+
+def config_diff(workdirs) -> str:
+  """A markdown table of the config fields whose values differ between the runs (one row
+  per field, a column per run), and a note naming runs without config.json."""
+  names = labels(workdirs)
+  configs = {n: read_config(w) for n, w in zip(names, workdirs)}
+  flat = {n: run_identity.flatten(c) for n, c in configs.items() if c is not None}
+  lines = []
+  if len(flat) >= 2:
+    fields = list(dict.fromkeys(f for c in flat.values() for f in c))
+    differ = [f for f in fields if len({json.dumps(c[f], sort_keys=True) if f in c else None
+                                        for c in flat.values()}) > 1]
+    if differ:
+      lines += ["| field | " + " | ".join(flat) + " |", "|" + "---|" * (len(flat) + 1)]
+      lines += ["| " + " | ".join([f] + [_cell(c.get(f, MISSING)) for c in flat.values()])
+                + " |" for f in differ]
+    else:
+      lines.append(f"The configs of {', '.join(flat)} are identical.")
+  missing = [n for n, c in configs.items() if c is None]
+  if missing:
+    note = f"No readable config.json (not compared): {', '.join(missing)}."
+    lines += [""] * bool(lines) + [note]  # a blank line: the note is no table row
+  return "\n".join(lines)
+
+
+def _bytes_unit(largest: float) -> tuple[str, int]:
+  return ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
+
+
+def plot(workdirs, out: pathlib.Path):
+  """Writes the PNG and returns the matplotlib figure. Panels: eval loss vs bytes sent per
+  worker (log x when the runs' totals differ more than tenfold), eval loss vs tokens, and
+  train loss vs tokens, or for simulated runs eval loss vs virtual seconds."""
   try:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError as e:
     raise SystemExit('plotting needs matplotlib: pip install -e ".[plot]"') from e
-  runs = {pathlib.Path(w).name: read_metrics(w) for w in workdirs}
-  simulated = all("virtual_seconds" in records[-1] for records in runs.values())
-  # (x field, y field, title): simulations against virtual time and inner steps.
-  panels = ([("virtual_seconds", "eval_loss", "eval loss vs virtual seconds"),
-             ("total_inner_steps", "eval_loss", "eval loss vs inner steps (all workers)"),
-             ("bytes_sent", "eval_loss", "eval loss vs bytes sent per worker")]
-            if simulated else
-            [("tokens", "eval_loss", "eval loss vs tokens (all workers)"),
-             ("tokens", "train_loss", "train loss (mean over workers) vs tokens")])
-  fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4))
+  runs = {name: read_metrics(w) for name, w in zip(labels(workdirs), workdirs)}
+  simulated = all(records and "virtual_seconds" in records[-1] for records in runs.values())
+  # Log x when the runs' totals differ by more than 10x (DDP vs DiLoCo vs a codec).
+  totals = [max(r.get("bytes_sent", 0) for r in records) for records in runs.values() if records]
+  unit, scale = _bytes_unit(max(totals, default=0))
+  log_bytes = min(totals, default=0) > 0 and max(totals) > 10 * min(totals)
+  # (x field, y field, x label, title)
+  panels = [("bytes_sent", "eval_loss", f"bytes sent per worker ({unit}"
+             + (", log scale)" if log_bytes else ")"), "eval loss vs bytes sent per worker"),
+            ("tokens", "eval_loss", "tokens (all workers)", "eval loss vs tokens")]
+  panels.append(("virtual_seconds", "eval_loss", "virtual seconds", "eval loss vs virtual time")
+                if simulated else
+                ("tokens", "train_loss", "tokens (all workers)",
+                 "train loss (mean over workers) vs tokens"))
+  fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2))
   for name, records in runs.items():
-    for ax, (x, y, _) in zip(axes, panels):
-      points = [r for r in records if y in r]
-      ax.plot([r[x] for r in points], [r[y] for r in points], marker="o" if y == "eval_loss"
-              else None, label=name)
-  for ax, (x, _, title) in zip(axes, panels):
-    ax.set_xlabel(x)
+    for ax, (x, y, _, _) in zip(axes, panels):
+      points = [r for r in records if y in r and x in r]
+      if x == "bytes_sent":
+        points = [r for r in points if r[x] > 0 or not log_bytes]  # log axes drop zeros
+      xs = [r[x] / scale if x == "bytes_sent" else r[x] for r in points]
+      ax.plot(xs, [r[y] for r in points], marker="o" if y == "eval_loss" else None, label=name)
+  for ax, (x, y, xlabel, title) in zip(axes, panels):
+    if x == "bytes_sent" and log_bytes:
+      ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(y.replace("_", " "))
     ax.set_title(title)
+    ax.grid(alpha=0.3)
     ax.legend()
   fig.tight_layout()
   fig.savefig(out, dpi=120)
+  return fig
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("workdirs", nargs="+", type=pathlib.Path)
-  parser.add_argument("--plot", type=pathlib.Path, help="write a loss-vs-tokens PNG here")
+  parser.add_argument("--plot", type=pathlib.Path,
+                      help="write eval loss vs bytes sent and vs tokens to this PNG")
   args = parser.parse_args(argv)
   print(markdown_table(args.workdirs))
+  diff = config_diff(args.workdirs)
+  if diff:
+    print("\nConfig fields that differ:\n" if diff.startswith("|") else "")
+    print(diff)
   if args.plot:
     plot(args.workdirs, args.plot)
     print(f"wrote {args.plot}")

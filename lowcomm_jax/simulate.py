@@ -24,11 +24,12 @@ import ml_collections
 import numpy as np
 import optax
 
-from lowcomm_jax import compress, config_check
+from lowcomm_jax import compress, config_check, run_identity
 from lowcomm_jax.build import Run, build, init_run, jitted_steps
 from lowcomm_jax.checkpoint import Checkpointer, CheckpointMismatch
-from lowcomm_jax.metrics import MetricsLogger
+from lowcomm_jax.metrics import MetricsLogger, announce_compile
 from lowcomm_jax.outer import dylu_inner_steps
+from lowcomm_jax.workdir import holds_lock
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
 from lowcomm_jax.sim import SCHEDULES, EventLoop, Network, Plan, SpeedModel
 from lowcomm_jax.sim_backend import SimBackend
@@ -128,6 +129,7 @@ class _Simulation:
     self.streams.set_state(data["streams"])
 
 
+@holds_lock  # one run per workdir (workdir.py)
 def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
         stop_after_checkpoints: int | None = None) -> dict:
   """Simulates (or resumes) the run in `workdir` and returns its summary.
@@ -136,18 +138,25 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   preemption would (resume tests).
   """
   t_start = time.time()
+  workdir = pathlib.Path(workdir)
+  # A workdir holds one run: a changed config is refused before any work.
+  config_changes = run_identity.changes(workdir, config)
   sim = _Simulation(config)
   c, plan, schedule = sim.c, sim.plan, sim.schedule
-  workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   summary_path = workdir / "summary.json"
   ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=c.keep_checkpoints)
-  latest = ckpt.latest_round()
+  latest = ckpt.recover()  # damaged newer rounds are moved aside
   wall_before, finished = 0.0, False
   if latest is not None:
     meta = ckpt.restore_meta(latest)
     if meta["finished"] and summary_path.exists():
       ckpt.close()
+      done = json.loads(summary_path.read_text()).get("rounds", c.rounds)
+      if done != c.rounds:
+        raise config_check.ConfigError([
+            f"rounds={c.rounds}: the simulation in {workdir} finished its {done} rounds and "
+            "cannot be extended (its schedule drained every worker); pass another --workdir"])
       logging.info("simulation in %s already finished; keeping summary.json", workdir)
       return json.loads(summary_path.read_text())
     ckpt.discard_after(latest)  # parts of a save cut short; they are redone
@@ -156,18 +165,24 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
     logging.info("resumed simulation %s at virtual t=%.1fs", workdir, sim.loop.now)
   else:
     schedule.start(sim.loop)
-    sim.flush()
+    announce_compile(sim.backend.local_round, "the local program and the server updates")
+    sim.flush()  # the first jobs
   w = c.num_workers
   eval_step = jax.jit(sim.r.eval_step)
   param_norm = jax.jit(optax.tree.norm)
   windows = jax.device_put(sim.r.eval_windows, mesh_lib.replicated(sim.r.mesh))
-  logger = MetricsLogger(workdir, total_steps=c.rounds * c.inner_steps,
-                         resume_step=schedule.acct.applied_steps // w, write_files=True)
+  logger = MetricsLogger(workdir, rounds=c.rounds, write_files=True)
+  if config_changes:
+    logger.note(schedule.acct.applied_steps // w,
+                {"event": "resume", "round": latest, "changed": config_changes},
+                supersede_later_rows=True)
+  run_identity.write(workdir, config, resumed_at=latest, changed=config_changes)
   logging.info("simulating %s: %d workers, speeds %s, H %s, regions %s, %d bytes per "
                "contribution", c.algorithm, w, [f"{v:.2f}" for v in plan.speeds.speeds],
                plan.inner_steps, plan.network.worker_region, plan.delta_bytes)
 
   def evaluate() -> float:
+    announce_compile(eval_step, "evaluation")
     with jax.set_mesh(sim.r.mesh):
       return float(eval_step(sim.backend.global_params(), windows))
 
@@ -184,7 +199,12 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
           f"(round-equivalent {ckpt.latest_round()}) in {ckpt.directory} is intact; lower "
           "optimizer.lr or outer.lr and resume from it")
 
-  def record(eval_loss: float | None) -> None:
+  def record(with_eval: bool) -> float | None:
+    """Evaluates if asked, checks, writes the scalars and prints the progress line; returns
+    the eval loss."""
+    schedule.settle()  # waits for the jobs' results: their work is done by `now`
+    now = time.perf_counter()  # the console's tokens/s leaves evaluation out
+    eval_loss = evaluate() if with_eval else None
     a = schedule.acct
     check_finite(eval_loss)
     train_loss = schedule.take_train_loss()
@@ -200,9 +220,24 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
     if eval_loss is not None:
       scalars["eval_loss"] = eval_loss
     logger.write(a.applied_steps // w, scalars)
-    logger.progress(a.applied_steps // w)
+    done = schedule.progress()
+    first = speed.setdefault("first", (done, now))  # ETA from here on: compilation is behind
+    left = ((c.rounds - done) * (now - first[1]) / (done - first[0]) if done > first[0]
+            else None)
+    logger.progress(done, train_loss=train_loss, eval_loss=eval_loss,
+                    tokens_per_second=(scalars["tokens"] - clock["tokens"])
+                    / (now - clock["time"]),
+                    bytes_sent=scalars["bytes_sent"], seconds_left=left)
+    clock.update(time=time.perf_counter(), tokens=scalars["tokens"])
+    return eval_loss
+
+  # The console's speed, on the host's clock from one record to the next.
+  clock = {"time": time.perf_counter(),
+           "tokens": schedule.acct.applied_steps * c.data.batch_size * c.data.seq_len}
+  speed = {}
 
   mark, saved = schedule.progress(), 0
+  announce_compile(sim.backend.local_round, "the local program and the server updates")
   try:
     while len(sim.loop) and not finished:
       sim.advance()
@@ -214,25 +249,28 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
       evaluate_now = c.eval_every > 0 and mark % c.eval_every == 0
       logged = evaluate_now or (c.log_every > 0 and mark % c.log_every == 0)
       if logged:
-        record(evaluate() if evaluate_now else None)  # checks finiteness first
+        record(evaluate_now)  # checks finiteness first
       if c.checkpoint_every > 0 and mark % c.checkpoint_every == 0:
         if not logged:
           check_finite()
         sim.save(ckpt, mark, {"wall_seconds": wall_before + time.time() - t_start,
                               "finished": False})
+        clock["time"] = time.perf_counter()  # saving is not simulating
         saved += 1
         if stop_after_checkpoints is not None and saved >= stop_after_checkpoints:
           return {"stopped_at": mark, "virtual_seconds": sim.loop.now}
-    eval_loss = evaluate()
-    record(eval_loss)
+    eval_loss = record(True)
     wall = wall_before + time.time() - t_start
     if not finished:  # one past the last mark, so the finished state is always the newest
       sim.save(ckpt, max(mark, schedule.progress()) + 1, {"wall_seconds": wall, "finished": True})
   finally:
-    ckpt.wait()
-    ckpt.close()
-    logger.close()
+    try:
+      ckpt.wait()  # raises if a save in flight failed (WorkdirError)
+    finally:
+      ckpt.close()
+      logger.close()
   summary = _summary(sim, eval_loss, wall)
+  summary["config_changes"] = run_identity.recorded_changes(workdir)
   summary_path.write_text(json.dumps(summary, indent=2) + "\n")
   return summary
 

@@ -15,9 +15,11 @@ need the tensors, e.g. a codec's error feedback or DDP's AdamW, stays tree-shape
 
 Workers are mapped with `jax.vmap(axis_name='replica', spmd_axis_name='replica')`: a stack
 split over the mesh's replica devices, on which the aggregator's named-axis mean becomes an
-all-reduce. θ_global and the outer state are unmapped (`out_axes=None`): JAX verifies they
-come out identical on every worker. Worker parameters exist only inside a round — every
-round starts from θ_global — while inner optimizer states persist.
+all-reduce. θ_global and the rule's state are unmapped (`out_axes=None`): vmap accepts them
+only if they derive from unmapped inputs and collectives' results, never from per-worker
+state (so a codec's round key comes from the global round, not its stacked counter). Worker
+parameters exist only inside a round — every round starts from θ_global — while inner
+optimizer states persist.
 """
 
 from typing import Any, Callable, NamedTuple
@@ -97,38 +99,42 @@ def make_local_round(loss_fn: LossFn, *, algorithm: str, inner_tx: optax.Gradien
 
 def make_outer_step(outer_tx: optax.GradientTransformation, *, nested: bool,
                     layout: ParamLayout, axis_name: str = "replica"):
-  """`outer_step(params, outer_state, Δ[R], hidden[R], weight[R], norms) -> (params,
-  outer_state, metrics)`; metrics hold the parameter and update norms when `norms`.
+  """`outer_step(params, outer_state, Δ[R], hidden[R], weight[R], round_index, norms) ->
+  (params, outer_state, metrics)`; metrics hold the parameter and update norms when `norms`.
 
   `outer_tx` is `optax.chain(aggregator, rule)`; the aggregator's state is per worker (mapped
   over the replica axis), the rule's is global. With `nested`, worker w's aggregation
   weights are its tier mask (first hidden[w] FFN units) times weight[w]; otherwise the
   aggregator is a plain mean and hidden/weight are unused. Parameters and Δ are flat; the
   tier weights are small broadcastable trees, which the nested aggregator (a tree view)
-  applies to the unraveled Δ.
+  applies to the unraveled Δ. `round_index` (the global round, unmapped) seeds the senders'
+  keys of a compressed mean: receivers regenerate random draws (random-k's positions) from
+  it, so it must be a value vmap knows is the same on every worker — not the per-worker
+  aggregator state's own counter, or the decoded mean and θ_global would come out mapped.
   """
 
   def coordinate_weights(hidden, weight):
     return jax.tree.map(lambda m: m * weight, tier_mask(layout.abstract, hidden))
 
-  def worker(params, outer_opt_state, delta, hidden, weight, all_weights, totals):
-    extra = {}
+  def worker(params, outer_opt_state, delta, hidden, weight, all_weights, totals, round_index):
+    extra = {"round_index": round_index}
     if nested:
       # Own weights (nested mean) and everyone's (compressed mean weighs after decoding).
-      extra = {"coordinate_weights": coordinate_weights(hidden, weight),
-               "sender_weights": all_weights, "weight_totals": totals}
+      extra.update(coordinate_weights=coordinate_weights(hidden, weight),
+                   sender_weights=all_weights, weight_totals=totals)
     updates, outer_opt_state = outer_tx.update(delta, outer_opt_state, params, **extra)
     return optax.apply_updates(params, updates), outer_opt_state
 
-  def outer_step(params, outer_opt_state, deltas_R, hidden_R, weight_R, norms: bool = True):
+  def outer_step(params, outer_opt_state, deltas_R, hidden_R, weight_R, round_index,
+                 norms: bool = True):
     # Σ_w weights from the replicated per-worker vectors: computed here, never communicated.
     all_weights = (jax.vmap(coordinate_weights)(hidden_R, weight_R) if nested else None)
     totals = jax.tree.map(lambda w: w.sum(0), all_weights) if nested else None
     new_params, outer_opt_state = jax.vmap(
-        worker, in_axes=(None, PER_WORKER_AGGREGATOR, 0, 0, 0, None, None),
+        worker, in_axes=(None, PER_WORKER_AGGREGATOR, 0, 0, 0, None, None, None),
         out_axes=(None, PER_WORKER_AGGREGATOR), axis_name=axis_name,
         spmd_axis_name=axis_name)(params, outer_opt_state, deltas_R, hidden_R, weight_R,
-                                  all_weights, totals)
+                                  all_weights, totals, round_index)
     metrics = {}
     if norms:  # two more passes over θ: worth it on rounds that log or checkpoint
       metrics = {"param_norm": jnp.linalg.norm(new_params),

@@ -16,11 +16,12 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from lowcomm_jax import config_check
+from lowcomm_jax import config_check, run_identity
 from lowcomm_jax.build import Run, build, init_run, jitted_steps, train_round
 from lowcomm_jax.checkpoint import Checkpointer, CheckpointMismatch, abstract_with_shardings
-from lowcomm_jax.metrics import MetricsLogger
+from lowcomm_jax.metrics import MetricsLogger, ReadyClock, announce_compile
 from lowcomm_jax.outer import dylu_inner_steps
+from lowcomm_jax.workdir import holds_lock
 from lowcomm_jax.parallel import mesh as mesh_lib
 
 
@@ -42,6 +43,7 @@ class _Schedule:
   idle_seconds: list[float] = dataclasses.field(default_factory=list)
 
 
+@holds_lock  # one run per workdir (workdir.py)
 def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
         stop_after_rounds: int | None = None) -> dict:
   """Trains (or resumes) the run in `workdir` and returns its summary.
@@ -50,9 +52,11 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   checkpoint for the next call to resume from (used by the resume tests).
   """
   t_start = time.time()
+  workdir = pathlib.Path(workdir)
+  # A workdir holds one run: a changed config is refused before any work.
+  config_changes = run_identity.changes(workdir, config)
   r = build(config)
   c, hosts = r.config, r.hosts
-  workdir = pathlib.Path(workdir)
   lead = jax.process_index() == 0
   workdir.mkdir(parents=True, exist_ok=True)
   summary_path = workdir / "summary.json"
@@ -60,7 +64,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   fns = jitted_steps(r)
 
   schedule_steps = c.optimizer.decay_steps or c.rounds * c.inner_steps
-  latest = ckpt.latest_round()
+  latest = ckpt.recover()  # damaged newer rounds are moved aside
   if latest is not None and latest > c.rounds:
     ckpt.close()
     raise config_check.ConfigError([
@@ -76,15 +80,18 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   sched = _Schedule(configured, 0, False, [0.0] * len(hosts), [0.0] * len(hosts))
   if latest is not None:
     ckpt.discard_after(latest)
-    state, meta, workers, data = ckpt.restore(
-        latest, abstract_with_shardings(r.abstract_state, r.state_shardings),
-        r.abstract_workers())
     try:
+      state, meta, workers, data = ckpt.restore(
+          latest, abstract_with_shardings(r.abstract_state, r.state_shardings),
+          r.abstract_workers())
       for streams, s in zip(r.streams, data["streams"], strict=True):
         streams.set_state(s)
     except ValueError as e:
       ckpt.close()
       raise CheckpointMismatch(f"{e}; resume with the data config that wrote {workdir}") from e
+    except CheckpointMismatch:
+      ckpt.close()  # orbax's threads must not outlive the run
+      raise
     sched = _Schedule(**meta["schedule"])
     wall_before = meta["wall_seconds"]
     if meta["schedule_steps"] != schedule_steps:
@@ -105,8 +112,13 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   # Time each host's program when its speed matters: DyLU, idle accounting across hosts.
   timed = len(hosts) > 1
   round_bytes = r.outer_bytes()
-  logger = MetricsLogger(workdir, total_steps=c.rounds * c.inner_steps,
-                         resume_step=start * c.inner_steps, write_files=lead)
+  logger = MetricsLogger(workdir, rounds=c.rounds, write_files=lead)
+  if lead:
+    if config_changes:
+      logger.note(start * c.inner_steps,
+                  {"event": "resume", "round": start, "changed": config_changes},
+                  supersede_later_rows=True)
+    run_identity.write(workdir, config, resumed_at=start, changed=config_changes)
   end = c.rounds if stop_after_rounds is None else min(c.rounds, start + stop_after_rounds)
   logging.info("%s: %d workers on %d host(s) (this process runs %s), mesh %s, model %s "
                "(%.2fM params), rounds %d..%d, H per host %s, %d bytes sent per worker per "
@@ -114,10 +126,11 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
                dict(r.mesh.shape), c.model.name, r.param_count / 1e6, start, c.rounds,
                sched.inner_steps, round_bytes.sent)
 
-  def finish(round_: int, metrics, extra: dict, eval_loss: float | None = None) -> dict:
-    """Checks one round's metrics on the host (blocking on them) and logs them if due; {}
-    for a round without metrics. Between rounds with metrics nothing blocks: the host may
-    dispatch up to log_every rounds ahead of the devices (each holds only its batches)."""
+  def finish(round_: int, metrics, extra: dict) -> dict:
+    """Checks one round's metrics on the host (blocking on them) and times the rounds since
+    the last one with metrics; {} for a round without metrics. Between rounds with metrics
+    nothing blocks: the host may dispatch up to log_every rounds ahead of the devices (each
+    holds only its batches)."""
     scalars = jax.device_get(metrics)
     if not scalars:  # a round that logs, evaluates and checkpoints nothing computes none
       return scalars
@@ -128,24 +141,41 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
           f"param_norm={scalars['param_norm']}). The last good checkpoint "
           f"(round {ckpt.latest_round()}) in {ckpt.directory} is intact; lower "
           "optimizer.lr or outer.lr and resume from it")
-    now = time.perf_counter()
+    now = ready.ready_time(round_)
+    # Since the last round with metrics was ready, less evaluation and checkpoint saving.
+    seconds = now - clock["time"] - (clock["paused_total"] - clock["paused"])
     scalars.update(extra, round=round_,
                    bytes_sent=(round_bytes * round_).sent,
                    bytes_received=(round_bytes * round_).received,
                    bytes_sent_round=round_bytes.sent, bytes_received_round=round_bytes.received,
-                   steps_per_second=(round_ - clock["round"]) * c.inner_steps
-                   / (now - clock["time"]))
+                   steps_per_second=(round_ - clock["round"]) * c.inner_steps / seconds)
     if round_bytes.sent:
       scalars["compression_ratio"] = _compression_ratio(r, round_bytes)
-    clock.update(round=round_, time=now)
-    if eval_loss is not None:
-      scalars["eval_loss"] = eval_loss
-    if eval_loss is not None or _due(round_, c.log_every, end):
-      logger.write(round_ * c.inner_steps, scalars)
+    speed["tokens_per_second"] = (extra["tokens"] - clock["tokens"]) / seconds
+    speed.setdefault("first", (round_, now))  # compilation is behind from here on
+    clock.update(round=round_, time=now, tokens=extra["tokens"], paused=clock["paused_total"])
     return scalars
 
-  # steps_per_second: over the rounds since the last round with metrics.
-  clock = {"round": start, "time": time.perf_counter()}
+  def log(round_: int, scalars: dict, eval_loss: float | None = None) -> None:
+    """Writes a finished round's scalars and prints its progress line, if due."""
+    if eval_loss is not None:
+      scalars["eval_loss"] = eval_loss
+    if not scalars or not (eval_loss is not None or _due(round_, c.log_every, end)):
+      return
+    logger.write(round_ * c.inner_steps, scalars)
+    first_round, first_time = speed["first"]  # ETA from mean wall time per round since
+    left = ((c.rounds - round_) * (time.perf_counter() - first_time) / (round_ - first_round)
+            if round_ > first_round else None)
+    logger.progress(round_, train_loss=scalars["train_loss"], eval_loss=eval_loss,
+                    tokens_per_second=speed["tokens_per_second"],
+                    bytes_sent=scalars["bytes_sent"], seconds_left=left)
+
+  # Training speed: over the rounds since the last one with metrics, from the times their
+  # results were ready (`ready`), less the seconds spent evaluating and saving meanwhile.
+  ready = ReadyClock()
+  clock = {"round": start, "time": time.perf_counter(), "tokens": sched.tokens,
+           "paused": 0.0, "paused_total": 0.0}
+  speed = {}
   pending = None  # (round, device metrics, host scalars): read a round late, device never waits
   scalars, eval_loss = {}, None
   try:
@@ -161,6 +191,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
       state, workers, metrics, compute = train_round(
           r, fns, state, workers, batches, r.worker_weights(sched.inner_steps), timed=timed,
           metrics=with_metrics)
+      if with_metrics:
+        ready.watch(round_, metrics)
       sched.tokens += sum(r.round_tokens(sched.inner_steps))
       extra = {"tokens": sched.tokens}
       if timed:
@@ -173,36 +205,43 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
           logging.info("DyLU: measured steps/s per host %s -> H per host %s",
                        [f"{v:.2f}" for v in speeds], sched.inner_steps)
       if pending is not None:
-        finish(*pending)
+        log(pending[0], finish(*pending))
       pending = (round_, metrics, extra)
-      logger.progress(round_ * c.inner_steps)
       if evaluate or checkpoint or round_ == end:
         # Checked before saving: a diverged state is never checkpointed.
-        eval_loss = _evaluate(r, eval_step, state, eval_windows_dev) if evaluate else None
-        scalars = finish(*pending, eval_loss=eval_loss)
+        scalars = finish(*pending)
         pending = None
+        paused_at = time.perf_counter()
+        eval_loss = _evaluate(r, eval_step, state, eval_windows_dev) if evaluate else None
+        log(round_, scalars, eval_loss)
         if checkpoint:
           ckpt.save(round_, state,
                     {"schedule": dataclasses.asdict(sched), "schedule_steps": schedule_steps,
                      "wall_seconds": wall_before + time.time() - t_start},
                     workers, {"streams": [s.get_state() for s in r.streams]})
+        clock["paused_total"] += time.perf_counter() - paused_at
     if end == c.rounds and eval_loss is None:  # resumed at the end, summary was lost
       eval_loss = _evaluate(r, eval_step, state, eval_windows_dev)
   finally:  # also on errors: saves in flight complete, files are flushed
-    ckpt.wait()
-    ckpt.close()
-    logger.close()
+    ready.close()
+    try:
+      ckpt.wait()  # raises if a save in flight failed (WorkdirError)
+    finally:
+      ckpt.close()
+      logger.close()
   if end < c.rounds:
     return {"stopped_at_round": end}
 
   summary = _summary(r, sched, round_bytes, eval_loss, scalars,
                      wall_before + time.time() - t_start)
+  summary["config_changes"] = run_identity.recorded_changes(workdir)
   if lead:
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
   return summary
 
 
 def _evaluate(r: Run, eval_step, state, windows) -> float:
+  announce_compile(eval_step, "evaluation")
   with jax.set_mesh(r.mesh):
     return float(eval_step(state.params, windows))
 

@@ -6,7 +6,6 @@ import runpy
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 REPO = pathlib.Path(__file__).resolve().parents[1]
 _SHARED_DATA = REPO.parent / "shared" / "data"
 if _SHARED_DATA.is_dir():

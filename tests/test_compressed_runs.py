@@ -2,10 +2,30 @@
 runner, with the packed bytes in metrics.jsonl and summary.json."""
 
 import json
+import math
 
+import jax
+import jax.numpy as jnp
 import pytest
 
-from lowcomm_jax import train
+from lowcomm_jax import compress, train
+
+
+def _tiny_shapes(m):
+  """The tiny GPT's parameter shapes, written out from its preset (not read from the model)."""
+  d, f = m.d_model, m.d_ff
+  block = [(d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d,), (d,), (d, f), (f,), (f, d),
+           (d,)]
+  return block * m.n_layer + [(d,), (d,), (m.block_size, d), (m.vocab_size, d)]
+
+
+def _int8_bytes(shapes):
+  """int8 with one fp32 scale per row (last axis): a byte per entry, 4 per row."""
+  total = 0
+  for s in shapes:
+    rows = s[0] if len(s) == 2 else 1
+    total += rows * s[-1] + 4 * rows
+  return total
 
 
 @pytest.mark.parametrize("algorithm,codec,extra", [
@@ -20,10 +40,22 @@ def test_compressed_run_learns_and_reports_packed_bytes(tmp_path, smoke_config, 
   summary = train.run(config, tmp_path)
   lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert lines[-1]["train_loss"] < lines[0]["train_loss"]
+  # Expected bytes without the ledger: every round each worker sends its packed payload once
+  # (all-gathered). int8 from the shapes by hand; DeMo's by encoding a real tree.
   r = train.build(config)
-  per_round = r.outer_bytes().sent
-  assert summary["bytes_sent"] == per_round * 8 == lines[-1]["bytes_sent"]
-  assert summary["compression_ratio"] == pytest.approx(r.param_bytes / per_round)
+  shapes = _tiny_shapes(r.model_cfg)
+  assert sorted(shapes) == sorted(x.shape for x in jax.tree.leaves(r.layout.abstract))
+  dense = 4 * sum(math.prod(s) for s in shapes)  # fp32
+  if codec == "int8":
+    per_round = _int8_bytes(shapes)
+  else:
+    tree = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), r.layout.abstract)
+    tx = compress.make_codec(config.compress, lr=config.optimizer.lr)
+    payload, _ = tx.encode(tree, tx.init(tree), jax.random.key(0))
+    per_round = sum(x.nbytes for x in jax.tree.leaves(payload))
+  assert [l["bytes_sent"] for l in lines] == [per_round * (i + 1) for i in range(8)]
+  assert summary["bytes_sent"] == per_round * 8
+  assert summary["compression_ratio"] == pytest.approx(dense / per_round)
   assert summary["compression_ratio"] > (20 if codec == "demo" else 3)
   assert lines[0]["compression_ratio"] == summary["compression_ratio"]
   assert summary["codec"] == codec

@@ -86,16 +86,28 @@ def test_dylu_with_configured_speeds_gives_slow_hosts_fewer_steps(tmp_path, smok
   assert summary["tokens"] == (4 + 2) * 4 * 32 * 2
 
 
-def test_dylu_measures_speeds_in_round_two(tmp_path, smoke_config):
+def test_dylu_measures_speeds_in_round_two(tmp_path, smoke_config, monkeypatch):
+  # Host timings are made up so the outcome is known: in round 1 (compiling) host 1 looks
+  # 10x slower per step than host 0, from round 2 on 2.5x slower. DyLU must use round 2's:
+  # H = [6, ceil(6 / 2.5)] = [6, 3] (round 1's would give [6, 1]; never measuring, [6, 6]).
+  real_round, rounds_run = train.train_round, []
+
+  def timed_round(r, fns, state, workers, batches, weights, *, timed=False, metrics=True):
+    state, workers, metrics_, compute = real_round(r, fns, state, workers, batches, weights,
+                                                   timed=timed, metrics=metrics)
+    rounds_run.append([b.shape[1] for b in batches])
+    step_seconds = [0.1, 1.0] if len(rounds_run) == 1 else [0.1, 0.25]
+    if timed:
+      compute = [s * b.shape[1] for s, b in zip(step_seconds, batches)]
+    return state, workers, metrics_, compute
+  monkeypatch.setattr(train, "train_round", timed_round)
   config = _tiers_config(smoke_config, [host(1.0), host(0.25)], rounds=4, inner_steps=6,
                          **{"outer.dylu": True})
   summary = train.run(config, tmp_path)
-  steps = [w["inner_steps"] for w in summary["workers"]]
-  assert max(steps) == 6 and min(steps) >= 1
+  assert rounds_run == [[6, 6], [6, 6], [6, 3], [6, 3]]  # what each host really ran
+  assert [w["inner_steps"] for w in summary["workers"]] == [6, 3]
   lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  for measuring in lines[:2]:  # round 1 compiles, round 2 is timed, then H is set
-    assert measuring["inner_steps_host_0"] == measuring["inner_steps_host_1"] == 6
-  assert [lines[-1][f"inner_steps_host_{i}"] for i in (0, 1)] == steps
+  assert [[l[f"inner_steps_host_{i}"] for i in (0, 1)] for l in lines] == rounds_run
   # Tokens follow the H each host actually ran, round by round.
   ran = [l["inner_steps_host_0"] + l["inner_steps_host_1"] for l in lines]
   assert summary["tokens"] == sum(ran) * 4 * 32

@@ -20,7 +20,7 @@ from lowcomm_jax.checkpoint import Checkpointer, abstract_with_shardings
 SMOKE = ["--config=configs/smoke.py", "--config.rounds=3", "--config.checkpoint_every=3"]
 
 
-def _launch(*args, timeout=420):
+def _launch(*args):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # the launcher gives each process its own device count
   return subprocess.Popen([sys.executable, "launch/local.py", *args], cwd=REPO, env=env,
@@ -77,7 +77,9 @@ def test_a_killed_process_stops_the_run_and_a_restart_resumes_it(tmp_path):
   args = ["--config=configs/smoke.py", f"--workdir={tmp_path}", "--config.model.name=small",
           "--config.data.seq_len=64", "--config.inner_steps=4", "--config.rounds=10",
           "--config.checkpoint_every=2", "--config.eval_every=0"]
-  proc = _launch("--num_processes", "2", "--restarts", "1", "--heartbeat_timeout", "10",
+  # A heartbeat far longer than the bound below: the launcher must notice the death from
+  # the exit code, not wait for JAX's coordinator to miss the process.
+  proc = _launch("--num_processes", "2", "--restarts", "1", "--heartbeat_timeout", "60",
                  "--", *args)
   pid = None
   deadline = time.time() + 300
@@ -89,7 +91,20 @@ def test_a_killed_process_stops_the_run_and_a_restart_resumes_it(tmp_path):
     assert time.time() < deadline, "no checkpoint appeared"
   killed_at = time.time()
   os.kill(pid, signal.SIGKILL)
-  rest, err = proc.communicate(timeout=420)
+  relaunched_at = None
+  for line in proc.stdout:  # the survivor is stopped and both processes start again
+    if re.match(r"\[launcher\] process 1: pid (\d+)", line):
+      relaunched_at = time.time()
+      break
+  assert relaunched_at is not None and relaunched_at - killed_at < 10, "no prompt restart"
+  # Read on with the same iterator: lines it has buffered already would be lost to
+  # communicate().
+  rest = ""
+  for line in proc.stdout:
+    rest += line
+    assert time.time() < relaunched_at + 420, "the resumed run did not finish"
+  err = proc.stderr.read()
+  proc.wait(timeout=60)
   assert proc.returncode == 0, (rest + err)[-4000:]
   assert "process 1 exited with code -9" in err and "restart 1 of 1" in err
   resumed = re.search(r"\[p0\].*resumed .* from round (\d+)", rest)
@@ -98,13 +113,12 @@ def test_a_killed_process_stops_the_run_and_a_restart_resumes_it(tmp_path):
   assert summary["rounds"] == 10 and summary["tokens"] == 10 * 2 * 4 * 4 * 64
   steps = [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert steps == sorted(set(steps)) and steps[-1] == 40  # no duplicated rounds after resume
-  assert time.time() - killed_at < 400
 
 
 def test_without_restarts_a_killed_process_fails_the_launcher_quickly(tmp_path):
   args = ["--config=configs/smoke.py", f"--workdir={tmp_path}", "--config.model.name=small",
           "--config.data.seq_len=64", "--config.inner_steps=4", "--config.rounds=50"]
-  proc = _launch("--num_processes", "2", "--heartbeat_timeout", "10", "--", *args)
+  proc = _launch("--num_processes", "2", "--heartbeat_timeout", "60", "--", *args)
   for line in proc.stdout:
     if m := re.match(r"\[launcher\] process 0: pid (\d+)", line):
       pid = int(m.group(1))
@@ -115,7 +129,7 @@ def test_without_restarts_a_killed_process_fails_the_launcher_quickly(tmp_path):
   os.kill(pid, signal.SIGKILL)
   _, err = proc.communicate(timeout=60)
   assert proc.returncode == 1
-  assert time.time() - killed_at < 10  # well within the heartbeat timeout
+  assert time.time() - killed_at < 10  # well within the 60 s heartbeat timeout
   assert "process 0 exited with code -9" in err and "Its last lines" in err
 
 

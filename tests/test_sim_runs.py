@@ -9,6 +9,8 @@ import pytest
 from conftest import load_config, train_rounds
 from lowcomm_jax import config_check, simulate
 from lowcomm_jax.checkpoint import CheckpointMismatch
+from lowcomm_jax.run_identity import ResumeRefused
+from lowcomm_jax.sim_backend import SimBackend
 
 
 def _sim_config(**overrides):
@@ -21,10 +23,18 @@ def test_synchronous_diloco_in_the_simulator_equals_the_real_runner(tmp_path):
   config = _sim_config(rounds=3, **{"sim.heterogeneity": "very", "sim.network.regions": 2})
   summary = simulate.run(config, tmp_path)
   sim_params = simulate.final_global_params(config, tmp_path)
-  runner = load_config("smoke", num_workers=4, rounds=3, inner_steps=2)
+  # Bit for bit: the simulator runs the runner's own jitted local round and outer step,
+  # with the workers vmapped on one device. The runner must use the same layout
+  # (mesh.replica=1): on 4 replica devices its mean is a cross-device all-reduce, summed in
+  # another order, and round-off (~1e-6 after 3 rounds of AdamW) separates the two.
+  runner = load_config("smoke", num_workers=4, rounds=3, inner_steps=2, **{"mesh.replica": 1})
   _, state, _, _ = train_rounds(runner, 3)
-  for a, b in zip(jax.tree.leaves(sim_params), jax.tree.leaves(state.params)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(sim_params), np.asarray(state.params))
+  # Bytes: every round each worker sends its dense Δ once; no server sends anything.
+  param_bytes = 4 * summary["params"]
+  assert summary["bytes_sent"] == 3 * param_bytes and summary["server_bytes_sent"] == 0
+  assert summary["bytes_sent_total"] == 4 * 3 * param_bytes
+  assert summary["bytes_sent_ddp_equivalent"] == 3 * 2 * param_bytes  # DDP: every step
   # Virtual time: the slowest (speed 0.2) worker's 2 steps of 0.1 s per round, plus a ring.
   assert summary["virtual_seconds"] > 3 * 2 * 0.1 / 0.2
   assert summary["mean_staleness"] == 0 and summary["total_inner_steps"] == 3 * 4 * 2
@@ -59,11 +69,40 @@ def test_simulation_resumed_from_a_checkpoint_equals_an_uninterrupted_one(tmp_pa
   assert simulate.run(config, tmp_path / "whole") == whole
 
 
-def test_halos_trains_and_logs_virtual_time(tmp_path):
+def test_plain_async_trains_end_to_end_and_counts_its_bytes(tmp_path):
+  config = _sim_config(**{"algorithm": "async", "sim.heterogeneity": "moderate",
+                          "checkpoint_every": 0})
+  summary = simulate.run(config, tmp_path)
+  # The budget is W·rounds·H = 32 inner steps, in 16 jobs of H = 2 applied one at a time.
+  assert summary["total_inner_steps"] == 32 and summary["contributions"] == 16
+  assert summary["mean_staleness"] > 0 and summary["mean_drift"] > 0
+  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+  assert len(evals) == 2 and evals[-1] < evals[0] < np.log(256)
+  # Every job pulls the dense model (the server sends it) and sends a dense Δ back.
+  param_bytes = 4 * summary["params"]
+  assert summary["bytes_sent_total"] == 16 * param_bytes
+  assert summary["bytes_sent"] == 16 * param_bytes // 4  # per worker
+  assert summary["server_bytes_sent"] == 16 * param_bytes
+  assert summary["bytes_sent_ddp_equivalent"] == param_bytes * 32 // 4
+
+
+def test_halos_trains_and_logs_virtual_time(tmp_path, monkeypatch):
+  pushes = []
+  real_push = SimBackend.push_update
+  monkeypatch.setattr(SimBackend, "push_update",
+                      lambda self, src, msg: (pushes.append(src), real_push(self, src, msg)))
   config = _sim_config(**{"algorithm": "halos", "sim.heterogeneity": "slight",
                           "sim.network.regions": 2, "outer.halos.sync_every": 2})
   summary = simulate.run(config, tmp_path)
   assert summary["total_inner_steps"] == 4 * 4 * 2 and summary["contributions"] == 16
+  # Servers send a model per pull (16 jobs), and per push an LPS sends its change and the
+  # GPS its model back. A push carries K = 2 or more of the 16 updates, but for each
+  # region's last one: at most 8 + 2 pushes.
+  param_bytes = 4 * summary["params"]
+  assert set(pushes) == {"region0", "region1"} and len(pushes) <= 10
+  assert summary["server_bytes_sent"] == (16 + 2 * len(pushes)) * param_bytes
+  assert summary["bytes_sent_total"] == 16 * param_bytes
   records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   evals = [r for r in records if "eval_loss" in r]
   assert evals[-1]["eval_loss"] < np.log(256)  # below a uniform guess over bytes
@@ -80,14 +119,20 @@ def test_divergence_keeps_the_last_good_checkpoint_and_a_changed_plan_is_refused
   config = _sim_config(algorithm="async_dn")
   assert simulate.run(config, tmp_path, stop_after_checkpoints=1)["stopped_at"] == 1
   good = simulate.final_global_params(config, tmp_path)
-  exploding = _sim_config(**{"algorithm": "async_dn", "outer.lr": 1e30})  # resumes, blows up
+  exploding = _sim_config(**{"algorithm": "async_dn", "outer.lr": 1e30,  # resumes, blows up
+                             "resume_allow": "outer.lr"})
   with pytest.raises(simulate.TrainingDiverged, match="non-finite training at virtual t=.*"
                      "last good checkpoint \\(round-equivalent 1\\)"):
     simulate.run(exploding, tmp_path)
   after = simulate.final_global_params(config, tmp_path)
   jax.tree.map(np.testing.assert_array_equal, good, after)
   # Continuing it as another simulation (other speeds) is refused, naming both plans.
-  other = _sim_config(**{"algorithm": "async_dn", "sim.heterogeneity": "very"})
+  other = _sim_config(**{"algorithm": "async_dn", "sim.heterogeneity": "very",
+                         "resume_allow": "outer.lr,sim.heterogeneity"})
+  with pytest.raises(ResumeRefused, match="resume_allow names sim.heterogeneity"):
+    simulate.run(other, tmp_path)
+  # Without config.json (a workdir from before it existed) the checkpoint's plan check does.
+  (tmp_path / "config.json").unlink()
   with pytest.raises(CheckpointMismatch, match="this config asks for"):
     simulate.run(other, tmp_path)
 

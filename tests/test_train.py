@@ -91,7 +91,8 @@ def test_divergence_stops_with_the_last_good_checkpoint_intact(tmp_path, smoke_c
   config = smoke_config(rounds=2)
   train.run(config, tmp_path)
   good, _ = _checkpointed_state(config, tmp_path)
-  exploding = smoke_config(rounds=4, **{"outer.lr": 1e30})  # resume, then blow up
+  exploding = smoke_config(rounds=4, resume_allow="outer.lr",
+                           **{"outer.lr": 1e30})  # resume, then blow up
   with pytest.raises(train.TrainingDiverged, match="round 3.*last good checkpoint.*round 2"):
     train.run(exploding, tmp_path)
   after, _ = _checkpointed_state(config, tmp_path)
@@ -99,7 +100,7 @@ def test_divergence_stops_with_the_last_good_checkpoint_intact(tmp_path, smoke_c
   jax.tree.map(np.testing.assert_array_equal, good, after)
   # The CLI says the same in one line and exits 2, without a traceback.
   proc = _main("--config=configs/smoke.py", f"--workdir={tmp_path}", "--config.rounds=4",
-               "--config.outer.lr=1e30")
+               "--config.outer.lr=1e30", "--config.resume_allow=outer.lr")
   assert proc.returncode == 2
   assert "non-finite training at round 3" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -111,7 +112,8 @@ def test_divergence_on_a_round_that_logs_nothing_is_caught_before_the_next_check
   config = smoke_config(rounds=2)
   train.run(config, tmp_path)
   good, _ = _checkpointed_state(config, tmp_path)
-  exploding = smoke_config(rounds=4, log_every=100, eval_every=0, **{"outer.lr": 1e30})
+  exploding = smoke_config(rounds=4, log_every=100, eval_every=0, resume_allow="outer.lr",
+                           **{"outer.lr": 1e30})
   with pytest.raises(train.TrainingDiverged, match="round 4.*last good checkpoint.*round 2"):
     train.run(exploding, tmp_path)
   after, _ = _checkpointed_state(config, tmp_path)

@@ -4,8 +4,12 @@ The codec (compress/) is passed in, not imported: aggregators only need its inte
 (`init`, `encode`, `average`, `decode_sum`). The payload arrays are all that crosses the
 network, so the ledger counts exactly the packed bytes.
 
-State is per worker: the codec's error-feedback buffer, and a round counter from which every
-sender's key is derived (so receivers regenerate the senders' random draws).
+State is per worker: the codec's error-feedback buffer and a round counter. Every sender's
+key derives from the round, so receivers regenerate the senders' random draws (random-k's
+positions). The runner's outer step passes the global round as `round_index`: the counter
+is stacked [R] like the rest of the state, so vmap treats whatever derives from it — the
+decoded mean, then θ_global, which must come out unmapped — as per worker, though every
+copy is equal. Without `round_index` (callers that map every output) the counter is used.
 
 Tier-aware (aggregate/nested.py): with `sender_weights` (every worker's a_w, stacked [R, ...],
 known to all from the host table) and `weight_totals` (Σ_w a_w) the result is
@@ -36,9 +40,10 @@ def compressed_mean(codec, axis_name: str = "replica", seed: int = 0
     return CompressedMeanState(jnp.zeros((), jnp.int32), codec.init(params))
 
   def update_fn(updates, state, params=None, *, sender_weights=None, weight_totals=None,
-                **extra_args):
+                round_index=None, **extra_args):
     del params, extra_args  # e.g. the nested mean's own coordinate_weights
-    round_key = jax.random.fold_in(jax.random.key(seed), state.count)
+    round_ = state.count if round_index is None else round_index
+    round_key = jax.random.fold_in(jax.random.key(seed), round_)
     size = jax.lax.axis_size(axis_name)
     sender_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(round_key, jnp.arange(size))
     my_key = jax.random.fold_in(round_key, jax.lax.axis_index(axis_name))

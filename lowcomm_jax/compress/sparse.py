@@ -87,14 +87,16 @@ class RandomK(LeafCodec):
     # Top-k of i.i.d. uniforms: k distinct positions, uniformly, in O(n).
     return jax.lax.top_k(jax.random.uniform(key, (self.size,)), self.k)[1]
 
+  def _scatter(self, idx, values):
+    return jnp.zeros((self.size,), jnp.float32).at[idx].set(values).reshape(self.shape)
+
   def encode(self, x, key):
-    idx = self._indices(key)
+    idx = self._indices(key)  # reused for `sent`: every draw is a threefry program
     values = x.reshape(-1)[idx]
-    return {"value": values}, self.decode({"value": values}, key)
+    return {"value": values}, self._scatter(idx, values)
 
   def decode(self, payload, key):
-    dense = jnp.zeros((self.size,), jnp.float32).at[self._indices(key)].set(payload["value"])
-    return dense.reshape(self.shape)
+    return self._scatter(self._indices(key), payload["value"])
 
 
 def topk_codec(shape, *, density: float, chunk: int, k: int, value_bits: int = 32) -> TopK:

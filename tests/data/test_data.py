@@ -118,3 +118,21 @@ def test_missing_corpus_without_network_says_how_to_provide_it(tmp_path, monkeyp
     resolve_corpus("")
   with pytest.raises(DataError, match="data.path"):
     resolve_corpus(str(tmp_path / "nope.txt"))
+
+
+def test_a_run_evaluates_on_the_validation_tail_and_trains_on_the_rest(tmp_path, monkeypatch,
+                                                                         smoke_config):
+  # Letters for the first 90% of the corpus, digits for the last 10%: which split a window
+  # came from shows in its tokens.
+  from lowcomm_jax import build
+  monkeypatch.setenv("LOWCOMM_CACHE_DIR", str(tmp_path / "cache"))
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("abcdefghijklmnopqrstuvwxyz"[:20] * 450 + "0123456789" * 100)
+  r = build.build(smoke_config(**{"data.path": str(corpus), "data.val_fraction": 0.1}))
+  val, train = set(b"0123456789"), set(b"abcdefghijklmnopqrst")
+  assert r.eval_windows.shape == (2, 4, 33)
+  assert set(np.unique(r.eval_windows)) <= val
+  batches = r.streams[0].next_round(3)
+  assert set(np.unique(batches)) <= train
+  # Windows start anywhere in their split, not at a fixed offset.
+  assert len({w[0] for w in r.eval_windows.reshape(-1, 33)}) > 1

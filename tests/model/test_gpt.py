@@ -1,3 +1,5 @@
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,13 +39,24 @@ def test_matformer_slice_equals_full_ffn_with_units_beyond_m_zeroed():
   assert not np.allclose(sliced, 0.0)
 
 
+def _dot_types(fn, x):
+  """'(lhs, rhs) -> out' tensor types of every dot_general in fn's lowered program."""
+  hlo = jax.jit(fn).lower(x).as_text()
+  return [re.search(r": \((.*)\) -> (.*)$", line).groups()
+          for line in hlo.splitlines() if "dot_general" in line]
+
+
 def test_narrow_tier_really_computes_less():
-  mlp = NestedMLP(16, 64, out_std=0.02, bias=True, dtype=jnp.float32, rngs=nnx.Rngs(0))
-  x = jnp.ones((1, 4, 16))
-  hlo = jax.jit(lambda x: mlp(x, fraction=0.25)).lower(x).as_text()
-  dots = [line for line in hlo.splitlines() if "dot_general" in line]
-  assert len(dots) == 2 and all("x64" not in d for d in dots)  # only 16 of 64 hidden units
-  assert any("1x4x16xf32" in d for d in dots)
+  # d_model (24) differs from every hidden width, so each shape below names one quantity.
+  mlp = NestedMLP(24, 64, out_std=0.02, bias=True, dtype=jnp.float32, rngs=nnx.Rngs(0))
+  x = jnp.ones((1, 4, 24))
+  # The 25% tier multiplies by 24x16 and 16x24 slices: 16 of the 64 hidden units.
+  assert _dot_types(lambda x: mlp(x, fraction=0.25), x) == [
+      ("tensor<1x4x24xf32>, tensor<24x16xf32>", "tensor<1x4x16xf32>"),
+      ("tensor<1x4x16xf32>, tensor<16x24xf32>", "tensor<1x4x24xf32>")]
+  assert _dot_types(lambda x: mlp(x, fraction=1.0), x) == [
+      ("tensor<1x4x24xf32>, tensor<24x64xf32>", "tensor<1x4x64xf32>"),
+      ("tensor<1x4x64xf32>, tensor<64x24xf32>", "tensor<1x4x24xf32>")]
 
 
 @pytest.mark.parametrize("name,overrides", [

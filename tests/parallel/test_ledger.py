@@ -1,3 +1,5 @@
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,7 +39,22 @@ def test_a_single_worker_sends_nothing():
   assert ledger.count_bytes(f, jax.ShapeDtypeStruct((1, 8), jnp.float32)) == ledger.CommBytes()
 
 
-def test_recording_is_off_outside_count_bytes():
+def test_recording_is_off_outside_count_bytes_and_private_to_its_thread():
   f = jax.vmap(lambda x: collectives.mean(x), axis_name="replica")
-  np.testing.assert_allclose(f(jnp.arange(4.0)), jnp.full(4, 1.5))
-  assert ledger.count_bytes(lambda: None) == ledger.CommBytes()
+  x = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+  np.testing.assert_allclose(f(jnp.arange(4.0)), jnp.full(4, 1.5))  # no log to write to
+  assert getattr(ledger._local, "log", None) is None
+  with pytest.raises(ZeroDivisionError):  # a failing trace still ends the recording
+    ledger.count_bytes(lambda x: (f(x), 1 / 0), x)
+  assert getattr(ledger._local, "log", None) is None
+  # Training code tracing collectives in another thread meanwhile (a checkpoint thread,
+  # another test) must not be counted as this function's bytes.
+  big = jax.vmap(lambda y: collectives.all_gather(y), axis_name="replica")
+
+  def counted_fn(x):
+    other = threading.Thread(
+        target=lambda: jax.eval_shape(big, jax.ShapeDtypeStruct((4, 1000), jnp.float32)))
+    other.start()
+    other.join()
+    return f(x)
+  assert ledger.count_bytes(counted_fn, x) == ledger.CommBytes(32, 32)

@@ -13,6 +13,7 @@ class FakeBackend:
     self.calls = []
     self.unpushed = {}  # per LPS: jobs applied there and not yet in a push
     self.pushed_jobs = 0
+    self.push_sizes = []  # jobs carried by each push, in order
 
   def version(self, server):
     return self.versions.setdefault(server, 0)
@@ -33,6 +34,7 @@ class FakeBackend:
 
   def push_update(self, src, msg):
     self.calls.append(("push", src))
+    self.push_sizes.append(self.unpushed.get(src, 0))
     self.pushed_jobs += self.unpushed.pop(src, 0)
 
   def apply_push(self, dst, msg):
@@ -110,6 +112,29 @@ def test_halos_pushes_every_k_local_updates_merges_and_flushes_at_the_end():
   assert {c[1] for c in pushes} == {"region0", "region1"}
   assert all(not lps["pushing"] and lps["unsent"] == 0 for lps in schedule.lps.values())
   assert schedule.acct.applied_steps == 24
+
+
+def test_halos_push_timing_by_hand():
+  # Both workers in region 0, the GPS in region 1: worker <-> LPS transfers take 1 s, LPS <->
+  # GPS 5 s. K = 2, H = 2, a 12-step budget. Worker 0 (speed 1) arrives at 4, 8, 12; worker
+  # 1 (speed 0.5: 4 s a job) at 6, 12, 18. Push 1 at 6 (w0@4, w1@6), at the GPS at 11,
+  # reply at 16. At 12 two more are unsent but a push is out: push 2 goes when the reply
+  # lands, at 16, with 3 (w0@8, w1@12, w0@12). w1@18 is the last job: once push 2's reply
+  # is merged (26) the LPS flushes it, push 3 with 1 update (at the GPS at 31, back at 36).
+  plan = _plan((1.0, 0.5), regions=2, total=12, sync_every=2, server_region=1)
+  plan.network = Network.build(num_workers=2, regions=2, worker_regions=(0, 0),
+                               intra_gbps=8e-9, intra_latency_s=0.0, inter_gbps=8e-9 / 5,
+                               inter_latency_s=0.0)
+  schedule, backend, times = _run("halos", plan)
+  at = lambda kind: [t for t, k in times if k == kind]
+  assert at("arrive") == [4.0, 6.0, 8.0, 12.0, 12.0, 18.0]
+  assert at("push_arrive") == [11.0, 21.0, 31.0]
+  assert at("params_arrive") == [16.0, 26.0, 36.0]
+  assert backend.push_sizes == [2, 3, 1]
+  assert [c[0] for c in backend.calls if c[0] in ("push", "apply_push", "merge")] == [
+      "push", "apply_push", "merge"] * 3
+  # Servers sent 6 pulls, 3 pushes and 3 GPS replies, workers 6 contributions: 1 byte each.
+  assert schedule.acct.server_bytes_sent == 6 + 3 + 3 and schedule.acct.bytes_sent == 6
 
 
 def test_halos_pushes_updates_that_arrived_during_a_push_with_the_next_one():

@@ -1,0 +1,125 @@
+"""Will the run's states fit? A per-device estimate, checked before anything is allocated.
+
+Without it, a worker count too large for the devices compiles for a minute and then dies
+with XLA's RESOURCE_EXHAUSTED. The estimate counts what each replica device holds:
+
+  replicated     θ_global, the outer rule's state (momentum; DDP: the AdamW moments), and
+                 the outer step's temporaries (the averaged Δ, the new θ)
+  per worker     its inner optimizer state (AdamW: 2x its tier's parameters), its codec
+                 error buffer, its Δ, and while its round runs its θ copy, gradient and
+                 activations (workers on a device are vmapped: they all run at once)
+
+It is rough (XLA's temporaries vary) and errs low, so it refuses only runs that cannot fit.
+LOWCOMM_MEMORY_CHECK=0 skips it.
+"""
+
+import logging
+import math
+import os
+
+import jax
+import numpy as np
+
+from lowcomm_jax.config_check import ConfigError
+from lowcomm_jax.parallel import ledger
+
+
+class OutOfMemory(ConfigError):
+  """The run's states do not fit its devices (a ConfigError: the fix is a config field)."""
+
+
+def _gib(n: float) -> str:
+  return f"{n / 2**30:,.2f} GiB"
+
+
+def available_bytes(devices) -> tuple[int, str]:
+  """(bytes one device may use, where that figure came from)."""
+  device = devices[0]
+  if device.platform != "cpu":
+    stats = device.memory_stats() or {}
+    if stats.get("bytes_limit"):
+      return int(min((d.memory_stats() or {}).get("bytes_limit", stats["bytes_limit"])
+                     for d in devices)), f"{device.platform} bytes_limit"
+    return 0, ""
+  # CPU devices share the host's RAM: what is free now, split over this process's devices.
+  free = 0
+  try:
+    with open("/proc/meminfo") as f:
+      fields = dict(line.split(":", 1) for line in f)
+    free = int(fields["MemAvailable"].split()[0]) * 1024
+  except (OSError, KeyError, ValueError):
+    try:
+      free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+      return 0, ""
+  local = max(jax.local_device_count(), 1)
+  return free // local, f"host RAM available / {local} CPU device(s)"
+
+
+def activation_bytes(model_cfg, batch: int, seq_len: int, tp: int) -> int:
+  """Rough bytes a training step keeps for backprop: per block ~24 d_model-wide and 2
+  attention-score tensors per token, plus the logits, their softmax and gradients."""
+  itemsize = 2 if model_cfg.dtype == "bfloat16" else 4
+  per_block = 24 * model_cfg.d_model / tp + 2 * model_cfg.n_head * seq_len / tp
+  per_token = model_cfg.n_layer * per_block + 4 * (model_cfg.vocab_size or 0)
+  return int(batch * seq_len * per_token * itemsize)
+
+
+def estimate(r) -> dict[str, int]:
+  """Bytes per replica device of build.Run `r`, by component (see the module docstring)."""
+  c = r.config
+  local_replicas = max(r.local_mesh.shape["replica"], 1)
+  global_replicas = max(r.mesh.shape["replica"], 1)
+  tp, data = max(c.model.tp.size, 1), max(c.mesh.data, 1)
+  params = ledger.tree_bytes(r.abstract_state.params)
+  codec_state, rule_state = r.abstract_state.outer_opt_state
+  # Without donation (CPU) a round's new worker states sit beside the old ones.
+  copies = 1 if r.mesh.devices.flat[0].platform != "cpu" else 2
+  out = {"params": params, "outer_state": ledger.tree_bytes(rule_state),
+         "outer_temporaries": 2 * params,
+         "codec_buffers": math.ceil(ledger.tree_bytes(codec_state) / global_replicas),
+         "inner_optimizer": 0, "deltas": 0, "round_temporaries": 0}
+  for i in r.local_hosts:
+    h = r.hosts[i]
+    per_device = math.ceil(len(h.worker_ids) / local_replicas)
+    tier = r.tier_bytes[h.tier]
+    if c.algorithm != "ddp":
+      out["inner_optimizer"] += copies * per_device * tier["optimizer_bytes"]
+    out["deltas"] += per_device * params
+    # Hosts run one after another: only the largest round's temporaries count.
+    running = per_device * (2 * tier["param_bytes"] + activation_bytes(
+        r.model_cfg, h.batch_size // data, c.data.seq_len, tp))
+    out["round_temporaries"] = max(out["round_temporaries"], running)
+  return out
+
+
+def check(r) -> None:
+  """Raises OutOfMemory when build.Run `r` needs more per device than a device has."""
+  if os.environ.get("LOWCOMM_MEMORY_CHECK", "1") == "0":
+    return
+  devices = list(r.local_mesh.devices.flat)
+  have, source = available_bytes(devices)
+  parts = estimate(r)
+  need = sum(parts.values())
+  fits = not have or need <= have  # a backend that does not say: nothing to compare with
+  if have:
+    logging.info("memory: about %s per device of %s (%s)", _gib(need), _gib(have), source)
+  if jax.process_count() > 1:  # all stop together, or the others hang in the next collective
+    from jax.experimental import multihost_utils
+    fits_everywhere = multihost_utils.process_allgather(np.asarray(fits))
+    if fits and not np.all(fits_everywhere):
+      raise OutOfMemory([f"num_workers={r.config.num_workers}: another process's devices "
+                         "cannot hold its workers (its log says how much it needs); lower "
+                         "--config.num_workers or spread the workers over more devices"])
+  if fits:
+    return
+  c = r.config
+  workers = max(len(r.hosts[i].worker_ids) for i in r.local_hosts)
+  per_device = math.ceil(workers / max(r.local_mesh.shape["replica"], 1))
+  largest = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
+  raise OutOfMemory([
+      f"num_workers={c.num_workers}: needs about {_gib(need)} per device but "
+      f"{_gib(have)} is available ({source}); {per_device} worker(s) per device "
+      f"(largest: {', '.join(f'{k} {_gib(v)}' for k, v in largest)}). Lower "
+      "--config.num_workers (or data.batch_size / model.name), spread the workers over more "
+      "devices (mesh.replica, more processes), or set LOWCOMM_MEMORY_CHECK=0 to try anyway"])

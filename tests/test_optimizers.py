@@ -1,0 +1,154 @@
+"""The inner optimizer a run builds (optimizers.py) against hand-computed values: the
+warmup-cosine schedule, global-norm clipping, AdamW's weight-decay mask; and codecs with and
+without error feedback."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import load_config
+from lowcomm_jax import compress, optimizers
+from lowcomm_jax.model import GPT, get_preset
+
+
+def _opt(**overrides):
+  opt = load_config("smoke").optimizer
+  opt.update(overrides)
+  return opt
+
+
+def test_schedule_warms_up_linearly_then_decays_on_a_cosine_by_hand():
+  # Peak 1e-2 after 4 warmup steps, cosine over the other 16 of the run's 20 inner steps
+  # down to 10% of the peak, flat after that.
+  schedule = optimizers.inner_schedule(_opt(lr=1e-2, warmup_steps=4, min_lr_ratio=0.1), 20)
+  peak, end = 1e-2, 1e-3
+  cosine = lambda t: end + (peak - end) * 0.5 * (1 + math.cos(math.pi * (t - 4) / 16))
+  expected = {0: 0.0, 1: 0.25 * peak, 2: 0.5 * peak, 4: peak, 8: cosine(8), 12: 0.55 * peak,
+              16: cosine(16), 20: end, 35: end}
+  for step, lr in expected.items():
+    assert float(schedule(step)) == pytest.approx(lr, rel=1e-6, abs=1e-12), step
+  assert cosine(12) == pytest.approx(0.55 * peak)  # the midpoint: halfway from peak to end
+  # decay_steps, when set, replaces the run's length.
+  short = optimizers.inner_schedule(_opt(lr=1e-2, warmup_steps=4, decay_steps=8,
+                                         min_lr_ratio=0.1), 20)
+  assert float(short(6)) == pytest.approx(0.55 * peak, rel=1e-6)
+  assert float(short(8)) == pytest.approx(end, rel=1e-6)
+
+
+def test_the_inner_optimizer_steps_with_the_scheduled_lr():
+  # SGD without clipping: each update is exactly −lr(t)·g.
+  tx = optimizers.inner_optimizer(_opt(name="sgd", lr=1e-2, warmup_steps=4, grad_clip=0.0), 20)
+  schedule = optimizers.inner_schedule(_opt(lr=1e-2, warmup_steps=4), 20)
+  params = {"w": jnp.ones((2, 2))}
+  state = tx.init(params)
+  g = {"w": jnp.full((2, 2), 2.0)}
+  update = jax.jit(tx.update)
+  for t in range(6):
+    updates, state = update(g, state, params)
+    np.testing.assert_allclose(updates["w"], -2.0 * float(schedule(t)), rtol=1e-6)
+
+
+def test_grad_clip_scales_the_global_norm_down_to_the_limit():
+  tx = optimizers.inner_optimizer(_opt(name="sgd", lr=0.1, warmup_steps=0, grad_clip=1.0), 10)
+  params = {"a": jnp.zeros(2), "b": jnp.zeros((1, 1))}
+  # Global norm 5 -> scaled by 1/5 over the whole tree (per leaf it would be [1, 0], [[1]]).
+  big = {"a": jnp.array([3.0, 0.0]), "b": jnp.array([[4.0]])}
+  updates, state = tx.update(big, tx.init(params), params)
+  np.testing.assert_allclose(updates["a"], -0.1 * np.array([0.6, 0.0]), rtol=1e-6)
+  np.testing.assert_allclose(updates["b"], -0.1 * np.array([[0.8]]), rtol=1e-6)
+  # Under the limit nothing changes (the step-1 lr is a little below the peak: cosine).
+  small = {"a": jnp.array([0.3, 0.0]), "b": jnp.array([[0.4]])}
+  lr1 = float(optimizers.inner_schedule(_opt(lr=0.1, warmup_steps=0), 10)(1))
+  updates, _ = tx.update(small, state, params)
+  np.testing.assert_allclose(updates["a"], -lr1 * np.array([0.3, 0.0]), rtol=1e-6)
+  np.testing.assert_allclose(updates["b"], -lr1 * np.array([[0.4]]), rtol=1e-6)
+  # grad_clip = 0 disables it.
+  unclipped = optimizers.inner_optimizer(_opt(name="sgd", lr=0.1, warmup_steps=0,
+                                              grad_clip=0.0), 10)
+  updates, _ = unclipped.update(big, unclipped.init(params), params)
+  np.testing.assert_allclose(updates["b"], -0.1 * np.array([[4.0]]), rtol=1e-6)
+
+
+def test_adamw_decays_matrices_but_not_biases_or_layernorm():
+  # With zero gradients Adam's step is 0, so the update is the decay alone: −lr·wd·θ.
+  model = nnx.eval_shape(lambda: GPT(get_preset("tiny", tokenizer_vocab=256),
+                                     rngs=nnx.Rngs(0)))
+  shapes = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  params = jax.tree.map(lambda x: jnp.linspace(0.5, 1.5, x.size).reshape(x.shape), shapes)
+  tx = optimizers.inner_optimizer(_opt(lr=1e-2, warmup_steps=0, weight_decay=0.1,
+                                       grad_clip=1.0), 10)
+  updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params),
+                                  params)
+  decayed, kept = [], []
+  for path, u in jax.tree_util.tree_leaves_with_path(updates):
+    name = jax.tree_util.keystr(path)
+    theta = params
+    for k in path:
+      theta = theta[k.key]
+    if theta.ndim >= 2:
+      np.testing.assert_allclose(u, -1e-2 * 0.1 * theta, rtol=1e-5, err_msg=name)
+      decayed.append(name)
+    else:
+      np.testing.assert_array_equal(u, 0.0, err_msg=name)
+      kept.append(name)
+  assert any("fc_kernel" in n for n in decayed) and any("wte" in n for n in decayed)
+  assert any("ln1" in n and "scale" in n for n in kept)
+  assert any("fc_bias" in n for n in kept) and any("ln_f" in n for n in kept)
+
+
+def _codec(name, error_feedback):
+  cfg = ml_collections.ConfigDict(dict(
+      codec=name, error_feedback=error_feedback, beta=-1.0, quant_block=0,
+      stochastic_rounding=False, density=0.25, chunk=0, k=0, value_bits=32,
+      mean_over_senders=False))
+  return compress.make_codec(cfg)
+
+
+def test_topk_without_error_feedback_drops_what_it_did_not_send():
+  x = {"v": jnp.array([3.0, 2.0, 1.0, 0.5])}  # density 0.25: one entry per round
+  key = jax.random.key(0)
+  plain = _codec("topk", error_feedback=False)
+  assert plain.init(x) == ()
+  sent1, state = plain.roundtrip(x, plain.init(x), key)
+  sent2, state = plain.roundtrip(x, state, key)
+  assert state == ()
+  np.testing.assert_array_equal(sent1["v"], [3.0, 0.0, 0.0, 0.0])
+  np.testing.assert_array_equal(sent2["v"], [3.0, 0.0, 0.0, 0.0])  # the same, every round
+  # With error feedback the rest is kept: round 2 encodes x + e1 = [3, 4, 2, 1].
+  ef = _codec("topk", error_feedback=True)
+  sent1, state = ef.roundtrip(x, ef.init(x), key)
+  np.testing.assert_array_equal(state["v"], [0.0, 2.0, 1.0, 0.5])
+  sent2, state = ef.roundtrip(x, state, key)
+  np.testing.assert_array_equal(sent2["v"], [0.0, 4.0, 0.0, 0.0])
+  np.testing.assert_array_equal(state["v"], [3.0, 0.0, 2.0, 1.0])
+
+
+@pytest.mark.parametrize("name", ["int8", "randomk"])
+def test_other_codecs_without_error_feedback_carry_no_state(name):
+  x = {"v": jnp.linspace(-1.0, 2.0, 12).reshape(3, 4)}
+  plain, ef = _codec(name, False), _codec(name, True)
+  key = jax.random.key(1)
+  out_plain, state = plain.roundtrip(x, plain.init(x), key)
+  assert state == ()
+  out_ef, residual = ef.roundtrip(x, ef.init(x), key)
+  np.testing.assert_array_equal(out_plain["v"], out_ef["v"])  # same first round
+  np.testing.assert_allclose(residual["v"], x["v"] - out_ef["v"], atol=1e-7)
+  assert np.abs(residual["v"]).max() > 0  # lossy: there is something to carry
+  # Round 2, same input: with error feedback it encodes x + e (β = 1), without it x alone.
+  key2 = jax.random.key(2)
+  second_plain, _ = plain.roundtrip(x, (), key2)
+  second_ef, _ = ef.roundtrip(x, residual, key2)
+  with_residual, _ = plain.roundtrip({"v": x["v"] + residual["v"]}, (), key2)
+  np.testing.assert_array_equal(second_ef["v"], with_residual["v"])
+  assert not np.allclose(second_ef["v"], second_plain["v"])
+
+
+def test_sparseloco_and_demo_keep_their_buffer_whatever_the_flag():
+  x = {"v": jnp.ones((8, 8))}
+  for name in ("sparseloco", "demo"):
+    assert jax.tree.leaves(_codec(name, error_feedback=False).init(x)), name
