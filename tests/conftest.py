@@ -20,16 +20,21 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 import pytest  # noqa: E402
 
 
-def load_config(name: str, **overrides):
-  """configs/<name>.py with dotted-field overrides, e.g. load_config('smoke', **{'outer.lr': 1.0})."""
-  config = runpy.run_path(str(REPO / "configs" / f"{name}.py"))["get_config"]()
+def set_fields(tree, overrides: dict):
+  """Sets dotted fields of a config (or nested dict) in place: {'outer.lr': 1.0}."""
   for dotted, value in overrides.items():
-    node = config
+    node = tree
     *parents, leaf = dotted.split(".")
     for p in parents:
       node = node[p]
     node[leaf] = value
-  return config
+  return tree
+
+
+def load_config(name: str, **overrides):
+  """configs/<name>.py with dotted-field overrides, e.g. load_config('smoke', **{'outer.lr': 1.0})."""
+  return set_fields(runpy.run_path(str(REPO / "configs" / f"{name}.py"))["get_config"](),
+                    overrides)
 
 
 @pytest.fixture

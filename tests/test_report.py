@@ -1,5 +1,6 @@
 import json
 
+from conftest import set_fields
 from lowcomm_jax import report
 
 
@@ -60,13 +61,7 @@ def _config(**changes):
   c = {"algorithm": "diloco", "seed": 0, "hosts": [],
        "outer": {"lr": 0.7, "nesterov": True, "halos": {"sync_every": 8}},
        "sim": {"network": {"inter_gbps": 1.0, "worker_regions": []}}}
-  for dotted, value in changes.items():
-    node = c
-    *parents, leaf = dotted.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return c
+  return set_fields(c, changes)
 
 
 def test_config_diff_shows_exactly_the_differing_fields(tmp_path):
