@@ -198,9 +198,13 @@ class Checkpointer:
       for step in self._local.steps():
         if step > agreed and list(self._damaged.glob(f"{step}-*/global")):
           self._move_aside(step, "its global part is damaged", with_global=False)
+    if agreed < 0:
+      # No round is whole: what is left are parts of saves cut short (or parts whose
+      # partner is gone). Set them aside, never delete: orbax would decline to save round 1
+      # beside them.
+      for step in sorted(set(self._global.all_steps()) | set(self._local.steps())):
+        self._move_aside(step, "incomplete (a save cut short)", with_global=me == 0)
     self._global.reload()  # steps moved aside are gone from orbax's view
-    if agreed < 0:  # parts of a first save cut short would make orbax decline round 1's
-      self.discard_after(-1)
     return agreed if agreed >= 0 else None
 
   @property
