@@ -203,3 +203,25 @@ def test_a_host_name_on_loopback_binds_everywhere_rather_than_shut_out_the_other
   assert distributed._own_address("myhost:1234") == "myhost:1234"
   assert distributed._own_address("127.0.0.1:1234") == "127.0.0.1:1234"
   assert distributed._own_address("[::1]:1234") == "[::1]:1234"
+
+
+def test_a_process_that_died_mid_join_can_rejoin_but_a_live_duplicate_id_is_refused():
+  port = _free_port()
+  out = {}
+  zero = threading.Thread(target=lambda: out.update(zero=_roll_call(3, [0], 10, port)))
+  zero.start()
+  time.sleep(0.3)
+  # Process 1 says hello, then dies (its connection closes) and is started again.
+  with socket.create_connection(("127.0.0.1", port)) as dead:
+    dead.sendall(b"lowcomm-join-v1 1 3\n")
+    time.sleep(0.3)
+  # A second live process claiming id 1 beside the restarted one is refused.
+  first = threading.Thread(target=lambda: out.update(one=_roll_call(3, [1], 10, port)))
+  first.start()
+  time.sleep(0.3)
+  with pytest.raises(distributed.DistributedError, match="process id 1 is taken"):
+    roll_call.roll_call(f"127.0.0.1:{port}", "", 3, 1, 5)
+  assert _roll_call(3, [2], 10, port) == {2: None}
+  first.join()
+  zero.join()
+  assert out["one"] == {1: None} and out["zero"] == {0: None}

@@ -85,6 +85,8 @@ def _collect(address: str, bind: str, num: int, timeout_s: float) -> None:
         conn.close()  # not one of ours (a port scan, a stray client): ignore it
         continue
       their_pid, their_num = int(words[1]), int(words[2])
+      if their_pid in joined and not _alive(joined[their_pid]):
+        joined.pop(their_pid).close()  # that process died and was restarted: take the new one
       if their_num != num or not 0 < their_pid < num or their_pid in joined:
         why = (f"process 0 runs {num} processes, not {their_num}" if their_num != num else
                f"process id {their_pid} is {'taken' if their_pid in joined else 'invalid'}")
@@ -138,6 +140,19 @@ def _report(address: str, num: int, pid: int, timeout_s: float) -> None:
   raise DistributedError(f"process {pid}: {address} did not answer the join "
                          f"({answer[:60]!r}); is it process 0 of this run (same "
                          "coordinator_address)?")
+
+
+def _alive(conn: socket.socket) -> bool:
+  """Whether the peer on `conn` is still connected (a dead one has closed or reset it)."""
+  conn.setblocking(False)
+  try:
+    return bool(conn.recv(1, socket.MSG_PEEK))
+  except BlockingIOError:
+    return True  # connected, nothing to read
+  except OSError:
+    return False
+  finally:
+    conn.settimeout(_READ_S)
 
 
 def _ids(ids: list[int]) -> str:
