@@ -1,6 +1,7 @@
 """Start-up validation: every problem named with its field and its fix, before any compute."""
 
 import dataclasses
+import functools
 import os
 import runpy
 
@@ -16,7 +17,6 @@ from lowcomm_jax.sim.speeds import HETEROGENEITY
 
 ALGORITHMS = ("ddp", "diloco", "async", "async_dn", "halos")
 SIMULATED_ONLY = ("async", "async_dn", "halos")
-# The defaults every config starts from (absent in a non-editable install: checks skipped).
 
 
 class ConfigError(ValueError):
@@ -245,7 +245,10 @@ def _check_compress(c: ml_collections.ConfigDict, check) -> None:
           "stochastic rounding is implemented for int8/int4 only; set it False for fp8")
 
 
+@functools.lru_cache(maxsize=1)
 def _base_defaults() -> ml_collections.ConfigDict | None:
+  """The defaults every config starts from (None in a non-editable install: checks that
+  need them are skipped). Loaded once; only read."""
   if not config_doc.BASE.is_file():
     return None
   return runpy.run_path(str(config_doc.BASE))["get_config"]()

@@ -36,11 +36,10 @@ def available_bytes(devices) -> tuple[int, str]:
   """(bytes one device may use, where that figure came from)."""
   device = devices[0]
   if device.platform != "cpu":
-    stats = device.memory_stats() or {}
-    if stats.get("bytes_limit"):
-      return int(min((d.memory_stats() or {}).get("bytes_limit", stats["bytes_limit"])
-                     for d in devices)), f"{device.platform} bytes_limit"
-    return 0, ""
+    limits = [(d.memory_stats() or {}).get("bytes_limit", 0) for d in devices]
+    if all(limits):
+      return int(min(limits)), f"{device.platform} bytes_limit"
+    return 0, ""  # a device that does not say: nothing to compare with
   # CPU devices share the host's RAM: what is free now, split over this process's devices.
   free = 0
   try:

@@ -66,10 +66,13 @@ class JsonlWriter:
         f.seek(-1, os.SEEK_END)
         if f.read(1) != b"\n":
           f.write(b"\n")
+    self._file = self.path.open("a", buffering=1)  # line-buffered: each row on disk at once
 
   def write(self, record: dict) -> None:
-    with self.path.open("a") as f:
-      f.write(json.dumps(record) + "\n")
+    self._file.write(json.dumps(record) + "\n")
+
+  def close(self) -> None:
+    self._file.close()
 
 
 _FILE_NUMBERS = itertools.count()  # two writers in one process and second get two files
@@ -222,3 +225,4 @@ class MetricsLogger:
   def close(self) -> None:
     if self._events is not None:
       self._events.close()
+      self._jsonl.close()

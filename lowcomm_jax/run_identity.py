@@ -113,7 +113,8 @@ def changes(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> dict[st
         "value (shapes, H schedule or simulation plan); start a new run with another --workdir")
   refused = {k: v for k, v in diff.items() if k not in RESUMABLE and k not in allowed}
   if refused:
-    listed = "; ".join(f"{k}: {_show(o)} -> {_show(n)}" for k, (o, n) in sorted(refused.items()))
+    listed = "; ".join(f"{k}: {json.dumps(o)} -> {json.dumps(n)}"
+                       for k, (o, n) in sorted(refused.items()))
     changeable = sorted(k for k in refused if not _fixed(k))
     way = (f", or continue this one with the change recorded: "
            f"--config.resume_allow={','.join(changeable)}" if changeable else "")
@@ -122,14 +123,11 @@ def changes(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> dict[st
   return {k: v for k, v in diff.items() if k in allowed}
 
 
-def _show(value) -> str:
-  return json.dumps(value)
-
-
 def write(workdir: pathlib.Path, config: ml_collections.ConfigDict, *,
-          resumed_at: int | None = None, changed: dict | None = None) -> None:
+          resumed_at: int | None = None, changed: dict | None = None) -> list[dict]:
   """Stores the config in force and the command line; a resume with recorded changes is
-  appended to `resumes` (the first config is kept as `first_config`)."""
+  appended to `resumes` (the first config is kept as `first_config`). Returns `resumes`
+  (for summary.json)."""
   path = pathlib.Path(workdir) / FILE
   stored = _stored(pathlib.Path(workdir)) or {}
   record = {"config": to_json(config), "command": list(sys.argv),
@@ -141,9 +139,4 @@ def write(workdir: pathlib.Path, config: ml_collections.ConfigDict, *,
   tmp = path.with_name(f"{FILE}.tmp-{os.getpid()}")
   tmp.write_text(json.dumps(record, indent=2) + "\n")
   os.replace(tmp, path)
-
-
-def recorded_changes(workdir: pathlib.Path) -> list[dict]:
-  """The resumes that changed the config, as config.json holds them (for summary.json)."""
-  stored = _stored(pathlib.Path(workdir))
-  return stored.get("resumes", []) if stored else []
+  return record["resumes"]

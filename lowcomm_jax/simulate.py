@@ -148,6 +148,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=c.keep_checkpoints)
   latest = ckpt.recover()  # damaged newer rounds are moved aside
   wall_before, finished = 0.0, False
+  announce_compile(sim.backend.local_round, "the local program and the server updates")
   if latest is not None:
     meta = ckpt.restore_meta(latest)
     if meta["finished"] and summary_path.exists():
@@ -165,7 +166,6 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
     logging.info("resumed simulation %s at virtual t=%.1fs", workdir, sim.loop.now)
   else:
     schedule.start(sim.loop)
-    announce_compile(sim.backend.local_round, "the local program and the server updates")
     sim.flush()  # the first jobs
   w = c.num_workers
   eval_step = jax.jit(sim.r.eval_step)
@@ -176,7 +176,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
     logger.note(schedule.acct.applied_steps // w,
                 {"event": "resume", "round": latest, "changed": config_changes},
                 supersede_later_rows=True)
-  run_identity.write(workdir, config, resumed_at=latest, changed=config_changes)
+  resumes = run_identity.write(workdir, config, resumed_at=latest, changed=config_changes)
   logging.info("simulating %s: %d workers, speeds %s, H %s, regions %s, %d bytes per "
                "contribution", c.algorithm, w, [f"{v:.2f}" for v in plan.speeds.speeds],
                plan.inner_steps, plan.network.worker_region, plan.delta_bytes)
@@ -237,7 +237,6 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   speed = {}
 
   mark, saved = schedule.progress(), 0
-  announce_compile(sim.backend.local_round, "the local program and the server updates")
   try:
     while len(sim.loop) and not finished:
       sim.advance()
@@ -270,7 +269,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
       ckpt.close()
       logger.close()
   summary = _summary(sim, eval_loss, wall)
-  summary["config_changes"] = run_identity.recorded_changes(workdir)
+  summary["config_changes"] = resumes
   summary_path.write_text(json.dumps(summary, indent=2) + "\n")
   return summary
 

@@ -113,12 +113,13 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   timed = len(hosts) > 1
   round_bytes = r.outer_bytes()
   logger = MetricsLogger(workdir, rounds=c.rounds, write_files=lead)
+  resumes = []  # config changes recorded in config.json (process 0 reports them)
   if lead:
     if config_changes:
       logger.note(start * c.inner_steps,
                   {"event": "resume", "round": start, "changed": config_changes},
                   supersede_later_rows=True)
-    run_identity.write(workdir, config, resumed_at=start, changed=config_changes)
+    resumes = run_identity.write(workdir, config, resumed_at=start, changed=config_changes)
   end = c.rounds if stop_after_rounds is None else min(c.rounds, start + stop_after_rounds)
   logging.info("%s: %d workers on %d host(s) (this process runs %s), mesh %s, model %s "
                "(%.2fM params), rounds %d..%d, H per host %s, %d bytes sent per worker per "
@@ -144,9 +145,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
     now = ready.ready_time(round_)
     # Since the last round with metrics was ready, less evaluation and checkpoint saving.
     seconds = now - clock["time"] - (clock["paused_total"] - clock["paused"])
+    total_bytes = round_bytes * round_
     scalars.update(extra, round=round_,
-                   bytes_sent=(round_bytes * round_).sent,
-                   bytes_received=(round_bytes * round_).received,
+                   bytes_sent=total_bytes.sent, bytes_received=total_bytes.received,
                    bytes_sent_round=round_bytes.sent, bytes_received_round=round_bytes.received,
                    steps_per_second=(round_ - clock["round"]) * c.inner_steps / seconds)
     if round_bytes.sent:
@@ -234,7 +235,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
 
   summary = _summary(r, sched, round_bytes, eval_loss, scalars,
                      wall_before + time.time() - t_start)
-  summary["config_changes"] = run_identity.recorded_changes(workdir)
+  summary["config_changes"] = resumes
   if lead:
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
   return summary

@@ -100,12 +100,20 @@ def test_the_others_hear_which_process_is_missing():
   assert out[3].startswith("process 3: process 0 stopped the join: "), out
 
 
+def _in_background(out: dict, name: str, num: int, pids: list[int], timeout_s: float,
+                   port: int) -> threading.Thread:
+  """_roll_call in a thread (result in out[name]), given a moment to start listening."""
+  thread = threading.Thread(
+      target=lambda: out.update({name: _roll_call(num, pids, timeout_s, port)}))
+  thread.start()
+  time.sleep(0.3)
+  return thread
+
+
 def test_a_process_started_with_another_count_is_refused_and_named():
   port = _free_port()
   out = {}
-  zero = threading.Thread(target=lambda: out.update(zero=_roll_call(2, [0], 2, port)))
-  zero.start()
-  time.sleep(0.3)
+  zero = _in_background(out, "zero", 2, [0], 2, port)
   with pytest.raises(distributed.DistributedError, match="process 0 runs 2 processes, not 3"):
     roll_call.roll_call(f"127.0.0.1:{port}", "", 3, 1, 5)
   zero.join()
@@ -194,12 +202,13 @@ def test_slurm_settings_get_the_same_default_bind(monkeypatch, smoke_config):
 
 
 def test_a_host_name_on_loopback_binds_everywhere_rather_than_shut_out_the_others(monkeypatch):
+  def resolves_to(ip):
+    monkeypatch.setattr(distributed.socket, "getaddrinfo",
+                        lambda *a, **k: [(socket.AF_INET, 1, 6, "", (ip, 1234))])
   # Debian maps the machine's own name to 127.0.1.1: binding there would refuse other hosts.
-  monkeypatch.setattr(distributed.socket, "getaddrinfo",
-                      lambda *a, **k: [(socket.AF_INET, 1, 6, "", ("127.0.1.1", 1234))])
+  resolves_to("127.0.1.1")
   assert distributed._own_address("myhost:1234") == "[::]:1234"
-  monkeypatch.setattr(distributed.socket, "getaddrinfo",
-                      lambda *a, **k: [(socket.AF_INET, 1, 6, "", ("10.1.2.3", 1234))])
+  resolves_to("10.1.2.3")
   assert distributed._own_address("myhost:1234") == "myhost:1234"
   assert distributed._own_address("127.0.0.1:1234") == "127.0.0.1:1234"
   assert distributed._own_address("[::1]:1234") == "[::1]:1234"
@@ -208,17 +217,13 @@ def test_a_host_name_on_loopback_binds_everywhere_rather_than_shut_out_the_other
 def test_a_process_that_died_mid_join_can_rejoin_but_a_live_duplicate_id_is_refused():
   port = _free_port()
   out = {}
-  zero = threading.Thread(target=lambda: out.update(zero=_roll_call(3, [0], 10, port)))
-  zero.start()
-  time.sleep(0.3)
+  zero = _in_background(out, "zero", 3, [0], 10, port)
   # Process 1 says hello, then dies (its connection closes) and is started again.
   with socket.create_connection(("127.0.0.1", port)) as dead:
     dead.sendall(b"lowcomm-join-v1 1 3\n")
     time.sleep(0.3)
   # A second live process claiming id 1 beside the restarted one is refused.
-  first = threading.Thread(target=lambda: out.update(one=_roll_call(3, [1], 10, port)))
-  first.start()
-  time.sleep(0.3)
+  first = _in_background(out, "one", 3, [1], 10, port)
   with pytest.raises(distributed.DistributedError, match="process id 1 is taken"):
     roll_call.roll_call(f"127.0.0.1:{port}", "", 3, 1, 5)
   assert _roll_call(3, [2], 10, port) == {2: None}
