@@ -9,6 +9,7 @@ import ml_collections
 
 from lowcomm_jax import config_doc, run_identity
 from lowcomm_jax.compress import CODECS
+from lowcomm_jax.compress.sparse import kept_per_chunk
 from lowcomm_jax.data.tokenizers import TOKENIZER_VOCAB
 from lowcomm_jax.model.matformer import hidden_units
 from lowcomm_jax.model.presets import PRESETS
@@ -220,7 +221,7 @@ def _check_compress(c: ml_collections.ConfigDict, check) -> None:
   if z.codec in ("topk", "sparseloco", "demo") and z.chunk > 0 and z.k > 0:
     # Codecs cap k at half a chunk silently (beyond that the indices cost more than the
     # dense chunk): a larger k would not send what it says.
-    most = max(z.chunk * z.chunk // 2, 1)
+    most = kept_per_chunk(z.chunk * z.chunk, z.chunk * z.chunk)  # the codecs' own cap
     check(z.k <= most, "compress.k",
           f"a {z.chunk}x{z.chunk} chunk sends at most half its entries ({most}); lower k "
           "or raise compress.chunk")

@@ -13,6 +13,7 @@ of waiting in a collective for a process 0 that has exited.
 """
 
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -38,9 +39,14 @@ BEAT_S = 15.0  # the holder refreshes its lock's mtime this often
 STALE_AFTER_S = 120.0  # a lock from another host this much older is abandoned (clock skew margin)
 
 
+# The same failures as OSError numbers; any other OSError (a file vanishing in a race, say)
+# is a bug to show with its traceback, not advice to free space.
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+
+
 def storage_reason(e: BaseException) -> str | None:
   """The OS-level reason if `e` is a failure to write storage, else None."""
-  if isinstance(e, OSError):
+  if isinstance(e, OSError) and e.errno in _STORAGE_ERRNOS:
     return e.strerror or str(e)
   text = str(e)
   return next((r for r in _STORAGE_REASONS if r in text), None)
