@@ -72,7 +72,7 @@ def main():
   r = train.build(config)
   fns = train.jitted_steps(r)
   state, workers = train.init_run(r, fns)
-  weights = r.worker_weights([h.inner_steps for h in r.hosts])
+  inner_steps = [h.inner_steps for h in r.hosts]
 
   # Round split: compute (this process's local program), outer step, idle at the barrier.
   splits = []
@@ -80,7 +80,7 @@ def main():
     batches = [r.streams[0].next_round(args.inner_steps)]
     t0 = time.perf_counter()
     state, workers, metrics, compute = train.train_round(r, fns, state, workers, batches,
-                                                         weights, timed=True)
+                                                         inner_steps, timed=True)
     jax.block_until_ready(metrics)
     total = time.perf_counter() - t0
     every = train._all_hosts(compute)  # noqa: SLF001 - the runner's own gather
@@ -89,12 +89,12 @@ def main():
   splits = splits[1:]  # the first round compiles
 
   # Outer step alone, on fixed inputs.
-  deltas, losses = r.abstract_round_inputs()
+  deltas, signals = r.abstract_sync_inputs(0)
   host_array = lambda shape, dtype, sharding, fill=0: jax.make_array_from_callback(
       shape, sharding, lambda idx: np.full(shape, fill, dtype)[idx])
   zeros = lambda a: host_array(a.shape, a.dtype, a.sharding)
-  deltas, losses = jax.tree.map(zeros, deltas), zeros(losses)
-  finish = fns[1]
+  deltas, losses = zeros(deltas), zeros(signals.loss)
+  finish = fns.syncs[0]
   rep, per_worker = NamedSharding(r.mesh, P()), NamedSharding(r.mesh, P("replica"))
   rule = outer.diloco_outer(config.outer.lr, config.outer.momentum, config.outer.nesterov)
 
@@ -103,16 +103,15 @@ def main():
     return optax.apply_updates(params, updates), momentum
 
   with jax.set_mesh(r.mesh):
-    hidden, weights = r.replicated_input(r.hidden_per_worker), r.replicated_input(weights)
+    signals = r.signals(inner_steps, losses)
     flat_R = host_array((n, r.param_count), np.float32, per_worker, 1)
     flat_params = host_array((r.param_count,), np.float32, rep, 1)
     flat_momentum = jax.jit(rule.init, out_shardings=rep)(flat_params)
     flat = jax.jit(flat_step, out_shardings=rep)
     psum = jax.jit(lambda x: x.sum(0), out_shardings=rep)  # bare all-reduce, same bytes
     timings = _interleaved_medians({
-        "outer": lambda: finish(state, deltas, losses, hidden, weights)[0].params,
-        "outer_lean": lambda: finish(state, deltas, losses, hidden, weights,
-                                     metrics=False)[0].params,
+        "outer": lambda: finish(state, deltas, signals)[0].params,
+        "outer_lean": lambda: finish(state, deltas, signals, metrics=False)[0].params,
         "flat_floor": lambda: flat(flat_R, flat_params, flat_momentum),
         "psum": lambda: psum(flat_R)}, args.repeats)
 

@@ -78,16 +78,16 @@ def runner_steps_per_second(r, config, rounds: int) -> float:
   """Inner steps per second per worker, driving the jitted round as train.run does with
   log_every=1 (metrics every round, read a round late)."""
   fns = train.jitted_steps(r)
-  weights = r.worker_weights([config.inner_steps])
+  inner_steps = [config.inner_steps]  # H per host (one host)
   state, workers = train.init_run(r, fns)
   state, workers, metrics, _ = train.train_round(
-      r, fns, state, workers, [r.streams[0].next_round(config.inner_steps)], weights)  # compile
+      r, fns, state, workers, [r.streams[0].next_round(config.inner_steps)], inner_steps)  # compile
   jax.block_until_ready(metrics)
   t0 = time.perf_counter()
   pending = None
   for _ in range(rounds):
     batches = [r.streams[0].next_round(config.inner_steps)]
-    state, workers, metrics, _ = train.train_round(r, fns, state, workers, batches, weights)
+    state, workers, metrics, _ = train.train_round(r, fns, state, workers, batches, inner_steps)
     if pending is not None:
       jax.device_get(pending)  # the runner's one-round-late metrics read
     pending = metrics

@@ -53,14 +53,13 @@ def python_loop(workers: int, rounds: int) -> float:
   """The same rounds with one local-round call per worker, in a Python loop."""
   sim = _Simulation(_config(workers, rounds))
   r, b = sim.r, sim.backend
-  local, finish = b.local_round, b.finish_round
+  local, finish = b.local_round, b.syncs[0]
   state = steps.TrainState(jnp.zeros((), jnp.int32), b.rng, b.global_params(),
                            b.servers["global"]["opt_state"])
   opt = b.workers
-  weights = r.worker_weights([r.config.inner_steps])
 
   def one_round(state, opt):
-    view = state._replace(outer_opt_state=())
+    view = state._replace(outer=())
     deltas, losses, new_opt = [], [], []
     for w in range(workers):
       ids = np.asarray([w], np.int32)
@@ -70,8 +69,9 @@ def python_loop(workers: int, rounds: int) -> float:
       new_opt.append(o)
       losses.append(loss.mean(axis=1))
     cat = lambda *xs: jnp.concatenate(xs)
-    state, _ = finish(state, jax.tree.map(cat, *deltas), cat(*losses), r.hidden_per_worker,
-                      weights, metrics=False)  # as the simulator calls it
+    state, _ = finish(state, jax.tree.map(cat, *deltas),
+                      r.signals([r.config.inner_steps], cat(*losses)),
+                      metrics=False)  # as the simulator calls it
     return state, jax.tree.map(cat, *new_opt)
 
   for _ in range(2):  # compiles, as in `simulated`

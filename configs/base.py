@@ -13,7 +13,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- run ---------------------------------------------------------------------------
   c.algorithm = "diloco"  # 'ddp' (average gradients every step) | 'diloco' (H local steps, outer step)
-  # | in the simulator also 'async' (outer Nesterov per arrival) | 'async_dn' (Delayed Nesterov) | 'halos'
+  # | 'streaming' (Streaming DiLoCo: fragments sync in turn) | in the simulator also 'async'
+  # (outer Nesterov per arrival) | 'async_dn' (Delayed Nesterov) | 'halos' (lowcomm_jax/algorithms/)
   c.num_workers = 4  # workers (replicas); each has its own data stream and inner optimizer state
   c.rounds = 20  # outer rounds; DDP takes one step per round
   c.inner_steps = 20  # H: inner steps per worker per round (must be 1 for ddp)
@@ -62,6 +63,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.outer.halos.global_lr = 0.3  # the global server's Delayed Nesterov lr
   c.outer.halos.global_momentum = 0.5  # ... its momentum
   c.outer.halos.global_buffer = 2  # ... its N (pushes per momentum refresh)
+
+  # --- Streaming DiLoCo (algorithm='streaming'; lowcomm_jax/algorithms/streaming.py) -------
+  c.streaming = ml_collections.ConfigDict()
+  c.streaming.fragments = 2  # P: model fragments; one syncs every H/P inner steps (H % P == 0)
+  c.streaming.layout = "strided"  # 'strided' (block i in fragment i % P) | 'sequential' (contiguous blocks)
+  c.streaming.overlap_steps = 0  # tau: inner steps between sending a fragment and applying its update (< H/P)
+  c.streaming.mix = 0.0  # alpha: theta_w,p <- (1 - alpha) * theta_p + alpha * theta_w,p when it lands
 
   # --- aggregation of pseudo-gradients --------------------------------------------------
   c.aggregate = ml_collections.ConfigDict()

@@ -1,10 +1,12 @@
 """Assembling a run from its config: mesh, data, model, hosts, optimizers, step functions.
 
 `build(config)` validates the config and does everything but compute. `train_round` runs
-one synchronous round: each host this process owns runs its local program on this
-process's devices, then all processes run the one global outer step together.
+one synchronous round, segment by segment (the algorithm's, algorithms/base.py): each host
+this process owns runs its local program on this process's devices, then all processes run
+the segment's sync (one fragment's outer step) together.
 """
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -16,14 +18,14 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from lowcomm_jax import config_check, memory, optimizers, steps
+from lowcomm_jax import algorithms, config_check, memory, optimizers, steps
 from lowcomm_jax.data import (DataError, WorkerStreams, eval_windows, get_tokenizer, load_tokens,
                               resolve_corpus, split_train_val)
 from lowcomm_jax.hosts import HostSpec, host_table
 from lowcomm_jax.metrics import announce_compile
 from lowcomm_jax.model import GPT, GPTConfig, count_params, get_preset, next_token_loss
 from lowcomm_jax.model.matformer import slice_tier
-from lowcomm_jax.model.tp import SyncPlan, count_all_reduces, tp_loss, use_gspmd_for_tp
+from lowcomm_jax.model.tp import SyncPlan, count_all_reduces, partitioner, tp_loss
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
 from lowcomm_jax.parallel.flat import ParamLayout
 
@@ -32,16 +34,18 @@ from lowcomm_jax.parallel.flat import ParamLayout
 class Run:
   """Everything built from the config before the first round."""
   config: ml_collections.ConfigDict
+  algorithm: algorithms.Algorithm
   mesh: jax.sharding.Mesh  # global: every process's devices
   local_mesh: jax.sharding.Mesh  # this process's devices (== mesh in a single process)
   model_cfg: GPTConfig
   graphdef: nnx.GraphDef
-  layout: ParamLayout  # the flat θ_global's tree view (abstract tree: layout.abstract)
+  layout: ParamLayout  # the flat θ's tree view and fragments (abstract tree: layout.abstract)
   hosts: list[HostSpec]  # all of them
   local_hosts: list[int]  # indices of the hosts this process runs
-  local_rounds: list[Callable]  # per local host: steps.make_local_round
-  init_workers: list[Callable]  # per local host: flat θ -> [G, ...] inner optimizer states
-  finish_round: Callable  # (state, deltas, losses, hidden, weight, metrics) -> (state, metrics)
+  # per local host, per segment of the round: steps.make_local_segment
+  local_programs: list[list[Callable]]
+  init_workers: list[Callable]  # per local host: flat θ -> its WorkerState [G, ...]
+  syncs: list[Callable]  # per segment: (state, Δ of its fragment, signals, metrics) -> (state, metrics)
   eval_step: Callable[[jax.Array, jax.Array], jax.Array]  # (flat θ, windows) -> loss
   init_fn: Callable[[], steps.TrainState]
   abstract_state: steps.TrainState
@@ -52,6 +56,8 @@ class Run:
   param_bytes: int
   tier_bytes: dict[float, dict[str, int]]  # per tier: parameter and optimizer bytes per worker
   hidden_per_worker: np.ndarray  # [R] FFN hidden units each worker trains
+  # Enter around compiling and running the run's programs (model/tp.py: GSPMD under TP).
+  partitioner: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
   _placed: dict = dataclasses.field(default_factory=dict)
 
   def replicated_input(self, x: np.ndarray) -> jax.Array:
@@ -71,31 +77,48 @@ class Run:
     return [len(h.worker_ids) * h.batch_size * H * self.config.data.seq_len
             for h, H in zip(self.hosts, inner_steps_per_host)]
 
-  def worker_weights(self, inner_steps_per_host) -> np.ndarray:
-    """[R] aggregation weights: 1, or tokens processed this round (aggregate.weighting)."""
-    c = self.config
-    if c.aggregate.weighting == "tokens":
-      per_worker = [t / len(h.worker_ids)
-                    for h, t in zip(self.hosts, self.round_tokens(inner_steps_per_host))]
-      return np.asarray([t for h, t in zip(self.hosts, per_worker) for _ in h.worker_ids],
-                        np.float32)
-    return np.ones((c.num_workers,), np.float32)
+  def segments(self, inner_steps: int) -> list[algorithms.Segment]:
+    """The segments of a round of a host taking `inner_steps` steps."""
+    return self.algorithm.segments(self.config, inner_steps)
 
-  def abstract_round_inputs(self):
-    """Shapes (with shardings) of the outer step's per-worker inputs: Δ and losses."""
+  def signals(self, segment_steps_per_host, losses_R=None) -> steps.Signals:
+    """Every worker's signals for a sync after these steps per host (tokens as float32);
+    `losses_R` the workers' train losses (zeros when the sync reports none)."""
+    per_worker = [h.batch_size * s * self.config.data.seq_len
+                  for h, s in zip(self.hosts, segment_steps_per_host)]
+    tokens = np.asarray([t for h, t in zip(self.hosts, per_worker) for _ in h.worker_ids],
+                        np.float32)
+    if losses_R is None:
+      losses_R = self.replicated_input(np.zeros((self.config.num_workers,), np.float32))
+    return steps.Signals(self.replicated_input(self.hidden_per_worker),
+                         self.replicated_input(tokens), losses_R)
+
+  def abstract_sync_inputs(self, fragment: int):
+    """Shapes (with shardings) of fragment `fragment`'s sync inputs: Δ and the signals."""
     sharding = mesh_lib.per_worker(self.mesh)
-    deltas = jax.tree.map(lambda x: jax.ShapeDtypeStruct((self.config.num_workers,) + x.shape,
-                                                         x.dtype, sharding=sharding),
-                          self.abstract_state.params)
-    return deltas, jax.ShapeDtypeStruct((self.config.num_workers,), jnp.float32,
-                                        sharding=sharding)
+    start, end = (self.layout.bounds[fragment] if self.layout.bounds
+                  else (0, self.layout.size))
+    r = self.config.num_workers
+    deltas = jax.ShapeDtypeStruct((r, end - start), self.abstract_state.params.dtype,
+                                  sharding=sharding)
+    rep = mesh_lib.replicated(self.mesh)
+    signals = steps.Signals(jax.ShapeDtypeStruct((r,), jnp.int32, sharding=rep),
+                            jax.ShapeDtypeStruct((r,), jnp.float32, sharding=rep),
+                            jax.ShapeDtypeStruct((r,), jnp.float32, sharding=sharding))
+    return deltas, signals
+
+  def sync_bytes(self) -> list[ledger.CommBytes]:
+    """Per-worker bytes of each sync of a round (one per segment), from tracing them
+    (nothing runs)."""
+    out = []
+    for segment, sync in zip(self.segments(self.config.inner_steps), self.syncs):
+      deltas, signals = self.abstract_sync_inputs(segment.sync)
+      out.append(ledger.count_bytes(sync, self.abstract_state, deltas, signals))
+    return out
 
   def outer_bytes(self) -> ledger.CommBytes:
-    """Per-worker bytes of one outer step, from tracing it (nothing runs)."""
-    deltas, losses = self.abstract_round_inputs()
-    return ledger.count_bytes(self.finish_round, self.abstract_state, deltas, losses,
-                              self.hidden_per_worker,
-                              self.worker_weights([h.inner_steps for h in self.hosts]))
+    """Per-worker bytes of one round's syncs."""
+    return sum(self.sync_bytes(), ledger.CommBytes())
 
   def tp_counts(self) -> dict:
     """Tensor parallelism's sync points per forward, and the collectives of one inner step
@@ -107,12 +130,13 @@ class Run:
     plan = SyncPlan(tp.sync, tp.layers_per_group, tuple(tp.attn_sync_layers))
     host = self.hosts[self.local_hosts[0]]
     workers = len(host.worker_ids)
+    segment = self.segments(host.inner_steps)[0]
     batches = jax.ShapeDtypeStruct(
-        (workers, host.inner_steps, host.batch_size, self.config.data.seq_len + 1), jnp.int32)
+        (workers, segment.steps, host.batch_size, self.config.data.seq_len + 1), jnp.int32)
     ids = jax.ShapeDtypeStruct((workers,), jnp.int32)
-    with jax.set_mesh(self.local_mesh):
-      hlo = jax.jit(self.local_rounds[0]).lower(
-          self.abstract_state._replace(outer_opt_state=()), self.abstract_workers()[0],
+    with jax.set_mesh(self.local_mesh), self.partitioner():
+      hlo = jax.jit(self.local_programs[0][0]).lower(
+          self.abstract_state._replace(outer=()), self.abstract_workers()[0],
           batches, ids).compile().as_text()
     return {"tp_syncs_forward": plan.syncs_forward(self.model_cfg.n_layer,
                                                    self.model_cfg.parallel_residual),
@@ -147,6 +171,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
   config_check.validate(config, num_devices=jax.device_count(), num_processes=nproc,
                         local_devices=jax.local_device_count())
   c = config
+  algorithm = algorithms.get(c.algorithm)
   tokenizer = get_tokenizer(c.data.tokenizer)
   tokens = load_tokens(resolve_corpus(c.data.path), tokenizer)
   train_tokens, val_tokens = split_train_val(tokens, c.data.val_fraction)
@@ -182,12 +207,11 @@ def build(config: ml_collections.ConfigDict) -> Run:
 
   def param_tree():
     return nnx.to_pure_dict(nnx.state(GPT(model_cfg, rngs=nnx.Rngs(params=c.seed)), nnx.Param))
-  layout = ParamLayout.of(jax.eval_shape(param_tree))
+  abstract_params = jax.eval_shape(param_tree)
+  layout = ParamLayout.of(abstract_params, algorithm.leaf_fragments(c, abstract_params))
   tp = c.model.tp
   plan = (SyncPlan(tp.sync, tp.layers_per_group, tuple(tp.attn_sync_layers))
           if tp.size > 1 else None)
-  if plan is not None:
-    use_gspmd_for_tp()
 
   def loss_of(d_ff, on_mesh):
     return _loss_fn(graphdef_of(d_ff), dataclasses.replace(model_cfg, d_ff=d_ff), plan, on_mesh)
@@ -195,66 +219,55 @@ def build(config: ml_collections.ConfigDict) -> Run:
   # Each host's inner schedule spans its own number of steps (rounds x its H).
   inner_txs = [optimizers.inner_optimizer(c.optimizer, c.rounds * h.inner_steps) for h in hosts]
   nested = optimizers.needs_nested_mean(c, hosts, model_cfg.d_ff)
-  outer_tx = optimizers.outer_optimizer(c, inner_txs[0], layout, nested=nested)
-  outer_step = steps.make_outer_step(outer_tx, nested=nested, layout=layout)
-  # Asynchronous algorithms (simulator) run DiLoCo's local program; their servers differ.
-  local_algorithm = "ddp" if c.algorithm == "ddp" else "diloco"
-  local_rounds = [
-      steps.make_local_round(loss_of(hosts[i].hidden, local_mesh), algorithm=local_algorithm,
-                             inner_tx=inner_txs[i], hidden=hosts[i].hidden, d_ff=model_cfg.d_ff,
-                             layout=layout)
+  fragments = range(layout.num_fragments)
+  # Each fragment has its own aggregator (a codec's error buffers) and outer rule state.
+  aggregators = [optimizers.aggregator(c, layout.fragment(p), nested=nested) for p in fragments]
+  rules = [algorithm.outer_rule(c, inner_txs[0], layout.fragment(p)) for p in fragments]
+  segments = algorithm.segments(c, c.inner_steps)
+  syncs = [steps.make_sync(aggregators[s.sync], rules[s.sync], nested=nested,
+                           weigh_tokens=c.aggregate.weighting == "tokens", layout=layout,
+                           fragment=s.sync, count=len(segments), last=k == len(segments) - 1)
+           for k, s in enumerate(segments)]
+  alpha = algorithm.mix(c)
+  local_programs = [
+      [steps.make_local_segment(loss_of(hosts[i].hidden, local_mesh), inner_tx=inner_txs[i],
+                                hidden=hosts[i].hidden, d_ff=model_cfg.d_ff, layout=layout,
+                                segment=s, index=k, count=len(segments), alpha=alpha,
+                                local_steps=algorithm.local_steps)
+       for k, s in enumerate(segments)]
       for i in local_hosts]
   init_workers = [
       (lambda p, h=hosts[i], tx=inner_txs[i]: steps.init_workers(
           p, workers=len(h.worker_ids), hidden=h.hidden, d_ff=model_cfg.d_ff, layout=layout,
-          inner_tx=tx))
-      if local_algorithm == "diloco" else (lambda p: ()) for i in local_hosts]
+          inner_tx=tx, local_steps=algorithm.local_steps))
+      for i in local_hosts]
 
   def init_fn():
-    return steps.init_state(layout.ravel(param_tree()), seed=c.seed, outer_tx=outer_tx,
-                            num_workers=c.num_workers)
-
-  def finish_round(state, deltas_R, losses_R, hidden_R, weight_R, metrics: bool = True):
-    """The global program: aggregate all workers' Δ and apply the outer rule.
-
-    With `metrics` (static; the runner asks on rounds that log, evaluate or checkpoint) it
-    also returns every worker's train loss and the parameter and update norms. Without,
-    the round is one all-reduce of Δ and the update: the losses would be a second
-    collective (XLA puts them in the same all-reduce op, but gloo still runs one transfer
-    per operand) and the norms two more passes over θ.
-    """
-    params, outer_opt_state, out = outer_step(state.params, state.outer_opt_state,
-                                              deltas_R, hidden_R, weight_R, state.round,
-                                              norms=metrics)
-    if metrics:
-      # Every worker's loss by a sum over workers, not an all-gather: XLA merges it into
-      # the pseudo-gradient's all-reduce op. (`where`, not a product: one worker's NaN must
-      # not spread to the others' entries.)
-      per_worker = jnp.where(jnp.eye(losses_R.shape[0], dtype=bool), losses_R[:, None],
-                             0).sum(0)
-      out.update(train_loss=per_worker.mean(), train_loss_per_worker=per_worker)
-    return steps.TrainState(state.round + 1, state.rng, params, outer_opt_state), out
+    return steps.init_state(layout.ravel(param_tree()), seed=c.seed, layout=layout,
+                            aggregators=aggregators, rules=rules, num_workers=c.num_workers)
 
   abstract_state = jax.eval_shape(init_fn)
-  aggregator_state, rule_state = jax.eval_shape(outer_tx.init, abstract_state.params)
+  per_worker_outer = abstract_state.outer.per_worker
   tier_bytes = {}
   for h, tx in zip(hosts, inner_txs):
     tier_params = jax.eval_shape(lambda p, m=h.hidden: slice_tier(p, m), layout.abstract)
-    tier_opt = (jax.eval_shape(tx.init, tier_params) if local_algorithm == "diloco"
-                else rule_state)  # DDP: the one per-step optimizer
+    tier_opt = (jax.eval_shape(tx.init, tier_params) if algorithm.local_steps
+                else abstract_state.outer.per_fragment)  # DDP: the one per-step optimizer
     tier_bytes[h.tier] = {"param_bytes": ledger.tree_bytes(tier_params),
                           "optimizer_bytes": ledger.tree_bytes(tier_opt),
-                          "codec_state_bytes": ledger.tree_bytes(aggregator_state)}
+                          "codec_state_bytes": ledger.tree_bytes(per_worker_outer)
+                          // max(c.num_workers, 1)}
   rep = mesh_lib.replicated(mesh)
   state_shardings = steps.TrainState(
       rep, rep, jax.tree.map(lambda _: rep, abstract_state.params),
-      (jax.tree.map(lambda _: mesh_lib.per_worker(mesh), abstract_state.outer_opt_state[0]),
-       jax.tree.map(lambda _: rep, abstract_state.outer_opt_state[1])))
+      steps.OuterState(
+          jax.tree.map(lambda _: mesh_lib.per_worker(mesh), per_worker_outer),
+          jax.tree.map(lambda _: rep, abstract_state.outer.per_fragment)))
   run = Run(
-      config=c, mesh=mesh, local_mesh=local_mesh, model_cfg=model_cfg, graphdef=graphdef,
-      layout=layout,
-      hosts=hosts, local_hosts=local_hosts, local_rounds=local_rounds,
-      init_workers=init_workers, finish_round=finish_round,
+      config=c, algorithm=algorithm, mesh=mesh, local_mesh=local_mesh, model_cfg=model_cfg,
+      graphdef=graphdef, layout=layout,
+      hosts=hosts, local_hosts=local_hosts, local_programs=local_programs,
+      init_workers=init_workers, syncs=syncs,
       eval_step=steps.make_eval_step(loss_of(model_cfg.d_ff, mesh), layout), init_fn=init_fn,
       abstract_state=abstract_state,
       state_shardings=state_shardings,
@@ -266,13 +279,22 @@ def build(config: ml_collections.ConfigDict) -> Run:
                                 seed=c.seed),
       param_count=count_params(layout.abstract),
       param_bytes=ledger.tree_bytes(layout.abstract), tier_bytes=tier_bytes,
-      hidden_per_worker=np.asarray([h.hidden for h in hosts for _ in h.worker_ids], np.int32))
+      hidden_per_worker=np.asarray([h.hidden for h in hosts for _ in h.worker_ids], np.int32),
+      partitioner=lambda: partitioner(plan))
   memory.check(run)  # nothing is allocated yet: refuse in seconds, not at RESOURCE_EXHAUSTED
   return run
 
 
-def jitted_steps(r: Run):
-  """(per-local-host jitted local programs, jitted global outer program, worker init).
+@dataclasses.dataclass
+class Programs:
+  """A run's jitted programs: per local host per segment, per segment, per local host."""
+  local: list[list[Callable]]
+  syncs: list[Callable]
+  init_workers: list[Callable]
+
+
+def jitted_steps(r: Run) -> Programs:
+  """The run's programs, jitted with their output shardings.
 
   A host's local program re-traces when its H changes (DyLU). Donation halves peak memory
   on accelerators; on CPU a host copy taken by an async checkpoint may alias device memory,
@@ -280,63 +302,78 @@ def jitted_steps(r: Run):
   """
   donate = jax.default_backend() != "cpu"
   per_worker = mesh_lib.per_worker(r.local_mesh)
-  local = [jax.jit(f, donate_argnums=(1,) if donate else (),
-                   out_shardings=(per_worker, per_worker, per_worker)) for f in r.local_rounds]
-  finish = jax.jit(r.finish_round, out_shardings=(r.state_shardings,
-                                                  mesh_lib.replicated(r.mesh)),
+  local = [[jax.jit(f, donate_argnums=(1,) if donate else (),
+                    out_shardings=(per_worker, per_worker, per_worker)) for f in host]
+           for host in r.local_programs]
+  syncs = [jax.jit(f, out_shardings=(r.state_shardings, mesh_lib.replicated(r.mesh)),
                    static_argnames="metrics", donate_argnums=(0,) if donate else ())
+           for f in r.syncs]
   init = [jax.jit(f, out_shardings=per_worker) for f in r.init_workers]
-  return local, finish, init
+  return Programs(local, syncs, init)
 
 
-def init_run(r: Run, fns) -> tuple[steps.TrainState, tuple]:
+def init_run(r: Run, fns: Programs) -> tuple[steps.TrainState, tuple]:
   """Round-0 global state and this process's fresh worker states."""
   logging.info("compiling the initial state…")
   with jax.set_mesh(r.mesh):
     state = jax.jit(r.init_fn, out_shardings=r.state_shardings)()
   view = mesh_lib.local_view(state.params, r.local_mesh)
   with jax.set_mesh(r.local_mesh):
-    workers = tuple(init(view) for init in fns[2])
+    workers = tuple(init(view) for init in fns.init_workers)
   return state, workers
 
 
-def train_round(r: Run, fns, state: steps.TrainState, workers: tuple, batches_per_host,
-                weight_R, *, timed: bool = False, metrics: bool = True):
-  """One synchronous round: this process's hosts' local programs, then the outer step.
+def train_round(r: Run, fns: Programs, state: steps.TrainState, workers: tuple,
+                batches_per_host, inner_steps_per_host, *, timed: bool = False,
+                metrics: bool = True):
+  """One synchronous round: per segment, this process's hosts' local programs, then the
+  segment's sync.
 
   Returns (state, workers, device metrics (empty without `metrics`), per-local-host compute
-  seconds if `timed`).
-  Timing blocks on each host's result: that is what measuring it means.
+  seconds if `timed`). Timing blocks on each host's result: that is what measuring it means.
   """
-  local_fns, finish_fn, _ = fns
   sharding = mesh_lib.round_batches(r.local_mesh)
-  # Local programs read θ_global and the round key, never the (partly per-worker) outer state.
-  view = mesh_lib.local_view(state._replace(outer_opt_state=()), r.local_mesh)
-  deltas, new_workers, losses, compute = [], [], [], []
-  if timed:  # the previous round's outer step must not count as this round's compute
-    jax.block_until_ready(view)
-  with jax.set_mesh(r.local_mesh):
-    for k, i in enumerate(r.local_hosts):
-      batches = jax.device_put(batches_per_host[k], sharding)
-      ids = jax.device_put(np.asarray(r.hosts[i].worker_ids, np.int32),
-                           mesh_lib.per_worker(r.local_mesh))
-      announce_compile(local_fns[k], f"the local program for host {i}")
-      t0 = time.perf_counter()
-      delta, opt_state, loss_GxH = local_fns[k](view, workers[k], batches, ids)
-      if timed:
-        jax.block_until_ready(delta)
-        compute.append(time.perf_counter() - t0)
-      deltas.append(delta)
-      new_workers.append(opt_state)
-      losses.append(loss_GxH.mean(axis=1))
-    cat = lambda *xs: jnp.concatenate(xs) if len(xs) > 1 else xs[0]
-    deltas_local = jax.tree.map(cat, *deltas)
-    losses_local = cat(*losses)
-  deltas_R = mesh_lib.to_global(deltas_local, r.mesh, r.config.num_workers)
-  losses_R = mesh_lib.to_global(losses_local, r.mesh, r.config.num_workers)
-  announce_compile(finish_fn, "the outer step")
-  with jax.set_mesh(r.mesh):
-    state, round_metrics = finish_fn(state, deltas_R, losses_R,
-                                     r.replicated_input(r.hidden_per_worker),
-                                     r.replicated_input(weight_R), metrics=metrics)
-  return state, tuple(new_workers), round_metrics, compute
+  segments = [r.segments(H) for H in inner_steps_per_host]  # per host (all hosts)
+  count = len(segments[0])
+  workers = list(workers)
+  losses = [[] for _ in r.local_hosts]
+  compute = [0.0] * len(r.local_hosts)
+  round_metrics = {}
+  for k_seg in range(count):
+    # Local programs read θ and the round key, never the (partly per-worker) outer state.
+    view = mesh_lib.local_view(state._replace(outer=()), r.local_mesh)
+    if timed:  # the previous sync must not count as this segment's compute
+      jax.block_until_ready(view)
+    deltas = []
+    with jax.set_mesh(r.local_mesh):
+      for k, i in enumerate(r.local_hosts):
+        seg = segments[i][k_seg]
+        part = batches_per_host[k]
+        if count > 1:
+          part = part[:, seg.start:seg.start + seg.steps]
+        batches = jax.device_put(part, sharding)
+        ids = jax.device_put(np.asarray(r.hosts[i].worker_ids, np.int32),
+                             mesh_lib.per_worker(r.local_mesh))
+        announce_compile(fns.local[k][k_seg], f"the local program for host {i}")
+        t0 = time.perf_counter()
+        delta, workers[k], loss_GxS = fns.local[k][k_seg](view, workers[k], batches, ids)
+        if timed:
+          jax.block_until_ready(delta)
+          compute[k] += time.perf_counter() - t0
+        deltas.append(delta)
+        losses[k].append(loss_GxS)
+      cat = lambda *xs: jnp.concatenate(xs) if len(xs) > 1 else xs[0]
+      deltas_local = cat(*deltas)
+      last = k_seg == count - 1
+      if last:  # the round's mean train loss per worker, over all its steps
+        losses_local = cat(*[(jnp.concatenate(ls, axis=1) if len(ls) > 1 else ls[0]).mean(axis=1)
+                             for ls in losses])
+    deltas_R = mesh_lib.to_global(deltas_local, r.mesh, r.config.num_workers)
+    losses_R = (mesh_lib.to_global(losses_local, r.mesh, r.config.num_workers) if last
+                else None)
+    signals = r.signals([seg[k_seg].steps for seg in segments], losses_R)
+    announce_compile(fns.syncs[k_seg], "the outer step")
+    with jax.set_mesh(r.mesh):
+      state, round_metrics = fns.syncs[k_seg](state, deltas_R, signals,
+                                              metrics=metrics and last)
+  return state, tuple(workers), round_metrics, compute

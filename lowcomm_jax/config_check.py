@@ -7,7 +7,7 @@ import runpy
 
 import ml_collections
 
-from lowcomm_jax import config_doc, run_identity
+from lowcomm_jax import algorithms, config_doc, run_identity
 from lowcomm_jax.compress import CODECS
 from lowcomm_jax.compress.sparse import kept_per_chunk
 from lowcomm_jax.data.tokenizers import TOKENIZER_VOCAB
@@ -16,8 +16,7 @@ from lowcomm_jax.model.presets import PRESETS
 from lowcomm_jax.model.tp import SYNC_PLANS, SyncPlan, plan_problems
 from lowcomm_jax.sim.speeds import HETEROGENEITY
 
-ALGORITHMS = ("ddp", "diloco", "async", "async_dn", "halos")
-SIMULATED_ONLY = ("async", "async_dn", "halos")
+ALGORITHMS = algorithms.NAMES
 
 
 class ConfigError(ValueError):
@@ -44,10 +43,14 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   check(c.num_workers >= 1, "num_workers", "need at least one worker")
   check(c.rounds >= 1, "rounds", "need at least one outer round")
   check(c.inner_steps >= 1, "inner_steps", "H must be >= 1")
-  if c.algorithm == "ddp":
-    check(c.inner_steps == 1, "inner_steps",
-          "ddp averages gradients every step; set --config.inner_steps=1 "
-          "(and raise rounds for more steps)")
+  if c.algorithm in ALGORITHMS and c.inner_steps >= 1 and c.num_workers >= 1:
+    problems.extend(algorithms.get(c.algorithm).problems(c))  # its own fields and limits
+  for other in algorithms.REGISTRY.values():  # another algorithm's own fields, changed
+    if other.config_section and other.name != c.algorithm:
+      changed = _changed_from_base(c[other.config_section], other.config_section, keep=())
+      if changed:
+        problems.append(f"{', '.join(changed)}: ignored unless algorithm={other.name!r}; set "
+                        f"--config.algorithm={other.name} or leave them at their defaults")
   for field in ("eval_every", "checkpoint_every", "log_every"):
     check(c[field] >= 0, field, "must be >= 0 (0: only at the end)")
   check(c.eval_batches >= 1, "eval_batches", "need at least one validation batch")
@@ -112,9 +115,6 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   # Host table (one row per process; lowcomm_jax/hosts.py).
   check(c.aggregate.weighting in ("uniform", "tokens"), "aggregate.weighting",
         "use 'uniform' or 'tokens'")
-  if c.outer.dylu:
-    check(c.algorithm != "ddp", "outer.dylu", "Dynamic Local Updates need local steps; use "
-          "diloco (or async, async_dn, halos in the simulator)")
   check(c.keep_checkpoints >= 2, "keep_checkpoints",
         "keep at least 2: a crash mid-save must leave an older complete checkpoint")
   rows = list(c.hosts)
@@ -133,9 +133,6 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
     if c.outer.dylu and row.get("inner_steps", 0):
       problems.append(f"{where}.inner_steps={row['inner_steps']}: with outer.dylu the hosts' H "
                       "come from their speeds; leave it 0 (or set outer.dylu=False)")
-    if c.algorithm == "ddp" and row.get("inner_steps", 0) not in (0, 1):
-      problems.append(f"{where}.inner_steps={row['inner_steps']}: ddp takes one step per "
-                      "round; leave it 0")
     if m.data >= 1 and row.get("batch_size", 0) % m.data:
       problems.append(f"{where}.batch_size={row['batch_size']}: must be divisible by "
                       f"mesh.data={m.data}")
@@ -198,8 +195,7 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   check(c.outer.lr > 0, "outer.lr", "must be > 0")
   check(0.0 <= c.outer.momentum < 1.0, "outer.momentum", "must be in [0, 1)")
   check(c.outer.dn_buffer >= 0, "outer.dn_buffer", "must be >= 0 (0: the server's workers)")
-  if c.algorithm not in ("async_dn", "halos"):  # those check [0, 1/N] with the simulator
-    check(c.outer.dn_c >= 0, "outer.dn_c", "Delayed Nesterov's c must be >= 0")
+  check(c.outer.dn_c >= 0, "outer.dn_c", "Delayed Nesterov's c must be >= 0")
 
   if problems:
     raise ConfigError(problems)
@@ -233,9 +229,6 @@ def _check_compress(c: ml_collections.ConfigDict, check) -> None:
   if z.codec == "demo":
     check(z.value_bits in (1, 32), "compress.value_bits",
           "demo sends 32-bit values or 1-bit signs (value_bits=1)")
-    check(c.algorithm == "ddp", "algorithm",
-          "compress.codec=demo is DeMo/DisTrO's per-step optimizer (sign descent on the decoded "
-          "momentum); use --config.algorithm=ddp, or another codec for diloco")
   tiered = c.aggregate.weighting == "tokens" or any(float(h.tier) < 1.0 for h in c.hosts)
   if z.mean_over_senders:
     check(not tiered, "compress.mean_over_senders",
@@ -255,15 +248,17 @@ def _base_defaults() -> ml_collections.ConfigDict | None:
   return runpy.run_path(str(config_doc.BASE))["get_config"]()
 
 
-def _changed_from_base(node: ml_collections.ConfigDict, prefix: str) -> list[str]:
-  """`prefix.*` fields (but `prefix.enabled`) whose value differs from configs/base.py's."""
+def _changed_from_base(node: ml_collections.ConfigDict, prefix: str,
+                       keep: tuple[str, ...] = ("enabled",)) -> list[str]:
+  """`prefix.*` fields (but those in `keep`) whose value differs from configs/base.py's."""
   base = _base_defaults()
   if base is None:
     return []
   mine = run_identity.flatten(run_identity.to_json(node), f"{prefix}.")
   theirs = run_identity.flatten(run_identity.to_json(base[prefix]), f"{prefix}.")
+  skip = {f"{prefix}.{k}" for k in keep}
   return [f"{k}={v!r}" for k, v in mine.items()
-          if k != f"{prefix}.enabled" and k in theirs and v != theirs[k]]
+          if k not in skip and k in theirs and v != theirs[k]]
 
 
 def _host_port(value: str) -> tuple[str, int] | None:
@@ -311,18 +306,13 @@ def _numbers(values) -> bool:
 
 def _check_sim(c: ml_collections.ConfigDict, check, problems: list[str],
                num_processes: int) -> None:
-  s, n, h = c.sim, c.sim.network, c.outer.halos
-  if c.algorithm in SIMULATED_ONLY:
-    check(s.enabled, "sim.enabled", f"algorithm={c.algorithm!r} runs in the simulator; set "
-          "--config.sim.enabled=True")
+  s, n = c.sim, c.sim.network
   if not s.enabled:
     changed = _changed_from_base(s, "sim")
     if changed:
       problems.append(f"{', '.join(changed)}: ignored unless sim.enabled=True; set "
                       "--config.sim.enabled=True or leave them at their defaults")
     return
-  check(c.algorithm != "ddp", "algorithm", "the simulator runs diloco, async, async_dn or "
-        "halos; run ddp with sim.enabled=False")
   check(num_processes == 1, "sim.enabled", "the simulator runs in one process; launch it "
         "without jax.distributed")
   check(not list(c.hosts), "hosts", "the simulator's workers are full width; describe them "
@@ -364,20 +354,6 @@ def _check_sim(c: ml_collections.ConfigDict, check, problems: list[str],
       check(ok, f"sim.network.{field}", f"give {n.regions} rows of {n.regions} "
             f"{'positive' if positive else 'non-negative'} numbers, or () for the scalar")
   if c.data.batch_mode == "same":
-    check(c.algorithm == "diloco" and not c.outer.dylu, "data.batch_mode",
+    lockstep = c.algorithm in ALGORITHMS and not algorithms.get(c.algorithm).simulated_only
+    check(lockstep and not c.outer.dylu, "data.batch_mode",
           "workers that run at their own pace read their own streams; use 'different'")
-  if c.algorithm in ("async_dn", "halos") and c.outer.dn_buffer >= 0 and c.num_workers >= 1:
-    # N per server: outer.dn_buffer, else all workers (async_dn) or the region's (halos).
-    regions = placed or [w * n.regions // c.num_workers for w in range(c.num_workers)]
-    smallest = c.outer.dn_buffer or (c.num_workers if c.algorithm == "async_dn" else
-                                     min(regions.count(r) for r in set(regions)))
-    check(0.0 <= c.outer.dn_c <= 1.0 / smallest, "outer.dn_c",
-          f"must be in [0, 1/N] = [0, {1.0 / smallest:g}] (N = {smallest})")
-  if c.algorithm == "halos":
-    check(h.sync_every >= 1, "outer.halos.sync_every", "must be >= 1")
-    check(0.0 <= h.merge_alpha <= 1.0, "outer.halos.merge_alpha", "must be in [0, 1]")
-    check(h.global_lr > 0, "outer.halos.global_lr", "must be > 0")
-    check(0.0 <= h.global_momentum < 1.0, "outer.halos.global_momentum", "must be in [0, 1)")
-    check(h.global_buffer >= 1, "outer.halos.global_buffer", "must be >= 1")
-    check(c.outer.dn_c <= 1.0 / max(h.global_buffer, 1), "outer.dn_c",
-          f"the global server's N is {h.global_buffer}; c must be <= 1/N")

@@ -5,8 +5,9 @@ with XLA's RESOURCE_EXHAUSTED. The estimate counts what each replica device hold
 
   replicated     θ_global, the outer rule's state (momentum; DDP: the AdamW moments), and
                  the outer step's temporaries (the averaged Δ, the new θ)
-  per worker     its inner optimizer state (AdamW: 2x its tier's parameters), its codec
-                 error buffer, its Δ, and while its round runs its θ copy, gradient and
+  per worker     its own parameters θ_w (kept across rounds, full width), its inner
+                 optimizer state (AdamW: 2x its tier's parameters), its codec error
+                 buffer, its Δ, and while its round runs its θ copy, gradient and
                  activations (workers on a device are vmapped: they all run at once)
 
 It is rough (XLA's temporaries vary) and errs low, so it refuses only runs that cannot fit.
@@ -71,7 +72,7 @@ def estimate(r) -> dict[str, int]:
   global_replicas = max(r.mesh.shape["replica"], 1)
   tp, data = max(c.model.tp.size, 1), max(c.mesh.data, 1)
   params = ledger.tree_bytes(r.abstract_state.params)
-  codec_state, rule_state = r.abstract_state.outer_opt_state
+  codec_state, rule_state = r.abstract_state.outer
   # Without donation (CPU) a round's new worker states sit beside the old ones.
   copies = 1 if r.mesh.devices.flat[0].platform != "cpu" else 2
   out = {"params": params, "outer_state": ledger.tree_bytes(rule_state),
@@ -82,8 +83,8 @@ def estimate(r) -> dict[str, int]:
     h = r.hosts[i]
     per_device = math.ceil(len(h.worker_ids) / local_replicas)
     tier = r.tier_bytes[h.tier]
-    if c.algorithm != "ddp":
-      out["inner_optimizer"] += copies * per_device * tier["optimizer_bytes"]
+    if r.algorithm.local_steps:  # each worker's own θ_w (full width) and optimizer state
+      out["inner_optimizer"] += copies * per_device * (tier["optimizer_bytes"] + params)
     out["deltas"] += per_device * params
     # Hosts run one after another: only the largest round's temporaries count.
     running = per_device * (2 * tier["param_bytes"] + activation_bytes(

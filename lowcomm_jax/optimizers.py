@@ -4,7 +4,7 @@ import jax
 import ml_collections
 import optax
 
-from lowcomm_jax import aggregate, compress, outer
+from lowcomm_jax import aggregate, compress
 from lowcomm_jax.parallel.flat import ParamLayout, tree_view
 
 
@@ -40,39 +40,23 @@ def needs_nested_mean(config: ml_collections.ConfigDict, hosts, d_ff: int) -> bo
   return config.aggregate.weighting == "tokens" or any(h.hidden != d_ff for h in hosts)
 
 
-def outer_optimizer(config: ml_collections.ConfigDict, inner_tx: optax.GradientTransformation,
-                    layout: ParamLayout, *, nested: bool = False
-                    ) -> optax.GradientTransformation:
-  """What turns the workers' pseudo-gradients (or gradients, for DDP) into a global update.
+def aggregator(config: ml_collections.ConfigDict, layout: ParamLayout, *, nested: bool = False
+               ) -> optax.GradientTransformationExtraArgs:
+  """How the workers' Δ of one fragment (flat, `layout` is the fragment's) become one update:
+  the sync's only communication.
 
-  The aggregator comes first: it is the chain's only communication. With a codec
-  (`compress.codec`) it is the compressed mean (encode, all-gather payloads, decode); else
-  `nested` picks the tier-aware weighted mean (aggregate/nested.py) over the plain one (the
-  compressed mean takes the same tier weights). DDP steps the averaged gradient with the
-  per-step optimizer — or, with `demo`, with sign descent (DeMo/DisTrO); DiLoCo applies its
-  outer Nesterov rule.
-
-  It runs on flat Δ and θ (parallel/flat.py). The plain mean and DiLoCo's rule are
-  elementwise and run on the flat buffer as is; codecs (per tensor), the nested mean (tier
-  masks per FFN leaf) and DDP's optimizers (weight decay on matrices only) see the tree.
+  With a codec (`compress.codec`) it is the compressed mean (encode, all-gather payloads,
+  decode); else `nested` picks the tier-aware weighted mean (aggregate/nested.py) over the
+  plain one (the compressed mean takes the same tier weights). The plain mean runs on the
+  flat buffer as is; codecs (per tensor) and the nested mean (tier masks per FFN leaf) see
+  the tree. What follows it, the outer rule, is the algorithm's (algorithms/).
   """
   codec = compress.make_codec(config.compress, lr=config.optimizer.lr)
-  if config.algorithm == "ddp" and config.compress.codec == "demo":
-    rule = tree_view(sign_descent(config.optimizer, config.rounds), layout)
-  elif config.algorithm == "ddp":
-    rule = tree_view(inner_tx, layout)
-  elif config.algorithm in ("diloco", "async", "async_dn", "halos"):
-    # The synchronous outer step. (Asynchronous servers' rules: sim_backend.server_rules.)
-    rule = outer.diloco_outer(config.outer.lr, config.outer.momentum, config.outer.nesterov)
-  else:
-    raise ValueError(f"unknown algorithm {config.algorithm!r}")
   if codec is not None:
-    aggregator = tree_view(aggregate.compressed_mean(codec, "replica", seed=config.seed), layout)
-  elif nested:
-    aggregator = tree_view(aggregate.nested_mean("replica"), layout)
-  else:
-    aggregator = aggregate.replica_mean("replica")
-  return optax.chain(aggregator, rule)
+    return tree_view(aggregate.compressed_mean(codec, "replica", seed=config.seed), layout)
+  if nested:
+    return tree_view(aggregate.nested_mean("replica"), layout)
+  return optax.with_extra_args_support(aggregate.replica_mean("replica"))
 
 
 def sign_descent(opt: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:

@@ -25,7 +25,8 @@ RESUMABLE = ("rounds", "eval_every", "checkpoint_every", "keep_checkpoints", "lo
              "distributed.heartbeat_timeout_s", "distributed.join_timeout_s")
 # Changes a checkpoint cannot continue under (its shapes, H schedule or plan): never allowed.
 FIXED = ("algorithm", "num_workers", "inner_steps", "hosts", "outer.dylu",
-         "distributed.num_processes", "data.seq_len", "data.tokenizer", "data.batch_mode")
+         "distributed.num_processes", "data.seq_len", "data.tokenizer", "data.batch_mode",
+         "streaming.fragments", "streaming.layout")
 FIXED_PREFIXES = ("model.", "compress.", "mesh.", "sim.")
 
 

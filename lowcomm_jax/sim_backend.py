@@ -3,8 +3,9 @@
 The schedules in sim/ decide when; this backend keeps the parameter servers (the global one,
 and HALoS's per-region ones), the workers' inner optimizer states, the pulled parameter
 snapshots and the in-flight messages, and does the math with the runner's own functions:
-the same jitted local round (workers pulled from the same server state with the same H run
-vmapped in one call) and, for synchronous DiLoCo, the same outer step.
+the same jitted local program (workers pulled from the same server state with the same H
+run vmapped in one call) and, for synchronous DiLoCo, the same sync. Asynchronous servers'
+rules are their algorithm's (algorithms/, `server_rules`).
 
 Servers: {name: {"params", "opt_state", and for HALoS's regions "reference"}} plus per-server
 version (updates applied: staleness is counted in these) and revision (any change, merges
@@ -13,40 +14,12 @@ included: snapshots are keyed by it).
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 
 from lowcomm_jax import compress, outer, steps
-from lowcomm_jax.build import Run
+from lowcomm_jax.build import Programs, Run
 from lowcomm_jax.sim import GLOBAL, Job, Plan, region_server
-
-
-def server_rules(c: ml_collections.ConfigDict, plan: Plan) -> dict[str, optax.GradientTransformation]:
-  """Each asynchronous server's outer rule (synchronous DiLoCo uses the runner's outer step).
-
-  async:    plain Nesterov per arrival at lr outer.lr / W, so W arrivals move θ as far as
-            one synchronous round's mean would;
-  async_dn: Delayed Nesterov, N = outer.dn_buffer (0: W);
-  halos:    Delayed Nesterov at every region's LPS (N = its workers unless outer.dn_buffer)
-            and at the GPS (outer.halos.global_*).
-  """
-  w = plan.num_workers
-  o = c.outer
-  if c.algorithm == "async":
-    return {GLOBAL: outer.diloco_outer(o.lr / w, o.momentum, o.nesterov)}
-  if c.algorithm == "async_dn":
-    return {GLOBAL: outer.delayed_nesterov(o.lr, o.momentum, o.dn_buffer or w, o.dn_c)}
-  if c.algorithm == "halos":
-    h = o.halos
-    rules = {GLOBAL: outer.delayed_nesterov(h.global_lr, h.global_momentum, h.global_buffer,
-                                            o.dn_c)}
-    for r in sorted(set(plan.network.worker_region)):
-      size = plan.network.worker_region.count(r)
-      rules[region_server(r)] = outer.delayed_nesterov(o.lr, o.momentum, o.dn_buffer or size,
-                                                       o.dn_c)
-    return rules
-  return {}
 
 
 def _without_empty(tree: dict) -> dict:
@@ -79,22 +52,23 @@ def _stack(trees):
 
 class SimBackend:
 
-  def __init__(self, r: Run, plan: Plan, state: steps.TrainState, workers):
+  def __init__(self, r: Run, programs: Programs, plan: Plan, state: steps.TrainState, workers):
     c = r.config
     self.r, self.plan, self.config = r, plan, c
     self.rng = state.rng
-    self.rules = server_rules(c, plan)
-    self.local_round = jax.jit(r.local_rounds[0])
-    self.finish_round = jax.jit(r.finish_round, static_argnames="metrics")
+    self.rules = r.algorithm.server_rules(c, plan)
+    # The runner's own jitted programs (build.jitted_steps): one per segment of a round.
+    self.local_programs, self.syncs = programs.local[0], programs.syncs
+    self.local_round = self.local_programs[0]
     self.codec = compress.make_codec(c.compress, lr=c.optimizer.lr) if self.rules else None
     self._apply = {name: jax.jit(self._make_apply(rule)) for name, rule in self.rules.items()}
     self._roundtrip = jax.jit(jax.vmap(self._make_roundtrip(r.layout))) if self.codec else None
     self._merge = jax.jit(outer.merge_global, static_argnums=3)
     self._push = jax.jit(outer.pseudo_gradient)  # an LPS pushes θ_ref − θ_LPS
-    self.workers = workers  # [W, ...] inner optimizer states
+    self.workers = workers  # [W, ...] steps.WorkerState: θ_w, inner optimizer states
     self.servers, self.versions = {}, {}
     if not self.rules:  # synchronous DiLoCo: the runner's TrainState is the global server
-      self.servers[GLOBAL] = {"params": state.params, "opt_state": state.outer_opt_state}
+      self.servers[GLOBAL] = {"params": state.params, "opt_state": state.outer}
       self.versions[GLOBAL] = int(state.round)
     else:
       for name, rule in self.rules.items():
@@ -146,16 +120,16 @@ class SimBackend:
     `next_batches(worker_ids, steps)` -> [G, steps, B, L+1] training batches."""
     groups: dict[tuple, list[Job]] = {}
     for job in self._queued:
-      groups.setdefault(self.job_snapshot[job.id] + (job.steps,), []).append(job)
+      groups.setdefault(self.job_snapshot[job.id] + (job.steps, job.segment), []).append(job)
     self._queued = []
-    for (server, revision, steps_), jobs in groups.items():
+    for (server, revision, steps_, segment), jobs in groups.items():
       jobs.sort(key=lambda j: j.worker)
       ids = np.asarray([j.worker for j in jobs], np.int32)
       # The round key folds in the pulled version: (version, worker) never repeats.
       view = steps.TrainState(jnp.asarray(jobs[0].version, jnp.int32), self.rng,
                               self.snapshots[(server, revision)], ())
       everyone = len(ids) == self.plan.num_workers  # ids are sorted: all, in order
-      deltas, opt_state, losses = self.local_round(
+      deltas, opt_state, losses = self.local_programs[segment](
           view, self.workers if everyone else _take(self.workers, ids),
           next_batches(ids, steps_), ids)
       self.workers = opt_state if everyone else _put(self.workers, ids, opt_state)
@@ -190,19 +164,24 @@ class SimBackend:
     return drift, msg["loss"]
 
   def sync_round(self, jobs: list[Job]) -> list:
+    return self.sync_segment(jobs, 0)
+
+  def sync_segment(self, jobs: list[Job], segment: int) -> list:
+    """The segment's sync (its fragment's outer step) at GLOBAL, as the runner's; the
+    round's last segment completes a version (versions count rounds)."""
     msgs = [self.messages.pop(j.id) for j in sorted(jobs, key=lambda j: j.worker)]
     stacked = _stack(msgs)
     deltas, losses = stacked["delta"], stacked["loss"]
     g = self.servers[GLOBAL]
     state = steps.TrainState(jnp.asarray(self.versions[GLOBAL], jnp.int32), self.rng,
                              g["params"], g["opt_state"])
-    r = self.r
-    state, _ = self.finish_round(state, deltas, losses, r.hidden_per_worker,
-                                 r.worker_weights([self.config.inner_steps]), metrics=False)
-    g["params"], g["opt_state"] = state.params, state.outer_opt_state
+    with jax.set_mesh(self.r.mesh):
+      state, _ = self.syncs[segment](state, deltas, self.r.signals([jobs[0].steps], losses),
+                                     metrics=False)
+    g["params"], g["opt_state"] = state.params, state.outer
     for job in jobs:
       self._release(job)
-    self._changed(GLOBAL, update=True)
+    self._changed(GLOBAL, update=segment == len(self.syncs) - 1)
     return [m["loss"] for m in msgs]
 
   def push_update(self, src: str, msg: int) -> None:
@@ -237,18 +216,19 @@ class SimBackend:
   def checkpoint_meta(self) -> dict:
     return {"versions": self.versions, "revisions": self.revisions,
             "job_snapshot": {str(k): list(v) for k, v in self.job_snapshot.items()},
-            "messages": {str(k): sorted(v) for k, v in self.messages.items()}}
+            # Each in-flight message's parts and their shapes (a fragment's Δ is its size).
+            "messages": {str(k): {part: list(np.shape(x)) for part, x in v.items()}
+                         for k, v in self.messages.items()}}
 
   def abstract_tree(self, meta: dict) -> dict:
     """Shapes of `checkpoint_tree()` for the state described by `meta` (for restoring)."""
     params = jax.eval_shape(lambda: self.servers[GLOBAL]["params"])
-    scalar = jax.ShapeDtypeStruct((), jnp.float32)
-    parts = {"delta": params, "params": params, "loss": scalar}
     keys = {tuple(v) for v in meta["job_snapshot"].values()}
     return _without_empty({
         "servers": jax.eval_shape(lambda: self.servers),
         "snapshots": {f"{s}_r{rev}": params for s, rev in keys},
-        "messages": {k: {p: parts[p] for p in v} for k, v in meta["messages"].items()},
+        "messages": {k: {p: jax.ShapeDtypeStruct(tuple(shape), params.dtype)
+                         for p, shape in v.items()} for k, v in meta["messages"].items()},
         "codec": jax.eval_shape(lambda: self.codec_states)})
 
   def load(self, tree: dict, meta: dict) -> None:

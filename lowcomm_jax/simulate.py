@@ -31,7 +31,7 @@ from lowcomm_jax.metrics import MetricsLogger, announce_compile
 from lowcomm_jax.outer import dylu_inner_steps
 from lowcomm_jax.workdir import holds_lock
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
-from lowcomm_jax.sim import SCHEDULES, EventLoop, Network, Plan, SpeedModel
+from lowcomm_jax.sim import EventLoop, Network, Plan, SpeedModel
 from lowcomm_jax.sim_backend import SimBackend
 from lowcomm_jax.train import TrainingDiverged
 
@@ -51,13 +51,18 @@ def make_plan(c: ml_collections.ConfigDict, r: Run) -> Plan:
       inter_latency_s=n.inter_latency_matrix or n.inter_latency_s)
   codec = compress.make_codec(c.compress, lr=c.optimizer.lr)
   params = r.layout.abstract
+  wire = lambda tree: codec.payload_bytes(tree) if codec else ledger.tree_bytes(tree)
+  first = r.segments(c.inner_steps)[0]
   return Plan(inner_steps=inner, rounds=c.rounds,
               total_steps=c.num_workers * c.rounds * c.inner_steps, speeds=speeds,
               network=network,
-              delta_bytes=codec.payload_bytes(params) if codec else ledger.tree_bytes(params),
+              delta_bytes=wire(params),
               param_bytes=ledger.tree_bytes(params), compressed=codec is not None,
               server_region=n.server_region, sync_every=c.outer.halos.sync_every,
-              merge_alpha=c.outer.halos.merge_alpha)
+              merge_alpha=c.outer.halos.merge_alpha,
+              fragment_bytes=tuple(wire(r.layout.fragment(p).abstract)
+                                   for p in range(r.layout.num_fragments)),
+              overlap_steps=first.mix_at)
 
 
 def _one_device(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -75,9 +80,10 @@ class _Simulation:
     self.r = r = build(_one_device(config))
     self.c = r.config
     self.plan = make_plan(self.c, r)
-    state, workers = init_run(r, jitted_steps(r))
-    self.backend = SimBackend(r, self.plan, state, workers[0])
-    self.schedule = SCHEDULES[self.c.algorithm](self.plan, self.backend)
+    programs = jitted_steps(r)
+    state, workers = init_run(r, programs)
+    self.backend = SimBackend(r, programs, self.plan, state, workers[0])
+    self.schedule = r.algorithm.schedule(self.plan, self.backend)
     self.loop = EventLoop()
     self.streams = r.streams[0]
 

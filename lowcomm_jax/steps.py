@@ -1,25 +1,27 @@
-"""Pure, jittable steps: one host's local round, the global outer step, and eval.
+"""Pure, jittable steps: one host's local segment, one fragment's sync, and eval.
 
-A round, for workers w stacked on the replica axis:
+A round is the algorithm's segments (algorithms/base.py). For workers w stacked on the
+replica axis, a segment is
 
     local (per host, its own program — tier width m and H may differ between hosts):
-      diloco: θ_w ← θ_global[:m]; H inner steps (lax.scan);  Δ_w = θ_global[:m] − θ_w
-      ddp:    Δ_w = ∇L(θ_global[:m]; batch_w)
-      then Δ_w is zero-padded back to full shape ([:m] cuts every FFN to m hidden units)
-    outer (one global program, identical shapes everywhere):
-      θ_global ← θ_global + outer_tx(Δ_w)      (aggregator, then the outer rule)
+      θ_w keeps its parameters across rounds; the fragment `mix` updated by the last sync
+      lands `mix_at` steps in:  θ_w,q ← θ_q + α·(θ_w,q − θ_q)
+      S inner steps (lax.scan) on θ_w[:m];   Δ_w,p = θ_p − θ_w,p   for the synced fragment p
+      (DDP instead: Δ_w = ∇L(θ[:m]; batch_w); no local parameters)
+    sync (one global program per fragment, identical shapes everywhere):
+      θ_p ← θ_p + rule_p(aggregate(Δ_w,p))     (each fragment has its own outer state)
 
-θ_global, Δ and DiLoCo's outer momentum are flat vectors (parallel/flat.py); the local
-program unravels θ_global into the model's tree and ravels Δ back. (State of transforms that
-need the tensors, e.g. a codec's error feedback or DDP's AdamW, stays tree-shaped.)
+θ, θ_w, Δ and DiLoCo's outer momentum are flat vectors, grouped by fragment
+(parallel/flat.py); the local program unravels θ_w into the model's tree and ravels it
+back. (State of transforms that need the tensors, e.g. a codec's error feedback or DDP's
+AdamW, stays tree-shaped.) A narrow tier's θ_w is stored at full width: it trains the
+first m hidden units, the rest follow θ, so Δ is zero there.
 
 Workers are mapped with `jax.vmap(axis_name='replica', spmd_axis_name='replica')`: a stack
 split over the mesh's replica devices, on which the aggregator's named-axis mean becomes an
-all-reduce. θ_global and the rule's state are unmapped (`out_axes=None`): vmap accepts them
-only if they derive from unmapped inputs and collectives' results, never from per-worker
-state (so a codec's round key comes from the global round, not its stacked counter). Worker
-parameters exist only inside a round — every round starts from θ_global — while inner
-optimizer states persist.
+all-reduce. θ and the rule's state are unmapped (`out_axes=None`): vmap accepts them only
+if they derive from unmapped inputs and collectives' results, never from per-worker state
+(so a codec's round key comes from the global round, not its stacked counter).
 """
 
 from typing import Any, Callable, NamedTuple
@@ -28,120 +30,210 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lowcomm_jax.model.matformer import pad_tier, slice_tier, tier_mask
-from lowcomm_jax.outer import pseudo_gradient
+from lowcomm_jax.algorithms import Segment
+from lowcomm_jax.model.matformer import pad_tier, slice_tier, tier_mask, unslice_tier
 from lowcomm_jax.parallel.flat import ParamLayout
-
-# vmap axes of the outer chain's state (aggregator, rule): per worker, global.
-PER_WORKER_AGGREGATOR = (0, None)
 
 LossFn = Callable[[Any, jax.Array, jax.Array | None], jax.Array]  # (params, windows, key)
 
 
+class OuterState(NamedTuple):
+  """The outer step's state by role; one entry per fragment in each."""
+  # The aggregator's state, [R, ...] per worker (a codec's error-feedback buffer), split
+  # over 'replica'.
+  per_worker: tuple
+  # The outer rule's state (DiLoCo's momentum, DDP's per-step optimizer), replicated.
+  per_fragment: tuple
+
+
 class TrainState(NamedTuple):
   """The global state, identical on every process. Each process also keeps its own hosts'
-  inner optimizer states ([workers, ...] per host; none for DDP) beside it."""
+  worker states (WorkerState, [workers, ...] per host) beside it."""
   round: jax.Array  # outer rounds completed
   rng: jax.Array  # raw key data of the run's base key; step keys fold in (round, worker, step)
-  params: jax.Array  # θ_global, flat (parallel/flat.py: the run's ParamLayout views it)
-  # optax.chain(aggregator, rule) state: (aggregator's [R, ...] per worker — a codec's
-  # error-feedback buffer, sharded over 'replica' — , the rule's: DiLoCo's outer momentum
-  # or DDP's per-step optimizer state, replicated)
-  outer_opt_state: Any
+  params: jax.Array  # θ, flat (parallel/flat.py: the run's ParamLayout views it)
+  outer: OuterState | tuple  # () in the view local programs get
+
+
+class WorkerState(NamedTuple):
+  """One host's workers, stacked [G, ...]; survives rounds (checkpointed per process)."""
+  params: jax.Array  # θ_w, flat at full width
+  opt_state: Any  # the inner optimizer's state for the tier's parameters
+  steps: jax.Array  # local steps taken
+
+
+class Signals(NamedTuple):
+  """What every worker reports beside its Δ, [R] each (replicated: the host table and the
+  round's schedule give every process the same values, only `loss` is computed)."""
+  hidden: jax.Array  # int32: FFN hidden units its tier trains
+  tokens: jax.Array  # float32: tokens it processed in the segment
+  loss: jax.Array  # float32: its mean train loss (per-worker, from the local programs)
 
 
 def round_key(state: TrainState) -> jax.Array:
   return jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.round)
 
 
-def make_local_round(loss_fn: LossFn, *, algorithm: str, inner_tx: optax.GradientTransformation,
-                     hidden: int, d_ff: int, layout: ParamLayout, axis_name: str = "replica"):
-  """`local_round(state, opt_state[G], batches[G, H, B, L+1], worker_ids[G])`
-  -> (Δ[G, N] flat at full width, opt_state[G], losses[G, H]) for one host's G workers of
-  width `hidden`.
+def _mix_fragment(own, global_, layout: ParamLayout, fragment: int, alpha: float):
+  """`own` with fragment's leaves moved to θ + α(θ_w − θ) (replaced when α = 0)."""
+  leaf_fragment = layout.leaf_fragment or (0,) * len(layout.shapes)
+  own_leaves = layout.treedef.flatten_up_to(own)
+  global_leaves = layout.treedef.flatten_up_to(global_)
+  mixed = [o if f != fragment else (g if alpha == 0.0 else g + alpha * (o - g))
+           for o, g, f in zip(own_leaves, global_leaves, leaf_fragment)]
+  return layout.treedef.unflatten(mixed)
+
+
+def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformation,
+                       hidden: int, d_ff: int, layout: ParamLayout, segment: Segment,
+                       index: int, count: int, alpha: float, local_steps: bool,
+                       axis_name: str = "replica"):
+  """`local(state, workers[G], batches[G, S, B, L+1], worker_ids[G])`
+  -> (Δ[G, N_p] of the synced fragment, flat at full width, workers[G], losses[G, S]) for
+  one host's G workers of width `hidden`: segment `index` of `count` equal ones (S from the
+  batches: the round has H = S·count steps, this segment its steps [index·S, (index+1)·S)).
   """
   grad_fn = jax.value_and_grad(loss_fn)
+  narrow = hidden != d_ff
+  sync, mix, mix_at = segment.sync, segment.mix, segment.mix_at
 
-  def diloco_local(params, opt_state, batches_HxBxL1, key):
+  def inner_steps(params, opt_state, batches, keys):
     def inner_step(carry, batch_and_key):
       local_params, opt_state = carry
       batch, step_key = batch_and_key
       loss, grads = grad_fn(local_params, batch, step_key)
       updates, opt_state = inner_tx.update(grads, opt_state, local_params)
       return (optax.apply_updates(local_params, updates), opt_state), loss
+    return jax.lax.scan(inner_step, (params, opt_state), (batches, keys))
 
-    step_keys = jax.random.split(key, batches_HxBxL1.shape[0])
-    (local_params, opt_state), losses_H = jax.lax.scan(
-        inner_step, (params, opt_state), (batches_HxBxL1, step_keys))
-    return pseudo_gradient(params, local_params), opt_state, losses_H
-
-  def ddp_local(params, opt_state, batches_1xBxL1, key):
-    loss, grads = grad_fn(params, batches_1xBxL1[0], key)
-    return grads, opt_state, loss[None]
-
-  local = {"diloco": diloco_local, "ddp": ddp_local}[algorithm]
-
-  def worker(global_flat, opt_state, batches, key):
+  def worker(global_flat, round_, own_flat, opt_state, steps, batches, key):
     global_params = layout.unravel(global_flat)
-    params = global_params if hidden == d_ff else slice_tier(global_params, hidden)
-    delta, opt_state, losses = local(params, opt_state, batches, key)
-    if hidden != d_ff:
-      delta = pad_tier(delta, global_params)
-    return layout.ravel(delta), opt_state, losses
+    if not local_steps:  # DDP: the gradient at θ is the contribution
+      params = slice_tier(global_params, hidden) if narrow else global_params
+      loss, grads = grad_fn(params, batches[0], key)
+      delta = pad_tier(grads, global_params) if narrow else grads
+      return layout.fragment_slice(layout.ravel(delta), sync), (), loss[None]
+    s = batches.shape[0]
+    step_keys = jax.random.split(key, s * count)[index * s:(index + 1) * s]
+    own = layout.unravel(own_flat)
 
-  def local_round(state: TrainState, opt_state_G, batches_GxHxBxL1, worker_ids_G):
+    def landed(own_full):
+      """The synced fragment's new global value, mixed into θ_w. In the first segment of a
+      run nothing is in flight: skipped (at step 0 it is a no-op, θ_w = θ, and stays
+      unconditional so DiLoCo's program is what it always was)."""
+      mixed = _mix_fragment(own_full, global_params, layout, mix, alpha)
+      if index == 0 and mix_at > 0:
+        return jax.tree.map(lambda m, o: jnp.where(round_ > 0, m, o), mixed, own_full)
+      return mixed
+
+    def tier(full):
+      return slice_tier(full, hidden) if narrow else full
+
+    def full(tier_params, base):
+      return unslice_tier(base, tier_params) if narrow else tier_params
+
+    losses = []
+    if mix_at > 0:
+      (trained, opt_state), first = inner_steps(tier(own), opt_state, batches[:mix_at],
+                                                step_keys[:mix_at])
+      own = full(trained, own)
+      losses.append(first)
+    own = landed(own)
+    (trained, opt_state), rest = inner_steps(tier(own), opt_state, batches[mix_at:],
+                                             step_keys[mix_at:])
+    own_flat = layout.ravel(full(trained, own))
+    losses.append(rest)
+    delta = (layout.fragment_slice(global_flat, sync) - layout.fragment_slice(own_flat, sync))
+    losses_s = jnp.concatenate(losses) if len(losses) > 1 else losses[0]
+    return delta, WorkerState(own_flat, opt_state, steps + s), losses_s
+
+  def local(state: TrainState, workers: WorkerState | tuple, batches_GxSxBxL1, worker_ids_G):
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(round_key(state), worker_ids_G)
-    return jax.vmap(worker, in_axes=(None, 0, 0, 0), axis_name=axis_name,
-                    spmd_axis_name=axis_name)(state.params, opt_state_G, batches_GxHxBxL1, keys)
+    if not local_steps:
+      own, opt_state, steps = (), (), ()
+      in_axes = (None, None, None, None, None, 0, 0)
+    else:
+      own, opt_state, steps = workers
+      in_axes = (None, None, 0, 0, 0, 0, 0)
+    delta, workers, losses = jax.vmap(
+        worker, in_axes=in_axes, axis_name=axis_name, spmd_axis_name=axis_name)(
+            state.params, state.round, own, opt_state, steps, batches_GxSxBxL1, keys)
+    return delta, workers, losses
 
-  return local_round
+  return local
 
 
-def make_outer_step(outer_tx: optax.GradientTransformation, *, nested: bool,
-                    layout: ParamLayout, axis_name: str = "replica"):
-  """`outer_step(params, outer_state, Δ[R], hidden[R], weight[R], round_index, norms) ->
-  (params, outer_state, metrics)`; metrics hold the parameter and update norms when `norms`.
+def make_sync(aggregator: optax.GradientTransformationExtraArgs,
+              rule: optax.GradientTransformation, *, nested: bool, weigh_tokens: bool,
+              layout: ParamLayout, fragment: int, count: int, last: bool,
+              axis_name: str = "replica"):
+  """`sync(state, Δ[R, N_p], signals, metrics) -> (state, metrics)`: fragment p's global
+  program. Aggregates the workers' Δ of the fragment, applies its outer rule to θ_p and,
+  in the round's `last` sync, advances the round.
 
-  `outer_tx` is `optax.chain(aggregator, rule)`; the aggregator's state is per worker (mapped
-  over the replica axis), the rule's is global. With `nested`, worker w's aggregation
-  weights are its tier mask (first hidden[w] FFN units) times weight[w]; otherwise the
-  aggregator is a plain mean and hidden/weight are unused. Parameters and Δ are flat; the
-  tier weights are small broadcastable trees, which the nested aggregator (a tree view)
-  applies to the unraveled Δ. `round_index` (the global round, unmapped) seeds the senders'
-  keys of a compressed mean: receivers regenerate random draws (random-k's positions) from
-  it, so it must be a value vmap knows is the same on every worker — not the per-worker
-  aggregator state's own counter, or the decoded mean and θ_global would come out mapped.
+  With `nested`, worker w's aggregation weights are its tier mask (first hidden[w] FFN
+  units) times its weight (tokens if `weigh_tokens`, else 1), computed here from the
+  signals; otherwise the aggregator is a plain mean. `round_index` passed to the aggregator
+  is round·count + fragment (the global value every worker agrees on): it seeds the
+  senders' keys of a compressed mean, whose receivers regenerate random draws from it.
+
+  With `metrics` (static; the runner asks on rounds that log, evaluate or checkpoint) it
+  also returns every worker's train loss and the parameter and update norms. Without, the
+  sync is one all-reduce of Δ and the update: the losses would be a second collective (XLA
+  puts them in the same all-reduce op, but gloo still runs one transfer per operand) and
+  the norms two more passes over θ.
   """
+  part = layout.fragment(fragment)
 
   def coordinate_weights(hidden, weight):
-    return jax.tree.map(lambda m: m * weight, tier_mask(layout.abstract, hidden))
+    return jax.tree.map(lambda m: m * weight, tier_mask(part.abstract, hidden))
 
-  def worker(params, outer_opt_state, delta, hidden, weight, all_weights, totals, round_index):
+  def worker(params, agg_state, rule_state, delta, hidden, weight, all_weights, totals,
+             round_index):
     extra = {"round_index": round_index}
     if nested:
       # Own weights (nested mean) and everyone's (compressed mean weighs after decoding).
       extra.update(coordinate_weights=coordinate_weights(hidden, weight),
                    sender_weights=all_weights, weight_totals=totals)
-    updates, outer_opt_state = outer_tx.update(delta, outer_opt_state, params, **extra)
-    return optax.apply_updates(params, updates), outer_opt_state
+    mean, agg_state = aggregator.update(delta, agg_state, params, **extra)
+    updates, rule_state = rule.update(mean, rule_state, params)
+    return optax.apply_updates(params, updates), agg_state, rule_state
 
-  def outer_step(params, outer_opt_state, deltas_R, hidden_R, weight_R, round_index,
-                 norms: bool = True):
-    # Σ_w weights from the replicated per-worker vectors: computed here, never communicated.
-    all_weights = (jax.vmap(coordinate_weights)(hidden_R, weight_R) if nested else None)
+  def sync(state: TrainState, deltas_R, signals: Signals, metrics: bool = True):
+    weight_R = (signals.tokens if weigh_tokens
+                else jnp.ones(signals.tokens.shape, jnp.float32))
+    # Σ_w weights from the replicated signals: computed here, never communicated.
+    all_weights = (jax.vmap(coordinate_weights)(signals.hidden, weight_R) if nested else None)
     totals = jax.tree.map(lambda w: w.sum(0), all_weights) if nested else None
-    new_params, outer_opt_state = jax.vmap(
-        worker, in_axes=(None, PER_WORKER_AGGREGATOR, 0, 0, 0, None, None, None),
-        out_axes=(None, PER_WORKER_AGGREGATOR), axis_name=axis_name,
-        spmd_axis_name=axis_name)(params, outer_opt_state, deltas_R, hidden_R, weight_R,
-                                  all_weights, totals, round_index)
-    metrics = {}
-    if norms:  # two more passes over θ: worth it on rounds that log or checkpoint
-      metrics = {"param_norm": jnp.linalg.norm(new_params),
-                 "outer_update_norm": jnp.linalg.norm(new_params - params)}
-    return new_params, outer_opt_state, metrics
+    params = layout.fragment_slice(state.params, fragment)
+    outer = state.outer
+    new_part, agg_state, rule_state = jax.vmap(
+        worker, in_axes=(None, 0, None, 0, 0, 0, None, None, None),
+        out_axes=(None, 0, None), axis_name=axis_name, spmd_axis_name=axis_name)(
+            params, outer.per_worker[fragment], outer.per_fragment[fragment], deltas_R,
+            signals.hidden, weight_R, all_weights, totals, state.round * count + fragment)
+    new_params = layout.fragment_update(state.params, new_part, fragment)
+    outer = OuterState(_replace(outer.per_worker, fragment, agg_state),
+                       _replace(outer.per_fragment, fragment, rule_state))
+    out = {}
+    if metrics:  # two more passes over θ: worth it on rounds that log or checkpoint
+      out = {"param_norm": jnp.linalg.norm(new_params),
+             "outer_update_norm": jnp.linalg.norm(new_params - state.params)}
+      # Every worker's loss by a sum over workers, not an all-gather: XLA merges it into
+      # the pseudo-gradient's all-reduce op. (`where`, not a product: one worker's NaN must
+      # not spread to the others' entries.)
+      losses_R = signals.loss
+      per_worker = jnp.where(jnp.eye(losses_R.shape[0], dtype=bool), losses_R[:, None],
+                             0).sum(0)
+      out.update(train_loss=per_worker.mean(), train_loss_per_worker=per_worker)
+    round_ = state.round + 1 if last else state.round
+    return TrainState(round_, state.rng, new_params, outer), out
 
-  return outer_step
+  return sync
+
+
+def _replace(parts: tuple, i: int, value) -> tuple:
+  return parts[:i] + (value,) + parts[i + 1:]
 
 
 def make_eval_step(loss_fn: LossFn, layout: ParamLayout):
@@ -154,20 +246,28 @@ def make_eval_step(loss_fn: LossFn, layout: ParamLayout):
   return eval_step
 
 
-def init_state(params, *, seed: int, outer_tx: optax.GradientTransformation,
+def init_state(params, *, seed: int, layout: ParamLayout, aggregators, rules,
                num_workers: int) -> TrainState:
-  """Round-0 global state (the aggregator's state stacked once per worker)."""
-  aggregator_state, rule_state = outer_tx.init(params)
-  per_worker = jax.tree.map(lambda x: jnp.broadcast_to(x, (num_workers,) + x.shape),
-                            aggregator_state)
+  """Round-0 global state (each fragment's aggregator state stacked once per worker)."""
+  per_worker, per_fragment = [], []
+  for p, (aggregator, rule) in enumerate(zip(aggregators, rules)):
+    part = layout.fragment_slice(params, p)
+    per_worker.append(jax.tree.map(lambda x: jnp.broadcast_to(x, (num_workers,) + x.shape),
+                                   aggregator.init(part)))
+    per_fragment.append(rule.init(part))
   return TrainState(round=jnp.zeros((), jnp.int32),
                     rng=jax.random.key_data(jax.random.key(seed)),
-                    params=params, outer_opt_state=(per_worker, rule_state))
+                    params=params, outer=OuterState(tuple(per_worker), tuple(per_fragment)))
 
 
 def init_workers(flat_params, *, workers: int, hidden: int, d_ff: int, layout: ParamLayout,
-                 inner_tx: optax.GradientTransformation):
-  """A host's [workers, ...] inner optimizer states, fresh, for its tier's parameters."""
+                 inner_tx: optax.GradientTransformation, local_steps: bool):
+  """A host's fresh [workers, ...] states: θ_w = θ, the inner optimizer's initial state for
+  its tier's parameters. () for an algorithm without local steps."""
+  if not local_steps:
+    return ()
   params = layout.unravel(flat_params)
-  one = inner_tx.init(params if hidden == d_ff else slice_tier(params, hidden))
+  one = WorkerState(flat_params, inner_tx.init(params if hidden == d_ff
+                                               else slice_tier(params, hidden)),
+                    jnp.zeros((), jnp.int32))
   return jax.tree.map(lambda x: jnp.broadcast_to(x, (workers,) + x.shape), one)

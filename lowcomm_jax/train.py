@@ -21,6 +21,7 @@ from lowcomm_jax.build import Run, build, init_run, jitted_steps, train_round
 from lowcomm_jax.checkpoint import Checkpointer, CheckpointMismatch, abstract_with_shardings
 from lowcomm_jax.metrics import MetricsLogger, ReadyClock, announce_compile
 from lowcomm_jax.outer import dylu_inner_steps
+from lowcomm_jax.parallel.ledger import CommBytes
 from lowcomm_jax.workdir import holds_lock
 from lowcomm_jax.parallel import mesh as mesh_lib
 
@@ -56,6 +57,13 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   # A workdir holds one run: a changed config is refused before any work.
   config_changes = run_identity.changes(workdir, config)
   r = build(config)
+  with r.partitioner():  # tensor-parallel programs compile under GSPMD (model/tp.py)
+    return _train(r, config, workdir, config_changes, t_start, stop_after_rounds)
+
+
+def _train(r: Run, config: ml_collections.ConfigDict, workdir: pathlib.Path,
+           config_changes: dict, t_start: float, stop_after_rounds: int | None) -> dict:
+  """`run`'s round loop, on a built run."""
   c, hosts = r.config, r.hosts
   lead = jax.process_index() == 0
   workdir.mkdir(parents=True, exist_ok=True)
@@ -111,7 +119,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   eval_windows_dev = jax.device_put(r.eval_windows, mesh_lib.replicated(r.mesh))
   # Time each host's program when its speed matters: DyLU, idle accounting across hosts.
   timed = len(hosts) > 1
-  round_bytes = r.outer_bytes()
+  sync_bytes = r.sync_bytes()
+  round_bytes = sum(sync_bytes, CommBytes())
   logger = MetricsLogger(workdir, rounds=c.rounds, write_files=lead)
   resumes = []  # config changes recorded in config.json (process 0 reports them)
   if lead:
@@ -190,7 +199,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
       # checkpoint is written.
       with_metrics = evaluate or checkpoint or _due(round_, c.log_every, end)
       state, workers, metrics, compute = train_round(
-          r, fns, state, workers, batches, r.worker_weights(sched.inner_steps), timed=timed,
+          r, fns, state, workers, batches, sched.inner_steps, timed=timed,
           metrics=with_metrics)
       if with_metrics:
         ready.watch(round_, metrics)
@@ -233,7 +242,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   if end < c.rounds:
     return {"stopped_at_round": end}
 
-  summary = _summary(r, sched, round_bytes, eval_loss, scalars,
+  summary = _summary(r, sched, sync_bytes, eval_loss, scalars,
                      wall_before + time.time() - t_start)
   summary["config_changes"] = resumes
   if lead:
@@ -271,8 +280,9 @@ def _compression_ratio(r: Run, round_bytes) -> float | None:
   return r.param_bytes / round_bytes.sent if round_bytes.sent else None
 
 
-def _summary(r: Run, sched: _Schedule, round_bytes, eval_loss, scalars, wall: float) -> dict:
+def _summary(r: Run, sched: _Schedule, sync_bytes, eval_loss, scalars, wall: float) -> dict:
   c = r.config
+  round_bytes = sum(sync_bytes, CommBytes())
   sent = (round_bytes * c.rounds).sent
   # DDP all-reduces fp32 gradients every inner step (nothing with a single worker).
   total_steps = c.rounds * c.inner_steps
@@ -292,6 +302,9 @@ def _summary(r: Run, sched: _Schedule, round_bytes, eval_loss, scalars, wall: fl
       "train_loss": float(scalars["train_loss"]) if scalars else None,
       "tokens": sched.tokens,
       "bytes_sent": sent, "bytes_received": (round_bytes * c.rounds).received,
+      # Peak bandwidth: the largest single sync a worker sends (DiLoCo: the whole model's
+      # Δ; streaming: one fragment's, about 1/P of it).
+      "bytes_sent_peak_sync": max(b.sent for b in sync_bytes),
       "bytes_sent_ddp_equivalent": ddp_equivalent,
       "bytes_ratio_vs_ddp": ddp_equivalent / sent if sent else None,
       "codec": c.compress.codec,

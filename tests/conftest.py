@@ -49,9 +49,10 @@ def train_rounds(config, rounds: int):
   from lowcomm_jax import train
   r = train.build(config)
   fns = train.jitted_steps(r)
-  state, workers = train.init_run(r, fns)
-  for _ in range(rounds):
-    batches = [s.next_round(h.inner_steps) for s, h in zip(r.streams, r.hosts)]
-    state, workers, metrics, _ = train.train_round(
-        r, fns, state, workers, batches, r.worker_weights([h.inner_steps for h in r.hosts]))
+  with r.partitioner():
+    state, workers = train.init_run(r, fns)
+    for _ in range(rounds):
+      batches = [s.next_round(h.inner_steps) for s, h in zip(r.streams, r.hosts)]
+      state, workers, metrics, _ = train.train_round(
+          r, fns, state, workers, batches, [h.inner_steps for h in r.hosts])
   return r, state, workers, metrics

@@ -141,3 +141,29 @@ def test_a_host_table_that_does_not_fit_the_processes_fails_at_start_up(tmp_path
   assert "the host table has 4 rows but 2 processes joined" in out + err
   assert "Traceback" not in out + err
   assert not (tmp_path / "checkpoints").exists()
+
+
+def test_streaming_two_unequal_processes_match_one_process(tmp_path):
+  """Streaming DiLoCo across processes with the host table: different tiers, batches and
+  H (each a multiple of the fragments), an update in flight across rounds (τ = 1)."""
+  from conftest import load_config
+  overrides = {"model.name": "tiny", "rounds": 3, "inner_steps": 8, "data.seq_len": 32,
+               "data.batch_size": 4, "eval_batches": 2, "optimizer.warmup_steps": 2,
+               "checkpoint_every": 3, "hosts[1].batch_size": 2, "hosts[1].inner_steps": 4,
+               "streaming.mix": 0.5}
+  proc = _launch("--num_processes", "2", "--", "--config=configs/streaming.py",
+                 f"--workdir={tmp_path / 'two'}",
+                 *[f"--config.{k}={v}" for k, v in overrides.items()])
+  out, err = proc.communicate(timeout=420)
+  assert proc.returncode == 0, (out + err)[-4000:]
+  config = load_config("streaming", **{k: v for k, v in overrides.items()
+                                       if not k.startswith("hosts")})
+  config.hosts[1].batch_size, config.hosts[1].inner_steps = 2, 4
+  one = train.run(config, tmp_path / "one")
+  two = json.loads((tmp_path / "two" / "summary.json").read_text())
+  assert two["bytes_sent"] == one["bytes_sent"] and two["tokens"] == one["tokens"]
+  assert two["bytes_sent_peak_sync"] == one["bytes_sent_peak_sync"] < one["bytes_sent"] // 3
+  assert [w["inner_steps"] for w in two["workers"]] == [8, 4]
+  np.testing.assert_allclose(two["eval_loss"], one["eval_loss"], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-6),
+               _final_params(config, tmp_path / "two"), _final_params(config, tmp_path / "one"))

@@ -62,18 +62,18 @@ def test_inner_steps_communicate_nothing_and_the_outer_step_moves_the_params_onc
                           **{"mesh.replica": 4})
     r = train.build(config)
     assert r.outer_bytes() == ledger.CommBytes(sent=r.param_bytes, received=r.param_bytes)
-    local_fns, finish_fn, _ = train.jitted_steps(r)
+    fns = train.jitted_steps(r)
+    local_fns, finish_fn = fns.local, fns.syncs[0]
     batches = jax.ShapeDtypeStruct((4, h, config.data.batch_size, config.data.seq_len + 1),
                                    np.int32, sharding=mesh_lib.round_batches(r.mesh))
     opt = r.abstract_workers()[0]
     ids = jax.ShapeDtypeStruct((4,), np.int32, sharding=mesh_lib.per_worker(r.mesh))
-    deltas, losses = r.abstract_round_inputs()
+    deltas, signals = r.abstract_sync_inputs(0)
     with jax.set_mesh(r.mesh):
-      local_hlo = local_fns[0].lower(r.abstract_state, opt, batches, ids).compile().as_text()
-      outer_hlo = finish_fn.lower(r.abstract_state, deltas, losses, r.hidden_per_worker,
-                                  np.ones(4, np.float32)).compile().as_text()
-      quiet_hlo = finish_fn.lower(r.abstract_state, deltas, losses, r.hidden_per_worker,
-                                  np.ones(4, np.float32), metrics=False).compile().as_text()
+      local_hlo = local_fns[0][0].lower(r.abstract_state, opt, batches, ids).compile().as_text()
+      outer_hlo = finish_fn.lower(r.abstract_state, deltas, signals).compile().as_text()
+      quiet_hlo = finish_fn.lower(r.abstract_state, deltas, signals,
+                                  metrics=False).compile().as_text()
     assert _all_reduced_elements(local_hlo) == 0  # H inner steps: no communication
     # The outer mean moves every parameter once (plus a few scalars for the metrics).
     moved = _all_reduced_elements(outer_hlo)
@@ -90,11 +90,11 @@ def test_a_workers_nan_loss_is_reported_as_its_own(smoke_config):
   r = train.build(smoke_config(num_workers=4, **{"mesh.replica": 4}))
   fns = train.jitted_steps(r)
   state, _ = train.init_run(r, fns)
-  deltas, losses = r.abstract_round_inputs()
+  deltas, signals = r.abstract_sync_inputs(0)
   deltas = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), deltas)
-  losses = jax.device_put(np.array([1.0, np.nan, 2.0, 3.0], np.float32), losses.sharding)
+  losses = jax.device_put(np.array([1.0, np.nan, 2.0, 3.0], np.float32), signals.loss.sharding)
   with jax.set_mesh(r.mesh):
-    _, metrics = fns[1](state, deltas, losses, r.hidden_per_worker, np.ones(4, np.float32))
+    _, metrics = fns.syncs[0](state, deltas, r.signals([1], losses))
   np.testing.assert_array_equal(metrics["train_loss_per_worker"], [1.0, np.nan, 2.0, 3.0])
   assert np.isnan(metrics["train_loss"])
 
@@ -107,7 +107,7 @@ def test_runner_keeps_inner_adam_state_and_outer_momentum_across_rounds(smoke_co
   history = [state]
   for _ in range(3):
     state, workers, _, _ = train.train_round(r, fns, state, workers,
-                                             [r.streams[0].next_round(3)], r.worker_weights([3]))
+                                             [r.streams[0].next_round(3)], [3])
     history.append(state)
   # Every worker's AdamW has taken rounds * H steps: its state was never reset.
   counts = [x for x in jax.tree.leaves(workers) if x.dtype == np.int32]
@@ -116,7 +116,7 @@ def test_runner_keeps_inner_adam_state_and_outer_momentum_across_rounds(smoke_co
   # Recover Δ̄_r from the parameters and check the carried trace against it.
   lr, m = 0.5, 0.9
   view = r.layout.unravel  # θ and the outer momentum are flat
-  traces = [view(s.outer_opt_state[1][0].trace)["wte"]["embedding"] for s in history]
+  traces = [view(s.outer.per_fragment[0][0].trace)["wte"]["embedding"] for s in history]
   thetas = [view(s.params)["wte"]["embedding"] for s in history]
   for t in (1, 2, 3):
     delta = -(thetas[t] - thetas[t - 1]) / lr - m * traces[t]

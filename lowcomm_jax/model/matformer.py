@@ -74,6 +74,17 @@ def pad_tier(tier_tree, full_like):
   return jax.tree_util.tree_map_with_path(pad, tier_tree, full_like)
 
 
+def unslice_tier(full, tier_tree):
+  """`full` with its first hidden units replaced by the tier-shaped `tier_tree` (a narrow
+  worker's trained parameters written back into its full-width copy)."""
+  def put(path, f, t):
+    axis = _hidden_axis(path)
+    if axis is None:
+      return t
+    return jax.lax.dynamic_update_slice_in_dim(f, t.astype(f.dtype), 0, axis=axis)
+  return jax.tree_util.tree_map_with_path(put, full, tier_tree)
+
+
 def tier_mask(full_like, m: jax.Array):
   """Per-coordinate 1/0 weights of a tier-m worker, as small broadcastable arrays.
 

@@ -21,13 +21,14 @@ every plan is the unsharded model. Row-parallel biases (identical on every devic
 to the replicated residual directly, not summed.
 
 Inside the runner (per-worker `vmap` over 'replica' around this shard_map) jax 0.10.2's Shardy
-lowering rejects the nesting; runs with model.tp.size > 1 use the GSPMD partitioner
-(`use_gspmd_for_tp`).
+lowering rejects the nesting; runs with model.tp.size > 1 compile their programs under the
+GSPMD partitioner (`partitioner`, a scoped setting).
 
 Parallel-residual blocks (GPT-NeoX) read one input for attention and MLP, so their attention
 sync point merges into the MLP's.
 """
 
+import contextlib
 import dataclasses
 
 import jax
@@ -239,9 +240,13 @@ def count_all_reduces(compiled_text: str) -> int:
 
 
 
-def use_gspmd_for_tp() -> None:
-  """Switches this process to the GSPMD partitioner, which lowers a shard_map over 'model'
-  nested in vmap(spmd_axis_name='replica'); Shardy (jax 0.10.2's default) fails to verify it
-  ('sdy.manual_computation op operand shape ... must match'). Process-wide, so call it
-  before the first jit of a tensor-parallel run."""
-  jax.config.update("jax_use_shardy_partitioner", False)
+def partitioner(plan: "SyncPlan | None") -> contextlib.AbstractContextManager:
+  """The partitioner a run's programs must be compiled under: GSPMD for tensor parallelism,
+  which lowers a shard_map over 'model' nested in vmap(spmd_axis_name='replica'); Shardy
+  (jax 0.10.2's default) fails to verify it ('sdy.manual_computation op operand shape ...
+  must match'). Scoped, not process-wide: jit keys its cache on the setting, so other runs
+  in the same process keep Shardy. (The scoped form lives in jax._src.config.)"""
+  if plan is None:
+    return contextlib.nullcontext()
+  from jax._src import config as jax_config
+  return jax_config.use_shardy_partitioner(False)

@@ -21,38 +21,103 @@ import optax
 
 @dataclasses.dataclass(frozen=True)
 class ParamLayout:
-  """Where each leaf of a parameter tree lives in the flat vector (leaf order, row-major)."""
+  """Where each leaf of a parameter tree lives in the flat vector, grouped into fragments.
+
+  Leaves are stored fragment by fragment (tree order inside each), so fragment p is the
+  contiguous slice `bounds[p]` of the buffer: its sync is one all-reduce and one outer
+  update on that slice (Streaming DiLoCo). With one fragment the order is the tree's.
+  """
   abstract: Any  # the tree of jax.ShapeDtypeStruct
   treedef: Any
-  shapes: tuple[tuple[int, ...], ...]
-  offsets: tuple[int, ...]
+  shapes: tuple[tuple[int, ...], ...]  # per leaf, tree order
+  offsets: tuple[int, ...]  # per leaf, tree order
   size: int
+  leaf_fragment: tuple[int, ...] = ()  # per leaf, tree order ((): every leaf in fragment 0)
+  bounds: tuple[tuple[int, int], ...] = ()  # per fragment: [start, end) in the buffer
 
   @classmethod
-  def of(cls, tree) -> "ParamLayout":
-    """The layout of `tree` (arrays or ShapeDtypeStructs, all of one dtype)."""
+  def of(cls, tree, leaf_fragment=None) -> "ParamLayout":
+    """The layout of `tree` (arrays or ShapeDtypeStructs, all of one dtype); leaf i goes to
+    fragment `leaf_fragment[i]` (tree order; default: one fragment)."""
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
     leaves, treedef = jax.tree.flatten(abstract)
     dtypes = {x.dtype for x in leaves}
     if len(dtypes) != 1:
       raise ValueError("a flat parameter buffer needs one dtype; the tree has "
                        f"{sorted(map(str, dtypes))}")
+    fragment = tuple(leaf_fragment) if leaf_fragment is not None else (0,) * len(leaves)
+    count = max(fragment) + 1
+    if len(fragment) != len(leaves) or sorted(set(fragment)) != list(range(count)):
+      raise ValueError(f"leaf_fragment must give each of the {len(leaves)} leaves a "
+                       f"fragment, using every index 0..{count - 1}")
     sizes = [math.prod(x.shape) for x in leaves]
-    offsets = tuple(itertools.accumulate([0] + sizes[:-1]))
-    return cls(abstract, treedef, tuple(x.shape for x in leaves), offsets, sum(sizes))
+    order = sorted(range(len(leaves)), key=lambda i: (fragment[i], i))
+    offsets, bounds, at = [0] * len(leaves), [], 0
+    for p in range(count):
+      start = at
+      for i in order:
+        if fragment[i] == p:
+          offsets[i], at = at, at + sizes[i]
+      bounds.append((start, at))
+    return cls(abstract, treedef, tuple(x.shape for x in leaves), tuple(offsets), sum(sizes),
+               fragment, tuple(bounds))
+
+  @property
+  def num_fragments(self) -> int:
+    return max(len(self.bounds), 1)
+
+  def _order(self) -> list[int]:
+    """Leaf indices in buffer order."""
+    return sorted(range(len(self.shapes)), key=lambda i: self.offsets[i])
 
   def ravel(self, tree) -> jax.Array:
-    """The tree's leaves, flattened and concatenated: [size]. (Per worker: under vmap.)"""
+    """The tree's leaves, flattened and concatenated in buffer order: [size]. (Per worker:
+    under vmap.)"""
     leaves = self.treedef.flatten_up_to(tree)
     for x, shape in zip(leaves, self.shapes):  # e.g. an unpadded tier tree would fit silently
       if x.shape != shape:
         raise ValueError(f"leaf of shape {x.shape} where the layout has {shape}")
-    return jnp.concatenate([x.reshape(-1) for x in leaves])
+    return jnp.concatenate([leaves[i].reshape(-1) for i in self._order()])
 
   def unravel(self, flat: jax.Array):
     """The tree view of `flat` ([size]); XLA fuses the slices into their consumers."""
     return self.treedef.unflatten([jax.lax.slice_in_dim(flat, o, o + math.prod(s)).reshape(s)
                                    for o, s in zip(self.offsets, self.shapes)])
+
+  def fragment(self, p: int) -> "ParamLayout":
+    """The layout of fragment p's own buffer (`flat[bounds[p][0]:bounds[p][1]]`): a tree of
+    its leaves only, same paths (tier masks and per-tensor codecs key on them)."""
+    if not self.bounds:
+      return self
+    paths = jax.tree_util.tree_flatten_with_path(self.abstract)[0]
+    sub = {}
+    for i, (path, leaf) in enumerate(paths):
+      if self.leaf_fragment[i] == p:
+        node = sub
+        for key in path[:-1]:
+          node = node.setdefault(_key(key), {})
+        node[_key(path[-1])] = leaf
+    return ParamLayout.of(sub)
+
+  def fragment_slice(self, flat: jax.Array, p: int) -> jax.Array:
+    """Fragment p's part of a flat buffer (its last axis)."""
+    start, end = self.bounds[p] if self.bounds else (0, self.size)
+    return jax.lax.slice_in_dim(flat, start, end, axis=flat.ndim - 1)
+
+  def fragment_update(self, flat: jax.Array, part: jax.Array, p: int) -> jax.Array:
+    """`flat` with fragment p's part replaced by `part` (last axis)."""
+    if self.num_fragments == 1:
+      return part
+    start = self.bounds[p][0]
+    return jax.lax.dynamic_update_slice_in_dim(flat, part, start, axis=flat.ndim - 1)
+
+
+def _key(entry):
+  """A tree path entry's dict key (DictKey.key, SequenceKey.idx)."""
+  for attr in ("key", "idx", "name"):
+    if hasattr(entry, attr):
+      return getattr(entry, attr)
+  raise TypeError(f"unsupported tree path entry {entry!r}")
 
 
 def tree_view(tx: optax.GradientTransformation, layout: ParamLayout

@@ -4,6 +4,7 @@ lowcomm_jax/simulate.py."""
 
 from lowcomm_jax.sim.events import Event, EventLoop
 from lowcomm_jax.sim.network import Network
-from lowcomm_jax.sim.schedules import (GLOBAL, SCHEDULES, Accounting, Backend, Halos, Job, Plan,
-                                       Schedule, region_server)
+from lowcomm_jax.sim.schedules import (GLOBAL, Accounting, AsyncWorkers, Backend, Halos, Job, Plan,
+                                       Schedule, StreamingRounds, SyncRounds,
+                                       region_server)
 from lowcomm_jax.sim.speeds import HETEROGENEITY, SpeedModel, level_speeds

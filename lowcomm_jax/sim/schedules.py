@@ -37,6 +37,7 @@ class Job:
   steps: int
   start: float  # virtual time it pulled
   compute_seconds: float
+  segment: int = 0  # which segment of a round it computes (Streaming DiLoCo)
 
 
 class Backend(Protocol):
@@ -48,6 +49,8 @@ class Backend(Protocol):
   def apply_job(self, job: Job) -> tuple: ...
   # Aggregates every job's contribution at GLOBAL in one outer step: per-job train losses.
   def sync_round(self, jobs: list[Job]) -> list: ...
+  # The same for one segment's fragment (the round's last segment completes a version).
+  def sync_segment(self, jobs: list[Job], segment: int) -> list: ...
   def push_update(self, src: str, msg: int) -> None: ...  # src's unpushed change (HALoS)
   def apply_push(self, dst: str, msg: int) -> None: ...  # dst applies message msg
   def send_params(self, src: str, msg: int) -> None: ...  # src's parameters as message msg
@@ -68,6 +71,8 @@ class Plan:
   server_region: int = 0  # where the (global) server sits
   sync_every: int = 8  # HALoS: LPS updates between pushes (K)
   merge_alpha: float = 0.25  # HALoS: weight of the GPS model in a merge
+  fragment_bytes: tuple[int, ...] = ()  # Streaming: each fragment's contribution on the wire
+  overlap_steps: int = 0  # Streaming: τ, steps between sending a fragment and needing it
 
   @property
   def num_workers(self) -> int:
@@ -111,9 +116,10 @@ class Schedule:
   def handle(self, event: Event, loop: EventLoop) -> None:
     raise NotImplementedError
 
-  def _new_job(self, loop: EventLoop, worker: int, server: str, steps: int) -> Job:
+  def _new_job(self, loop: EventLoop, worker: int, server: str, steps: int,
+               segment: int = 0) -> Job:
     job = Job(self.new_id(), worker, server, self.backend.version(server), steps, loop.now,
-              self.plan.speeds.job_seconds(worker, self.acct.jobs[worker], steps))
+              self.plan.speeds.job_seconds(worker, self.acct.jobs[worker], steps), segment)
     self.acct.jobs[worker] += 1
     self.acct.compute_seconds[worker] += job.compute_seconds
     self.dispatched_steps += steps
@@ -193,6 +199,68 @@ class SyncRounds(Schedule):
 
   def progress(self) -> int:
     return self.backend.version(GLOBAL)
+
+
+class StreamingRounds(SyncRounds):
+  """Streaming DiLoCo: a round is P segments of H/P steps; segment k ends with fragment k's
+  ring all-reduce. The wire carries one fragment at a time, and the workers go on computing
+  while it is on the wire: the result is needed τ steps into the next segment, so up to τ
+  steps of compute hide the transfer (τ = 0: they wait for it, as in DiLoCo).
+
+  With c_w worker w's compute for the segment, e its end (the slowest worker's) and d the
+  time the previous fragment's transfer is done, the next segment ends at
+
+      e' = max_w [ max(e + (τ/S)·c_w, d) + (1 − τ/S)·c_w ]
+
+  and its fragment is on the wire from max(e', d) for the ring's time. Syncs are events at
+  the time their transfer is done (the math does not depend on when).
+  """
+
+  def __init__(self, plan: Plan, backend: Backend):
+    Schedule.__init__(self, plan, backend)
+    ring = (plan.network.ring_allgather_seconds if plan.compressed
+            else plan.network.ring_allreduce_seconds)
+    self.transfer_seconds = [ring(range(plan.num_workers), b) for b in plan.fragment_bytes]
+    self.compute_end = 0.0  # e: when the slowest worker finished the last segment
+
+  @property
+  def segments(self) -> int:
+    return len(self.plan.fragment_bytes)
+
+  def start(self, loop: EventLoop) -> None:
+    self._begin_segment(loop, 0)
+
+  def _begin_segment(self, loop: EventLoop, k: int) -> None:
+    p = self.plan
+    steps = [h // self.segments for h in p.inner_steps]
+    jobs = [self._new_job(loop, w, GLOBAL, steps[w], k) for w in range(p.num_workers)]
+    if p.num_workers > 1:
+      self.acct.bytes_sent += p.num_workers * p.fragment_bytes[k]
+    arrived = loop.now  # the previous fragment's transfer is done (this event's time)
+    end = max(max(self.compute_end + p.overlap_steps / s * j.compute_seconds, arrived)
+              + (1.0 - p.overlap_steps / s) * j.compute_seconds for j, s in zip(jobs, steps))
+    self.compute_end = end
+    loop.schedule(max(end, arrived) + self.transfer_seconds[k], "segment_end", segment=k,
+                  jobs=[dataclasses.asdict(j) for j in jobs])
+
+  def handle(self, event: Event, loop: EventLoop) -> None:
+    if event.kind != "segment_end":
+      raise ValueError(f"unexpected event {event.kind!r}")
+    k = event.data["segment"]
+    jobs = sorted((Job(**j) for j in event.data["jobs"]), key=lambda j: j.worker)
+    losses = self.backend.sync_segment(jobs, k)  # in worker order
+    for job, loss in zip(jobs, losses):
+      self._applied(job, staleness=0, drift=0.0, loss=loss)
+    last = k == self.segments - 1
+    if not last or self.backend.version(GLOBAL) < self.plan.rounds:
+      self._begin_segment(loop, 0 if last else k + 1)
+
+  def state_dict(self) -> dict:
+    return {**super().state_dict(), "compute_end": self.compute_end}
+
+  def load_state(self, state: dict) -> None:
+    super().load_state(state)
+    self.compute_end = state["compute_end"]
 
 
 class AsyncWorkers(Schedule):
@@ -311,7 +379,3 @@ class Halos(AsyncWorkers):
   def load_state(self, state: dict) -> None:
     super().load_state(state)
     self.lps = state["lps"]
-
-
-SCHEDULES = {"diloco": SyncRounds, "async": AsyncWorkers, "async_dn": AsyncWorkers,
-             "halos": Halos}

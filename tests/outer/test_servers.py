@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conftest import load_config
-from lowcomm_jax import steps
+from lowcomm_jax import algorithms, steps
 from lowcomm_jax.sim import GLOBAL, Job, Network, Plan, SpeedModel
 from lowcomm_jax.sim_backend import SimBackend
 
@@ -38,11 +38,12 @@ def _backend(algorithm, workers=2, regions=(0, 0), **overrides):
                                     worker_regions=regions, intra_gbps=1.0,
                                     intra_latency_s=0.0, inter_gbps=1.0, inter_latency_s=0.0),
               delta_bytes=12, param_bytes=12, compressed=False)
-  run = types.SimpleNamespace(config=config, local_rounds=[_local_round],
-                              finish_round=lambda *a, **k: None)
+  run = types.SimpleNamespace(config=config, algorithm=algorithms.get(algorithm),
+                              local_programs=[[_local_round]], syncs=[None])
   state = steps.TrainState(jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(0)),
                            jnp.asarray(THETA0), ())
-  return SimBackend(run, plan, state, jnp.zeros((workers,), jnp.int32))
+  programs = types.SimpleNamespace(local=[[_local_round]], syncs=[None])
+  return SimBackend(run, programs, plan, state, jnp.zeros((workers,), jnp.int32))
 
 
 class _Driver:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from lowcomm_jax.sim import GLOBAL, SCHEDULES, EventLoop, Network, Plan, SpeedModel
+from lowcomm_jax import algorithms
+from lowcomm_jax.sim import GLOBAL, EventLoop, Network, Plan, SpeedModel
 
 
 class FakeBackend:
@@ -64,7 +65,7 @@ def _plan(speeds, *, regions=1, inner=2, total=None, rounds=2, inter_seconds_per
 
 def _run(algorithm, plan):
   backend, loop = FakeBackend(), EventLoop()
-  schedule = SCHEDULES[algorithm](plan, backend)
+  schedule = algorithms.get(algorithm).schedule(plan, backend)
   schedule.start(loop)
   times = []
   while len(loop):
@@ -153,7 +154,7 @@ def _continued(algorithm, plan, stop_after_batches):
   state (and the backend's versions), and finishes; returns the calls after the cut."""
   import json
   backend, loop = FakeBackend(), EventLoop()
-  schedule = SCHEDULES[algorithm](plan, backend)
+  schedule = algorithms.get(algorithm).schedule(plan, backend)
   schedule.start(loop)
   for _ in range(stop_after_batches):
     for event in loop.pop_simultaneous():
@@ -163,7 +164,7 @@ def _continued(algorithm, plan, stop_after_batches):
   cut = len(backend.calls)
   again, loop2 = FakeBackend(), EventLoop.from_state(saved["loop"])
   again.versions = saved["versions"]
-  resumed = SCHEDULES[algorithm](plan, again)
+  resumed = algorithms.get(algorithm).schedule(plan, again)
   resumed.load_state(saved["schedule"])
   for s, b, lp in ((schedule, backend, loop), (resumed, again, loop2)):
     while len(lp):
@@ -188,21 +189,59 @@ def test_asynchronous_servers_get_their_documented_outer_rules():
   import optax
   from conftest import load_config
   from lowcomm_jax.outer import DelayedNesterovState
-  from lowcomm_jax.sim_backend import server_rules
   plan = _plan((1.0, 1.0, 1.0, 0.5), regions=2)
   config = load_config("smoke", num_workers=4, **{"sim.enabled": True, "outer.lr": 0.8})
   x = jnp.ones(3)
   config.algorithm = "async"
-  rule = server_rules(config, plan)["global"]
+  rule = algorithms.get(config.algorithm).server_rules(config, plan)["global"]
   updates, _ = rule.update(x, rule.init(x), x)
   expected, _ = optax.sgd(0.2, momentum=0.9, nesterov=True).update(x, rule.init(x), x)
   assert jnp.allclose(updates, expected)
   config.algorithm = "async_dn"
-  rule = server_rules(config, plan)["global"]
+  rule = algorithms.get(config.algorithm).server_rules(config, plan)["global"]
   updates, state = rule.update(x, rule.init(x), x)
   assert isinstance(state, DelayedNesterovState) and jnp.allclose(updates, -0.8 * x / 4)
   config.algorithm = "halos"
-  rules = server_rules(config, plan)
+  rules = algorithms.get(config.algorithm).server_rules(config, plan)
   assert sorted(rules) == ["global", "region0", "region1"]
   updates, _ = rules["region0"].update(x, rules["region0"].init(x), x)
   assert jnp.allclose(updates, -0.8 * x / 2)  # two workers per region: N = 2
+
+
+class FakeSegmentBackend(FakeBackend):
+  """Versions count rounds: a round's last segment completes one."""
+
+  def __init__(self, segments):
+    super().__init__()
+    self.segments = segments
+
+  def sync_segment(self, jobs, segment):
+    if segment == self.segments - 1:
+      self.versions[GLOBAL] = self.version(GLOBAL) + 1
+    self.calls.append(("sync_segment", segment, len(jobs)))
+    return [1.0] * len(jobs)
+
+
+@pytest.mark.parametrize("tau,expected", [
+    # τ = 0: each segment waits for the previous fragment. Speeds 1 and 0.5, H = 4 in two
+    # segments of 2 steps (2 s and 4 s of compute), each fragment 1 byte: ring 1 s.
+    (0, [(5.0, 0), (10.0, 1), (15.0, 0), (20.0, 1)]),
+    # τ = 1: the slow worker's first step (2 s) hides the 1 s transfer: segments end every
+    # 4 s after the first, each fragment lands 1 s after its segment.
+    (1, [(5.0, 0), (9.0, 1), (13.0, 0), (17.0, 1)]),
+])
+def test_streaming_segments_hide_transfers_behind_tau_steps(tau, expected):
+  plan = _plan((1.0, 0.5), inner=4, fragment_bytes=(1, 1), overlap_steps=tau)
+  backend, loop = FakeSegmentBackend(2), EventLoop()
+  schedule = algorithms.get("streaming").schedule(plan, backend)
+  schedule.start(loop)
+  seen = []
+  while len(loop):
+    for event in loop.pop_simultaneous():
+      schedule.handle(event, loop)
+      seen.append((loop.now, event.data["segment"]))
+  assert seen == expected
+  assert [c for c in backend.calls if c[0] == "sync_segment"] == [
+      ("sync_segment", k, 2) for k in (0, 1, 0, 1)]
+  assert schedule.acct.applied_steps == 2 * 2 * 4 and schedule.progress() == 2
+  assert schedule.acct.bytes_sent == 4 * 2  # each segment: both workers send one fragment

@@ -1,0 +1,16 @@
+"""Every algorithm, one module each; `get(name)` is the only way the rest of the code picks
+one (config field `algorithm`). To add one: a module with a subclass of base.Algorithm
+(ARCHITECTURE.md, "Adding an algorithm") and a line in REGISTRY."""
+
+from lowcomm_jax.algorithms import async_dn, async_local_sgd, ddp, diloco, halos, streaming
+from lowcomm_jax.algorithms.base import Algorithm, Segment
+
+REGISTRY: dict[str, Algorithm] = {a.name: a for a in (
+    ddp.ALGORITHM, diloco.ALGORITHM, streaming.ALGORITHM, async_local_sgd.ALGORITHM,
+    async_dn.ALGORITHM, halos.ALGORITHM)}
+NAMES = tuple(REGISTRY)
+
+
+def get(name: str) -> Algorithm:
+  """The algorithm called `name` (validated configs only: config_check names the choices)."""
+  return REGISTRY[name]

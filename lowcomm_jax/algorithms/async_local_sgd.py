@@ -1,0 +1,35 @@
+"""Asynchronous Local-SGD (simulator): each worker pulls the server's latest θ, takes H
+steps and sends Δ; the server applies every arrival at once with plain Nesterov at
+lr outer.lr / W, so W arrivals move θ as far as one synchronous round's mean would."""
+
+from lowcomm_jax import outer
+from lowcomm_jax.algorithms.base import field_problem
+from lowcomm_jax.algorithms.diloco import DiLoCo
+
+
+def simulator_only(c, name: str) -> list[str]:
+  if c.sim.enabled:
+    return []
+  return [field_problem(c, "sim.enabled", f"algorithm={name!r} runs in the simulator; set "
+                        "--config.sim.enabled=True")]
+
+
+class AsyncLocalSGD(DiLoCo):
+  name = "async"
+  summary = "asynchronous Local-SGD: outer Nesterov applied per arrival (simulator)"
+  simulated_only = True
+
+  def problems(self, c):
+    return simulator_only(c, self.name) + super().problems(c)
+
+  def schedule(self, plan, backend):
+    from lowcomm_jax.sim.schedules import AsyncWorkers
+    return AsyncWorkers(plan, backend)
+
+  def server_rules(self, c, plan):
+    from lowcomm_jax.sim.schedules import GLOBAL
+    o = c.outer
+    return {GLOBAL: outer.diloco_outer(o.lr / plan.num_workers, o.momentum, o.nesterov)}
+
+
+ALGORITHM = AsyncLocalSGD()

@@ -1,0 +1,79 @@
+"""What an algorithm is, to the rest of the code: the declarations below, nothing else.
+
+A round of a synchronous algorithm is a list of segments. In a segment every worker takes
+some local steps from its own persistent parameters θ_w, then one fragment of the model is
+synchronized: the workers' pseudo-gradients Δ_w,p = θ_p − θ_w,p on that fragment are
+aggregated and the fragment's outer rule moves θ_p. The new θ_p reaches the workers
+`mix_at` steps into the next segment that names it in `mix`, as
+θ_w,p ← θ_p + α·(θ_w,p − θ_p) (α = 0: replaced). DiLoCo is one segment of H steps, a sync
+of the whole model and θ_w ← θ at the start of the next round; DDP is one gradient at θ.
+
+The simulator asks the same object for its schedule (when jobs run and messages travel)
+and, for asynchronous algorithms, the rules of its parameter servers.
+"""
+
+import dataclasses
+
+import ml_collections
+import optax
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """`steps` local steps (the round's steps [start, start + steps)), then fragment `sync`'s
+  sync. Fragment `mix`'s newest global value is mixed into θ_w after `mix_at` of the
+  steps; it is in flight from the previous segment (in a run's first segment nothing is,
+  so the mix is skipped unless `mix_at` is 0, where it is a no-op: θ_w = θ at the start)."""
+  start: int
+  steps: int
+  sync: int
+  mix: int
+  mix_at: int = 0
+
+
+class Algorithm:
+  """Base: synchronous, one fragment, local steps from θ_w reset to θ every round."""
+  name = ""
+  summary = ""  # one line: what it does (configs/base.py, --help texts, errors)
+  simulated_only = False  # runs in the simulator only (asynchronous servers)
+  local_steps = True  # False: the local program is one gradient at θ (DDP)
+  config_section = None  # its own config fields (c.<section>.*), if any
+
+  def problems(self, c: ml_collections.ConfigDict) -> list[str]:
+    """This algorithm's own config problems, each 'field=value: fix'."""
+    return []
+
+  def leaf_fragments(self, c: ml_collections.ConfigDict, abstract_params) -> tuple[int, ...] | None:
+    """Each parameter leaf's fragment (tree order), or None: the whole model is one."""
+    return None
+
+  def segments(self, c: ml_collections.ConfigDict, inner_steps: int) -> list[Segment]:
+    """One round of a host taking `inner_steps` local steps."""
+    return [Segment(start=0, steps=inner_steps, sync=0, mix=0, mix_at=0)]
+
+  def mix(self, c: ml_collections.ConfigDict) -> float:
+    """α: the weight a worker keeps on its own fragment when a new global one arrives."""
+    return 0.0
+
+  def outer_rule(self, c: ml_collections.ConfigDict, inner_tx: optax.GradientTransformation,
+                 layout) -> optax.GradientTransformation:
+    """The synchronous outer rule on the aggregated Δ of one fragment (flat, `layout` is the
+    fragment's); its state is the fragment's own."""
+    raise NotImplementedError
+
+  def schedule(self, plan, backend):
+    """The simulator's schedule (lowcomm_jax/sim/schedules.py) for this algorithm."""
+    from lowcomm_jax.sim.schedules import SyncRounds
+    return SyncRounds(plan, backend)
+
+  def server_rules(self, c: ml_collections.ConfigDict, plan) -> dict[str, optax.GradientTransformation]:
+    """Asynchronous parameter servers' rules by server name; {}: synchronous."""
+    return {}
+
+
+def field_problem(c: ml_collections.ConfigDict, field: str, fix: str) -> str:
+  """'field=value: fix', the form every config problem takes."""
+  value = c
+  for part in field.split("."):
+    value = value[part]
+  return f"{field}={value!r}: {fix}"

@@ -1,0 +1,43 @@
+"""DDP: every worker's gradient at θ, averaged every step, stepped by the per-step optimizer.
+
+A round is one step: the local program is ∇L(θ; batch_w) (no local parameters), the sync
+all-reduces it (or, with `compress.codec=demo`, all-gathers DeMo's compressed momentum) and
+the outer rule is the inner optimizer itself — or DeMo's sign descent.
+"""
+
+import optax
+
+from lowcomm_jax import optimizers
+from lowcomm_jax.algorithms.base import Algorithm, field_problem
+from lowcomm_jax.parallel.flat import tree_view
+
+
+class DDP(Algorithm):
+  name = "ddp"
+  summary = "average gradients every step (inner_steps must be 1)"
+  local_steps = False
+
+  def problems(self, c):
+    out = []
+    if c.inner_steps != 1:
+      out.append(field_problem(c, "inner_steps", "ddp averages gradients every step; set "
+                               "--config.inner_steps=1 (and raise rounds for more steps)"))
+    if c.outer.dylu:
+      out.append(field_problem(c, "outer.dylu", "Dynamic Local Updates need local steps; use "
+                               "diloco (or async, async_dn, halos in the simulator)"))
+    for i, row in enumerate(c.hosts):
+      if row.get("inner_steps", 0) not in (0, 1):
+        out.append(f"hosts[{i}].inner_steps={row['inner_steps']}: ddp takes one step per "
+                   "round; leave it 0")
+    if c.sim.enabled:
+      out.append(field_problem(c, "algorithm", "the simulator runs diloco, streaming, async, "
+                               "async_dn or halos; run ddp with sim.enabled=False"))
+    return out
+
+  def outer_rule(self, c, inner_tx, layout) -> optax.GradientTransformation:
+    if c.compress.codec == "demo":
+      return tree_view(optimizers.sign_descent(c.optimizer, c.rounds), layout)
+    return tree_view(inner_tx, layout)
+
+
+ALGORITHM = DDP()

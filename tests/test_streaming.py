@@ -1,0 +1,213 @@
+"""Streaming DiLoCo: DiLoCo as its one-fragment case, a hand-checked two-fragment
+trajectory, fragment layouts, bytes per sync, and exact resume with an update in flight."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import train_rounds
+from lowcomm_jax import algorithms, config_check, optimizers, outer, steps, train
+from lowcomm_jax.checkpoint import Checkpointer, abstract_with_shardings
+from lowcomm_jax.parallel import mesh as mesh_lib
+from lowcomm_jax.parallel.flat import ParamLayout
+
+
+def _streaming(smoke_config, **overrides):
+  return smoke_config(algorithm="streaming", **overrides)
+
+
+def test_one_fragment_without_overlap_or_mix_is_diloco_exactly(smoke_config):
+  common = {"num_workers": 2, "inner_steps": 4, "mesh.replica": 1}
+  _, s_diloco, w_diloco, m_diloco = train_rounds(smoke_config(**common), 3)
+  _, s_stream, w_stream, m_stream = train_rounds(_streaming(
+      smoke_config, **common, **{"streaming.fragments": 1, "streaming.overlap_steps": 0,
+                                 "streaming.mix": 0.0}), 3)
+  np.testing.assert_array_equal(s_stream.params, s_diloco.params)
+  jax.tree.map(np.testing.assert_array_equal, s_stream.outer, s_diloco.outer)
+  jax.tree.map(np.testing.assert_array_equal, w_stream, w_diloco)
+  np.testing.assert_array_equal(m_stream["train_loss_per_worker"],
+                                m_diloco["train_loss_per_worker"])
+
+
+# --- a toy problem, by hand ---------------------------------------------------------------
+# Two "blocks" of one 2-vector each; worker w's loss ½‖θ_b − t_w,b‖² per block, so an SGD
+# step at lr η is θ ← θ − η(θ − t). Outer rule: SGD at lr ε, no momentum.
+TARGETS = np.array([[[1.0, -1.0], [2.0, 0.5]], [[-3.0, 1.0], [0.0, 4.0]]], np.float32)
+THETA0 = {"blocks": {0: {"w": np.array([0.5, 0.25], np.float32)},
+                     1: {"w": np.array([-1.0, 2.0], np.float32)}}}
+ETA, EPS = 0.25, 0.7
+
+
+def _toy_config(smoke_config, tau, alpha):
+  return _streaming(smoke_config, num_workers=2, inner_steps=4, **{
+      "streaming.fragments": 2, "streaming.overlap_steps": tau, "streaming.mix": alpha,
+      "optimizer.name": "sgd", "optimizer.lr": ETA, "optimizer.warmup_steps": 0,
+      "optimizer.min_lr_ratio": 1.0, "optimizer.grad_clip": 0.0,
+      "outer.lr": EPS, "outer.momentum": 0.0})
+
+
+def _toy_run(config, rounds):
+  """θ after every sync, and the workers at the end, through steps.py's programs."""
+  algorithm = algorithms.get("streaming")
+  layout = ParamLayout.of(THETA0, algorithm.leaf_fragments(config, THETA0))
+  segments = algorithm.segments(config, config.inner_steps)
+  inner_tx = optimizers.inner_optimizer(config.optimizer, 1000)
+
+  def loss_fn(params, target_2x2, key):
+    return sum(0.5 * jnp.sum((params["blocks"][b]["w"] - target_2x2[b]) ** 2) for b in (0, 1))
+
+  aggregators = [optimizers.aggregator(config, layout.fragment(p)) for p in range(2)]
+  rules = [outer.diloco_outer(EPS, 0.0) for _ in range(2)]
+  local = [jax.jit(steps.make_local_segment(
+      loss_fn, inner_tx=inner_tx, hidden=1, d_ff=1, layout=layout, segment=s, index=k,
+      count=2, alpha=algorithm.mix(config), local_steps=True)) for k, s in enumerate(segments)]
+  syncs = [jax.jit(steps.make_sync(aggregators[s.sync], rules[s.sync], nested=False,
+                                   weigh_tokens=False, layout=layout, fragment=s.sync, count=2,
+                                   last=k == 1), static_argnames="metrics")
+           for k, s in enumerate(segments)]
+  with jax.set_mesh(mesh_lib.make_mesh(1, 1, 1)):
+    state = steps.init_state(layout.ravel(THETA0), seed=0, layout=layout,
+                             aggregators=aggregators, rules=rules, num_workers=2)
+    workers = steps.init_workers(state.params, workers=2, hidden=1, d_ff=1, layout=layout,
+                                 inner_tx=inner_tx, local_steps=True)
+    ids = jnp.arange(2, dtype=jnp.int32)
+    signals = steps.Signals(jnp.ones(2, jnp.int32), jnp.ones(2, jnp.float32),
+                            jnp.zeros(2, jnp.float32))
+    thetas = []
+    for _ in range(rounds):
+      for k, s in enumerate(segments):
+        batches = jnp.broadcast_to(jnp.asarray(TARGETS)[:, None], (2, s.steps, 2, 2))
+        delta, workers, _ = local[k](state._replace(outer=()), workers, batches, ids)
+        state, _ = syncs[k](state, delta, signals, metrics=False)
+        thetas.append(np.asarray(layout.unravel(state.params)["blocks"][0]["w"]).tolist()
+                      + np.asarray(layout.unravel(state.params)["blocks"][1]["w"]).tolist())
+  return np.asarray(thetas), workers, layout
+
+
+def _by_hand(rounds, tau, alpha):
+  """The same trajectory in plain numpy: who syncs when, the τ-late apply, the α mix."""
+  theta = [THETA0["blocks"][b]["w"].astype(np.float64) for b in (0, 1)]
+  own = [[t.copy() for t in theta] for _ in range(2)]
+  thetas = []
+  for r in range(rounds):
+    for p in (0, 1):  # segment p: 2 steps, then fragment (= block) p syncs
+      landing = 1 - p  # the fragment synced at the end of the previous segment
+      for t in range(2):
+        if t == tau and (r > 0 or p > 0):  # nothing is in flight before the first sync
+          for w in range(2):
+            own[w][landing] = theta[landing] + alpha * (own[w][landing] - theta[landing])
+        for w in range(2):
+          for b in (0, 1):
+            own[w][b] = own[w][b] - ETA * (own[w][b] - TARGETS[w, b])
+      mean_delta = np.mean([theta[p] - own[w][p] for w in range(2)], axis=0)
+      theta[p] = theta[p] - EPS * mean_delta
+      thetas.append(np.concatenate(theta).tolist())
+  return np.asarray(thetas), own
+
+
+@pytest.mark.parametrize("tau,alpha", [(0, 0.0), (1, 0.5)])
+def test_two_fragments_follow_the_hand_computed_trajectory(smoke_config, tau, alpha):
+  got, workers, layout = _toy_run(_toy_config(smoke_config, tau, alpha), rounds=3)
+  want, own = _by_hand(3, tau, alpha)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  # Each sync moved only its own fragment: block p after segment p, the other untouched.
+  for k in range(1, len(want)):
+    moved = np.abs(got[k] - got[k - 1]) > 0
+    p = k % 2
+    assert moved[2 * p:2 * p + 2].all() and not moved[2 * (1 - p):2 * (1 - p) + 2].any()
+  # The workers kept their own parameters (not θ) across rounds.
+  for w in range(2):
+    np.testing.assert_allclose(layout.unravel(workers.params[w])["blocks"][0]["w"], own[w][0],
+                               rtol=1e-5, atol=1e-6)
+  assert np.all(np.asarray(workers.steps) == 3 * 4)
+
+
+def test_fragment_layouts_cover_every_block_once(smoke_config):
+  tree = {"blocks": {i: {"w": np.zeros(3, np.float32)} for i in range(6)},
+          "wte": {"embedding": np.zeros(4, np.float32)}}
+  algorithm = algorithms.get("streaming")
+  strided = algorithm.leaf_fragments(_streaming(smoke_config, **{"streaming.fragments": 3}),
+                                     tree)
+  # Leaves in tree order: blocks 0..5, then wte (which joins the lightest, fragment 0).
+  assert strided == (0, 1, 2, 0, 1, 2, 0)
+  sequential = algorithm.leaf_fragments(_streaming(
+      smoke_config, **{"streaming.fragments": 3, "streaming.layout": "sequential"}), tree)
+  assert sequential == (0, 0, 1, 1, 2, 2, 0)
+  layout = ParamLayout.of(tree, strided)
+  assert layout.bounds == ((0, 10), (10, 16), (16, 22))  # blocks 0, 3 and wte are contiguous
+  flat = layout.ravel(jax.tree.map(lambda x: x + 1.0, tree))
+  jax.tree.map(np.testing.assert_array_equal, layout.unravel(flat),
+               jax.tree.map(lambda x: x + 1.0, tree))
+
+
+def test_each_fragment_syncs_once_per_round_and_peak_bytes_shrink(smoke_config, tmp_path):
+  config = _streaming(smoke_config, num_workers=2, inner_steps=4, rounds=2,
+                      **{"streaming.fragments": 2, "streaming.overlap_steps": 1})
+  r = train.build(config)
+  assert [s.sync for s in r.segments(4)] == [0, 1]  # one sync per fragment per H steps
+  sent = [b.sent for b in r.sync_bytes()]
+  fragment_bytes = [4 * (end - start) for start, end in r.layout.bounds]
+  assert sent == fragment_bytes and sum(sent) == r.param_bytes
+  summary = train.run(config, tmp_path / "run")
+  assert summary["bytes_sent"] == 2 * r.param_bytes  # = DiLoCo's: the whole model per round
+  assert summary["bytes_sent_peak_sync"] == max(fragment_bytes) < r.param_bytes
+  diloco = train.build(smoke_config(num_workers=2, inner_steps=4, rounds=2))
+  assert [b.sent for b in diloco.sync_bytes()] == [r.param_bytes]  # DiLoCo: all at once
+
+
+def _checkpoint(config, workdir):
+  r = train.build(config)
+  ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=2)
+  state, _, workers, data = ckpt.restore(
+      ckpt.latest_round(), abstract_with_shardings(r.abstract_state, r.state_shardings),
+      r.abstract_workers())
+  ckpt.close()
+  return state, workers, data
+
+
+def test_resume_mid_cycle_with_an_update_in_flight_is_exact(smoke_config, tmp_path):
+  # τ = 1: the last fragment's update, sent at the end of a round, lands one step into the
+  # next; a checkpoint between the two holds it in flight (θ updated, θ_w not yet mixed).
+  config = _streaming(smoke_config, num_workers=2, inner_steps=4, rounds=4,
+                      checkpoint_every=1, **{"streaming.fragments": 2,
+                                             "streaming.overlap_steps": 1,
+                                             "streaming.mix": 0.5})
+  straight = train.run(config, tmp_path / "straight")
+  assert train.run(config, tmp_path / "resumed", stop_after_rounds=2) == {"stopped_at_round": 2}
+  resumed = train.run(config, tmp_path / "resumed")
+  assert resumed["eval_loss"] == straight["eval_loss"]
+  a, b = _checkpoint(config, tmp_path / "straight"), _checkpoint(config, tmp_path / "resumed")
+  jax.tree.map(np.testing.assert_array_equal, a[:2], b[:2])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"inner_steps": 3}, "H=3 must be a multiple of streaming.fragments=2"),
+    ({"streaming.overlap_steps": 2}, "H/P > streaming.overlap_steps=2"),
+    ({"streaming.fragments": 3}, "streaming.fragments=3: must be in [1, 2]"),
+    ({"streaming.layout": "zigzag"}, "streaming.layout='zigzag'"),
+    ({"streaming.mix": 1.0}, "streaming.mix=1.0: alpha must be in [0, 1)"),
+    ({"outer.dylu": True}, "outer.dylu=True: streaming's fragments"),
+])
+def test_bad_streaming_configs_name_the_field(smoke_config, overrides, message):
+  config = _streaming(smoke_config, **{"inner_steps": 4, **overrides})
+  with pytest.raises(config_check.ConfigError) as e:
+    config_check.validate(config, num_devices=8)
+  assert message in str(e.value)
+
+
+def test_streaming_fields_without_streaming_are_refused(smoke_config):
+  with pytest.raises(config_check.ConfigError, match="ignored unless algorithm='streaming'"):
+    config_check.validate(smoke_config(**{"streaming.fragments": 4}), num_devices=8)
+
+
+def test_streaming_summary_reads_back(smoke_config, tmp_path):
+  """The CLI's summary.json carries the new peak field for every synchronous run."""
+  config = _streaming(smoke_config, num_workers=2, inner_steps=2, rounds=1,
+                      **{"streaming.fragments": 2})
+  train.run(config, tmp_path / "run")
+  summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+  assert summary["algorithm"] == "streaming" and summary["bytes_sent_peak_sync"] > 0
