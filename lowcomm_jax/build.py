@@ -72,10 +72,15 @@ class Run:
       self._placed[key] = jax.device_put(x, mesh_lib.replicated(self.mesh))
     return self._placed[key]
 
+  def tokens(self, inner_steps: int, host: int = 0) -> int:
+    """Tokens in `inner_steps` inner steps of workers of host `host` (the one way both
+    drivers count them)."""
+    return inner_steps * self.hosts[host].batch_size * self.config.data.seq_len
+
   def round_tokens(self, inner_steps_per_host) -> list[int]:
     """Tokens each host's workers process in a round with these H."""
-    return [len(h.worker_ids) * h.batch_size * H * self.config.data.seq_len
-            for h, H in zip(self.hosts, inner_steps_per_host)]
+    return [len(h.worker_ids) * self.tokens(H, i)
+            for i, (h, H) in enumerate(zip(self.hosts, inner_steps_per_host))]
 
   def segments(self, inner_steps: int) -> list[algorithms.Segment]:
     """The segments of a round of a host taking `inner_steps` steps."""
@@ -84,8 +89,7 @@ class Run:
   def signals(self, segment_steps_per_host, losses_R=None) -> steps.Signals:
     """Every worker's signals for a sync after these steps per host (tokens as float32);
     `losses_R` the workers' train losses (zeros when the sync reports none)."""
-    per_worker = [h.batch_size * s * self.config.data.seq_len
-                  for h, s in zip(self.hosts, segment_steps_per_host)]
+    per_worker = [self.tokens(s, i) for i, s in enumerate(segment_steps_per_host)]
     tokens = np.asarray([t for h, t in zip(self.hosts, per_worker) for _ in h.worker_ids],
                         np.float32)
     if losses_R is None:

@@ -98,6 +98,7 @@ def main(argv):
   from lowcomm_jax import train
   from lowcomm_jax.checkpoint import CheckpointMismatch
   from lowcomm_jax.data import DataError
+  from lowcomm_jax.run_files import TrainingDiverged
   from lowcomm_jax.workdir import WorkdirError
 
   workdir = _WORKDIR.value or default_workdir(config_flags.get_config_filename(flags.FLAGS["config"]))
@@ -108,7 +109,7 @@ def main(argv):
   try:
     summary = run(_CONFIG.value, workdir)
   except (ConfigError, DataError, CheckpointMismatch, ResumeRefused, WorkdirError,
-          train.TrainingDiverged) as e:
+          TrainingDiverged) as e:
     print(f"lowcomm_jax: error: {e}", file=sys.stderr)
     sys.exit(2)
   if jax.process_index() != 0:

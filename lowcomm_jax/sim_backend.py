@@ -19,7 +19,7 @@ import optax
 
 from lowcomm_jax import compress, outer, steps
 from lowcomm_jax.build import Programs, Run
-from lowcomm_jax.sim import GLOBAL, Job, Plan, region_server
+from lowcomm_jax.sim import GLOBAL, Job, Plan
 
 
 def _without_empty(tree: dict) -> dict:

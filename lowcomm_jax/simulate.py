@@ -12,8 +12,6 @@ optimizer states and data streams: resuming continues the same simulation.
 """
 
 import copy
-import dataclasses
-import json
 import logging
 import math
 import pathlib
@@ -24,16 +22,16 @@ import ml_collections
 import numpy as np
 import optax
 
-from lowcomm_jax import compress, config_check, run_identity
+from lowcomm_jax import compress, config_check
 from lowcomm_jax.build import Run, build, init_run, jitted_steps
 from lowcomm_jax.checkpoint import Checkpointer, CheckpointMismatch
-from lowcomm_jax.metrics import MetricsLogger, announce_compile
+from lowcomm_jax.metrics import announce_compile
 from lowcomm_jax.outer import dylu_inner_steps
 from lowcomm_jax.workdir import holds_lock
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
 from lowcomm_jax.sim import EventLoop, Network, Plan, SpeedModel
 from lowcomm_jax.sim_backend import SimBackend
-from lowcomm_jax.train import TrainingDiverged
+from lowcomm_jax.run_files import RunFiles, TrainingDiverged  # noqa: F401 - raised by RunFiles
 
 
 def make_plan(c: ml_collections.ConfigDict, r: Run) -> Plan:
@@ -144,28 +142,23 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   preemption would (resume tests).
   """
   t_start = time.time()
-  workdir = pathlib.Path(workdir)
-  # A workdir holds one run: a changed config is refused before any work.
-  config_changes = run_identity.changes(workdir, config)
+  files = RunFiles(config, workdir)  # refuses a changed config before any work
+  workdir = files.workdir
   sim = _Simulation(config)
   c, plan, schedule = sim.c, sim.plan, sim.schedule
-  workdir.mkdir(parents=True, exist_ok=True)
-  summary_path = workdir / "summary.json"
-  ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=c.keep_checkpoints)
-  latest = ckpt.recover()  # damaged newer rounds are moved aside
+  latest = files.open_checkpoints()
+  ckpt = files.ckpt
   wall_before, finished = 0.0, False
   announce_compile(sim.backend.local_round, "the local program and the server updates")
   if latest is not None:
     meta = ckpt.restore_meta(latest)
-    if meta["finished"] and summary_path.exists():
-      ckpt.close()
-      done = json.loads(summary_path.read_text()).get("rounds", c.rounds)
+    if meta["finished"] and (summary := files.finished_summary()) is not None:
+      done = summary.get("rounds", c.rounds)
       if done != c.rounds:
         raise config_check.ConfigError([
             f"rounds={c.rounds}: the simulation in {workdir} finished its {done} rounds and "
             "cannot be extended (its schedule drained every worker); pass another --workdir"])
-      logging.info("simulation in %s already finished; keeping summary.json", workdir)
-      return json.loads(summary_path.read_text())
+      return summary
     ckpt.discard_after(latest)  # parts of a save cut short; they are redone
     sim.restore(ckpt, latest, meta)
     wall_before, finished = meta["wall_seconds"], meta["finished"]
@@ -177,12 +170,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   eval_step = jax.jit(sim.r.eval_step)
   param_norm = jax.jit(optax.tree.norm)
   windows = jax.device_put(sim.r.eval_windows, mesh_lib.replicated(sim.r.mesh))
-  logger = MetricsLogger(workdir, rounds=c.rounds, write_files=True)
-  if config_changes:
-    logger.note(schedule.acct.applied_steps // w,
-                {"event": "resume", "round": latest, "changed": config_changes},
-                supersede_later_rows=True)
-  resumes = run_identity.write(workdir, config, resumed_at=latest, changed=config_changes)
+  resumes = files.start_metrics(schedule.acct.applied_steps // w, latest, write_files=True)
+  logger = files.logger
   logging.info("simulating %s: %d workers, speeds %s, H %s, regions %s, %d bytes per "
                "contribution", c.algorithm, w, [f"{v:.2f}" for v in plan.speeds.speeds],
                plan.inner_steps, plan.network.worker_region, plan.delta_bytes)
@@ -198,12 +187,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
     losses = schedule.acct.loss_sum  # NaN in any job's loss since the last log stays here
     norm = float(param_norm(sim.backend.global_params()))
     if not all(math.isfinite(v) for v in (losses, norm, eval_loss or 0.0)):
-      ckpt.wait()
-      raise TrainingDiverged(
-          f"non-finite training at virtual t={sim.loop.now:.1f}s (train-loss sum {losses}, "
-          f"global param norm {norm}, eval {eval_loss}). The last good checkpoint "
-          f"(round-equivalent {ckpt.latest_round()}) in {ckpt.directory} is intact; lower "
-          "optimizer.lr or outer.lr and resume from it")
+      raise files.diverged(f"virtual t={sim.loop.now:.1f}s (train-loss sum {losses}, global "
+                           f"param norm {norm}, eval {eval_loss})", unit="round-equivalent")
 
   def record(with_eval: bool) -> float | None:
     """Evaluates if asked, checks, writes the scalars and prints the progress line; returns
@@ -215,7 +200,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
     check_finite(eval_loss)
     train_loss = schedule.take_train_loss()
     scalars = {"virtual_seconds": sim.loop.now, "total_inner_steps": a.applied_steps,
-               "tokens": a.applied_steps * c.data.batch_size * c.data.seq_len,
+               "tokens": sim.r.tokens(a.applied_steps),
                "bytes_sent": a.bytes_sent // w,
                "server_bytes_sent": a.server_bytes_sent,
                "mean_staleness": a.staleness_sum / max(a.applied_jobs, 1),
@@ -239,7 +224,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
 
   # The console's speed, on the host's clock from one record to the next.
   clock = {"time": time.perf_counter(),
-           "tokens": schedule.acct.applied_steps * c.data.batch_size * c.data.seq_len}
+           "tokens": sim.r.tokens(schedule.acct.applied_steps)}
   speed = {}
 
   mark, saved = schedule.progress(), 0
@@ -269,15 +254,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
     if not finished:  # one past the last mark, so the finished state is always the newest
       sim.save(ckpt, max(mark, schedule.progress()) + 1, {"wall_seconds": wall, "finished": True})
   finally:
-    try:
-      ckpt.wait()  # raises if a save in flight failed (WorkdirError)
-    finally:
-      ckpt.close()
-      logger.close()
-  summary = _summary(sim, eval_loss, wall)
-  summary["config_changes"] = resumes
-  summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-  return summary
+    files.close()  # raises if a save in flight failed (WorkdirError)
+  return files.write_summary(_summary(sim, eval_loss, wall), resumes, write_files=True)
 
 
 def _idle_fractions(a, now: float) -> list[float]:
@@ -301,7 +279,7 @@ def _summary(sim: _Simulation, eval_loss: float, wall: float) -> dict:
       "model": c.model.name, "params": sim.r.param_count, "codec": c.compress.codec,
       "eval_loss": eval_loss, "train_loss": a.last_train_loss,
       "total_inner_steps": a.applied_steps,
-      "tokens": a.applied_steps * c.data.batch_size * c.data.seq_len,
+      "tokens": sim.r.tokens(a.applied_steps),
       "virtual_seconds": total,
       "mean_staleness": a.staleness_sum / max(a.applied_jobs, 1),
       "mean_drift": a.drift_sum / max(a.applied_jobs, 1),

@@ -5,7 +5,6 @@ evaluation, metric writes, checkpoints and the final summary.
 """
 
 import dataclasses
-import json
 import logging
 import math
 import pathlib
@@ -16,18 +15,15 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from lowcomm_jax import config_check, run_identity
+from lowcomm_jax import config_check
 from lowcomm_jax.build import Run, build, init_run, jitted_steps, train_round
-from lowcomm_jax.checkpoint import Checkpointer, CheckpointMismatch, abstract_with_shardings
-from lowcomm_jax.metrics import MetricsLogger, ReadyClock, announce_compile
+from lowcomm_jax.checkpoint import CheckpointMismatch, abstract_with_shardings
+from lowcomm_jax.metrics import ReadyClock, announce_compile
+from lowcomm_jax.run_files import RunFiles, TrainingDiverged  # noqa: F401 - raised by RunFiles
 from lowcomm_jax.outer import dylu_inner_steps
 from lowcomm_jax.parallel.ledger import CommBytes
 from lowcomm_jax.workdir import holds_lock
 from lowcomm_jax.parallel import mesh as mesh_lib
-
-
-class TrainingDiverged(RuntimeError):
-  """A non-finite loss or parameter; the last good checkpoint is left as it was."""
 
 
 def _due(round_: int, every: int, last: int) -> bool:
@@ -53,35 +49,28 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   checkpoint for the next call to resume from (used by the resume tests).
   """
   t_start = time.time()
-  workdir = pathlib.Path(workdir)
-  # A workdir holds one run: a changed config is refused before any work.
-  config_changes = run_identity.changes(workdir, config)
+  files = RunFiles(config, workdir)  # refuses a changed config before any work
   r = build(config)
   with r.partitioner():  # tensor-parallel programs compile under GSPMD (model/tp.py)
-    return _train(r, config, workdir, config_changes, t_start, stop_after_rounds)
+    return _train(r, files, t_start, stop_after_rounds)
 
 
-def _train(r: Run, config: ml_collections.ConfigDict, workdir: pathlib.Path,
-           config_changes: dict, t_start: float, stop_after_rounds: int | None) -> dict:
+def _train(r: Run, files: RunFiles, t_start: float, stop_after_rounds: int | None) -> dict:
   """`run`'s round loop, on a built run."""
-  c, hosts = r.config, r.hosts
+  c, hosts, workdir = r.config, r.hosts, files.workdir
   lead = jax.process_index() == 0
-  workdir.mkdir(parents=True, exist_ok=True)
-  summary_path = workdir / "summary.json"
-  ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=c.keep_checkpoints)
+  latest = files.open_checkpoints()
+  ckpt = files.ckpt
   fns = jitted_steps(r)
 
   schedule_steps = c.optimizer.decay_steps or c.rounds * c.inner_steps
-  latest = ckpt.recover()  # damaged newer rounds are moved aside
   if latest is not None and latest > c.rounds:
     ckpt.close()
     raise config_check.ConfigError([
         f"rounds={c.rounds}: {workdir} already holds a checkpoint at round {latest}; raise "
         "rounds to continue that run, or pass another --workdir for a new one"])
-  if latest == c.rounds and summary_path.exists():
-    logging.info("run in %s already finished (round %d); keeping summary.json", workdir, latest)
-    ckpt.close()
-    return json.loads(summary_path.read_text())
+  if latest == c.rounds and (summary := files.finished_summary()) is not None:
+    return summary
   configured = [h.inner_steps for h in hosts]
   if c.outer.dylu and all(h.speed > 0 for h in hosts):
     configured = dylu_inner_steps(c.inner_steps, [h.speed for h in hosts])
@@ -121,14 +110,9 @@ def _train(r: Run, config: ml_collections.ConfigDict, workdir: pathlib.Path,
   timed = len(hosts) > 1
   sync_bytes = r.sync_bytes()
   round_bytes = sum(sync_bytes, CommBytes())
-  logger = MetricsLogger(workdir, rounds=c.rounds, write_files=lead)
-  resumes = []  # config changes recorded in config.json (process 0 reports them)
-  if lead:
-    if config_changes:
-      logger.note(start * c.inner_steps,
-                  {"event": "resume", "round": start, "changed": config_changes},
-                  supersede_later_rows=True)
-    resumes = run_identity.write(workdir, config, resumed_at=start, changed=config_changes)
+  # Config changes recorded in config.json (process 0 reports them).
+  resumes = files.start_metrics(start * c.inner_steps, start, write_files=lead)
+  logger = files.logger
   end = c.rounds if stop_after_rounds is None else min(c.rounds, start + stop_after_rounds)
   logging.info("%s: %d workers on %d host(s) (this process runs %s), mesh %s, model %s "
                "(%.2fM params), rounds %d..%d, H per host %s, %d bytes sent per worker per "
@@ -145,12 +129,8 @@ def _train(r: Run, config: ml_collections.ConfigDict, workdir: pathlib.Path,
     if not scalars:  # a round that logs, evaluates and checkpoints nothing computes none
       return scalars
     if not (math.isfinite(scalars["train_loss"]) and math.isfinite(scalars["param_norm"])):
-      ckpt.wait()
-      raise TrainingDiverged(
-          f"non-finite training at round {round_} (train_loss={scalars['train_loss']}, "
-          f"param_norm={scalars['param_norm']}). The last good checkpoint "
-          f"(round {ckpt.latest_round()}) in {ckpt.directory} is intact; lower "
-          "optimizer.lr or outer.lr and resume from it")
+      raise files.diverged(f"round {round_} (train_loss={scalars['train_loss']}, "
+                           f"param_norm={scalars['param_norm']})")
     now = ready.ready_time(round_)
     # Since the last round with metrics was ready, less evaluation and checkpoint saving.
     seconds = now - clock["time"] - (clock["paused_total"] - clock["paused"])
@@ -234,20 +214,13 @@ def _train(r: Run, config: ml_collections.ConfigDict, workdir: pathlib.Path,
       eval_loss = _evaluate(r, eval_step, state, eval_windows_dev)
   finally:  # also on errors: saves in flight complete, files are flushed
     ready.close()
-    try:
-      ckpt.wait()  # raises if a save in flight failed (WorkdirError)
-    finally:
-      ckpt.close()
-      logger.close()
+    files.close()  # raises if a save in flight failed (WorkdirError)
   if end < c.rounds:
     return {"stopped_at_round": end}
 
   summary = _summary(r, sched, sync_bytes, eval_loss, scalars,
                      wall_before + time.time() - t_start)
-  summary["config_changes"] = resumes
-  if lead:
-    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-  return summary
+  return files.write_summary(summary, resumes, write_files=lead)
 
 
 def _evaluate(r: Run, eval_step, state, windows) -> float:

@@ -9,6 +9,7 @@ REGISTRY: dict[str, Algorithm] = {a.name: a for a in (
     ddp.ALGORITHM, diloco.ALGORITHM, streaming.ALGORITHM, async_local_sgd.ALGORITHM,
     async_dn.ALGORITHM, halos.ALGORITHM)}
 NAMES = tuple(REGISTRY)
+__all__ = ["Algorithm", "NAMES", "REGISTRY", "Segment", "get"]
 
 
 def get(name: str) -> Algorithm:
