@@ -19,13 +19,15 @@ from lowcomm_jax.config_doc import host_row
 
 COLUMNS = [("run", "{}"), ("algorithm", "{}"), ("num_workers", "{}"), ("inner_steps", "{}"),
            ("rounds", "{}"), ("eval_loss", "{:.4f}"), ("tokens", "{:,}"),
-           ("MiB sent/worker", "{:,.1f}"), ("DDP/this bytes", "{:.1f}"), ("wall_seconds", "{:.0f}")]
+           ("MiB sent/worker", "{:,.1f}"), ("DDP/this bytes", "{:.1f}"), ("wall_seconds", "{:.0f}"),
+           ("peak MiB/sync", "{:,.2f}")]
 
 
 SIM_COLUMNS = [("run", "{}"), ("algorithm", "{}"), ("heterogeneity", "{}"), ("dylu", "{}"),
                ("num_workers", "{}"), ("total_inner_steps", "{:,}"), ("eval_loss", "{:.4f}"),
                ("virtual_seconds", "{:,.1f}"), ("mean_staleness", "{:.2f}"),
-               ("mean_drift", "{:.4f}"), ("mean idle", "{:.2f}"), ("MiB sent/worker", "{:,.1f}")]
+               ("mean_drift", "{:.4f}"), ("mean idle", "{:.2f}"), ("MiB sent/worker", "{:,.1f}"),
+               ("peak MiB/sync", "{:,.2f}")]
 
 
 def read_metrics(workdir: pathlib.Path) -> list[dict]:
@@ -51,6 +53,8 @@ def summary_row(workdir: pathlib.Path) -> dict:
   s = json.loads((pathlib.Path(workdir) / "summary.json").read_text())
   sent = s["bytes_sent"]  # 0 for a lone worker: it talks to nobody
   row = {**s, "run": pathlib.Path(workdir).name, "MiB sent/worker": sent / 2**20,
+         # The largest single sync (runs from before it was recorded: unknown).
+         "peak MiB/sync": s.get("bytes_sent_peak_sync", float("nan")) / 2**20,
          "DDP/this bytes": s["bytes_sent_ddp_equivalent"] / sent if sent else float("nan")}
   if s.get("simulated"):
     row["mean idle"] = sum(w["idle_fraction"] for w in s["workers"]) / len(s["workers"])

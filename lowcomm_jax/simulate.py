@@ -286,6 +286,8 @@ def _summary(sim: _Simulation, eval_loss: float, wall: float) -> dict:
       "contributions": a.applied_jobs,
       "bytes_sent": a.bytes_sent // c.num_workers,  # what a worker sent, mean over workers
       "bytes_sent_total": a.bytes_sent,
+      # The largest single contribution a worker sends (streaming: one fragment's).
+      "bytes_sent_peak_sync": max(plan.fragment_bytes) if c.num_workers > 1 else 0,
       # Models sent by servers: pulls by asynchronous workers, HALoS's LPS <-> GPS traffic.
       "server_bytes_sent": a.server_bytes_sent,
       # DDP would all-reduce dense fp32 gradients at every inner step.

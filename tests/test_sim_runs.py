@@ -167,3 +167,5 @@ def test_streaming_in_the_simulator_equals_the_real_runner(tmp_path):
   # Each round every worker sends the whole model once, one fragment at a time.
   assert summary["bytes_sent"] == 2 * 4 * summary["params"]
   assert summary["total_inner_steps"] == 2 * 4 * 4
+  # ...but never more than its largest fragment at once.
+  assert 0 < summary["bytes_sent_peak_sync"] < 4 * summary["params"]
