@@ -159,8 +159,14 @@ def test_streaming_in_the_simulator_equals_the_real_runner(tmp_path):
   streaming = {"algorithm": "streaming", "inner_steps": 4, "streaming.fragments": 2,
                "streaming.overlap_steps": 1, "streaming.mix": 0.5}
   config = _sim_config(rounds=2, **streaming, **{"sim.heterogeneity": "very"})
-  summary = simulate.run(config, tmp_path)
-  sim_params = simulate.final_global_params(config, tmp_path)
+  summary = simulate.run(config, tmp_path / "whole")
+  sim_params = simulate.final_global_params(config, tmp_path / "whole")
+  # Stopped after round 1's checkpoint, with round 2's first fragment in flight.
+  assert simulate.run(config, tmp_path / "split", stop_after_checkpoints=1)["stopped_at"] == 1
+  resumed = simulate.run(config, tmp_path / "split")
+  assert resumed["virtual_seconds"] == summary["virtual_seconds"]
+  split_params = simulate.final_global_params(config, tmp_path / "split")
+  np.testing.assert_array_equal(np.asarray(split_params), np.asarray(sim_params))
   runner = load_config("smoke", num_workers=4, rounds=2, **streaming, **{"mesh.replica": 1})
   _, state, _, _ = train_rounds(runner, 2)
   np.testing.assert_array_equal(np.asarray(sim_params), np.asarray(state.params))
