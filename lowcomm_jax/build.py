@@ -45,7 +45,8 @@ class Run:
   # per local host, per segment of the round: steps.make_local_segment
   local_programs: list[list[Callable]]
   init_workers: list[Callable]  # per local host: flat θ -> its WorkerState [G, ...]
-  syncs: list[Callable]  # per segment: (state, Δ of its fragment, signals, metrics) -> (state, metrics)
+  # per segment: (state, Δ of its fragment, signals, metrics) -> (state, metrics)
+  syncs: list[Callable]
   eval_step: Callable[[jax.Array, jax.Array], jax.Array]  # (flat θ, windows) -> loss
   init_fn: Callable[[], steps.TrainState]
   abstract_state: steps.TrainState

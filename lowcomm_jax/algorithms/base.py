@@ -66,7 +66,8 @@ class Algorithm:
     from lowcomm_jax.sim.schedules import SyncRounds
     return SyncRounds(plan, backend)
 
-  def server_rules(self, c: ml_collections.ConfigDict, plan) -> dict[str, optax.GradientTransformation]:
+  def server_rules(self, c: ml_collections.ConfigDict,
+                   plan) -> dict[str, optax.GradientTransformation]:
     """Asynchronous parameter servers' rules by server name; {}: synchronous."""
     return {}
 
