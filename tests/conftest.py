@@ -56,3 +56,16 @@ def train_rounds(config, rounds: int):
       state, workers, metrics, _ = train.train_round(
           r, fns, state, workers, batches, [h.inner_steps for h in r.hosts])
   return r, state, workers, metrics
+
+
+def checkpointed_state(config, workdir):
+  """((global state, worker states), data-stream states) of the workdir's latest checkpoint."""
+  from lowcomm_jax import train
+  from lowcomm_jax.checkpoint import Checkpointer, abstract_with_shardings
+  r = train.build(config)
+  ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=2)
+  state, _, workers, data = ckpt.restore(
+      ckpt.latest_round(), abstract_with_shardings(r.abstract_state, r.state_shardings),
+      r.abstract_workers())
+  ckpt.close()
+  return (state, workers), data

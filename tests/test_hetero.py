@@ -9,7 +9,7 @@ import pytest
 from lowcomm_jax import config_check, train
 from conftest import train_rounds
 from lowcomm_jax.hosts import host
-from test_train import _checkpointed_state
+from conftest import checkpointed_state as _checkpointed_state
 
 
 def _tiers_config(smoke_config, hosts, **overrides):

@@ -2,7 +2,6 @@
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -10,20 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, checkpointed_state as _checkpointed_state
 from lowcomm_jax import config_check, train
-from lowcomm_jax.checkpoint import Checkpointer, abstract_with_shardings
-
-
-def _checkpointed_state(config, workdir):
-  """(global state, worker states, data-stream states) of the workdir's latest checkpoint."""
-  r = train.build(config)
-  ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=2)
-  state, _, workers, data = ckpt.restore(
-      ckpt.latest_round(), abstract_with_shardings(r.abstract_state, r.state_shardings),
-      r.abstract_workers())
-  ckpt.close()
-  return (state, workers), data
 
 
 def _main(*args, cwd=REPO):
