@@ -4,8 +4,7 @@
     python bench/numerics.py --out after.json --compare before.json
 
 Each case is the real command line (`python -m lowcomm_jax.main`) in its own process, on 8
-virtual CPU devices (tensor parallelism sets a process-wide JAX flag, and the device count
-decides the mesh), some shortened by overrides. The final eval losses are compared exactly
+virtual CPU devices (the device count decides the mesh), some shortened by overrides. The final eval losses are compared exactly
 (bit for bit: JSON floats round-trip); `--tolerance` allows a relative difference where a
 summation order had to change (say why in BUILD_NOTES.md).
 """

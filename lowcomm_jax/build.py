@@ -234,17 +234,18 @@ def build(config: ml_collections.ConfigDict) -> Run:
                            fragment=s.sync, count=len(segments), last=k == len(segments) - 1)
            for k, s in enumerate(segments)]
   alpha = algorithm.mix(c)
+  keeps_params = algorithm.keeps_worker_params(c)
   local_programs = [
       [steps.make_local_segment(loss_of(hosts[i].hidden, local_mesh), inner_tx=inner_txs[i],
                                 hidden=hosts[i].hidden, d_ff=model_cfg.d_ff, layout=layout,
                                 segment=s, index=k, count=len(segments), alpha=alpha,
-                                local_steps=algorithm.local_steps)
+                                local_steps=algorithm.local_steps, keeps_params=keeps_params)
        for k, s in enumerate(segments)]
       for i in local_hosts]
   init_workers = [
       (lambda p, h=hosts[i], tx=inner_txs[i]: steps.init_workers(
           p, workers=len(h.worker_ids), hidden=h.hidden, d_ff=model_cfg.d_ff, layout=layout,
-          inner_tx=tx, local_steps=algorithm.local_steps))
+          inner_tx=tx, local_steps=algorithm.local_steps, keeps_params=keeps_params))
       for i in local_hosts]
 
   def init_fn():
@@ -298,14 +299,16 @@ class Programs:
   init_workers: list[Callable]
 
 
-def jitted_steps(r: Run) -> Programs:
+def jitted_steps(r: Run, *, donate: bool | None = None) -> Programs:
   """The run's programs, jitted with their output shardings.
 
   A host's local program re-traces when its H changes (DyLU). Donation halves peak memory
   on accelerators; on CPU a host copy taken by an async checkpoint may alias device memory,
-  so nothing is donated there.
+  so by default nothing is donated there. The simulator passes `donate=False`: it keeps
+  the run's key, pulled snapshots and server states beside the arrays a program consumes.
   """
-  donate = jax.default_backend() != "cpu"
+  if donate is None:
+    donate = jax.default_backend() != "cpu"
   per_worker = mesh_lib.per_worker(r.local_mesh)
   local = [[jax.jit(f, donate_argnums=(1,) if donate else (),
                     out_shardings=(per_worker, per_worker, per_worker)) for f in host]

@@ -6,7 +6,8 @@ own shapes):
 
   <dir>/<r>/state, meta          orbax: TrainState (θ_global, outer optimizer state, round,
                                  base RNG key) with shardings; JSON run metadata
-  <dir>/process_<p>/<r>/         that process's workers' inner optimizer states (workers.npz)
+  <dir>/process_<p>/<r>/         that process's worker states (workers.npz: own parameters
+                                 where the algorithm keeps them, inner optimizer states, steps)
                                  and its data streams' iterator states (data.json)
 
 The per-process part is plain numpy + JSON, written to a temporary directory and renamed
@@ -146,7 +147,7 @@ class _ProcessStore:
     with np.load(self.directory / str(step) / "workers.npz") as npz:
       leaves = [npz[f"arr_{i}"] for i in range(len(npz.files))]
     if [(x.shape, x.dtype) for x in leaves] != [(a.shape, a.dtype) for a in leaves_abstract]:
-      raise ValueError("worker optimizer states have other shapes than this config's")
+      raise ValueError("worker states have other shapes than this config's")
     workers = jax.tree.unflatten(treedef, [jax.device_put(x, a.sharding)
                                            for x, a in zip(leaves, leaves_abstract)])
     return workers, json.loads((self.directory / str(step) / "data.json").read_text())
@@ -309,7 +310,8 @@ class Checkpointer:
           f"the checkpoint at {self.directory} (round {round_}) does not fit this config "
           f"({type(e).__name__}: {str(e)[:300]}). Resume with the config and host table that "
           "wrote it, or start fresh with another --workdir. (Checkpoints written before "
-          "lowcomm_jax stored θ as one flat vector, 2026-11-22, do not restore.)") from e
+          "lowcomm_jax stored θ as one flat vector, 2026-11-22, or before its named outer "
+          "and worker states, 2026-11-24, do not restore.)") from e
     return g.state, g.meta, workers, data
 
   def wait(self) -> None:

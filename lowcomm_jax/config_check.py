@@ -43,7 +43,7 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   check(c.num_workers >= 1, "num_workers", "need at least one worker")
   check(c.rounds >= 1, "rounds", "need at least one outer round")
   check(c.inner_steps >= 1, "inner_steps", "H must be >= 1")
-  if c.algorithm in ALGORITHMS and c.inner_steps >= 1 and c.num_workers >= 1:
+  if c.algorithm in ALGORITHMS:
     problems.extend(algorithms.get(c.algorithm).problems(c))  # its own fields and limits
   for other in algorithms.REGISTRY.values():  # another algorithm's own fields, changed
     if other.config_section and other.name != c.algorithm:

@@ -122,7 +122,9 @@ def main(argv):
           f"Workdir: {workdir}")
   elif "bytes_sent" in summary:
     sent, ddp = summary["bytes_sent"] / 2**20, summary["bytes_sent_ddp_equivalent"] / 2**20
-    versus = ("" if summary["algorithm"] == "ddp" or not sent else
+    from lowcomm_jax import algorithms
+    local_steps = algorithms.get(summary["algorithm"]).local_steps  # DDP is the comparison
+    versus = ("" if not local_steps or not sent else
               f", DDP would have sent {ddp:,.1f} MiB ({ddp / sent:.0f}x more)")
     print(f"eval loss {summary['eval_loss']:.4f} after {summary['tokens']:,} tokens; each worker "
           f"sent {sent:,.1f} MiB{versus}. Workdir: {workdir}")

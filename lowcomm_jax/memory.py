@@ -5,8 +5,8 @@ with XLA's RESOURCE_EXHAUSTED. The estimate counts what each replica device hold
 
   replicated     θ_global, the outer rule's state (momentum; DDP: the AdamW moments), and
                  the outer step's temporaries (the averaged Δ, the new θ)
-  per worker     its own parameters θ_w (kept across rounds, full width), its inner
-                 optimizer state (AdamW: 2x its tier's parameters), its codec error
+  per worker     its own parameters θ_w (full width, where the algorithm keeps them across
+                 rounds: Streaming DiLoCo), its inner optimizer state (AdamW: 2x its tier's parameters), its codec error
                  buffer, its Δ, and while its round runs its θ copy, gradient and
                  activations (workers on a device are vmapped: they all run at once)
 
@@ -78,13 +78,15 @@ def estimate(r) -> dict[str, int]:
   out = {"params": params, "outer_state": ledger.tree_bytes(rule_state),
          "outer_temporaries": 2 * params,
          "codec_buffers": math.ceil(ledger.tree_bytes(codec_state) / global_replicas),
-         "inner_optimizer": 0, "deltas": 0, "round_temporaries": 0}
+         "inner_optimizer": 0, "worker_params": 0, "deltas": 0, "round_temporaries": 0}
   for i in r.local_hosts:
     h = r.hosts[i]
     per_device = math.ceil(len(h.worker_ids) / local_replicas)
     tier = r.tier_bytes[h.tier]
-    if r.algorithm.local_steps:  # each worker's own θ_w (full width) and optimizer state
-      out["inner_optimizer"] += copies * per_device * (tier["optimizer_bytes"] + params)
+    if r.algorithm.local_steps:
+      out["inner_optimizer"] += copies * per_device * tier["optimizer_bytes"]
+    if r.algorithm.keeps_worker_params(c):  # each worker's own θ_w, full width
+      out["worker_params"] += copies * per_device * params
     out["deltas"] += per_device * params
     # Hosts run one after another: only the largest round's temporaries count.
     running = per_device * (2 * tier["param_bytes"] + activation_bytes(

@@ -78,7 +78,7 @@ class _Simulation:
     self.r = r = build(_one_device(config))
     self.c = r.config
     self.plan = make_plan(self.c, r)
-    programs = jitted_steps(r)
+    programs = jitted_steps(r, donate=False)  # its servers outlive the calls (sim_backend)
     state, workers = init_run(r, programs)
     self.backend = SimBackend(r, programs, self.plan, state, workers[0])
     self.schedule = r.algorithm.schedule(self.plan, self.backend)
@@ -103,7 +103,8 @@ class _Simulation:
   def fingerprint(self) -> dict:
     """What a checkpoint must agree with to be continued by this config."""
     p = self.plan
-    return {"algorithm": self.c.algorithm, "inner_steps": p.inner_steps,
+    # format 2: worker states hold θ_w, messages record their shapes (issue 15).
+    return {"format": 2, "algorithm": self.c.algorithm, "inner_steps": p.inner_steps,
             "total_steps": p.total_steps, "speeds": list(p.speeds.speeds),
             "worker_region": list(p.network.worker_region), "sync_every": p.sync_every,
             "codec": self.c.compress.codec}

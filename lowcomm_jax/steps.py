@@ -57,7 +57,8 @@ class TrainState(NamedTuple):
 
 class WorkerState(NamedTuple):
   """One host's workers, stacked [G, ...]; survives rounds (checkpointed per process)."""
-  params: jax.Array  # θ_w, flat at full width
+  # θ_w, flat at full width; () where no round reads it (DiLoCo: θ_w ← θ as a round starts).
+  params: jax.Array | tuple
   opt_state: Any  # the inner optimizer's state for the tier's parameters
   steps: jax.Array  # local steps taken
 
@@ -87,11 +88,12 @@ def _mix_fragment(own, global_, layout: ParamLayout, fragment: int, alpha: float
 def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformation,
                        hidden: int, d_ff: int, layout: ParamLayout, segment: Segment,
                        index: int, count: int, alpha: float, local_steps: bool,
-                       axis_name: str = "replica"):
+                       keeps_params: bool = True, axis_name: str = "replica"):
   """`local(state, workers[G], batches[G, S, B, L+1], worker_ids[G])`
   -> (Δ[G, N_p] of the synced fragment, flat at full width, workers[G], losses[G, S]) for
   one host's G workers of width `hidden`: segment `index` of `count` equal ones (S from the
   batches: the round has H = S·count steps, this segment its steps [index·S, (index+1)·S)).
+  Without `keeps_params` the workers start from θ and keep no parameters (DiLoCo).
   """
   grad_fn = jax.value_and_grad(loss_fn)
   narrow = hidden != d_ff
@@ -115,13 +117,15 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
       return layout.fragment_slice(layout.ravel(delta), sync), (), loss[None]
     s = batches.shape[0]
     step_keys = jax.random.split(key, s * count)[index * s:(index + 1) * s]
-    own = layout.unravel(own_flat)
+    own = layout.unravel(own_flat) if keeps_params else global_params
 
     def landed(own_full):
       """The synced fragment's new global value, mixed into θ_w. In the first segment of a
       run nothing is in flight: skipped (at step 0 it is a no-op, θ_w = θ, and stays
       unconditional so DiLoCo's program is what it always was)."""
       mixed = _mix_fragment(own_full, global_params, layout, mix, alpha)
+      if narrow and alpha != 0.0:  # units the tier does not train follow θ: their Δ stays 0
+        mixed = unslice_tier(global_params, slice_tier(mixed, hidden))
       if index == 0 and mix_at > 0:
         return jax.tree.map(lambda m, o: jnp.where(round_ > 0, m, o), mixed, own_full)
       return mixed
@@ -145,7 +149,8 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
     losses.append(rest)
     delta = (layout.fragment_slice(global_flat, sync) - layout.fragment_slice(own_flat, sync))
     losses_s = jnp.concatenate(losses) if len(losses) > 1 else losses[0]
-    return delta, WorkerState(own_flat, opt_state, steps + s), losses_s
+    return (delta, WorkerState(own_flat if keeps_params else (), opt_state, steps + s),
+            losses_s)
 
   def local(state: TrainState, workers: WorkerState | tuple, batches_GxSxBxL1, worker_ids_G):
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(round_key(state), worker_ids_G)
@@ -154,7 +159,7 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
       in_axes = (None, None, None, None, None, 0, 0)
     else:
       own, opt_state, steps = workers
-      in_axes = (None, None, 0, 0, 0, 0, 0)
+      in_axes = (None, None, 0 if keeps_params else None, 0, 0, 0, 0)
     delta, workers, losses = jax.vmap(
         worker, in_axes=in_axes, axis_name=axis_name, spmd_axis_name=axis_name)(
             state.params, state.round, own, opt_state, steps, batches_GxSxBxL1, keys)
@@ -261,13 +266,14 @@ def init_state(params, *, seed: int, layout: ParamLayout, aggregators, rules,
 
 
 def init_workers(flat_params, *, workers: int, hidden: int, d_ff: int, layout: ParamLayout,
-                 inner_tx: optax.GradientTransformation, local_steps: bool):
-  """A host's fresh [workers, ...] states: θ_w = θ, the inner optimizer's initial state for
-  its tier's parameters. () for an algorithm without local steps."""
+                 inner_tx: optax.GradientTransformation, local_steps: bool,
+                 keeps_params: bool = True):
+  """A host's fresh [workers, ...] states: θ_w = θ (if kept), the inner optimizer's initial
+  state for its tier's parameters. () for an algorithm without local steps."""
   if not local_steps:
     return ()
   params = layout.unravel(flat_params)
-  one = WorkerState(flat_params, inner_tx.init(params if hidden == d_ff
-                                               else slice_tier(params, hidden)),
+  one = WorkerState(flat_params if keeps_params else (),
+                    inner_tx.init(params if hidden == d_ff else slice_tier(params, hidden)),
                     jnp.zeros((), jnp.int32))
   return jax.tree.map(lambda x: jnp.broadcast_to(x, (workers,) + x.shape), one)

@@ -1,5 +1,6 @@
-"""Tensor parallelism inside DiLoCo/DDP workers, through the CLI (a TP run switches its
-process to the GSPMD partitioner, so these runs get their own processes)."""
+"""Tensor parallelism inside DiLoCo/DDP workers, through the CLI: the command a user runs,
+on 4 virtual devices of its own (the GSPMD partitioner it needs is scoped to the run,
+model/tp.partitioner, so in-process runs would work too)."""
 
 import json
 import os

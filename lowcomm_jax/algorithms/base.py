@@ -55,6 +55,14 @@ class Algorithm:
     """α: the weight a worker keeps on its own fragment when a new global one arrives."""
     return 0.0
 
+  def keeps_worker_params(self, c: ml_collections.ConfigDict) -> bool:
+    """Whether θ_w must outlive a round. Not when a round is one segment whose sync lands at
+    its step 0 unmixed: θ_w ← θ as every round starts (DiLoCo), so keeping it would only
+    cost a model per worker in memory and checkpoints."""
+    segments = self.segments(c, c.inner_steps)
+    return self.local_steps and not (len(segments) == 1 and segments[0].mix_at == 0
+                                     and self.mix(c) == 0.0)
+
   def outer_rule(self, c: ml_collections.ConfigDict, inner_tx: optax.GradientTransformation,
                  layout) -> optax.GradientTransformation:
     """The synchronous outer rule on the aggregated Δ of one fragment (flat, `layout` is the

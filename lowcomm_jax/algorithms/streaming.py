@@ -68,11 +68,12 @@ class StreamingDiLoCo(DiLoCo):
       out.append(field_problem(c, "outer.dylu", "streaming's fragments sync at fixed steps; "
                                "DyLU's measured H would break that; set outer.dylu=False"))
     if s.fragments >= 1:
-      hs = {c.inner_steps} | {row.get("inner_steps", 0) or c.inner_steps for row in c.hosts}
-      for h in sorted(hs):
-        if h % s.fragments or h // s.fragments <= s.overlap_steps:
-          where = ("inner_steps" if h == c.inner_steps else "hosts")
-          out.append(f"{where}: H={h} must be a multiple of streaming.fragments="
+      fields = [("inner_steps", c.inner_steps)] + [
+          (f"hosts[{i}].inner_steps", row["inner_steps"]) for i, row in enumerate(c.hosts)
+          if row.get("inner_steps", 0)]
+      for field, h in fields:
+        if h >= 1 and (h % s.fragments or h // s.fragments <= s.overlap_steps):
+          out.append(f"{field}={h}: H={h} must be a multiple of streaming.fragments="
                      f"{s.fragments} with H/P > streaming.overlap_steps={s.overlap_steps} "
                      "(a fragment's update lands before the next sync); change H, P or tau")
     return out

@@ -10,7 +10,6 @@ jitted program, where XLA fuses the slices into their consumers.
 """
 
 import dataclasses
-import itertools
 import math
 from typing import Any
 
