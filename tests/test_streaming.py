@@ -159,12 +159,12 @@ def test_each_fragment_syncs_once_per_round_and_peak_bytes_shrink(smoke_config, 
 def test_resume_mid_cycle_with_an_update_in_flight_is_exact(smoke_config, tmp_path):
   # τ = 1: the last fragment's update, sent at the end of a round, lands one step into the
   # next; a checkpoint between the two holds it in flight (θ updated, θ_w not yet mixed).
-  config = _streaming(smoke_config, num_workers=2, inner_steps=4, rounds=4,
+  config = _streaming(smoke_config, num_workers=2, inner_steps=4, rounds=2,
                       checkpoint_every=1, **{"streaming.fragments": 2,
                                              "streaming.overlap_steps": 1,
                                              "streaming.mix": 0.5})
   straight = train.run(config, tmp_path / "straight")
-  assert train.run(config, tmp_path / "resumed", stop_after_rounds=2) == {"stopped_at_round": 2}
+  assert train.run(config, tmp_path / "resumed", stop_after_rounds=1) == {"stopped_at_round": 1}
   resumed = train.run(config, tmp_path / "resumed")
   assert resumed["eval_loss"] == straight["eval_loss"]
   jax.tree.map(np.testing.assert_array_equal, checkpointed_state(config, tmp_path / "straight"),
@@ -192,8 +192,9 @@ def test_streaming_fields_without_streaming_are_refused(smoke_config):
 
 
 
-@pytest.mark.parametrize("codec", ["int4", "sparseloco"])
-def test_codecs_compress_each_fragment_with_tiers(smoke_config, tmp_path, codec):
+def test_a_codec_compresses_each_fragment_with_tiers(smoke_config, tmp_path):
+  """4-bit, as in the paper, with its error-feedback buffers per fragment and worker."""
+  codec = "int4"
   from lowcomm_jax import compress
   from lowcomm_jax.hosts import host
   config = _streaming(smoke_config, hosts=[host(1.0), host(0.5)], num_workers=2,
