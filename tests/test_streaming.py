@@ -216,7 +216,7 @@ def test_a_narrow_tier_keeps_its_untrained_units_at_the_global_value(smoke_confi
   from lowcomm_jax.hosts import host
   config = _streaming(smoke_config, hosts=[host(1.0), host(0.5)], num_workers=2,
                       inner_steps=4, **{"streaming.overlap_steps": 1, "streaming.mix": 0.5})
-  r, state, workers, _ = train_rounds(config, 2)
+  r, state, workers, _ = train_rounds(config, 1)
   theta = r.layout.unravel(state.params)["blocks"][0]["mlp"]
   narrow = r.layout.unravel(workers[1].params[0])["blocks"][0]["mlp"]  # landed, not synced
   m = r.hosts[1].hidden
