@@ -1,9 +1,9 @@
 """Streaming DiLoCo on unequal hosts: the model's blocks in 2 fragments that sync in turn,
 every 10 of a round's 20 inner steps, each fragment's update landing one inner step after
-it was sent (τ = 1: the transfer hides behind that step). A full-width host and a half-width
-one with half the batch and half the steps (its segments are 5 steps: per-host H must be a
-multiple of the fragments). Each worker's largest single send is about half of DiLoCo's
-(summary.json: bytes_sent_peak_sync); total bytes are DiLoCo's.
+it was sent (τ = 1: that step is the transfer's time to hide). A full-width host, and a
+half-width one with half the batch and half the steps (its segments are 5 steps: per-host H
+must be a multiple of the fragments). Each worker's largest single send is about half of
+DiLoCo's (summary.json: bytes_sent_peak_sync); total bytes are DiLoCo's.
 
     python -m lowcomm_jax.main --config=configs/streaming.py
 """
