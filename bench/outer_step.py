@@ -72,12 +72,12 @@ def main():
   r = train.build(config)
   fns = train.jitted_steps(r)
   state, workers = train.init_run(r, fns)
-  inner_steps = [h.inner_steps for h in r.hosts]
+  inner_steps = [h.inner_steps for h in r.topology.hosts]
 
   # Round split: compute (this process's local program), outer step, idle at the barrier.
   splits = []
   for _ in range(args.rounds + 1):
-    batches = [r.streams[0].next_round(args.inner_steps)]
+    batches = [r.data.streams[0].next_round(args.inner_steps)]
     t0 = time.perf_counter()
     state, workers, metrics, compute = train.train_round(r, fns, state, workers, batches,
                                                          inner_steps, timed=True)
@@ -95,17 +95,18 @@ def main():
   zeros = lambda a: host_array(a.shape, a.dtype, a.sharding)
   deltas, losses = zeros(deltas), zeros(signals.loss)
   finish = fns.syncs[0]
-  rep, per_worker = NamedSharding(r.mesh, P()), NamedSharding(r.mesh, P("replica"))
+  mesh = r.topology.mesh
+  rep, per_worker = NamedSharding(mesh, P()), NamedSharding(mesh, P("replica"))
   rule = outer.diloco_outer(config.outer.lr, config.outer.momentum, config.outer.nesterov)
 
   def flat_step(flat_R, params, momentum):
     updates, momentum = rule.update(flat_R.sum(0) / n, momentum, params)
     return optax.apply_updates(params, updates), momentum
 
-  with jax.set_mesh(r.mesh):
+  with jax.set_mesh(r.topology.mesh):
     signals = r.signals(inner_steps, losses)
-    flat_R = host_array((n, r.param_count), np.float32, per_worker, 1)
-    flat_params = host_array((r.param_count,), np.float32, rep, 1)
+    flat_R = host_array((n, r.model.param_count), np.float32, per_worker, 1)
+    flat_params = host_array((r.model.param_count,), np.float32, rep, 1)
     flat_momentum = jax.jit(rule.init, out_shardings=rep)(flat_params)
     flat = jax.jit(flat_step, out_shardings=rep)
     psum = jax.jit(lambda x: x.sum(0), out_shardings=rep)  # bare all-reduce, same bytes
@@ -117,8 +118,8 @@ def main():
 
   if jax.process_index() == 0:
     mean = lambda k: statistics.mean(s[k] for s in splits)
-    result = {"processes": n, "model": args.model, "params": r.param_count,
-              "payload_bytes_per_worker": r.param_bytes, "repeats": args.repeats,
+    result = {"processes": n, "model": args.model, "params": r.model.param_count,
+              "payload_bytes_per_worker": r.model.param_bytes, "repeats": args.repeats,
               "outer_step_s": timings["outer"], "outer_lean_s": timings["outer_lean"],
               "flat_floor_s": timings["flat_floor"], "bare_psum_s": timings["psum"],
               "ratio": timings["outer"] / timings["psum"],

@@ -46,7 +46,7 @@ def bare_steps_per_second(r, config, batches_HxBxL1, rounds: int) -> dict[str, f
 
   def step(params, opt_state, batch):
     loss, grads = jax.value_and_grad(
-        lambda p: next_token_loss(nnx.merge(r.graphdef, p), batch))(params)
+        lambda p: next_token_loss(nnx.merge(r.model.graphdef, p), batch))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -62,7 +62,7 @@ def bare_steps_per_second(r, config, batches_HxBxL1, rounds: int) -> dict[str, f
   out = {}
   for name, fn, calls, arg in (("per_step", per_step, rounds * h, lambda i: batch_list[i % h]),
                                ("scanned", scan, rounds, lambda i: stacked)):
-    params = jax.jit(lambda: r.layout.unravel(r.init_fn().params))()  # the model's tree
+    params = jax.jit(lambda: r.model.layout.unravel(r.state.init().params))()  # the model's tree
     opt_state = tx.init(params)
     params, opt_state, loss = fn(params, opt_state, arg(0))  # compile
     jax.block_until_ready(loss)
@@ -81,12 +81,13 @@ def runner_steps_per_second(r, config, rounds: int) -> float:
   inner_steps = [config.inner_steps]  # H per host (one host)
   state, workers = train.init_run(r, fns)
   state, workers, metrics, _ = train.train_round(
-      r, fns, state, workers, [r.streams[0].next_round(config.inner_steps)], inner_steps)  # compile
+      r, fns, state, workers, [r.data.streams[0].next_round(config.inner_steps)],
+      inner_steps)  # compile
   jax.block_until_ready(metrics)
   t0 = time.perf_counter()
   pending = None
   for _ in range(rounds):
-    batches = [r.streams[0].next_round(config.inner_steps)]
+    batches = [r.data.streams[0].next_round(config.inner_steps)]
     state, workers, metrics, _ = train.train_round(r, fns, state, workers, batches, inner_steps)
     if pending is not None:
       jax.device_get(pending)  # the runner's one-round-late metrics read
@@ -115,7 +116,8 @@ def main():
   config.data.batch_size = args.batch_size
   config.data.seq_len = args.seq_len
   r = train.build(config)
-  bare_batches = [jax.device_put(b) for b in r.streams[0].next_round(args.inner_steps)[0]]  # [H, B, L+1]
+  bare_batches = [jax.device_put(b)  # [H, B, L+1]
+                  for b in r.data.streams[0].next_round(args.inner_steps)[0]]
 
   per_step, scanned, runner = [], [], []
   for _ in range(args.repeats):

@@ -30,33 +30,64 @@ from lowcomm_jax.parallel import ledger, mesh as mesh_lib
 from lowcomm_jax.parallel.flat import ParamLayout
 
 
-@dataclasses.dataclass
-class Run:
-  """Everything built from the config before the first round."""
-  config: ml_collections.ConfigDict
-  algorithm: algorithms.Algorithm
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  """Where a run's workers are: the meshes, the host table and which hosts this process runs."""
   mesh: jax.sharding.Mesh  # global: every process's devices
   local_mesh: jax.sharding.Mesh  # this process's devices (== mesh in a single process)
-  model_cfg: GPTConfig
-  graphdef: nnx.GraphDef
-  layout: ParamLayout  # the flat θ's tree view and fragments (abstract tree: layout.abstract)
   hosts: list[HostSpec]  # all of them
   local_hosts: list[int]  # indices of the hosts this process runs
-  # per local host, per segment of the round: steps.make_local_segment
-  local_programs: list[list[Callable]]
-  init_workers: list[Callable]  # per local host: flat θ -> its WorkerState [G, ...]
-  # per segment: (state, Δ of its fragment, signals, metrics) -> (state, metrics)
-  syncs: list[Callable]
-  eval_step: Callable[[jax.Array, jax.Array], jax.Array]  # (flat θ, windows) -> loss
-  init_fn: Callable[[], steps.TrainState]
-  abstract_state: steps.TrainState
-  state_shardings: steps.TrainState
-  streams: list[WorkerStreams]  # per local host
-  eval_windows: np.ndarray
+  hidden_per_worker: np.ndarray  # [R] FFN hidden units each worker trains
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """The model's shapes and sizes (nothing allocated)."""
+  cfg: GPTConfig
+  graphdef: nnx.GraphDef
+  layout: ParamLayout  # the flat θ's tree view and fragments (abstract tree: layout.abstract)
   param_count: int
   param_bytes: int
   tier_bytes: dict[float, dict[str, int]]  # per tier: parameter and optimizer bytes per worker
-  hidden_per_worker: np.ndarray  # [R] FFN hidden units each worker trains
+
+
+@dataclasses.dataclass(frozen=True)
+class RunData:
+  """This process's training streams and the shared evaluation windows."""
+  streams: list[WorkerStreams]  # per local host
+  eval_windows: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSpec:
+  """The global state's constructor, shapes and shardings."""
+  init: Callable[[], steps.TrainState]
+  abstract: steps.TrainState
+  shardings: steps.TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+  """A run's programs, as built (pure functions) or jitted (`jitted_steps`)."""
+  # per local host, per segment of the round: steps.make_local_segment
+  local: list[list[Callable]]
+  # per segment: (state, Δ of its fragment, signals, metrics) -> (state, metrics)
+  syncs: list[Callable]
+  init_workers: list[Callable]  # per local host: flat θ -> its WorkerState [G, ...]
+  eval: Callable[[jax.Array, jax.Array], jax.Array]  # (flat θ, windows) -> loss
+
+
+@dataclasses.dataclass
+class Run:
+  """Everything built from the config before the first round, in typed pieces, and the
+  questions the drivers ask of them (tokens, signals, bytes, shapes)."""
+  config: ml_collections.ConfigDict
+  algorithm: algorithms.Algorithm
+  topology: Topology
+  model: ModelSpec
+  data: RunData
+  state: StateSpec
+  programs: Programs
   # Enter around compiling and running the run's programs (model/tp.py: GSPMD under TP).
   partitioner: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
   _placed: dict = dataclasses.field(default_factory=dict)
@@ -70,18 +101,18 @@ class Run:
     x = np.asarray(x)
     key = (x.dtype.str, x.shape, x.tobytes())
     if key not in self._placed:
-      self._placed[key] = jax.device_put(x, mesh_lib.replicated(self.mesh))
+      self._placed[key] = jax.device_put(x, mesh_lib.replicated(self.topology.mesh))
     return self._placed[key]
 
   def tokens(self, inner_steps: int, host: int = 0) -> int:
     """Tokens in `inner_steps` inner steps of workers of host `host` (the one way both
     drivers count them)."""
-    return inner_steps * self.hosts[host].batch_size * self.config.data.seq_len
+    return inner_steps * self.topology.hosts[host].batch_size * self.config.data.seq_len
 
   def round_tokens(self, inner_steps_per_host) -> list[int]:
     """Tokens each host's workers process in a round with these H."""
     return [len(h.worker_ids) * self.tokens(H, i)
-            for i, (h, H) in enumerate(zip(self.hosts, inner_steps_per_host))]
+            for i, (h, H) in enumerate(zip(self.topology.hosts, inner_steps_per_host))]
 
   def segments(self, inner_steps: int) -> list[algorithms.Segment]:
     """The segments of a round of a host taking `inner_steps` steps."""
@@ -91,22 +122,22 @@ class Run:
     """Every worker's signals for a sync after these steps per host (tokens as float32);
     `losses_R` the workers' train losses (zeros when the sync reports none)."""
     per_worker = [self.tokens(s, i) for i, s in enumerate(segment_steps_per_host)]
-    tokens = np.asarray([t for h, t in zip(self.hosts, per_worker) for _ in h.worker_ids],
+    tokens = np.asarray([t for h, t in zip(self.topology.hosts, per_worker) for _ in h.worker_ids],
                         np.float32)
     if losses_R is None:
       losses_R = self.replicated_input(np.zeros((self.config.num_workers,), np.float32))
-    return steps.Signals(self.replicated_input(self.hidden_per_worker),
+    return steps.Signals(self.replicated_input(self.topology.hidden_per_worker),
                          self.replicated_input(tokens), losses_R)
 
   def abstract_sync_inputs(self, fragment: int):
     """Shapes (with shardings) of fragment `fragment`'s sync inputs: Δ and the signals."""
-    sharding = mesh_lib.per_worker(self.mesh)
-    start, end = (self.layout.bounds[fragment] if self.layout.bounds
-                  else (0, self.layout.size))
+    sharding = mesh_lib.per_worker(self.topology.mesh)
+    start, end = (self.model.layout.bounds[fragment] if self.model.layout.bounds
+                  else (0, self.model.layout.size))
     r = self.config.num_workers
-    deltas = jax.ShapeDtypeStruct((r, end - start), self.abstract_state.params.dtype,
+    deltas = jax.ShapeDtypeStruct((r, end - start), self.state.abstract.params.dtype,
                                   sharding=sharding)
-    rep = mesh_lib.replicated(self.mesh)
+    rep = mesh_lib.replicated(self.topology.mesh)
     signals = steps.Signals(jax.ShapeDtypeStruct((r,), jnp.int32, sharding=rep),
                             jax.ShapeDtypeStruct((r,), jnp.float32, sharding=rep),
                             jax.ShapeDtypeStruct((r,), jnp.float32, sharding=sharding))
@@ -116,9 +147,9 @@ class Run:
     """Per-worker bytes of each sync of a round (one per segment), from tracing them
     (nothing runs)."""
     out = []
-    for segment, sync in zip(self.segments(self.config.inner_steps), self.syncs):
+    for segment, sync in zip(self.segments(self.config.inner_steps), self.programs.syncs):
       deltas, signals = self.abstract_sync_inputs(segment.sync)
-      out.append(ledger.count_bytes(sync, self.abstract_state, deltas, signals))
+      out.append(ledger.count_bytes(sync, self.state.abstract, deltas, signals))
     return out
 
   def outer_bytes(self) -> ledger.CommBytes:
@@ -133,18 +164,18 @@ class Run:
     if tp.size <= 1:
       return {}
     plan = SyncPlan(tp.sync, tp.layers_per_group, tuple(tp.attn_sync_layers))
-    host = self.hosts[self.local_hosts[0]]
+    host = self.topology.hosts[self.topology.local_hosts[0]]
     workers = len(host.worker_ids)
     segment = self.segments(host.inner_steps)[0]
     batches = jax.ShapeDtypeStruct(
         (workers, segment.steps, host.batch_size, self.config.data.seq_len + 1), jnp.int32)
     ids = jax.ShapeDtypeStruct((workers,), jnp.int32)
-    with jax.set_mesh(self.local_mesh), self.partitioner():
-      hlo = jax.jit(self.local_programs[0][0]).lower(
-          self.abstract_state._replace(outer=()), self.abstract_workers()[0],
+    with jax.set_mesh(self.topology.local_mesh), self.partitioner():
+      hlo = jax.jit(self.programs.local[0][0]).lower(
+          self.state.abstract._replace(outer=()), self.abstract_workers()[0],
           batches, ids).compile().as_text()
-    return {"tp_syncs_forward": plan.syncs_forward(self.model_cfg.n_layer,
-                                                   self.model_cfg.parallel_residual),
+    return {"tp_syncs_forward": plan.syncs_forward(self.model.cfg.n_layer,
+                                                   self.model.cfg.parallel_residual),
             "tp_allreduces_train_step": count_all_reduces(hlo),
             # Parameters stay replicated over 'model': the sharded leaves' gradients are
             # gathered before the (replicated) optimizer update.
@@ -153,10 +184,10 @@ class Run:
 
   def abstract_workers(self):
     """Shapes and shardings of this process's worker states (for restoring them)."""
-    sharding = mesh_lib.per_worker(self.local_mesh)
-    params = self.abstract_state.params
+    sharding = mesh_lib.per_worker(self.topology.local_mesh)
+    params = self.state.abstract.params
     return tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                              jax.eval_shape(f, params)) for f in self.init_workers)
+                              jax.eval_shape(f, params)) for f in self.programs.init_workers)
 
 
 def _loss_fn(graphdef, model_cfg: GPTConfig, plan: SyncPlan | None, mesh):
@@ -269,34 +300,26 @@ def build(config: ml_collections.ConfigDict) -> Run:
       steps.OuterState(
           jax.tree.map(lambda _: mesh_lib.per_worker(mesh), per_worker_outer),
           jax.tree.map(lambda _: rep, abstract_state.outer.per_fragment)))
-  run = Run(
-      config=c, algorithm=algorithm, mesh=mesh, local_mesh=local_mesh, model_cfg=model_cfg,
-      graphdef=graphdef, layout=layout,
-      hosts=hosts, local_hosts=local_hosts, local_programs=local_programs,
-      init_workers=init_workers, syncs=syncs,
-      eval_step=steps.make_eval_step(loss_of(model_cfg.d_ff, mesh), layout), init_fn=init_fn,
-      abstract_state=abstract_state,
-      state_shardings=state_shardings,
+  topology = Topology(
+      mesh=mesh, local_mesh=local_mesh, hosts=hosts, local_hosts=local_hosts,
+      hidden_per_worker=np.asarray([h.hidden for h in hosts for _ in h.worker_ids], np.int32))
+  model = ModelSpec(cfg=model_cfg, graphdef=graphdef, layout=layout,
+                    param_count=count_params(layout.abstract),
+                    param_bytes=ledger.tree_bytes(layout.abstract), tier_bytes=tier_bytes)
+  data = RunData(
       streams=[WorkerStreams(train_tokens, worker_ids=hosts[i].worker_ids,
                              seq_len=c.data.seq_len, batch_size=hosts[i].batch_size,
                              seed=c.seed, batch_mode=c.data.batch_mode) for i in local_hosts],
       eval_windows=eval_windows(val_tokens, seq_len=c.data.seq_len,
                                 batch_size=c.data.batch_size, num_batches=c.eval_batches,
-                                seed=c.seed),
-      param_count=count_params(layout.abstract),
-      param_bytes=ledger.tree_bytes(layout.abstract), tier_bytes=tier_bytes,
-      hidden_per_worker=np.asarray([h.hidden for h in hosts for _ in h.worker_ids], np.int32),
-      partitioner=lambda: partitioner(plan))
+                                seed=c.seed))
+  programs = Programs(local=local_programs, syncs=syncs, init_workers=init_workers,
+                      eval=steps.make_eval_step(loss_of(model_cfg.d_ff, mesh), layout))
+  run = Run(config=c, algorithm=algorithm, topology=topology, model=model, data=data,
+            state=StateSpec(init=init_fn, abstract=abstract_state, shardings=state_shardings),
+            programs=programs, partitioner=lambda: partitioner(plan))
   memory.check(run)  # nothing is allocated yet: refuse in seconds, not at RESOURCE_EXHAUSTED
   return run
-
-
-@dataclasses.dataclass
-class Programs:
-  """A run's jitted programs: per local host per segment, per segment, per local host."""
-  local: list[list[Callable]]
-  syncs: list[Callable]
-  init_workers: list[Callable]
 
 
 def jitted_steps(r: Run, *, donate: bool | None = None) -> Programs:
@@ -309,24 +332,24 @@ def jitted_steps(r: Run, *, donate: bool | None = None) -> Programs:
   """
   if donate is None:
     donate = jax.default_backend() != "cpu"
-  per_worker = mesh_lib.per_worker(r.local_mesh)
+  per_worker = mesh_lib.per_worker(r.topology.local_mesh)
   local = [[jax.jit(f, donate_argnums=(1,) if donate else (),
                     out_shardings=(per_worker, per_worker, per_worker)) for f in host]
-           for host in r.local_programs]
-  syncs = [jax.jit(f, out_shardings=(r.state_shardings, mesh_lib.replicated(r.mesh)),
+           for host in r.programs.local]
+  syncs = [jax.jit(f, out_shardings=(r.state.shardings, mesh_lib.replicated(r.topology.mesh)),
                    static_argnames="metrics", donate_argnums=(0,) if donate else ())
-           for f in r.syncs]
-  init = [jax.jit(f, out_shardings=per_worker) for f in r.init_workers]
-  return Programs(local, syncs, init)
+           for f in r.programs.syncs]
+  init = [jax.jit(f, out_shardings=per_worker) for f in r.programs.init_workers]
+  return Programs(local, syncs, init, jax.jit(r.programs.eval))
 
 
 def init_run(r: Run, fns: Programs) -> tuple[steps.TrainState, tuple]:
   """Round-0 global state and this process's fresh worker states."""
   logging.info("compiling the initial state…")
-  with jax.set_mesh(r.mesh):
-    state = jax.jit(r.init_fn, out_shardings=r.state_shardings)()
-  view = mesh_lib.local_view(state.params, r.local_mesh)
-  with jax.set_mesh(r.local_mesh):
+  with jax.set_mesh(r.topology.mesh):
+    state = jax.jit(r.state.init, out_shardings=r.state.shardings)()
+  view = mesh_lib.local_view(state.params, r.topology.local_mesh)
+  with jax.set_mesh(r.topology.local_mesh):
     workers = tuple(init(view) for init in fns.init_workers)
   return state, workers
 
@@ -340,28 +363,28 @@ def train_round(r: Run, fns: Programs, state: steps.TrainState, workers: tuple,
   Returns (state, workers, device metrics (empty without `metrics`), per-local-host compute
   seconds if `timed`). Timing blocks on each host's result: that is what measuring it means.
   """
-  sharding = mesh_lib.round_batches(r.local_mesh)
+  sharding = mesh_lib.round_batches(r.topology.local_mesh)
   segments = [r.segments(H) for H in inner_steps_per_host]  # per host (all hosts)
   count = len(segments[0])
   workers = list(workers)
-  losses = [[] for _ in r.local_hosts]
-  compute = [0.0] * len(r.local_hosts)
+  losses = [[] for _ in r.topology.local_hosts]
+  compute = [0.0] * len(r.topology.local_hosts)
   round_metrics = {}
   for k_seg in range(count):
     # Local programs read θ and the round key, never the (partly per-worker) outer state.
-    view = mesh_lib.local_view(state._replace(outer=()), r.local_mesh)
+    view = mesh_lib.local_view(state._replace(outer=()), r.topology.local_mesh)
     if timed:  # the previous sync must not count as this segment's compute
       jax.block_until_ready(view)
     deltas = []
-    with jax.set_mesh(r.local_mesh):
-      for k, i in enumerate(r.local_hosts):
+    with jax.set_mesh(r.topology.local_mesh):
+      for k, i in enumerate(r.topology.local_hosts):
         seg = segments[i][k_seg]
         part = batches_per_host[k]
         if count > 1:
           part = part[:, seg.start:seg.start + seg.steps]
         batches = jax.device_put(part, sharding)
-        ids = jax.device_put(np.asarray(r.hosts[i].worker_ids, np.int32),
-                             mesh_lib.per_worker(r.local_mesh))
+        ids = jax.device_put(np.asarray(r.topology.hosts[i].worker_ids, np.int32),
+                             mesh_lib.per_worker(r.topology.local_mesh))
         announce_compile(fns.local[k][k_seg], f"the local program for host {i}")
         t0 = time.perf_counter()
         delta, workers[k], loss_GxS = fns.local[k][k_seg](view, workers[k], batches, ids)
@@ -376,12 +399,12 @@ def train_round(r: Run, fns: Programs, state: steps.TrainState, workers: tuple,
       if last:  # the round's mean train loss per worker, over all its steps
         losses_local = cat(*[(jnp.concatenate(ls, axis=1) if len(ls) > 1 else ls[0]).mean(axis=1)
                              for ls in losses])
-    deltas_R = mesh_lib.to_global(deltas_local, r.mesh, r.config.num_workers)
-    losses_R = (mesh_lib.to_global(losses_local, r.mesh, r.config.num_workers) if last
+    deltas_R = mesh_lib.to_global(deltas_local, r.topology.mesh, r.config.num_workers)
+    losses_R = (mesh_lib.to_global(losses_local, r.topology.mesh, r.config.num_workers) if last
                 else None)
     signals = r.signals([seg[k_seg].steps for seg in segments], losses_R)
     announce_compile(fns.syncs[k_seg], "the outer step")
-    with jax.set_mesh(r.mesh):
+    with jax.set_mesh(r.topology.mesh):
       state, round_metrics = fns.syncs[k_seg](state, deltas_R, signals,
                                               metrics=metrics and last)
   return state, tuple(workers), round_metrics, compute

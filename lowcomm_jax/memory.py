@@ -68,21 +68,21 @@ def activation_bytes(model_cfg, batch: int, seq_len: int, tp: int) -> int:
 def estimate(r) -> dict[str, int]:
   """Bytes per replica device of build.Run `r`, by component (see the module docstring)."""
   c = r.config
-  local_replicas = max(r.local_mesh.shape["replica"], 1)
-  global_replicas = max(r.mesh.shape["replica"], 1)
+  local_replicas = max(r.topology.local_mesh.shape["replica"], 1)
+  global_replicas = max(r.topology.mesh.shape["replica"], 1)
   tp, data = max(c.model.tp.size, 1), max(c.mesh.data, 1)
-  params = ledger.tree_bytes(r.abstract_state.params)
-  codec_state, rule_state = r.abstract_state.outer
+  params = ledger.tree_bytes(r.state.abstract.params)
+  codec_state, rule_state = r.state.abstract.outer
   # Without donation (CPU) a round's new worker states sit beside the old ones.
-  copies = 1 if r.mesh.devices.flat[0].platform != "cpu" else 2
+  copies = 1 if r.topology.mesh.devices.flat[0].platform != "cpu" else 2
   out = {"params": params, "outer_state": ledger.tree_bytes(rule_state),
          "outer_temporaries": 2 * params,
          "codec_buffers": math.ceil(ledger.tree_bytes(codec_state) / global_replicas),
          "inner_optimizer": 0, "worker_params": 0, "deltas": 0, "round_temporaries": 0}
-  for i in r.local_hosts:
-    h = r.hosts[i]
+  for i in r.topology.local_hosts:
+    h = r.topology.hosts[i]
     per_device = math.ceil(len(h.worker_ids) / local_replicas)
-    tier = r.tier_bytes[h.tier]
+    tier = r.model.tier_bytes[h.tier]
     if r.algorithm.local_steps:
       out["inner_optimizer"] += copies * per_device * tier["optimizer_bytes"]
     if r.algorithm.keeps_worker_params(c):  # each worker's own θ_w, full width
@@ -90,7 +90,7 @@ def estimate(r) -> dict[str, int]:
     out["deltas"] += per_device * params
     # Hosts run one after another: only the largest round's temporaries count.
     running = per_device * (2 * tier["param_bytes"] + activation_bytes(
-        r.model_cfg, h.batch_size // data, c.data.seq_len, tp))
+        r.model.cfg, h.batch_size // data, c.data.seq_len, tp))
     out["round_temporaries"] = max(out["round_temporaries"], running)
   return out
 
@@ -99,7 +99,7 @@ def check(r) -> None:
   """Raises OutOfMemory when build.Run `r` needs more per device than a device has."""
   if os.environ.get("LOWCOMM_MEMORY_CHECK", "1") == "0":
     return
-  devices = list(r.local_mesh.devices.flat)
+  devices = list(r.topology.local_mesh.devices.flat)
   have, source = available_bytes(devices)
   parts = estimate(r)
   need = sum(parts.values())
@@ -116,8 +116,8 @@ def check(r) -> None:
   if fits:
     return
   c = r.config
-  workers = max(len(r.hosts[i].worker_ids) for i in r.local_hosts)
-  per_device = math.ceil(workers / max(r.local_mesh.shape["replica"], 1))
+  workers = max(len(r.topology.hosts[i].worker_ids) for i in r.topology.local_hosts)
+  per_device = math.ceil(workers / max(r.topology.local_mesh.shape["replica"], 1))
   largest = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
   raise OutOfMemory([
       f"num_workers={c.num_workers}: needs about {_gib(need)} per device but "

@@ -62,7 +62,8 @@ class SimBackend:
     self.local_round = self.local_programs[0]
     self.codec = compress.make_codec(c.compress, lr=c.optimizer.lr) if self.rules else None
     self._apply = {name: jax.jit(self._make_apply(rule)) for name, rule in self.rules.items()}
-    self._roundtrip = jax.jit(jax.vmap(self._make_roundtrip(r.layout))) if self.codec else None
+    self._roundtrip = (jax.jit(jax.vmap(self._make_roundtrip(r.model.layout))) if self.codec
+                       else None)
     self._merge = jax.jit(outer.merge_global, static_argnums=3)
     self._push = jax.jit(outer.pseudo_gradient)  # an LPS pushes θ_ref − θ_LPS
     self.workers = workers  # [W, ...] steps.WorkerState: θ_w, inner optimizer states
@@ -80,7 +81,7 @@ class SimBackend:
     self.revisions = {name: 0 for name in self.servers}
     self.codec_states = (jax.tree.map(
         lambda x: jnp.broadcast_to(x, (plan.num_workers,) + x.shape),
-        self.codec.init(r.layout.abstract)) if self.codec else ())
+        self.codec.init(r.model.layout.abstract)) if self.codec else ())
     self.messages = {}  # id -> payload tree (job deltas + loss, pushes, GPS models)
     self.snapshots = {}  # (server, revision) -> params pulled by jobs still out
     self.job_snapshot = {}  # job id -> (server, revision)
@@ -175,7 +176,7 @@ class SimBackend:
     g = self.servers[GLOBAL]
     state = steps.TrainState(jnp.asarray(self.versions[GLOBAL], jnp.int32), self.rng,
                              g["params"], g["opt_state"])
-    with jax.set_mesh(self.r.mesh):
+    with jax.set_mesh(self.r.topology.mesh):
       state, _ = self.syncs[segment](state, deltas, self.r.signals([jobs[0].steps], losses),
                                      metrics=False)
     g["params"], g["opt_state"] = state.params, state.outer

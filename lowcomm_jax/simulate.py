@@ -1,12 +1,13 @@
-"""The simulator's driver: many virtual workers on one machine, on a virtual clock.
+"""The simulator: many virtual workers on one machine, on a virtual clock.
 
 `run(config, workdir)` (when `sim.enabled`) builds the run as the real runner does, then
 lets the event loop (sim/events.py) and the algorithm's schedule (sim/schedules.py) decide
 when each worker pulls, computes and sends, while sim_backend.py does the real training.
 Each batch of simultaneous events is followed by one `flush` that runs the jobs they
 started. Progress is counted in round-equivalents (W·H inner steps applied, or synchronous
-rounds): evaluation, metric writes and checkpoints fall on those boundaries, so `eval_every`
-etc. mean the same as in the real runner. A checkpoint holds the clock and its queue, the
+rounds): `SimDriver` reports each to the run loop the runner uses (run_loop.py), which puts
+evaluation, metric writes and checkpoints on them, so `eval_every` etc. mean the same as in
+the real runner. A checkpoint holds the clock and its queue, the
 schedule's state, the servers, in-flight messages and pulled snapshots, the workers'
 optimizer states and data streams: resuming continues the same simulation.
 """
@@ -22,7 +23,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from lowcomm_jax import compress, config_check
+from lowcomm_jax import compress, config_check, run_loop
 from lowcomm_jax.build import Run, build, init_run, jitted_steps
 from lowcomm_jax.checkpoint import Checkpointer, CheckpointMismatch
 from lowcomm_jax.metrics import announce_compile
@@ -31,7 +32,7 @@ from lowcomm_jax.workdir import holds_lock
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
 from lowcomm_jax.sim import EventLoop, Network, Plan, SpeedModel
 from lowcomm_jax.sim_backend import SimBackend
-from lowcomm_jax.run_files import RunFiles, TrainingDiverged  # noqa: F401 - raised by RunFiles
+from lowcomm_jax.run_files import RunFiles, TrainingDiverged  # noqa: F401 - raised by the loop
 
 
 def make_plan(c: ml_collections.ConfigDict, r: Run) -> Plan:
@@ -48,7 +49,7 @@ def make_plan(c: ml_collections.ConfigDict, r: Run) -> Plan:
       inter_gbps=n.inter_gbps_matrix or n.inter_gbps,
       inter_latency_s=n.inter_latency_matrix or n.inter_latency_s)
   codec = compress.make_codec(c.compress, lr=c.optimizer.lr)
-  params = r.layout.abstract
+  params = r.model.layout.abstract
   wire = lambda tree: codec.payload_bytes(tree) if codec else ledger.tree_bytes(tree)
   first = r.segments(c.inner_steps)[0]
   return Plan(inner_steps=inner, rounds=c.rounds,
@@ -58,8 +59,8 @@ def make_plan(c: ml_collections.ConfigDict, r: Run) -> Plan:
               param_bytes=ledger.tree_bytes(params), compressed=codec is not None,
               server_region=n.server_region, sync_every=c.outer.halos.sync_every,
               merge_alpha=c.outer.halos.merge_alpha,
-              fragment_bytes=tuple(wire(r.layout.fragment(p).abstract)
-                                   for p in range(r.layout.num_fragments)),
+              fragment_bytes=tuple(wire(r.model.layout.fragment(p).abstract)
+                                   for p in range(r.model.layout.num_fragments)),
               overlap_steps=first.mix_at)
 
 
@@ -78,12 +79,13 @@ class _Simulation:
     self.r = r = build(_one_device(config))
     self.c = r.config
     self.plan = make_plan(self.c, r)
-    programs = jitted_steps(r, donate=False)  # its servers outlive the calls (sim_backend)
+    # Nothing donated: its servers outlive the calls (sim_backend).
+    self.programs = programs = jitted_steps(r, donate=False)
     state, workers = init_run(r, programs)
     self.backend = SimBackend(r, programs, self.plan, state, workers[0])
     self.schedule = r.algorithm.schedule(self.plan, self.backend)
     self.loop = EventLoop()
-    self.streams = r.streams[0]
+    self.streams = r.data.streams[0]
 
   def next_batches(self, ids: np.ndarray, steps: int) -> np.ndarray:
     if self.streams.batch_mode == "same":  # validated: synchronous, every worker, one H
@@ -91,7 +93,7 @@ class _Simulation:
     return self.streams.next_steps(ids, steps)
 
   def flush(self) -> None:
-    with jax.set_mesh(self.r.local_mesh):
+    with jax.set_mesh(self.r.topology.local_mesh):
       self.backend.flush(self.next_batches)
 
   def advance(self) -> None:
@@ -123,7 +125,7 @@ class _Simulation:
           f"the simulation checkpointed in {ckpt.directory} ran {meta.get('plan')}; this "
           f"config asks for {self.fingerprint()}. Resume with the config that wrote it, or "
           "pass another --workdir for a new simulation")
-    rep = mesh_lib.replicated(self.r.mesh)
+    rep = mesh_lib.replicated(self.r.topology.mesh)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
                             self.backend.abstract_tree(meta["backend"]))
     tree, _, workers, data = ckpt.restore(mark, abstract, self.r.abstract_workers()[0])
@@ -144,62 +146,88 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   """
   t_start = time.time()
   files = RunFiles(config, workdir)  # refuses a changed config before any work
-  workdir = files.workdir
-  sim = _Simulation(config)
-  c, plan, schedule = sim.c, sim.plan, sim.schedule
-  latest = files.open_checkpoints()
-  ckpt = files.ckpt
-  wall_before, finished = 0.0, False
-  announce_compile(sim.backend.local_round, "the local program and the server updates")
-  if latest is not None:
-    meta = ckpt.restore_meta(latest)
-    if meta["finished"] and (summary := files.finished_summary()) is not None:
-      done = summary.get("rounds", c.rounds)
-      if done != c.rounds:
-        raise config_check.ConfigError([
-            f"rounds={c.rounds}: the simulation in {workdir} finished its {done} rounds and "
-            "cannot be extended (its schedule drained every worker); pass another --workdir"])
-      return summary
-    ckpt.discard_after(latest)  # parts of a save cut short; they are redone
-    sim.restore(ckpt, latest, meta)
-    wall_before, finished = meta["wall_seconds"], meta["finished"]
-    logging.info("resumed simulation %s at virtual t=%.1fs", workdir, sim.loop.now)
-  else:
-    schedule.start(sim.loop)
-    sim.flush()  # the first jobs
-  w = c.num_workers
-  eval_step = jax.jit(sim.r.eval_step)
-  param_norm = jax.jit(optax.tree.norm)
-  windows = jax.device_put(sim.r.eval_windows, mesh_lib.replicated(sim.r.mesh))
-  resumes = files.start_metrics(schedule.acct.applied_steps // w, latest, write_files=True)
-  logger = files.logger
-  logging.info("simulating %s: %d workers, speeds %s, H %s, regions %s, %d bytes per "
-               "contribution", c.algorithm, w, [f"{v:.2f}" for v in plan.speeds.speeds],
-               plan.inner_steps, plan.network.worker_region, plan.delta_bytes)
+  return run_loop.run(SimDriver(_Simulation(config)), files, t_start=t_start,
+                      stop_after_checkpoints=stop_after_checkpoints)
 
-  def evaluate() -> float:
-    announce_compile(eval_step, "evaluation")
-    with jax.set_mesh(sim.r.mesh):
-      return float(eval_step(sim.backend.global_params(), windows))
 
-  def check_finite(eval_loss: float | None = None) -> None:
-    """Before anything is logged or saved: a non-finite loss stops the run."""
+class SimDriver:
+  """The simulator's progress for the run loop: the events of one virtual instant at a time
+  until progress reaches the next round-equivalent. Its metrics are the schedule's accounts,
+  taken at the mark."""
+
+  unit = "round-equivalent"
+  writes_files = True
+  reads_late = False  # the accounts move on with the next events
+
+  def __init__(self, sim: _Simulation):
+    self.sim, self.c = sim, sim.c
+    self.param_norm = jax.jit(optax.tree.norm)
+    self.finished, self._wall_before = False, 0.0
+
+  def open(self, files: RunFiles, latest: int | None) -> dict | None:
+    sim, c, ckpt = self.sim, self.c, files.ckpt
+    announce_compile(sim.backend.local_round, "the local program and the server updates")
+    if latest is not None:
+      meta = ckpt.restore_meta(latest)
+      if meta["finished"] and (summary := files.finished_summary()) is not None:
+        done = summary.get("rounds", c.rounds)
+        if done != c.rounds:
+          raise config_check.ConfigError([
+              f"rounds={c.rounds}: the simulation in {files.workdir} finished its {done} rounds "
+              "and cannot be extended (its schedule drained every worker); pass another "
+              "--workdir"])
+        return summary
+      ckpt.discard_after(latest)  # parts of a save cut short; they are redone
+      sim.restore(ckpt, latest, meta)
+      self._wall_before, self.finished = meta["wall_seconds"], meta["finished"]
+      logging.info("resumed simulation %s at virtual t=%.1fs", files.workdir, sim.loop.now)
+    else:
+      sim.schedule.start(sim.loop)
+      sim.flush()  # the first jobs
+    self.mark = sim.schedule.progress()
+    self.windows = jax.device_put(sim.r.data.eval_windows,
+                                  mesh_lib.replicated(sim.r.topology.mesh))
+    plan = sim.plan
+    logging.info("simulating %s: %d workers, speeds %s, H %s, regions %s, %d bytes per "
+                 "contribution", c.algorithm, c.num_workers,
+                 [f"{v:.2f}" for v in plan.speeds.speeds], plan.inner_steps,
+                 plan.network.worker_region, plan.delta_bytes)
+    return None
+
+  def position(self) -> tuple[int, int, int]:
+    a = self.sim.schedule.acct
+    return self.mark, a.applied_steps // self.c.num_workers, self.sim.r.tokens(a.applied_steps)
+
+  def wall_before(self) -> float:
+    return self._wall_before
+
+  def advance(self, due) -> run_loop.Mark | None:
+    sim, schedule = self.sim, self.sim.schedule
+    if self.finished:
+      return None
+    while len(sim.loop):
+      sim.advance()
+      if schedule.progress() != self.mark:
+        break
+    # The schedule drained every worker: the final evaluation and checkpoint.
+    self.finished = not len(sim.loop)
+    self.mark = schedule.progress()
+    mark_due = due(self.mark, last_of_run=self.finished, last_of_call=self.finished)
+    return run_loop.Mark(self.mark, mark_due,
+                         self._reading(mark_due.write) if mark_due.metrics else None)
+
+  def _reading(self, take_train_loss: bool) -> run_loop.Reading:
+    """The accounts now (the jobs' results waited for: their work is done by `now`)."""
+    sim, schedule, w = self.sim, self.sim.schedule, self.c.num_workers
     schedule.settle()
-    losses = schedule.acct.loss_sum  # NaN in any job's loss since the last log stays here
-    norm = float(param_norm(sim.backend.global_params()))
-    if not all(math.isfinite(v) for v in (losses, norm, eval_loss or 0.0)):
-      raise files.diverged(f"virtual t={sim.loop.now:.1f}s (train-loss sum {losses}, global "
-                           f"param norm {norm}, eval {eval_loss})", unit="round-equivalent")
-
-  def record(with_eval: bool) -> float | None:
-    """Evaluates if asked, checks, writes the scalars and prints the progress line; returns
-    the eval loss."""
-    schedule.settle()  # waits for the jobs' results: their work is done by `now`
-    now = time.perf_counter()  # the console's tokens/s leaves evaluation out
-    eval_loss = evaluate() if with_eval else None
+    ready = time.perf_counter()
     a = schedule.acct
-    check_finite(eval_loss)
-    train_loss = schedule.take_train_loss()
+    losses = a.loss_sum  # NaN in any job's loss since the last reading stays here
+    norm = float(self.param_norm(sim.backend.global_params()))
+    problem = None
+    if not (math.isfinite(losses) and math.isfinite(norm)):
+      problem = (f"virtual t={sim.loop.now:.1f}s (train-loss sum {losses}, global param "
+                 f"norm {norm})")
     scalars = {"virtual_seconds": sim.loop.now, "total_inner_steps": a.applied_steps,
                "tokens": sim.r.tokens(a.applied_steps),
                "bytes_sent": a.bytes_sent // w,
@@ -207,56 +235,34 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
                "mean_staleness": a.staleness_sum / max(a.applied_jobs, 1),
                "mean_drift": a.drift_sum / max(a.applied_jobs, 1),
                "idle_fraction_per_worker": _idle_fractions(a, sim.loop.now)}
-    if train_loss is not None:
+    if take_train_loss and (train_loss := schedule.take_train_loss()) is not None:
       scalars["train_loss"] = train_loss
-    if eval_loss is not None:
-      scalars["eval_loss"] = eval_loss
-    logger.write(a.applied_steps // w, scalars)
-    done = schedule.progress()
-    first = speed.setdefault("first", (done, now))  # ETA from here on: compilation is behind
-    left = ((c.rounds - done) * (now - first[1]) / (done - first[0]) if done > first[0]
-            else None)
-    logger.progress(done, train_loss=train_loss, eval_loss=eval_loss,
-                    tokens_per_second=(scalars["tokens"] - clock["tokens"])
-                    / (now - clock["time"]),
-                    bytes_sent=scalars["bytes_sent"], seconds_left=left)
-    clock.update(time=time.perf_counter(), tokens=scalars["tokens"])
-    return eval_loss
+    return run_loop.Reading(a.applied_steps // w, scalars, ready, problem)
 
-  # The console's speed, on the host's clock from one record to the next.
-  clock = {"time": time.perf_counter(),
-           "tokens": sim.r.tokens(schedule.acct.applied_steps)}
-  speed = {}
+  def read(self, handle: run_loop.Reading) -> run_loop.Reading:
+    return handle
 
-  mark, saved = schedule.progress(), 0
-  try:
-    while len(sim.loop) and not finished:
-      sim.advance()
-      if schedule.progress() == mark:
-        continue
-      mark = schedule.progress()
-      if not len(sim.loop):
-        break  # the final evaluation and checkpoint follow the loop
-      evaluate_now = c.eval_every > 0 and mark % c.eval_every == 0
-      logged = evaluate_now or (c.log_every > 0 and mark % c.log_every == 0)
-      if logged:
-        record(evaluate_now)  # checks finiteness first
-      if c.checkpoint_every > 0 and mark % c.checkpoint_every == 0:
-        if not logged:
-          check_finite()
-        sim.save(ckpt, mark, {"wall_seconds": wall_before + time.time() - t_start,
-                              "finished": False})
-        clock["time"] = time.perf_counter()  # saving is not simulating
-        saved += 1
-        if stop_after_checkpoints is not None and saved >= stop_after_checkpoints:
-          return {"stopped_at": mark, "virtual_seconds": sim.loop.now}
-    eval_loss = record(True)
-    wall = wall_before + time.time() - t_start
-    if not finished:  # one past the last mark, so the finished state is always the newest
-      sim.save(ckpt, max(mark, schedule.progress()) + 1, {"wall_seconds": wall, "finished": True})
-  finally:
-    files.close()  # raises if a save in flight failed (WorkdirError)
-  return files.write_summary(_summary(sim, eval_loss, wall), resumes, write_files=True)
+  def evaluate(self) -> float:
+    fns, sim = self.sim.programs, self.sim
+    announce_compile(fns.eval, "evaluation")
+    with jax.set_mesh(sim.r.topology.mesh):
+      return float(fns.eval(sim.backend.global_params(), self.windows))
+
+  def save(self, ckpt, mark: int, *, last: bool, wall: float) -> None:
+    # The finished state goes one past the last mark, so it is always the newest.
+    self.sim.save(ckpt, mark + 1 if last else mark, {"wall_seconds": wall, "finished": last})
+
+  def complete(self) -> bool:
+    return self.finished
+
+  def stopped(self) -> dict:
+    return {"stopped_at": self.mark, "virtual_seconds": self.sim.loop.now}
+
+  def summary(self, eval_loss: float, scalars: dict, wall: float) -> dict:
+    return _summary(self.sim, eval_loss, wall)
+
+  def close(self) -> None:
+    pass
 
 
 def _idle_fractions(a, now: float) -> list[float]:
@@ -277,7 +283,7 @@ def _summary(sim: _Simulation, eval_loss: float, wall: float) -> dict:
       "algorithm": c.algorithm, "simulated": True, "num_workers": c.num_workers,
       "heterogeneity": c.sim.heterogeneity if not c.sim.speeds else "explicit",
       "dylu": c.outer.dylu, "inner_steps": c.inner_steps, "rounds": c.rounds,
-      "model": c.model.name, "params": sim.r.param_count, "codec": c.compress.codec,
+      "model": c.model.name, "params": sim.r.model.param_count, "codec": c.compress.codec,
       "eval_loss": eval_loss, "train_loss": a.last_train_loss,
       "total_inner_steps": a.applied_steps,
       "tokens": sim.r.tokens(a.applied_steps),

@@ -1,7 +1,8 @@
-"""The round loop: local programs, outer step, evaluation, metrics, checkpoints, summary.
+"""The runner: synchronous rounds on real devices, one process per host.
 
-What runs is assembled by build.py; this module decides when: rounds, DyLU's choice of H,
-evaluation, metric writes, checkpoints and the final summary.
+What runs is assembled by build.py and one round is `build.train_round`; this module's
+driver feeds the run loop (run_loop.py) round by round: restoring, DyLU's choice of H per
+host, the hosts' timing, reading a round's metrics, evaluation, checkpoints, the summary.
 """
 
 import dataclasses
@@ -15,19 +16,15 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from lowcomm_jax import config_check
+from lowcomm_jax import config_check, run_loop
 from lowcomm_jax.build import Run, build, init_run, jitted_steps, train_round
 from lowcomm_jax.checkpoint import CheckpointMismatch, abstract_with_shardings
 from lowcomm_jax.metrics import ReadyClock, announce_compile
-from lowcomm_jax.run_files import RunFiles, TrainingDiverged  # noqa: F401 - raised by RunFiles
+from lowcomm_jax.run_files import RunFiles, TrainingDiverged  # noqa: F401 - raised by the loop
 from lowcomm_jax.outer import dylu_inner_steps
 from lowcomm_jax.parallel.ledger import CommBytes
 from lowcomm_jax.workdir import holds_lock
 from lowcomm_jax.parallel import mesh as mesh_lib
-
-
-def _due(round_: int, every: int, last: int) -> bool:
-  return round_ == last or (every > 0 and round_ % every == 0)
 
 
 @dataclasses.dataclass
@@ -52,181 +49,153 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   files = RunFiles(config, workdir)  # refuses a changed config before any work
   r = build(config)
   with r.partitioner():  # tensor-parallel programs compile under GSPMD (model/tp.py)
-    return _train(r, files, t_start, stop_after_rounds)
+    return run_loop.run(RoundDriver(r, stop_after_rounds), files, t_start=t_start)
 
 
-def _train(r: Run, files: RunFiles, t_start: float, stop_after_rounds: int | None) -> dict:
-  """`run`'s round loop, on a built run."""
-  c, hosts, workdir = r.config, r.hosts, files.workdir
-  lead = jax.process_index() == 0
-  latest = files.open_checkpoints()
-  ckpt = files.ckpt
-  fns = jitted_steps(r)
+class RoundDriver:
+  """The runner's progress for the run loop: synchronous rounds (train_round), a mark per
+  round, with DyLU's choice of H per host and the hosts' compute and idle seconds."""
 
-  schedule_steps = c.optimizer.decay_steps or c.rounds * c.inner_steps
-  if latest is not None and latest > c.rounds:
-    ckpt.close()
-    raise config_check.ConfigError([
-        f"rounds={c.rounds}: {workdir} already holds a checkpoint at round {latest}; raise "
-        "rounds to continue that run, or pass another --workdir for a new one"])
-  if latest == c.rounds and (summary := files.finished_summary()) is not None:
-    return summary
-  configured = [h.inner_steps for h in hosts]
-  if c.outer.dylu and all(h.speed > 0 for h in hosts):
-    configured = dylu_inner_steps(c.inner_steps, [h.speed for h in hosts])
-  sched = _Schedule(configured, 0, False, [0.0] * len(hosts), [0.0] * len(hosts))
-  if latest is not None:
-    ckpt.discard_after(latest)
-    try:
-      state, meta, workers, data = ckpt.restore(
-          latest, abstract_with_shardings(r.abstract_state, r.state_shardings),
-          r.abstract_workers())
-      for streams, s in zip(r.streams, data["streams"], strict=True):
-        streams.set_state(s)
-    except ValueError as e:
+  unit = "round"
+  reads_late = True
+
+  def __init__(self, r: Run, stop_after_rounds: int | None):
+    self.r, self.c = r, r.config
+    self.stop_after_rounds = stop_after_rounds
+    self.writes_files = jax.process_index() == 0
+    self.fns = jitted_steps(r)
+    self.schedule_steps = self.c.optimizer.decay_steps or self.c.rounds * self.c.inner_steps
+    self.ready = ReadyClock()
+    # Time each host's program when its speed matters: DyLU, idle accounting across hosts.
+    self.timed = len(r.topology.hosts) > 1
+    self.sync_bytes = r.sync_bytes()
+    self.round_bytes = sum(self.sync_bytes, CommBytes())
+
+  def open(self, files: RunFiles, latest: int | None) -> dict | None:
+    r, c, ckpt, workdir = self.r, self.c, files.ckpt, files.workdir
+    hosts = r.topology.hosts
+    if latest is not None and latest > c.rounds:
       ckpt.close()
-      raise CheckpointMismatch(f"{e}; resume with the data config that wrote {workdir}") from e
-    except CheckpointMismatch:
-      ckpt.close()  # orbax's threads must not outlive the run
-      raise
-    sched = _Schedule(**meta["schedule"])
-    wall_before = meta["wall_seconds"]
-    if meta["schedule_steps"] != schedule_steps:
-      logging.warning("the inner lr schedule now spans %d steps (was %d): extending `rounds` "
-                      "re-stretches the cosine decay; set optimizer.decay_steps to keep it "
-                      "fixed", schedule_steps, meta["schedule_steps"])
-    logging.info("resumed %s from round %d", workdir, latest)
-  else:
-    state, workers = init_run(r, fns)
-    wall_before = 0.0
-  start = int(state.round)
-  # DyLU without configured speeds times the hosts once, in the second round this process
-  # runs (the first compiles).
-  measure_dylu = c.outer.dylu and not all(h.speed > 0 for h in hosts) and not sched.measured
+      raise config_check.ConfigError([
+          f"rounds={c.rounds}: {workdir} already holds a checkpoint at round {latest}; raise "
+          "rounds to continue that run, or pass another --workdir for a new one"])
+    if latest == c.rounds and (summary := files.finished_summary()) is not None:
+      return summary
+    configured = [h.inner_steps for h in hosts]
+    if c.outer.dylu and all(h.speed > 0 for h in hosts):
+      configured = dylu_inner_steps(c.inner_steps, [h.speed for h in hosts])
+    self.sched = _Schedule(configured, 0, False, [0.0] * len(hosts), [0.0] * len(hosts))
+    self._wall_before = 0.0
+    if latest is None:
+      self.state, self.workers = init_run(r, self.fns)
+    else:
+      ckpt.discard_after(latest)
+      try:
+        self.state, meta, self.workers, data = ckpt.restore(
+            latest, abstract_with_shardings(r.state.abstract, r.state.shardings),
+            r.abstract_workers())
+        for streams, s in zip(r.data.streams, data["streams"], strict=True):
+          streams.set_state(s)
+      except ValueError as e:
+        ckpt.close()
+        raise CheckpointMismatch(f"{e}; resume with the data config that wrote {workdir}") from e
+      except CheckpointMismatch:
+        ckpt.close()  # orbax's threads must not outlive the run
+        raise
+      self.sched = _Schedule(**meta["schedule"])
+      self._wall_before = meta["wall_seconds"]
+      if meta["schedule_steps"] != self.schedule_steps:
+        logging.warning("the inner lr schedule now spans %d steps (was %d): extending `rounds` "
+                        "re-stretches the cosine decay; set optimizer.decay_steps to keep it "
+                        "fixed", self.schedule_steps, meta["schedule_steps"])
+      logging.info("resumed %s from round %d", workdir, latest)
+    self.round = self.start = int(self.state.round)
+    self.end = (c.rounds if self.stop_after_rounds is None
+                else min(c.rounds, self.start + self.stop_after_rounds))
+    # DyLU without configured speeds times the hosts once, in the second round this process
+    # runs (the first compiles).
+    self.measure_dylu = (c.outer.dylu and not all(h.speed > 0 for h in hosts)
+                         and not self.sched.measured)
+    self.eval_windows = jax.device_put(r.data.eval_windows,
+                                       mesh_lib.replicated(r.topology.mesh))
+    logging.info("%s: %d workers on %d host(s) (this process runs %s), mesh %s, model %s "
+                 "(%.2fM params), rounds %d..%d, H per host %s, %d bytes sent per worker per "
+                 "round", c.algorithm, c.num_workers, len(hosts), r.topology.local_hosts,
+                 dict(r.topology.mesh.shape), c.model.name, r.model.param_count / 1e6,
+                 self.start, c.rounds, self.sched.inner_steps, self.round_bytes.sent)
+    return None
 
-  eval_step = jax.jit(r.eval_step)
-  eval_windows_dev = jax.device_put(r.eval_windows, mesh_lib.replicated(r.mesh))
-  # Time each host's program when its speed matters: DyLU, idle accounting across hosts.
-  timed = len(hosts) > 1
-  sync_bytes = r.sync_bytes()
-  round_bytes = sum(sync_bytes, CommBytes())
-  # Config changes recorded in config.json (process 0 reports them).
-  resumes = files.start_metrics(start * c.inner_steps, start, write_files=lead)
-  logger = files.logger
-  end = c.rounds if stop_after_rounds is None else min(c.rounds, start + stop_after_rounds)
-  logging.info("%s: %d workers on %d host(s) (this process runs %s), mesh %s, model %s "
-               "(%.2fM params), rounds %d..%d, H per host %s, %d bytes sent per worker per "
-               "round", c.algorithm, c.num_workers, len(hosts), r.local_hosts,
-               dict(r.mesh.shape), c.model.name, r.param_count / 1e6, start, c.rounds,
-               sched.inner_steps, round_bytes.sent)
+  def position(self) -> tuple[int, int, int]:
+    return self.start, self.start * self.c.inner_steps, self.sched.tokens
 
-  def finish(round_: int, metrics, extra: dict) -> dict:
-    """Checks one round's metrics on the host (blocking on them) and times the rounds since
-    the last one with metrics; {} for a round without metrics. Between rounds with metrics
-    nothing blocks: the host may dispatch up to log_every rounds ahead of the devices (each
-    holds only its batches)."""
+  def wall_before(self) -> float:
+    return self._wall_before
+
+  def advance(self, due) -> run_loop.Mark | None:
+    r, c, sched = self.r, self.c, self.sched
+    if self.round >= self.end:
+      return None
+    self.round = round_ = self.round + 1
+    mark_due = due(round_, last_of_run=round_ == c.rounds, last_of_call=round_ == self.end)
+    batches = [r.data.streams[k].next_round(sched.inner_steps[i])
+               for k, i in enumerate(r.topology.local_hosts)]
+    self.state, self.workers, metrics, compute = train_round(
+        r, self.fns, self.state, self.workers, batches, sched.inner_steps, timed=self.timed,
+        metrics=mark_due.metrics)
+    if mark_due.metrics:
+      self.ready.watch(round_, metrics)
+    sched.tokens += sum(r.round_tokens(sched.inner_steps))
+    extra = {"tokens": sched.tokens}
+    if self.timed:
+      compute = _all_hosts(compute)
+      extra.update(_host_timing(sched, compute))
+      if self.measure_dylu and round_ == self.start + 2:
+        speeds = [H / t for H, t in zip(sched.inner_steps, compute)]
+        sched.inner_steps = dylu_inner_steps(c.inner_steps, speeds)
+        sched.measured = True
+        logging.info("DyLU: measured steps/s per host %s -> H per host %s",
+                     [f"{v:.2f}" for v in speeds], sched.inner_steps)
+    return run_loop.Mark(round_, mark_due, (round_, metrics, extra))
+
+  def read(self, handle) -> run_loop.Reading:
+    round_, metrics, extra = handle
     scalars = jax.device_get(metrics)
-    if not scalars:  # a round that logs, evaluates and checkpoints nothing computes none
-      return scalars
+    problem = None
     if not (math.isfinite(scalars["train_loss"]) and math.isfinite(scalars["param_norm"])):
-      raise files.diverged(f"round {round_} (train_loss={scalars['train_loss']}, "
-                           f"param_norm={scalars['param_norm']})")
-    now = ready.ready_time(round_)
-    # Since the last round with metrics was ready, less evaluation and checkpoint saving.
-    seconds = now - clock["time"] - (clock["paused_total"] - clock["paused"])
-    total_bytes = round_bytes * round_
+      problem = (f"round {round_} (train_loss={scalars['train_loss']}, "
+                 f"param_norm={scalars['param_norm']})")
+    total_bytes = self.round_bytes * round_
     scalars.update(extra, round=round_,
                    bytes_sent=total_bytes.sent, bytes_received=total_bytes.received,
-                   bytes_sent_round=round_bytes.sent, bytes_received_round=round_bytes.received,
-                   steps_per_second=(round_ - clock["round"]) * c.inner_steps / seconds)
-    if round_bytes.sent:
-      scalars["compression_ratio"] = _compression_ratio(r, round_bytes)
-    speed["tokens_per_second"] = (extra["tokens"] - clock["tokens"]) / seconds
-    speed.setdefault("first", (round_, now))  # compilation is behind from here on
-    clock.update(round=round_, time=now, tokens=extra["tokens"], paused=clock["paused_total"])
-    return scalars
+                   bytes_sent_round=self.round_bytes.sent,
+                   bytes_received_round=self.round_bytes.received)
+    if self.round_bytes.sent:
+      scalars["compression_ratio"] = _compression_ratio(self.r, self.round_bytes)
+    return run_loop.Reading(round_ * self.c.inner_steps, scalars,
+                            self.ready.ready_time(round_), problem)
 
-  def log(round_: int, scalars: dict, eval_loss: float | None = None) -> None:
-    """Writes a finished round's scalars and prints its progress line, if due."""
-    if eval_loss is not None:
-      scalars["eval_loss"] = eval_loss
-    if not scalars or not (eval_loss is not None or _due(round_, c.log_every, end)):
-      return
-    logger.write(round_ * c.inner_steps, scalars)
-    first_round, first_time = speed["first"]  # ETA from mean wall time per round since
-    left = ((c.rounds - round_) * (time.perf_counter() - first_time) / (round_ - first_round)
-            if round_ > first_round else None)
-    logger.progress(round_, train_loss=scalars["train_loss"], eval_loss=eval_loss,
-                    tokens_per_second=speed["tokens_per_second"],
-                    bytes_sent=scalars["bytes_sent"], seconds_left=left)
+  def evaluate(self) -> float:
+    announce_compile(self.fns.eval, "evaluation")
+    with jax.set_mesh(self.r.topology.mesh):
+      return float(self.fns.eval(self.state.params, self.eval_windows))
 
-  # Training speed: over the rounds since the last one with metrics, from the times their
-  # results were ready (`ready`), less the seconds spent evaluating and saving meanwhile.
-  ready = ReadyClock()
-  clock = {"round": start, "time": time.perf_counter(), "tokens": sched.tokens,
-           "paused": 0.0, "paused_total": 0.0}
-  speed = {}
-  pending = None  # (round, device metrics, host scalars): read a round late, device never waits
-  scalars, eval_loss = {}, None
-  try:
-    for round_ in range(start + 1, end + 1):
-      batches = [r.streams[k].next_round(sched.inner_steps[i])
-                 for k, i in enumerate(r.local_hosts)]
-      evaluate = _due(round_, c.eval_every, c.rounds)
-      checkpoint = _due(round_, c.checkpoint_every, end)
-      # The round's metrics (losses, norms) cost a collective and two passes over θ: only
-      # on rounds that use them. Divergence is checked on those rounds, so always before a
-      # checkpoint is written.
-      with_metrics = evaluate or checkpoint or _due(round_, c.log_every, end)
-      state, workers, metrics, compute = train_round(
-          r, fns, state, workers, batches, sched.inner_steps, timed=timed,
-          metrics=with_metrics)
-      if with_metrics:
-        ready.watch(round_, metrics)
-      sched.tokens += sum(r.round_tokens(sched.inner_steps))
-      extra = {"tokens": sched.tokens}
-      if timed:
-        compute = _all_hosts(compute)
-        extra.update(_host_timing(sched, compute))
-        if measure_dylu and round_ == start + 2:
-          speeds = [H / t for H, t in zip(sched.inner_steps, compute)]
-          sched.inner_steps = dylu_inner_steps(c.inner_steps, speeds)
-          sched.measured = True
-          logging.info("DyLU: measured steps/s per host %s -> H per host %s",
-                       [f"{v:.2f}" for v in speeds], sched.inner_steps)
-      if pending is not None:
-        log(pending[0], finish(*pending))
-      pending = (round_, metrics, extra)
-      if evaluate or checkpoint or round_ == end:
-        # Checked before saving: a diverged state is never checkpointed.
-        scalars = finish(*pending)
-        pending = None
-        paused_at = time.perf_counter()
-        eval_loss = _evaluate(r, eval_step, state, eval_windows_dev) if evaluate else None
-        log(round_, scalars, eval_loss)
-        if checkpoint:
-          ckpt.save(round_, state,
-                    {"schedule": dataclasses.asdict(sched), "schedule_steps": schedule_steps,
-                     "wall_seconds": wall_before + time.time() - t_start},
-                    workers, {"streams": [s.get_state() for s in r.streams]})
-        clock["paused_total"] += time.perf_counter() - paused_at
-    if end == c.rounds and eval_loss is None:  # resumed at the end, summary was lost
-      eval_loss = _evaluate(r, eval_step, state, eval_windows_dev)
-  finally:  # also on errors: saves in flight complete, files are flushed
-    ready.close()
-    files.close()  # raises if a save in flight failed (WorkdirError)
-  if end < c.rounds:
-    return {"stopped_at_round": end}
+  def save(self, ckpt, mark: int, *, last: bool, wall: float) -> None:
+    ckpt.save(mark, self.state,
+              {"schedule": dataclasses.asdict(self.sched), "schedule_steps": self.schedule_steps,
+               "wall_seconds": wall},
+              self.workers, {"streams": [s.get_state() for s in self.r.data.streams]})
 
-  summary = _summary(r, sched, sync_bytes, eval_loss, scalars,
-                     wall_before + time.time() - t_start)
-  return files.write_summary(summary, resumes, write_files=lead)
+  def complete(self) -> bool:
+    return self.end == self.c.rounds
 
+  def stopped(self) -> dict:
+    return {"stopped_at_round": self.end}
 
-def _evaluate(r: Run, eval_step, state, windows) -> float:
-  announce_compile(eval_step, "evaluation")
-  with jax.set_mesh(r.mesh):
-    return float(eval_step(state.params, windows))
+  def summary(self, eval_loss: float, scalars: dict, wall: float) -> dict:
+    return _summary(self.r, self.sched, self.sync_bytes, eval_loss, scalars, wall)
+
+  def close(self) -> None:
+    self.ready.close()
 
 
 def _all_hosts(local_compute: list[float]) -> list[float]:
@@ -250,7 +219,7 @@ def _host_timing(sched: _Schedule, compute: list[float]) -> dict:
 
 
 def _compression_ratio(r: Run, round_bytes) -> float | None:
-  return r.param_bytes / round_bytes.sent if round_bytes.sent else None
+  return r.model.param_bytes / round_bytes.sent if round_bytes.sent else None
 
 
 def _summary(r: Run, sched: _Schedule, sync_bytes, eval_loss, scalars, wall: float) -> dict:
@@ -259,9 +228,9 @@ def _summary(r: Run, sched: _Schedule, sync_bytes, eval_loss, scalars, wall: flo
   sent = (round_bytes * c.rounds).sent
   # DDP all-reduces fp32 gradients every inner step (nothing with a single worker).
   total_steps = c.rounds * c.inner_steps
-  ddp_equivalent = r.param_bytes * total_steps if c.num_workers > 1 else 0
+  ddp_equivalent = r.model.param_bytes * total_steps if c.num_workers > 1 else 0
   workers = []
-  for i, h in enumerate(r.hosts):
+  for i, h in enumerate(r.topology.hosts):
     busy = sched.compute_seconds[i] + sched.idle_seconds[i]
     for w in h.worker_ids:
       workers.append({"worker": w, "host": h.index,
@@ -270,7 +239,7 @@ def _summary(r: Run, sched: _Schedule, sync_bytes, eval_loss, scalars, wall: flo
                       "idle_fraction": sched.idle_seconds[i] / busy if busy else 0.0})
   return {
       "algorithm": c.algorithm, "num_workers": c.num_workers, "rounds": c.rounds,
-      "inner_steps": c.inner_steps, "model": c.model.name, "params": r.param_count,
+      "inner_steps": c.inner_steps, "model": c.model.name, "params": r.model.param_count,
       "eval_loss": eval_loss,
       "train_loss": float(scalars["train_loss"]) if scalars else None,
       "tokens": sched.tokens,
@@ -286,5 +255,5 @@ def _summary(r: Run, sched: _Schedule, sync_bytes, eval_loss, scalars, wall: flo
       "wall_seconds": wall,
       **r.tp_counts(),
       "workers": workers,
-      "tiers": {str(t): b for t, b in r.tier_bytes.items()},
+      "tiers": {str(t): b for t, b in r.model.tier_bytes.items()},
   }

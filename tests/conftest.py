@@ -52,9 +52,9 @@ def train_rounds(config, rounds: int):
   with r.partitioner():
     state, workers = train.init_run(r, fns)
     for _ in range(rounds):
-      batches = [s.next_round(h.inner_steps) for s, h in zip(r.streams, r.hosts)]
+      batches = [s.next_round(h.inner_steps) for s, h in zip(r.data.streams, r.topology.hosts)]
       state, workers, metrics, _ = train.train_round(
-          r, fns, state, workers, batches, [h.inner_steps for h in r.hosts])
+          r, fns, state, workers, batches, [h.inner_steps for h in r.topology.hosts])
   return r, state, workers, metrics
 
 
@@ -65,7 +65,7 @@ def checkpointed_state(config, workdir):
   r = train.build(config)
   ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=2)
   state, _, workers, data = ckpt.restore(
-      ckpt.latest_round(), abstract_with_shardings(r.abstract_state, r.state_shardings),
+      ckpt.latest_round(), abstract_with_shardings(r.state.abstract, r.state.shardings),
       r.abstract_workers())
   ckpt.close()
   return (state, workers), data

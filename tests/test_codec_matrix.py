@@ -41,7 +41,7 @@ def _config(codec, algorithm, tiers):
 @functools.cache
 def _dense_tree():
   """The model's parameter tree (shapes only): what every codec encodes each round."""
-  return train.build(_config("none", "diloco", False)).layout.abstract
+  return train.build(_config("none", "diloco", False)).model.layout.abstract
 
 
 @pytest.mark.parametrize("codec,algorithm,tiers", CASES,

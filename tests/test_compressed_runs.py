@@ -43,13 +43,13 @@ def test_compressed_run_learns_and_reports_packed_bytes(tmp_path, smoke_config, 
   # Expected bytes without the ledger: every round each worker sends its packed payload once
   # (all-gathered). int8 from the shapes by hand; DeMo's by encoding a real tree.
   r = train.build(config)
-  shapes = _tiny_shapes(r.model_cfg)
-  assert sorted(shapes) == sorted(x.shape for x in jax.tree.leaves(r.layout.abstract))
+  shapes = _tiny_shapes(r.model.cfg)
+  assert sorted(shapes) == sorted(x.shape for x in jax.tree.leaves(r.model.layout.abstract))
   dense = 4 * sum(math.prod(s) for s in shapes)  # fp32
   if codec == "int8":
     per_round = _int8_bytes(shapes)
   else:
-    tree = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), r.layout.abstract)
+    tree = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), r.model.layout.abstract)
     tx = compress.make_codec(config.compress, lr=config.optimizer.lr)
     payload, _ = tx.encode(tree, tx.init(tree), jax.random.key(0))
     per_round = sum(x.nbytes for x in jax.tree.leaves(payload))

@@ -138,12 +138,13 @@ def test_memory_estimate_counts_adamw_states_and_codec_buffers(smoke_config):
   from lowcomm_jax import build
   r = build.build(smoke_config(num_workers=8, **{"compress.codec": "sparseloco"}))
   parts = memory.estimate(r)
-  params = r.param_bytes
-  per_device = 8 // r.local_mesh.shape["replica"]
+  params = r.model.param_bytes
+  per_device = 8 // r.topology.local_mesh.shape["replica"]
   copies = 2  # CPU: worker states are not donated
   assert parts["params"] == params
   assert parts["inner_optimizer"] >= copies * per_device * 2 * params  # AdamW: mu and nu
-  buffers = 8 * params // r.mesh.shape["replica"]  # one error buffer per worker (+ counters)
+  # One error buffer per worker (+ counters).
+  buffers = 8 * params // r.topology.mesh.shape["replica"]
   assert buffers <= parts["codec_buffers"] < buffers + 1024
   assert parts["deltas"] == per_device * params
   assert parts["round_temporaries"] > per_device * 2 * params  # θ copy, gradient, activations

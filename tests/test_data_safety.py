@@ -47,7 +47,7 @@ def _restore(run, workdir, round_):
   ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=2)
   try:
     state, _, workers, data = ckpt.restore(
-        round_, abstract_with_shardings(run.abstract_state, run.state_shardings),
+        round_, abstract_with_shardings(run.state.abstract, run.state.shardings),
         run.abstract_workers())
   finally:
     ckpt.close()
@@ -135,7 +135,7 @@ def test_intact_checkpoint_of_another_config_is_a_mismatch_not_damage(trained, t
   try:
     assert ckpt.recover() == 2
     with pytest.raises(CheckpointMismatch, match="does not fit this config"):
-      ckpt.restore(2, abstract_with_shardings(other.abstract_state, other.state_shardings),
+      ckpt.restore(2, abstract_with_shardings(other.state.abstract, other.state.shardings),
                    other.abstract_workers())
   finally:
     ckpt.close()

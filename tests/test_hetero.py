@@ -18,7 +18,7 @@ def _tiers_config(smoke_config, hosts, **overrides):
 
 def _params_after(config, rounds):
   r, state, _, metrics = train_rounds(config, rounds)
-  return r, r.layout.unravel(state.params), metrics
+  return r, r.model.layout.unravel(state.params), metrics
 
 
 def test_narrow_workers_never_dilute_the_full_width_workers_outer_units(smoke_config):
@@ -29,7 +29,7 @@ def test_narrow_workers_never_dilute_the_full_width_workers_outer_units(smoke_co
   shared = _tiers_config(smoke_config, [host(1.0), host(0.25, workers=2)])
   r, p_alone, _ = _params_after(alone, 1)
   _, p_shared, _ = _params_after(shared, 1)
-  m = r.hosts[0].hidden // 4  # the 25% tier's hidden units
+  m = r.topology.hosts[0].hidden // 4  # the 25% tier's hidden units
   for name, axis in (("fc_kernel", 1), ("fc_bias", 0), ("proj_kernel", 0)):
     a = p_alone["blocks"][0]["mlp"][name]
     b = p_shared["blocks"][0]["mlp"][name]
@@ -40,7 +40,7 @@ def test_narrow_workers_never_dilute_the_full_width_workers_outer_units(smoke_co
   assert not np.allclose(p_alone["wte"]["embedding"], p_shared["wte"]["embedding"])
   # Only the pseudo-gradient crosses the network: the weight totals are computed locally.
   shared_run = train.build(shared)
-  assert shared_run.outer_bytes().sent == shared_run.param_bytes
+  assert shared_run.outer_bytes().sent == shared_run.model.param_bytes
 
 
 def test_heterogeneous_run_end_to_end(tmp_path, smoke_config):
@@ -70,12 +70,12 @@ def test_compressed_tiers_keep_the_outer_units_of_the_full_width_worker(smoke_co
   r, p_alone, _ = _params_after(alone, 1)
   r_shared, p_shared, metrics = _params_after(shared, 1)
   assert np.isfinite(float(metrics["train_loss"]))
-  m = r.hosts[0].hidden // 4
+  m = r.topology.hosts[0].hidden // 4
   a = p_alone["blocks"][0]["mlp"]["fc_kernel"][:, m:]
   b = p_shared["blocks"][0]["mlp"]["fc_kernel"][:, m:]
   np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   # Only the packed payloads cross: far fewer bytes than the dense pseudo-gradient.
-  assert r_shared.outer_bytes().sent < r_shared.param_bytes / 20
+  assert r_shared.outer_bytes().sent < r_shared.model.param_bytes / 20
 
 
 def test_dylu_with_configured_speeds_gives_slow_hosts_fewer_steps(tmp_path, smoke_config):

@@ -81,8 +81,9 @@ def test_steps_per_second_on_evaluation_and_checkpoint_rounds_matches_plain_roun
   # and an evaluation that takes a while, as real ones do: it must not count as training.
   # (Timing the host's reads instead gave these rounds 0.3x, and with short rounds 10-60x,
   # the plain rounds' rate.)
-  evaluate = train._evaluate
-  monkeypatch.setattr(train, "_evaluate", lambda *a: (time.sleep(3.0), evaluate(*a))[1])
+  evaluate = train.RoundDriver.evaluate
+  monkeypatch.setattr(train.RoundDriver, "evaluate",
+                      lambda self: (time.sleep(3.0), evaluate(self))[1])
   config = smoke_config(rounds=6, inner_steps=256, eval_every=2, checkpoint_every=2)
   train.run(config, tmp_path)
   speed = {r["round"]: r["steps_per_second"] for r in _rows(tmp_path)}

@@ -31,7 +31,7 @@ def _final_params(config, workdir):
   r = train.build(config)
   ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=2)
   state = ckpt.restore_state(ckpt.latest_round(),
-                             abstract_with_shardings(r.abstract_state, r.state_shardings))
+                             abstract_with_shardings(r.state.abstract, r.state.shardings))
   ckpt.close()
   return state.params
 

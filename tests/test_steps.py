@@ -22,8 +22,8 @@ def test_diloco_h1_sgd_outer_lr1_equals_ddp_with_sgd(smoke_config):
   np.testing.assert_allclose(m_diloco["train_loss_per_worker"], m_ddp["train_loss_per_worker"],
                              rtol=1e-5)
   # ...and training moved the parameters (the equivalence is not between two no-ops).
-  init = jax.jit(r_ddp.init_fn)()
-  embedding = lambda s: r_ddp.layout.unravel(s.params)["wte"]["embedding"]
+  init = jax.jit(r_ddp.state.init)()
+  embedding = lambda s: r_ddp.model.layout.unravel(s.params)["wte"]["embedding"]
   assert not np.allclose(embedding(init), embedding(s_ddp))
 
 
@@ -32,7 +32,8 @@ def test_workers_split_over_devices_match_workers_vmapped_on_one(smoke_config):
   config = lambda replica: smoke_config(num_workers=4, **{"mesh.replica": replica})
   r4, s4, w4, m4 = train_rounds(config(4), 2)
   r1, s1, _, m1 = train_rounds(config(1), 2)
-  assert dict(r4.mesh.shape)["replica"] == 4 and dict(r1.mesh.shape)["replica"] == 1
+  assert dict(r4.topology.mesh.shape)["replica"] == 4
+  assert dict(r1.topology.mesh.shape)["replica"] == 1
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4),
                s4.params, s1.params)
   np.testing.assert_allclose(m4["train_loss_per_worker"], m1["train_loss_per_worker"], rtol=1e-5)
@@ -61,28 +62,30 @@ def test_inner_steps_communicate_nothing_and_the_outer_step_moves_the_params_onc
     config = smoke_config(algorithm=algorithm, inner_steps=h, num_workers=4,
                           **{"mesh.replica": 4})
     r = train.build(config)
-    assert r.outer_bytes() == ledger.CommBytes(sent=r.param_bytes, received=r.param_bytes)
+    nbytes = r.model.param_bytes
+    assert r.outer_bytes() == ledger.CommBytes(sent=nbytes, received=nbytes)
     fns = train.jitted_steps(r)
     local_fns, finish_fn = fns.local, fns.syncs[0]
     batches = jax.ShapeDtypeStruct((4, h, config.data.batch_size, config.data.seq_len + 1),
-                                   np.int32, sharding=mesh_lib.round_batches(r.mesh))
+                                   np.int32, sharding=mesh_lib.round_batches(r.topology.mesh))
     opt = r.abstract_workers()[0]
-    ids = jax.ShapeDtypeStruct((4,), np.int32, sharding=mesh_lib.per_worker(r.mesh))
+    ids = jax.ShapeDtypeStruct((4,), np.int32, sharding=mesh_lib.per_worker(r.topology.mesh))
     deltas, signals = r.abstract_sync_inputs(0)
-    with jax.set_mesh(r.mesh):
-      local_hlo = local_fns[0][0].lower(r.abstract_state, opt, batches, ids).compile().as_text()
-      outer_hlo = finish_fn.lower(r.abstract_state, deltas, signals).compile().as_text()
-      quiet_hlo = finish_fn.lower(r.abstract_state, deltas, signals,
+    with jax.set_mesh(r.topology.mesh):
+      local_hlo = local_fns[0][0].lower(r.state.abstract, opt, batches, ids).compile().as_text()
+      outer_hlo = finish_fn.lower(r.state.abstract, deltas, signals).compile().as_text()
+      quiet_hlo = finish_fn.lower(r.state.abstract, deltas, signals,
                                   metrics=False).compile().as_text()
     assert _all_reduced_elements(local_hlo) == 0  # H inner steps: no communication
     # The outer mean moves every parameter once (plus a few scalars for the metrics).
     moved = _all_reduced_elements(outer_hlo)
-    assert r.param_count <= moved <= r.param_count + 16, (algorithm, moved, r.param_count)
+    count = r.model.param_count
+    assert count <= moved <= count + 16, (algorithm, moved, count)
     # ...in one collective: the workers' losses ride in that all-reduce, not an all-gather.
     assert " all-gather" not in outer_hlo
     assert outer_hlo.count(" all-reduce(") + outer_hlo.count(" all-reduce-start(") == 1
     # A round without metrics moves exactly the flat pseudo-gradient, nothing else.
-    assert _all_reduced_elements(quiet_hlo) == r.param_count
+    assert _all_reduced_elements(quiet_hlo) == r.model.param_count
     assert " all-gather" not in quiet_hlo
 
 
@@ -93,7 +96,7 @@ def test_a_workers_nan_loss_is_reported_as_its_own(smoke_config):
   deltas, signals = r.abstract_sync_inputs(0)
   deltas = jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), deltas)
   losses = jax.device_put(np.array([1.0, np.nan, 2.0, 3.0], np.float32), signals.loss.sharding)
-  with jax.set_mesh(r.mesh):
+  with jax.set_mesh(r.topology.mesh):
     _, metrics = fns.syncs[0](state, deltas, r.signals([1], losses))
   np.testing.assert_array_equal(metrics["train_loss_per_worker"], [1.0, np.nan, 2.0, 3.0])
   assert np.isnan(metrics["train_loss"])
@@ -107,7 +110,7 @@ def test_runner_keeps_inner_adam_state_and_outer_momentum_across_rounds(smoke_co
   history = [state]
   for _ in range(3):
     state, workers, _, _ = train.train_round(r, fns, state, workers,
-                                             [r.streams[0].next_round(3)], [3])
+                                             [r.data.streams[0].next_round(3)], [3])
     history.append(state)
   # Every worker's AdamW has taken rounds * H steps: its state was never reset.
   counts = [x for x in jax.tree.leaves(workers) if x.dtype == np.int32]
@@ -115,7 +118,7 @@ def test_runner_keeps_inner_adam_state_and_outer_momentum_across_rounds(smoke_co
   # Nesterov: θ_r+1 - θ_r = -lr (Δ̄_r + m·trace_r) with trace_r = Δ̄_r + m·trace_r-1.
   # Recover Δ̄_r from the parameters and check the carried trace against it.
   lr, m = 0.5, 0.9
-  view = r.layout.unravel  # θ and the outer momentum are flat
+  view = r.model.layout.unravel  # θ and the outer momentum are flat
   traces = [view(s.outer.per_fragment[0][0].trace)["wte"]["embedding"] for s in history]
   thetas = [view(s.params)["wte"]["embedding"] for s in history]
   for t in (1, 2, 3):

@@ -147,13 +147,13 @@ def test_each_fragment_syncs_once_per_round_and_peak_bytes_shrink(smoke_config, 
   r = train.build(config)
   assert [s.sync for s in r.segments(4)] == [0, 1]  # one sync per fragment per H steps
   sent = [b.sent for b in r.sync_bytes()]
-  fragment_bytes = [4 * (end - start) for start, end in r.layout.bounds]
-  assert sent == fragment_bytes and sum(sent) == r.param_bytes
+  fragment_bytes = [4 * (end - start) for start, end in r.model.layout.bounds]
+  assert sent == fragment_bytes and sum(sent) == r.model.param_bytes
   summary = train.run(config, tmp_path / "run")
-  assert summary["bytes_sent"] == 2 * r.param_bytes  # = DiLoCo's: the whole model per round
-  assert summary["bytes_sent_peak_sync"] == max(fragment_bytes) < r.param_bytes
+  assert summary["bytes_sent"] == 2 * r.model.param_bytes  # = DiLoCo's: the whole model per round
+  assert summary["bytes_sent_peak_sync"] == max(fragment_bytes) < r.model.param_bytes
   diloco = train.build(smoke_config(num_workers=2, inner_steps=4, rounds=2))
-  assert [b.sent for b in diloco.sync_bytes()] == [r.param_bytes]  # DiLoCo: all at once
+  assert [b.sent for b in diloco.sync_bytes()] == [r.model.param_bytes]  # DiLoCo: all at once
 
 
 def test_resume_mid_cycle_with_an_update_in_flight_is_exact(smoke_config, tmp_path):
@@ -202,7 +202,7 @@ def test_a_codec_compresses_each_fragment_with_tiers(smoke_config, tmp_path):
                       **{"compress.codec": codec, "streaming.overlap_steps": 1})
   r = train.build(config)
   codec_ = compress.make_codec(config.compress, lr=config.optimizer.lr)
-  per_fragment = [codec_.payload_bytes(r.layout.fragment(p).abstract) for p in range(2)]
+  per_fragment = [codec_.payload_bytes(r.model.layout.fragment(p).abstract) for p in range(2)]
   assert [b.sent for b in r.sync_bytes()] == per_fragment  # each sync: its fragment's payload
   summary = train.run(config, tmp_path)
   assert summary["bytes_sent"] == 2 * sum(per_fragment)
@@ -217,9 +217,9 @@ def test_a_narrow_tier_keeps_its_untrained_units_at_the_global_value(smoke_confi
   config = _streaming(smoke_config, hosts=[host(1.0), host(0.5)], num_workers=2,
                       inner_steps=4, **{"streaming.overlap_steps": 1, "streaming.mix": 0.5})
   r, state, workers, _ = train_rounds(config, 1)
-  theta = r.layout.unravel(state.params)["blocks"][0]["mlp"]
-  narrow = r.layout.unravel(workers[1].params[0])["blocks"][0]["mlp"]  # landed, not synced
-  m = r.hosts[1].hidden
+  theta = r.model.layout.unravel(state.params)["blocks"][0]["mlp"]
+  narrow = r.model.layout.unravel(workers[1].params[0])["blocks"][0]["mlp"]  # landed, not synced
+  m = r.topology.hosts[1].hidden
   np.testing.assert_array_equal(narrow["fc_kernel"][:, m:], theta["fc_kernel"][:, m:])
   np.testing.assert_array_equal(narrow["proj_kernel"][m:], theta["proj_kernel"][m:])
   assert not np.array_equal(narrow["fc_kernel"][:, :m], theta["fc_kernel"][:, :m])  # trained
@@ -232,14 +232,14 @@ def test_fragments_of_a_real_model(smoke_config):
                                                        "data.seq_len": 32,
                                                        "streaming.fragments": 4})
   r = train.build(config)
-  flat = jnp.arange(r.layout.size, dtype=jnp.float32)
-  tree = r.layout.unravel(flat)
+  flat = jnp.arange(r.model.layout.size, dtype=jnp.float32)
+  tree = r.model.layout.unravel(flat)
   for p in range(4):
-    part = r.layout.fragment(p).unravel(r.layout.fragment_slice(flat, p))
+    part = r.model.layout.fragment(p).unravel(r.model.layout.fragment_slice(flat, p))
     blocks = sorted(part.get("blocks", {}))
     assert blocks == [i for i in range(12) if i % 4 == p]
     for i in blocks:
       jax.tree.map(np.testing.assert_array_equal, part["blocks"][i], tree["blocks"][i])
-  assert sorted(r.layout.fragment(0).abstract) == ["blocks", "ln_f", "wpe", "wte"]
-  assert [end - start for start, end in r.layout.bounds][1:] == [
-      r.layout.fragment(p).size for p in range(1, 4)]
+  assert sorted(r.model.layout.fragment(0).abstract) == ["blocks", "ln_f", "wpe", "wte"]
+  assert [end - start for start, end in r.model.layout.bounds][1:] == [
+      r.model.layout.fragment(p).size for p in range(1, 4)]

@@ -130,9 +130,9 @@ def test_a_run_evaluates_on_the_validation_tail_and_trains_on_the_rest(tmp_path,
   corpus.write_text("abcdefghijklmnopqrstuvwxyz"[:20] * 450 + "0123456789" * 100)
   r = build.build(smoke_config(**{"data.path": str(corpus), "data.val_fraction": 0.1}))
   val, train = set(b"0123456789"), set(b"abcdefghijklmnopqrst")
-  assert r.eval_windows.shape == (2, 4, 33)
-  assert set(np.unique(r.eval_windows)) <= val
-  batches = r.streams[0].next_round(3)
+  assert r.data.eval_windows.shape == (2, 4, 33)
+  assert set(np.unique(r.data.eval_windows)) <= val
+  batches = r.data.streams[0].next_round(3)
   assert set(np.unique(batches)) <= train
   # Windows start anywhere in their split, not at a fixed offset.
-  assert len({w[0] for w in r.eval_windows.reshape(-1, 33)}) > 1
+  assert len({w[0] for w in r.data.eval_windows.reshape(-1, 33)}) > 1
