@@ -113,7 +113,9 @@ def run(driver: Driver, files: RunFiles, *, t_start: float,
     return summary
   wall = lambda: driver.wall_before() + time.time() - t_start
   start, step, tokens = driver.position()
-  resumes = files.start_metrics(step, latest, write_files=driver.writes_files)
+  # A restart under a changed config is recorded at the mark it continues from (0: a run
+  # that died before its first checkpoint).
+  resumes = files.start_metrics(step, start, write_files=driver.writes_files)
   logger = files.logger
   # Training speed, from one reading's ready time to the next, less the seconds spent
   # evaluating and saving in between.
