@@ -13,7 +13,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- run ---------------------------------------------------------------------------
   c.algorithm = "diloco"  # 'ddp' (average gradients every step) | 'diloco' (H local steps, outer step)
-  # | 'streaming' (Streaming DiLoCo: fragments sync in turn) | in the simulator also 'async'
+  # | 'streaming' (Streaming DiLoCo: fragments sync in turn) | 'one_step_delay' (the outer step
+  # applies the previous round's mean: this round's travels meanwhile) | in the simulator also 'async'
   # (outer Nesterov per arrival) | 'async_dn' (Delayed Nesterov) | 'halos' (lowcomm_jax/algorithms/)
   c.num_workers = 4  # workers (replicas); each has its own data stream and inner optimizer state
   c.rounds = 20  # outer rounds; DDP takes one step per round

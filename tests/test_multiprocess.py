@@ -36,15 +36,19 @@ def _final_params(config, workdir):
   return state.params
 
 
-@pytest.mark.parametrize("codec", ["none", "sparseloco"])
-def test_two_processes_match_one_process_with_the_same_two_workers(tmp_path, smoke_config, codec):
+# one_step_delay with a codec: the aggregate in flight rides in the replicated outer state,
+# the error buffers in the per-worker one.
+@pytest.mark.parametrize("algorithm,codec", [("diloco", "none"), ("one_step_delay", "sparseloco")])
+def test_two_processes_match_one_process_with_the_same_two_workers(tmp_path, smoke_config,
+                                                                   algorithm, codec):
   # With a codec each process holds its worker's error buffer (a shard of the global state).
   proc = _launch("--num_processes", "2", "--", *SMOKE, f"--workdir={tmp_path / 'two'}",
-                 f"--config.compress.codec={codec}")
+                 f"--config.compress.codec={codec}", f"--config.algorithm={algorithm}")
   out, err = proc.communicate(timeout=420)
   assert proc.returncode == 0, (out + err)[-4000:]
   assert "[p0]" in out and "[p1]" in out and "all 2 processes finished" in out
-  config = smoke_config(rounds=3, checkpoint_every=3, **{"compress.codec": codec})
+  config = smoke_config(rounds=3, checkpoint_every=3, algorithm=algorithm,
+                        **{"compress.codec": codec})
   one = train.run(config, tmp_path / "one")
   two = json.loads((tmp_path / "two" / "summary.json").read_text())
   assert two["bytes_sent"] == one["bytes_sent"] and two["tokens"] == one["tokens"]

@@ -205,7 +205,8 @@ class StreamingRounds(SyncRounds):
   """Streaming DiLoCo: a round is P segments of H/P steps; segment k ends with fragment k's
   ring all-reduce. The wire carries one fragment at a time, and the workers go on computing
   while it is on the wire: the result is needed τ steps into the next segment, so up to τ
-  steps of compute hide the transfer (τ = 0: they wait for it, as in DiLoCo).
+  steps of compute hide the transfer (τ = 0: they wait for it, as in DiLoCo; τ = S: the
+  result is needed when the next segment ends, as in one-step-delay DiLoCo).
 
   With c_w worker w's compute for the segment, e its end (the slowest worker's) and d the
   time the previous fragment's transfer is done, the next segment ends at
@@ -237,8 +238,9 @@ class StreamingRounds(SyncRounds):
     if p.num_workers > 1:
       self.acct.bytes_sent += p.num_workers * p.fragment_bytes[k]
     arrived = loop.now  # the previous fragment's transfer is done (this event's time)
-    end = max(max(self.compute_end + p.overlap_steps / s * j.compute_seconds, arrived)
-              + (1.0 - p.overlap_steps / s) * j.compute_seconds for j, s in zip(jobs, steps))
+    hidden = [min(p.overlap_steps / s, 1.0) for s in steps]  # τ/S: at most the whole segment
+    end = max(max(self.compute_end + h * j.compute_seconds, arrived)
+              + (1.0 - h) * j.compute_seconds for j, h in zip(jobs, hidden))
     self.compute_end = end
     loop.schedule(max(end, arrived) + self.transfer_seconds[k], "segment_end", segment=k,
                   jobs=[dataclasses.asdict(j) for j in jobs])
