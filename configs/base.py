@@ -13,9 +13,12 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- run ---------------------------------------------------------------------------
   c.algorithm = "diloco"  # 'ddp' (average gradients every step) | 'diloco' (H local steps, outer step)
-  # | 'streaming' (Streaming DiLoCo: fragments sync in turn) | 'one_step_delay' (the outer step
-  # applies the previous round's mean: this round's travels meanwhile) | in the simulator also 'async'
-  # (outer Nesterov per arrival) | 'async_dn' (Delayed Nesterov) | 'halos' (lowcomm_jax/algorithms/)
+  # | 'streaming' (Streaming DiLoCo: fragments sync in turn)
+  # | 'one_step_delay' (the outer step applies the previous round's mean, this one's travels)
+  # | 'eager' (one_step_delay, each worker starting from a proxy step with its own fresh Δ)
+  # | 'overlap' (Overlap Local-SGD: workers pull back toward an anchor that trails the average)
+  # | in the simulator also 'async' (outer Nesterov per arrival) | 'async_dn' (Delayed Nesterov)
+  # | 'halos' (lowcomm_jax/algorithms/)
   c.num_workers = 4  # workers (replicas); each has its own data stream and inner optimizer state
   c.rounds = 20  # outer rounds; DDP takes one step per round
   c.inner_steps = 20  # H: inner steps per worker per round (must be 1 for ddp)
@@ -64,6 +67,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.outer.halos.global_lr = 0.3  # the global server's Delayed Nesterov lr
   c.outer.halos.global_momentum = 0.5  # ... its momentum
   c.outer.halos.global_buffer = 2  # ... its N (pushes per momentum refresh)
+
+  # --- Overlap Local-SGD (algorithm='overlap'; lowcomm_jax/algorithms/overlap.py) ---------
+  c.overlap = ml_collections.ConfigDict()
+  c.overlap.alpha = 0.2  # pull-back every H steps: x_w <- (1 - alpha) * x_w + alpha * anchor
+  c.overlap.anchor_momentum = 0.0  # beta: the anchor follows the average that arrived with momentum
 
   # --- Streaming DiLoCo (algorithm='streaming'; lowcomm_jax/algorithms/streaming.py) -------
   c.streaming = ml_collections.ConfigDict()

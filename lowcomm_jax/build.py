@@ -86,7 +86,7 @@ class Run:
   topology: Topology
   model: ModelSpec
   data: RunData
-  state: StateSpec
+  state_spec: StateSpec  # (the state itself is the drivers': steps.TrainState)
   programs: Programs
   # Enter around compiling and running the run's programs (model/tp.py: GSPMD under TP).
   partitioner: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
@@ -103,6 +103,14 @@ class Run:
     if key not in self._placed:
       self._placed[key] = jax.device_put(x, mesh_lib.replicated(self.topology.mesh))
     return self._placed[key]
+
+  def local_input(self, state: steps.TrainState) -> steps.TrainState:
+    """What a local program reads of the global state: θ and the round key, and the outer
+    rules' (replicated) state where the algorithm's workers start from it (eager updates);
+    never the per-worker outer state."""
+    reads_rules = self.algorithm.worker_rule(self.config) is not None
+    return state._replace(outer=steps.OuterState((), state.outer.per_fragment) if reads_rules
+                          else ())
 
   def tokens(self, inner_steps: int, host: int = 0) -> int:
     """Tokens in `inner_steps` inner steps of workers of host `host` (the one way both
@@ -135,7 +143,7 @@ class Run:
     start, end = (self.model.layout.bounds[fragment] if self.model.layout.bounds
                   else (0, self.model.layout.size))
     r = self.config.num_workers
-    deltas = jax.ShapeDtypeStruct((r, end - start), self.state.abstract.params.dtype,
+    deltas = jax.ShapeDtypeStruct((r, end - start), self.state_spec.abstract.params.dtype,
                                   sharding=sharding)
     rep = mesh_lib.replicated(self.topology.mesh)
     signals = steps.Signals(jax.ShapeDtypeStruct((r,), jnp.int32, sharding=rep),
@@ -149,7 +157,7 @@ class Run:
     out = []
     for segment, sync in zip(self.segments(self.config.inner_steps), self.programs.syncs):
       deltas, signals = self.abstract_sync_inputs(segment.sync)
-      out.append(ledger.count_bytes(sync, self.state.abstract, deltas, signals))
+      out.append(ledger.count_bytes(sync, self.state_spec.abstract, deltas, signals))
     return out
 
   def outer_bytes(self) -> ledger.CommBytes:
@@ -172,7 +180,7 @@ class Run:
     ids = jax.ShapeDtypeStruct((workers,), jnp.int32)
     with jax.set_mesh(self.topology.local_mesh), self.partitioner():
       hlo = jax.jit(self.programs.local[0][0]).lower(
-          self.state.abstract._replace(outer=()), self.abstract_workers()[0],
+          self.local_input(self.state_spec.abstract), self.abstract_workers()[0],
           batches, ids).compile().as_text()
     return {"tp_syncs_forward": plan.syncs_forward(self.model.cfg.n_layer,
                                                    self.model.cfg.parallel_residual),
@@ -185,7 +193,7 @@ class Run:
   def abstract_workers(self):
     """Shapes and shardings of this process's worker states (for restoring them)."""
     sharding = mesh_lib.per_worker(self.topology.local_mesh)
-    params = self.state.abstract.params
+    params = self.state_spec.abstract.params
     return tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                               jax.eval_shape(f, params)) for f in self.programs.init_workers)
 
@@ -266,17 +274,20 @@ def build(config: ml_collections.ConfigDict) -> Run:
            for k, s in enumerate(segments)]
   alpha = algorithm.mix(c)
   keeps_params = algorithm.keeps_worker_params(c)
+  worker_rule = algorithm.worker_rule(c)
   local_programs = [
       [steps.make_local_segment(loss_of(hosts[i].hidden, local_mesh), inner_tx=inner_txs[i],
                                 hidden=hosts[i].hidden, d_ff=model_cfg.d_ff, layout=layout,
                                 segment=s, index=k, count=len(segments), alpha=alpha,
-                                local_steps=algorithm.local_steps, keeps_params=keeps_params)
+                                local_steps=algorithm.local_steps, keeps_params=keeps_params,
+                                worker_rule=worker_rule)
        for k, s in enumerate(segments)]
       for i in local_hosts]
   init_workers = [
       (lambda p, h=hosts[i], tx=inner_txs[i]: steps.init_workers(
           p, workers=len(h.worker_ids), hidden=h.hidden, d_ff=model_cfg.d_ff, layout=layout,
-          inner_tx=tx, local_steps=algorithm.local_steps, keeps_params=keeps_params))
+          inner_tx=tx, local_steps=algorithm.local_steps, keeps_params=keeps_params,
+          worker_rule=worker_rule))
       for i in local_hosts]
 
   def init_fn():
@@ -316,7 +327,8 @@ def build(config: ml_collections.ConfigDict) -> Run:
   programs = Programs(local=local_programs, syncs=syncs, init_workers=init_workers,
                       eval=steps.make_eval_step(loss_of(model_cfg.d_ff, mesh), layout))
   run = Run(config=c, algorithm=algorithm, topology=topology, model=model, data=data,
-            state=StateSpec(init=init_fn, abstract=abstract_state, shardings=state_shardings),
+            state_spec=StateSpec(init=init_fn, abstract=abstract_state,
+                                 shardings=state_shardings),
             programs=programs, partitioner=lambda: partitioner(plan))
   memory.check(run)  # nothing is allocated yet: refuse in seconds, not at RESOURCE_EXHAUSTED
   return run
@@ -336,7 +348,8 @@ def jitted_steps(r: Run, *, donate: bool | None = None) -> Programs:
   local = [[jax.jit(f, donate_argnums=(1,) if donate else (),
                     out_shardings=(per_worker, per_worker, per_worker)) for f in host]
            for host in r.programs.local]
-  syncs = [jax.jit(f, out_shardings=(r.state.shardings, mesh_lib.replicated(r.topology.mesh)),
+  syncs = [jax.jit(f, out_shardings=(r.state_spec.shardings,
+                                    mesh_lib.replicated(r.topology.mesh)),
                    static_argnames="metrics", donate_argnums=(0,) if donate else ())
            for f in r.programs.syncs]
   init = [jax.jit(f, out_shardings=per_worker) for f in r.programs.init_workers]
@@ -347,7 +360,7 @@ def init_run(r: Run, fns: Programs) -> tuple[steps.TrainState, tuple]:
   """Round-0 global state and this process's fresh worker states."""
   logging.info("compiling the initial state…")
   with jax.set_mesh(r.topology.mesh):
-    state = jax.jit(r.state.init, out_shardings=r.state.shardings)()
+    state = jax.jit(r.state_spec.init, out_shardings=r.state_spec.shardings)()
   view = mesh_lib.local_view(state.params, r.topology.local_mesh)
   with jax.set_mesh(r.topology.local_mesh):
     workers = tuple(init(view) for init in fns.init_workers)
@@ -371,8 +384,7 @@ def train_round(r: Run, fns: Programs, state: steps.TrainState, workers: tuple,
   compute = [0.0] * len(r.topology.local_hosts)
   round_metrics = {}
   for k_seg in range(count):
-    # Local programs read θ and the round key, never the (partly per-worker) outer state.
-    view = mesh_lib.local_view(state._replace(outer=()), r.topology.local_mesh)
+    view = mesh_lib.local_view(r.local_input(state), r.topology.local_mesh)
     if timed:  # the previous sync must not count as this segment's compute
       jax.block_until_ready(view)
     deltas = []

@@ -71,8 +71,8 @@ def estimate(r) -> dict[str, int]:
   local_replicas = max(r.topology.local_mesh.shape["replica"], 1)
   global_replicas = max(r.topology.mesh.shape["replica"], 1)
   tp, data = max(c.model.tp.size, 1), max(c.mesh.data, 1)
-  params = ledger.tree_bytes(r.state.abstract.params)
-  codec_state, rule_state = r.state.abstract.outer
+  params = ledger.tree_bytes(r.state_spec.abstract.params)
+  codec_state, rule_state = r.state_spec.abstract.outer
   # Without donation (CPU) a round's new worker states sit beside the old ones.
   copies = 1 if r.topology.mesh.devices.flat[0].platform != "cpu" else 2
   out = {"params": params, "outer_state": ledger.tree_bytes(rule_state),

@@ -109,7 +109,13 @@ def run(driver: Driver, files: RunFiles, *, t_start: float,
   `t_start`: when this invocation started (time.time()), for the run's wall seconds."""
   c = files.config
   latest = files.open_checkpoints()
-  if (summary := driver.open(files, latest)) is not None:
+  try:
+    summary = driver.open(files, latest)
+  except BaseException:
+    driver.close()
+    raise
+  if summary is not None:
+    driver.close()
     return summary
   wall = lambda: driver.wall_before() + time.time() - t_start
   start, step, tokens = driver.position()
@@ -177,14 +183,17 @@ def run(driver: Driver, files: RunFiles, *, t_start: float,
         saved += 1
       # report() restarted the clock at the reading; what followed was not training.
       clock["paused"] += time.perf_counter() - max(paused_at, clock["time"])
-      if stop_after_checkpoints is not None and saved >= stop_after_checkpoints:
+      # (The run's last save ends it anyway: its summary is written, not a stop record.)
+      if (stop_after_checkpoints is not None and saved >= stop_after_checkpoints
+          and not mark.due.last):
         return driver.stopped()
     if not driver.complete():
       return driver.stopped()
     if eval_loss is None:  # resumed at the end: the summary was lost, its evaluation too
       eval_loss = driver.evaluate()
+    wall_seconds = wall()  # as the last checkpoint's, not counting the wait for its save
   finally:  # also on errors: saves in flight complete, files are flushed
     driver.close()
     files.close()  # raises if a save in flight failed (WorkdirError)
-  return files.write_summary(driver.summary(eval_loss, scalars, wall()), resumes,
+  return files.write_summary(driver.summary(eval_loss, scalars, wall_seconds), resumes,
                              write_files=driver.writes_files)

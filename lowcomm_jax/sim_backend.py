@@ -127,8 +127,11 @@ class SimBackend:
       jobs.sort(key=lambda j: j.worker)
       ids = np.asarray([j.worker for j in jobs], np.int32)
       # The round key folds in the pulled version: (version, worker) never repeats.
-      view = steps.TrainState(jnp.asarray(jobs[0].version, jnp.int32), self.rng,
-                              self.snapshots[(server, revision)], ())
+      # (Synchronous schedules start a round's jobs at its sync, so the global outer state
+      # a worker rule reads is the one they pulled.)
+      view = self.r.local_input(steps.TrainState(
+          jnp.asarray(jobs[0].version, jnp.int32), self.rng, self.snapshots[(server, revision)],
+          self.servers[GLOBAL]["opt_state"] if not self.rules else ()))
       everyone = len(ids) == self.plan.num_workers  # ids are sorted: all, in order
       deltas, opt_state, losses = self.local_programs[segment](
           view, self.workers if everyone else _take(self.workers, ids),

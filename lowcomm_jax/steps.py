@@ -61,6 +61,9 @@ class WorkerState(NamedTuple):
   params: jax.Array | tuple
   opt_state: Any  # the inner optimizer's state for the tier's parameters
   steps: jax.Array  # local steps taken
+  # What the algorithm's worker rule keeps per worker (eager updates: its last two Δ_w);
+  # () without one.
+  memory: Any = ()
 
 
 class Signals(NamedTuple):
@@ -88,12 +91,16 @@ def _mix_fragment(own, global_, layout: ParamLayout, fragment: int, alpha: float
 def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformation,
                        hidden: int, d_ff: int, layout: ParamLayout, segment: Segment,
                        index: int, count: int, alpha: float, local_steps: bool,
-                       keeps_params: bool = True, axis_name: str = "replica"):
+                       keeps_params: bool = True, worker_rule=None,
+                       axis_name: str = "replica"):
   """`local(state, workers[G], batches[G, S, B, L+1], worker_ids[G])`
   -> (Δ[G, N_p] of the synced fragment, flat at full width, workers[G], losses[G, S]) for
   one host's G workers of width `hidden`: segment `index` of `count` equal ones (S from the
   batches: the round has H = S·count steps, this segment its steps [index·S, (index+1)·S)).
-  Without `keeps_params` the workers start from θ and keep no parameters (DiLoCo).
+  Without `keeps_params` the workers start from θ and keep no parameters (DiLoCo). With a
+  `worker_rule` (algorithms.base.WorkerRule; one segment, full width) each worker starts
+  from the rule's point, computed from θ, the outer rule's state (`state.outer` is then
+  OuterState((), per_fragment)) and the worker's memory, and the rule makes its Δ.
   """
   grad_fn = jax.value_and_grad(loss_fn)
   narrow = hidden != d_ff
@@ -108,7 +115,7 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
       return (optax.apply_updates(local_params, updates), opt_state), loss
     return jax.lax.scan(inner_step, (params, opt_state), (batches, keys))
 
-  def worker(global_flat, round_, own_flat, opt_state, steps, batches, key):
+  def worker(global_flat, round_, rule_state, own_flat, opt_state, steps, memory, batches, key):
     global_params = layout.unravel(global_flat)
     if not local_steps:  # DDP: the gradient at θ is the contribution
       params = slice_tier(global_params, hidden) if narrow else global_params
@@ -117,6 +124,12 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
       return layout.fragment_slice(layout.ravel(delta), sync), (), loss[None]
     s = batches.shape[0]
     step_keys = jax.random.split(key, s * count)[index * s:(index + 1) * s]
+    if worker_rule is not None:
+      start_flat = worker_rule.start(global_flat, rule_state, memory)
+      (trained, opt_state), losses_s = inner_steps(layout.unravel(start_flat), opt_state,
+                                                   batches, step_keys)
+      delta, memory = worker_rule.finish(start_flat, layout.ravel(trained), memory)
+      return delta, WorkerState((), opt_state, steps + s, memory), losses_s
     own = layout.unravel(own_flat) if keeps_params else global_params
 
     def landed(own_full):
@@ -126,7 +139,7 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
       mixed = _mix_fragment(own_full, global_params, layout, mix, alpha)
       if narrow and alpha != 0.0:  # units the tier does not train follow θ: their Δ stays 0
         mixed = unslice_tier(global_params, slice_tier(mixed, hidden))
-      if index == 0 and mix_at > 0:
+      if index == 0 and mix_at > 0 and not segment.mix_in_first_round:
         return jax.tree.map(lambda m, o: jnp.where(round_ > 0, m, o), mixed, own_full)
       return mixed
 
@@ -149,20 +162,22 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
     losses.append(rest)
     delta = (layout.fragment_slice(global_flat, sync) - layout.fragment_slice(own_flat, sync))
     losses_s = jnp.concatenate(losses) if len(losses) > 1 else losses[0]
-    return (delta, WorkerState(own_flat if keeps_params else (), opt_state, steps + s),
+    return (delta, WorkerState(own_flat if keeps_params else (), opt_state, steps + s, memory),
             losses_s)
 
   def local(state: TrainState, workers: WorkerState | tuple, batches_GxSxBxL1, worker_ids_G):
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(round_key(state), worker_ids_G)
+    rule_state = state.outer.per_fragment[0] if worker_rule is not None else ()
     if not local_steps:
-      own, opt_state, steps = (), (), ()
-      in_axes = (None, None, None, None, None, 0, 0)
+      own, opt_state, steps, memory = (), (), (), ()
+      in_axes = (None, None, None, None, None, None, None, 0, 0)
     else:
-      own, opt_state, steps = workers
-      in_axes = (None, None, 0 if keeps_params else None, 0, 0, 0, 0)
+      own, opt_state, steps, memory = workers
+      in_axes = (None, None, None, 0 if keeps_params else None, 0, 0, 0, 0, 0)
     delta, workers, losses = jax.vmap(
         worker, in_axes=in_axes, axis_name=axis_name, spmd_axis_name=axis_name)(
-            state.params, state.round, own, opt_state, steps, batches_GxSxBxL1, keys)
+            state.params, state.round, rule_state, own, opt_state, steps, memory,
+            batches_GxSxBxL1, keys)
     return delta, workers, losses
 
   return local
@@ -267,13 +282,15 @@ def init_state(params, *, seed: int, layout: ParamLayout, aggregators, rules,
 
 def init_workers(flat_params, *, workers: int, hidden: int, d_ff: int, layout: ParamLayout,
                  inner_tx: optax.GradientTransformation, local_steps: bool,
-                 keeps_params: bool = True):
+                 keeps_params: bool = True, worker_rule=None):
   """A host's fresh [workers, ...] states: θ_w = θ (if kept), the inner optimizer's initial
-  state for its tier's parameters. () for an algorithm without local steps."""
+  state for its tier's parameters, the worker rule's memory. () for an algorithm without
+  local steps."""
   if not local_steps:
     return ()
   params = layout.unravel(flat_params)
   one = WorkerState(flat_params if keeps_params else (),
                     inner_tx.init(params if hidden == d_ff else slice_tier(params, hidden)),
-                    jnp.zeros((), jnp.int32))
+                    jnp.zeros((), jnp.int32),
+                    worker_rule.init(flat_params) if worker_rule is not None else ())
   return jax.tree.map(lambda x: jnp.broadcast_to(x, (workers,) + x.shape), one)

@@ -65,11 +65,9 @@ class RoundDriver:
     self.writes_files = jax.process_index() == 0
     self.fns = jitted_steps(r)
     self.schedule_steps = self.c.optimizer.decay_steps or self.c.rounds * self.c.inner_steps
-    self.ready = ReadyClock()
+    self.ready = None  # started once the run is known to go on (open)
     # Time each host's program when its speed matters: DyLU, idle accounting across hosts.
     self.timed = len(r.topology.hosts) > 1
-    self.sync_bytes = r.sync_bytes()
-    self.round_bytes = sum(self.sync_bytes, CommBytes())
 
   def open(self, files: RunFiles, latest: int | None) -> dict | None:
     r, c, ckpt, workdir = self.r, self.c, files.ckpt, files.workdir
@@ -92,7 +90,7 @@ class RoundDriver:
       ckpt.discard_after(latest)
       try:
         self.state, meta, self.workers, data = ckpt.restore(
-            latest, abstract_with_shardings(r.state.abstract, r.state.shardings),
+            latest, abstract_with_shardings(r.state_spec.abstract, r.state_spec.shardings),
             r.abstract_workers())
         for streams, s in zip(r.data.streams, data["streams"], strict=True):
           streams.set_state(s)
@@ -109,6 +107,9 @@ class RoundDriver:
                         "re-stretches the cosine decay; set optimizer.decay_steps to keep it "
                         "fixed", self.schedule_steps, meta["schedule_steps"])
       logging.info("resumed %s from round %d", workdir, latest)
+    self.ready = ReadyClock()
+    self.sync_bytes = r.sync_bytes()  # traced, not run
+    self.round_bytes = sum(self.sync_bytes, CommBytes())
     self.round = self.start = int(self.state.round)
     self.end = (c.rounds if self.stop_after_rounds is None
                 else min(c.rounds, self.start + self.stop_after_rounds))
@@ -195,7 +196,8 @@ class RoundDriver:
     return _summary(self.r, self.sched, self.sync_bytes, eval_loss, scalars, wall)
 
   def close(self) -> None:
-    self.ready.close()
+    if self.ready is not None:
+      self.ready.close()
 
 
 def _all_hosts(local_compute: list[float]) -> list[float]:

@@ -65,7 +65,7 @@ def checkpointed_state(config, workdir):
   r = train.build(config)
   ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=2)
   state, _, workers, data = ckpt.restore(
-      ckpt.latest_round(), abstract_with_shardings(r.state.abstract, r.state.shardings),
+      ckpt.latest_round(), abstract_with_shardings(r.state_spec.abstract, r.state_spec.shardings),
       r.abstract_workers())
   ckpt.close()
   return (state, workers), data

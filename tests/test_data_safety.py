@@ -47,7 +47,7 @@ def _restore(run, workdir, round_):
   ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=2)
   try:
     state, _, workers, data = ckpt.restore(
-        round_, abstract_with_shardings(run.state.abstract, run.state.shardings),
+        round_, abstract_with_shardings(run.state_spec.abstract, run.state_spec.shardings),
         run.abstract_workers())
   finally:
     ckpt.close()
@@ -134,8 +134,9 @@ def test_intact_checkpoint_of_another_config_is_a_mismatch_not_damage(trained, t
   ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=2)
   try:
     assert ckpt.recover() == 2
+    spec = other.state_spec
     with pytest.raises(CheckpointMismatch, match="does not fit this config"):
-      ckpt.restore(2, abstract_with_shardings(other.state.abstract, other.state.shardings),
+      ckpt.restore(2, abstract_with_shardings(spec.abstract, spec.shardings),
                    other.abstract_workers())
   finally:
     ckpt.close()

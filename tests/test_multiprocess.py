@@ -31,14 +31,16 @@ def _final_params(config, workdir):
   r = train.build(config)
   ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=2)
   state = ckpt.restore_state(ckpt.latest_round(),
-                             abstract_with_shardings(r.state.abstract, r.state.shardings))
+                             abstract_with_shardings(r.state_spec.abstract, r.state_spec.shardings))
   ckpt.close()
   return state.params
 
 
-# one_step_delay with a codec: the aggregate in flight rides in the replicated outer state,
-# the error buffers in the per-worker one.
-@pytest.mark.parametrize("algorithm,codec", [("diloco", "none"), ("one_step_delay", "sparseloco")])
+# Overlapped variants of DiLoCo (its own path is in every other test here): the average in
+# flight rides in the replicated outer state (eager's is one_step_delay's), a codec's error
+# buffers in the per-worker one, eager's memories and overlap's own models in each
+# process's worker states.
+@pytest.mark.parametrize("algorithm,codec", [("eager", "none"), ("overlap", "sparseloco")])
 def test_two_processes_match_one_process_with_the_same_two_workers(tmp_path, smoke_config,
                                                                    algorithm, codec):
   # With a codec each process holds its worker's error buffer (a shard of the global state).

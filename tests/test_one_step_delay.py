@@ -2,17 +2,15 @@
 real programs, the runner against DiLoCo one round earlier, and the simulator (same
 numbers as the runner; the transfer hidden behind the next round)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+import toy_problem as toy
 from conftest import load_config, train_rounds
-from lowcomm_jax import algorithms, optimizers, outer, simulate, steps
-from lowcomm_jax.parallel import mesh as mesh_lib
-from lowcomm_jax.parallel.flat import ParamLayout
+from lowcomm_jax import outer, simulate
 
-LR, BETA = 0.7, 0.9
+LR, BETA = toy.LR, toy.BETA
 
 
 def _nesterov_by_hand(grads):
@@ -44,55 +42,14 @@ def test_the_rule_applies_each_aggregate_one_call_late_and_nothing_first():
   assert int(s.rule[0].count) == 0 and bool(s.arrived)
 
 
-# --- a toy problem, by hand ---------------------------------------------------------------
-# One 2-vector; worker w's loss ½‖θ − t_w‖², so an SGD step at lr η is θ ← θ − η(θ − t_w).
-TARGETS = np.array([[1.0, -1.0], [-3.0, 2.0]], np.float32)
-THETA0 = {"w": np.array([0.5, 0.25], np.float32)}
-ETA, H = 0.25, 3
-
-
-def _toy_run(rounds):
-  config = load_config("smoke", algorithm="one_step_delay", num_workers=2, inner_steps=H, **{
-      "optimizer.name": "sgd", "optimizer.lr": ETA, "optimizer.warmup_steps": 0,
-      "optimizer.min_lr_ratio": 1.0, "optimizer.grad_clip": 0.0,
-      "outer.lr": LR, "outer.momentum": BETA})
-  algorithm = algorithms.get("one_step_delay")
-  layout = ParamLayout.of(THETA0)
-  inner_tx = optimizers.inner_optimizer(config.optimizer, 1000)
-  loss_fn = lambda params, target, key: 0.5 * jnp.sum((params["w"] - target) ** 2)
-  aggregator = optimizers.aggregator(config, layout.fragment(0))
-  rule = algorithm.outer_rule(config, inner_tx, layout.fragment(0))
-  segment = algorithm.segments(config, H)[0]
-  local = jax.jit(steps.make_local_segment(
-      loss_fn, inner_tx=inner_tx, hidden=1, d_ff=1, layout=layout, segment=segment, index=0,
-      count=1, alpha=0.0, local_steps=True, keeps_params=algorithm.keeps_worker_params(config)))
-  sync = jax.jit(steps.make_sync(aggregator, rule, nested=False, weigh_tokens=False,
-                                 layout=layout, fragment=0, count=1, last=True),
-                 static_argnames="metrics")
-  with jax.set_mesh(mesh_lib.make_mesh(1, 1, 1)):
-    state = steps.init_state(layout.ravel(THETA0), seed=0, layout=layout,
-                             aggregators=[aggregator], rules=[rule], num_workers=2)
-    workers = steps.init_workers(state.params, workers=2, hidden=1, d_ff=1, layout=layout,
-                                 inner_tx=inner_tx, local_steps=True, keeps_params=False)
-    signals = steps.Signals(jnp.ones(2, jnp.int32), jnp.ones(2, jnp.float32),
-                            jnp.zeros(2, jnp.float32))
-    batches = jnp.broadcast_to(jnp.asarray(TARGETS)[:, None], (2, H, 2))
-    thetas = []
-    for _ in range(rounds):
-      delta, workers, _ = local(state._replace(outer=()), workers, batches,
-                                jnp.arange(2, dtype=jnp.int32))
-      state, _ = sync(state, delta, signals, metrics=False)
-      thetas.append(np.asarray(state.params))
-  return np.asarray(thetas)
+# --- the toy problem (tests/toy_problem.py), by hand ----------------------------------
 
 
 def _by_hand(rounds):
-  theta = THETA0["w"].astype(np.float64)
+  theta = toy.THETA0.astype(np.float64)
   previous, m, thetas = None, 0.0, []
   for _ in range(rounds):
-    own = [theta.copy() for _ in range(2)]  # every round starts from θ
-    for _ in range(H):
-      own = [o - ETA * (o - TARGETS[w]) for w, o in enumerate(own)]
+    own = [toy.sgd_steps(theta, toy.TARGETS[w]) for w in range(2)]  # each from θ
     mean_delta = np.mean([theta - o for o in own], axis=0)
     if previous is not None:  # the previous round's average arrives and is applied
       m = BETA * m + previous
@@ -103,9 +60,9 @@ def _by_hand(rounds):
 
 
 def test_three_rounds_follow_the_hand_computed_trajectory():
-  got, want = _toy_run(3), _by_hand(3)
+  (got, _), want = toy.run("one_step_delay", 3), _by_hand(3)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-  np.testing.assert_array_equal(got[0], THETA0["w"])  # round 1 applies nothing
+  np.testing.assert_array_equal(got[0], toy.THETA0)  # round 1 applies nothing
 
 
 def test_the_runner_after_two_rounds_is_diloco_after_one(smoke_config):

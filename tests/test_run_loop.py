@@ -67,7 +67,8 @@ class ScriptedDriver:
 
 
 def _files(smoke_config, workdir, **fields):
-  config = smoke_config(rounds=6, eval_every=3, log_every=2, checkpoint_every=3, **fields)
+  config = smoke_config(**{"rounds": 6, "eval_every": 3, "log_every": 2,
+                           "checkpoint_every": 3, **fields})
   return RunFiles(config, workdir)
 
 
@@ -117,3 +118,21 @@ def test_stop_after_checkpoints_returns_the_drivers_stop_record(tmp_path, smoke_
                      stop_after_checkpoints=1)
   assert out == {"stopped_at": 3}
   assert ("advance", 4) not in driver.events
+
+
+def test_the_runs_last_save_ends_it_with_its_summary_even_at_the_stop_count(tmp_path,
+                                                                            smoke_config):
+  driver = ScriptedDriver(6, reads_late=True)
+  files = _files(smoke_config, tmp_path, checkpoint_every=0)  # only the last mark saves
+  out = run_loop.run(driver, files, t_start=time.time(), stop_after_checkpoints=1)
+  assert out["eval_loss"] == 2 / 6 and (tmp_path / "summary.json").exists()
+
+
+def test_a_driver_whose_open_fails_is_closed(tmp_path, smoke_config):
+  class Refusing(ScriptedDriver):
+    def open(self, files, latest):
+      raise RuntimeError("no")
+  driver = Refusing(6, reads_late=True)
+  with pytest.raises(RuntimeError):
+    run_loop.run(driver, _files(smoke_config, tmp_path), t_start=time.time())
+  assert driver.events == [("close",)]

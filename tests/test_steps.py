@@ -22,7 +22,7 @@ def test_diloco_h1_sgd_outer_lr1_equals_ddp_with_sgd(smoke_config):
   np.testing.assert_allclose(m_diloco["train_loss_per_worker"], m_ddp["train_loss_per_worker"],
                              rtol=1e-5)
   # ...and training moved the parameters (the equivalence is not between two no-ops).
-  init = jax.jit(r_ddp.state.init)()
+  init = jax.jit(r_ddp.state_spec.init)()
   embedding = lambda s: r_ddp.model.layout.unravel(s.params)["wte"]["embedding"]
   assert not np.allclose(embedding(init), embedding(s_ddp))
 
@@ -72,9 +72,10 @@ def test_inner_steps_communicate_nothing_and_the_outer_step_moves_the_params_onc
     ids = jax.ShapeDtypeStruct((4,), np.int32, sharding=mesh_lib.per_worker(r.topology.mesh))
     deltas, signals = r.abstract_sync_inputs(0)
     with jax.set_mesh(r.topology.mesh):
-      local_hlo = local_fns[0][0].lower(r.state.abstract, opt, batches, ids).compile().as_text()
-      outer_hlo = finish_fn.lower(r.state.abstract, deltas, signals).compile().as_text()
-      quiet_hlo = finish_fn.lower(r.state.abstract, deltas, signals,
+      local_hlo = local_fns[0][0].lower(r.state_spec.abstract, opt, batches,
+                                        ids).compile().as_text()
+      outer_hlo = finish_fn.lower(r.state_spec.abstract, deltas, signals).compile().as_text()
+      quiet_hlo = finish_fn.lower(r.state_spec.abstract, deltas, signals,
                                   metrics=False).compile().as_text()
     assert _all_reduced_elements(local_hlo) == 0  # H inner steps: no communication
     # The outer mean moves every parameter once (plus a few scalars for the metrics).

@@ -13,7 +13,9 @@ and, for asynchronous algorithms, the rules of its parameter servers.
 """
 
 import dataclasses
+from typing import Any, Protocol
 
+import jax
 import ml_collections
 import optax
 
@@ -29,6 +31,25 @@ class Segment:
   sync: int
   mix: int
   mix_at: int = 0
+  # Mix in the run's first segment too: the global value is an anchor to pull toward, not
+  # an update in flight (Overlap Local-SGD).
+  mix_in_first_round: bool = False
+
+
+class WorkerRule(Protocol):
+  """Where a worker starts each round and what it sends, for algorithms whose workers do not
+  simply start from θ (eager updates). Flat vectors; `memory` is the worker's own state
+  (steps.WorkerState.memory), `rule_state` the fragment's outer rule state (replicated)."""
+
+  def init(self, flat_params: jax.Array) -> Any:
+    """A fresh worker's memory."""
+
+  def start(self, flat_params: jax.Array, rule_state, memory) -> jax.Array:
+    """The parameters the worker's round starts from."""
+
+  def finish(self, start: jax.Array, trained: jax.Array, memory) -> tuple[jax.Array, Any]:
+    """(Δ_w it sends, its new memory) after the round's steps took it from `start` to
+    `trained`."""
 
 
 class Algorithm:
@@ -68,6 +89,10 @@ class Algorithm:
     """The synchronous outer rule on the aggregated Δ of one fragment (flat, `layout` is the
     fragment's); its state is the fragment's own."""
     raise NotImplementedError
+
+  def worker_rule(self, c: ml_collections.ConfigDict) -> WorkerRule | None:
+    """The workers' own start and contribution (one segment, full width), or None."""
+    return None
 
   def schedule(self, plan, backend):
     """The simulator's schedule (lowcomm_jax/sim/schedules.py) for this algorithm."""

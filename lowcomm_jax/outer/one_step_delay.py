@@ -24,20 +24,27 @@ class OneStepDelayState(NamedTuple):
   rule: optax.OptState  # the wrapped rule's state
   previous: optax.Updates  # Δ̄^{t−1}: the aggregate that arrived, applied at the next step
   arrived: jax.Array  # bool: `previous` holds an aggregate (False before the first)
+  # The aggregate the last step applied (zeros until one was), with `keep_applied` (eager
+  # updates build their proxy from it); () otherwise.
+  applied: optax.Updates | tuple = ()
 
 
-def one_step_delay(rule: optax.GradientTransformation) -> optax.GradientTransformation:
+def one_step_delay(rule: optax.GradientTransformation, *,
+                   keep_applied: bool = False) -> optax.GradientTransformation:
   """`rule` applied to the aggregate of the previous call; nothing on the first call."""
 
   def init(params):
-    return OneStepDelayState(rule.init(params), optax.tree.zeros_like(params, jnp.float32),
-                             jnp.zeros((), bool))
+    zeros = optax.tree.zeros_like(params, jnp.float32)
+    return OneStepDelayState(rule.init(params), zeros, jnp.zeros((), bool),
+                             zeros if keep_applied else ())
 
   def update(aggregate, state, params=None):
     updates, rule_state = rule.update(state.previous, state.rule, params)
     keep = lambda new, old: jnp.where(state.arrived, new, old)
     updates = jax.tree.map(lambda u: keep(u, jnp.zeros_like(u)), updates)
     rule_state = jax.tree.map(keep, rule_state, state.rule)
-    return updates, OneStepDelayState(rule_state, aggregate, jnp.ones((), bool))
+    # (`previous` is zeros until an aggregate arrived: "applied" is then zeros too.)
+    return updates, OneStepDelayState(rule_state, aggregate, jnp.ones((), bool),
+                                      state.previous if keep_applied else ())
 
   return optax.GradientTransformation(init, update)

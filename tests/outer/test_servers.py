@@ -39,7 +39,7 @@ def _backend(algorithm, workers=2, regions=(0, 0), **overrides):
                                     intra_latency_s=0.0, inter_gbps=1.0, inter_latency_s=0.0),
               delta_bytes=12, param_bytes=12, compressed=False)
   run = types.SimpleNamespace(config=config, algorithm=algorithms.get(algorithm),
-                              local_programs=[[_local_round]], syncs=[None])
+                              local_input=lambda state: state._replace(outer=()))
   state = steps.TrainState(jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(0)),
                            jnp.asarray(THETA0), ())
   programs = types.SimpleNamespace(local=[[_local_round]], syncs=[None])

@@ -1,0 +1,69 @@
+"""Overlap Local-SGD: a hand-computed trajectory through the real programs (persistent
+workers, the pull-back, the anchor trailing the average), the simulator equals the runner,
+exact resume with an average in flight, and its config limits."""
+
+import jax
+import numpy as np
+import pytest
+
+import toy_problem as toy
+from conftest import checkpointed_state, load_config, train_rounds
+from lowcomm_jax import config_check, simulate, train
+
+ALPHA, MOMENTUM = 0.2, 0.5
+
+
+def _by_hand(rounds):
+  z, v = toy.THETA0.astype(np.float64), np.zeros(2)
+  x = [z.copy(), z.copy()]  # the workers' own models, never reset
+  average, anchors = None, []
+  for _ in range(rounds):
+    x = [toy.sgd_steps(x[w], toy.TARGETS[w]) for w in range(2)]
+    x = [(1 - ALPHA) * xw + ALPHA * z for xw in x]  # pull back toward the anchor
+    if average is not None:  # the average launched a period ago arrives
+      v = MOMENTUM * v + (z - average)
+      z = z - v
+    average = np.mean(x, axis=0)  # launched now, of the pulled-back models
+    anchors.append(z.copy())
+  return np.asarray(anchors), x
+
+
+def test_three_periods_follow_the_hand_computed_trajectory():
+  got, workers = toy.run("overlap", 3, **{"overlap.alpha": ALPHA,
+                                          "overlap.anchor_momentum": MOMENTUM})
+  want, x = _by_hand(3)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(workers.params, np.asarray(x), rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(got[0], toy.THETA0)  # nothing arrived at the first sync
+
+
+def test_the_simulator_equals_the_runner(tmp_path):
+  common = {"algorithm": "overlap", "rounds": 3, "inner_steps": 2, "num_workers": 4,
+            "overlap.anchor_momentum": MOMENTUM}
+  config = load_config("smoke", **common, **{"sim.enabled": True, "eval_every": 3,
+                                             "checkpoint_every": 1,
+                                             "sim.heterogeneity": "very"})
+  summary = simulate.run(config, tmp_path)
+  assert summary["total_inner_steps"] == 3 * 4 * 2
+  _, state, _, _ = train_rounds(load_config("smoke", **common, **{"mesh.replica": 1}), 3)
+  np.testing.assert_array_equal(np.asarray(simulate.final_global_params(config, tmp_path)),
+                                np.asarray(state.params))
+
+
+def test_resume_with_an_average_in_flight_is_exact(tmp_path, smoke_config):
+  config = smoke_config(algorithm="overlap", num_workers=2, inner_steps=2, rounds=4,
+                        checkpoint_every=2, **{"overlap.anchor_momentum": MOMENTUM})
+  train.run(config, tmp_path / "straight")
+  assert train.run(config, tmp_path / "resumed", stop_after_rounds=2) == {"stopped_at_round": 2}
+  train.run(config, tmp_path / "resumed")
+  a, _ = checkpointed_state(config, tmp_path / "straight")
+  b, _ = checkpointed_state(config, tmp_path / "resumed")
+  jax.tree.map(np.testing.assert_array_equal, a, b)  # anchor, its state, workers' models
+
+
+@pytest.mark.parametrize("field,value", [("overlap.alpha", 0.0), ("overlap.alpha", 1.5),
+                                         ("overlap.anchor_momentum", 1.0)])
+def test_bad_overlap_configs_name_the_field(smoke_config, field, value):
+  with pytest.raises(config_check.ConfigError, match=field):
+    config_check.validate(smoke_config(algorithm="overlap", **{field: value}), num_devices=8,
+                          num_processes=1, local_devices=8)
