@@ -3,6 +3,7 @@ time each takes over a slow and a fast network.
 
     python bench/overlapped.py                    # both networks, 4 workers, small model
     python bench/overlapped.py --workers 2 --rounds 6
+    python bench/overlapped.py --only one_step_delay eager --set outer.momentum=0.0 --tag mom0
 
 Each case is one simulator run (`simulate.run`) on the `small` model with the same workers,
 rounds, H and data: DiLoCo, Streaming DiLoCo (P = 2, τ = 1), one-step-delay, eager updates
@@ -25,11 +26,11 @@ sys.path.insert(0, str(REPO / "tests"))
 
 CASES = {
     "diloco": {"algorithm": "diloco"},
-    "streaming P=2 tau=1": {"algorithm": "streaming", "streaming.fragments": 2,
-                            "streaming.overlap_steps": 1},
+    "streaming": {"algorithm": "streaming", "streaming.fragments": 2,
+                  "streaming.overlap_steps": 1},
     "one_step_delay": {"algorithm": "one_step_delay"},
     "eager": {"algorithm": "eager"},
-    "overlap alpha=0.2": {"algorithm": "overlap", "overlap.alpha": 0.2},
+    "overlap": {"algorithm": "overlap", "overlap.alpha": 0.2},
 }
 
 
@@ -45,12 +46,24 @@ def main() -> None:
   parser.add_argument("--inner_steps", type=int, default=20)
   parser.add_argument("--step_seconds", type=float, default=0.1,
                       help="virtual seconds per inner step")
+  parser.add_argument("--only", nargs="*", choices=tuple(CASES), help="run these cases only")
+  parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                      help="config overrides for every case (numbers parsed as floats)")
+  parser.add_argument("--tag", default="", help="suffix of the results file")
   args = parser.parse_args()
+  overrides = {}
+  for item in args.set:
+    field, _, value = item.partition("=")
+    try:
+      overrides[field] = float(value)
+    except ValueError:
+      overrides[field] = value
   from lowcomm_jax import simulate
   w = args.workers
   common = {"sim.enabled": True, "num_workers": w, "rounds": args.rounds,
             "inner_steps": args.inner_steps, "model.name": "small", "eval_every": 0,
-            "checkpoint_every": 0, "log_every": 5, "sim.step_seconds": args.step_seconds}
+            "checkpoint_every": 0, "log_every": 5, "sim.step_seconds": args.step_seconds,
+            **overrides}
   networks = {"slow": {"sim.network.regions": w, "sim.network.inter_gbps": 1.0,
                        "sim.network.inter_latency_s": 0.05},
               "fast": {"sim.network.regions": 1, "sim.network.intra_gbps": 100.0}}
@@ -61,6 +74,8 @@ def main() -> None:
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     for name, fields in CASES.items():
+      if args.only and name not in args.only:
+        continue
       row = {"case": name}
       t0 = time.perf_counter()
       for net, net_fields in networks.items():
@@ -74,7 +89,7 @@ def main() -> None:
       rows.append(row)
       print(f"| {name} | {row['eval_loss']:.4f} | {row['virtual_seconds_slow']:.2f} | "
             f"{row['virtual_seconds_fast']:.2f} | {row['wall_seconds']:.0f} |", flush=True)
-  out = REPO / "bench" / "results" / "overlapped.json"
+  out = REPO / "bench" / "results" / f"overlapped{'_' + args.tag if args.tag else ''}.json"
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps({"args": vars(args), "compute_only_seconds": compute,
                              "rows": rows}, indent=2) + "\n")

@@ -185,3 +185,21 @@ def test_the_simulator_never_donates_what_its_servers_keep(tmp_path, monkeypatch
   monkeypatch.setattr(build.jax, "default_backend", lambda: "gpu")
   summary = simulate.run(_sim_config(rounds=2, checkpoint_every=0), tmp_path)
   assert summary["total_inner_steps"] == 2 * 4 * 2
+
+
+def test_ddp_in_the_simulator_equals_the_runner_and_pays_a_ring_every_step(tmp_path):
+  slow = {"sim.network.intra_gbps": 0.002}  # the gradient's ring takes longer than the step
+  config = _sim_config(algorithm="ddp", rounds=3, inner_steps=1, **slow)
+  summary = simulate.run(config, tmp_path / "ddp")
+  runner = load_config("smoke", algorithm="ddp", num_workers=4, rounds=3, inner_steps=1,
+                       **{"mesh.replica": 1})
+  _, state, _, _ = train_rounds(runner, 3)
+  np.testing.assert_array_equal(
+      np.asarray(simulate.final_global_params(config, tmp_path / "ddp")),
+      np.asarray(state.params))
+  # Every step each worker sends its dense gradient once, and the step waits for its ring:
+  # the virtual time of a DiLoCo round of one step, every step.
+  assert summary["bytes_sent"] == 3 * 4 * summary["params"]
+  diloco = simulate.run(_sim_config(rounds=3, inner_steps=1, **slow), tmp_path / "diloco")
+  assert summary["virtual_seconds"] == diloco["virtual_seconds"]
+  assert summary["virtual_seconds"] > 2 * 3 * 0.1  # communication dominates here

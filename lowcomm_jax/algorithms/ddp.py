@@ -2,7 +2,9 @@
 
 A round is one step: the local program is ∇L(θ; batch_w) (no local parameters), the sync
 all-reduces it (or, with `compress.codec=demo`, all-gathers DeMo's compressed momentum) and
-the outer rule is the inner optimizer itself — or DeMo's sign descent.
+the outer rule is the inner optimizer itself — or DeMo's sign descent. In the simulator
+every step is a round: the slowest worker's step, then one ring all-reduce of the gradient
+over the virtual links (all-gather of DeMo's payloads), which is what a WAN does to DDP.
 """
 
 import optax
@@ -29,9 +31,6 @@ class DDP(Algorithm):
       if row.get("inner_steps", 0) not in (0, 1):
         out.append(f"hosts[{i}].inner_steps={row['inner_steps']}: ddp takes one step per "
                    "round; leave it 0")
-    if c.sim.enabled:
-      out.append(field_problem(c, "algorithm", "the simulator runs diloco, streaming, async, "
-                               "async_dn or halos; run ddp with sim.enabled=False"))
     return out
 
   def outer_rule(self, c, inner_tx, layout) -> optax.GradientTransformation:
