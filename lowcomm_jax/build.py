@@ -1,15 +1,11 @@
 """Assembling a run from its config: mesh, data, model, hosts, optimizers, step functions.
 
-`build(config)` validates the config and does everything but compute. `train_round` runs
-one synchronous round, segment by segment (the algorithm's, algorithms/base.py): each host
-this process owns runs its local program on this process's devices, then all processes run
-the segment's sync (one fragment's outer step) together.
+`build(config)` validates the config and does everything but compute; rounds.py jits the
+programs and runs them.
 """
 
 import contextlib
 import dataclasses
-import logging
-import time
 from collections.abc import Callable
 
 import jax
@@ -22,7 +18,6 @@ from lowcomm_jax import algorithms, config_check, memory, optimizers, steps
 from lowcomm_jax.data import (DataError, WorkerStreams, eval_windows, get_tokenizer, load_tokens,
                               resolve_corpus, split_train_val)
 from lowcomm_jax.hosts import HostSpec, host_table
-from lowcomm_jax.metrics import announce_compile
 from lowcomm_jax.model import GPT, GPTConfig, count_params, get_preset, next_token_loss
 from lowcomm_jax.model.matformer import slice_tier
 from lowcomm_jax.model.tp import SyncPlan, count_all_reduces, partitioner, tp_loss
@@ -88,6 +83,8 @@ class Run:
   data: RunData
   state_spec: StateSpec  # (the state itself is the drivers': steps.TrainState)
   programs: Programs
+  # Local programs also read the outer rules' state (the algorithm has a worker rule).
+  local_reads_rules: bool = False
   # Enter around compiling and running the run's programs (model/tp.py: GSPMD under TP).
   partitioner: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
   _placed: dict = dataclasses.field(default_factory=dict)
@@ -108,9 +105,8 @@ class Run:
     """What a local program reads of the global state: θ and the round key, and the outer
     rules' (replicated) state where the algorithm's workers start from it (eager updates);
     never the per-worker outer state."""
-    reads_rules = self.algorithm.worker_rule(self.config) is not None
-    return state._replace(outer=steps.OuterState((), state.outer.per_fragment) if reads_rules
-                          else ())
+    return state._replace(outer=steps.OuterState((), state.outer.per_fragment)
+                          if self.local_reads_rules else ())
 
   def tokens(self, inner_steps: int, host: int = 0) -> int:
     """Tokens in `inner_steps` inner steps of workers of host `host` (the one way both
@@ -329,94 +325,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
   run = Run(config=c, algorithm=algorithm, topology=topology, model=model, data=data,
             state_spec=StateSpec(init=init_fn, abstract=abstract_state,
                                  shardings=state_shardings),
-            programs=programs, partitioner=lambda: partitioner(plan))
+            programs=programs, local_reads_rules=worker_rule is not None,
+            partitioner=lambda: partitioner(plan))
   memory.check(run)  # nothing is allocated yet: refuse in seconds, not at RESOURCE_EXHAUSTED
   return run
-
-
-def jitted_steps(r: Run, *, donate: bool | None = None) -> Programs:
-  """The run's programs, jitted with their output shardings.
-
-  A host's local program re-traces when its H changes (DyLU). Donation halves peak memory
-  on accelerators; on CPU a host copy taken by an async checkpoint may alias device memory,
-  so by default nothing is donated there. The simulator passes `donate=False`: it keeps
-  the run's key, pulled snapshots and server states beside the arrays a program consumes.
-  """
-  if donate is None:
-    donate = jax.default_backend() != "cpu"
-  per_worker = mesh_lib.per_worker(r.topology.local_mesh)
-  local = [[jax.jit(f, donate_argnums=(1,) if donate else (),
-                    out_shardings=(per_worker, per_worker, per_worker)) for f in host]
-           for host in r.programs.local]
-  syncs = [jax.jit(f, out_shardings=(r.state_spec.shardings,
-                                    mesh_lib.replicated(r.topology.mesh)),
-                   static_argnames="metrics", donate_argnums=(0,) if donate else ())
-           for f in r.programs.syncs]
-  init = [jax.jit(f, out_shardings=per_worker) for f in r.programs.init_workers]
-  return Programs(local, syncs, init, jax.jit(r.programs.eval))
-
-
-def init_run(r: Run, fns: Programs) -> tuple[steps.TrainState, tuple]:
-  """Round-0 global state and this process's fresh worker states."""
-  logging.info("compiling the initial state…")
-  with jax.set_mesh(r.topology.mesh):
-    state = jax.jit(r.state_spec.init, out_shardings=r.state_spec.shardings)()
-  view = mesh_lib.local_view(state.params, r.topology.local_mesh)
-  with jax.set_mesh(r.topology.local_mesh):
-    workers = tuple(init(view) for init in fns.init_workers)
-  return state, workers
-
-
-def train_round(r: Run, fns: Programs, state: steps.TrainState, workers: tuple,
-                batches_per_host, inner_steps_per_host, *, timed: bool = False,
-                metrics: bool = True):
-  """One synchronous round: per segment, this process's hosts' local programs, then the
-  segment's sync.
-
-  Returns (state, workers, device metrics (empty without `metrics`), per-local-host compute
-  seconds if `timed`). Timing blocks on each host's result: that is what measuring it means.
-  """
-  sharding = mesh_lib.round_batches(r.topology.local_mesh)
-  segments = [r.segments(H) for H in inner_steps_per_host]  # per host (all hosts)
-  count = len(segments[0])
-  workers = list(workers)
-  losses = [[] for _ in r.topology.local_hosts]
-  compute = [0.0] * len(r.topology.local_hosts)
-  round_metrics = {}
-  for k_seg in range(count):
-    view = mesh_lib.local_view(r.local_input(state), r.topology.local_mesh)
-    if timed:  # the previous sync must not count as this segment's compute
-      jax.block_until_ready(view)
-    deltas = []
-    with jax.set_mesh(r.topology.local_mesh):
-      for k, i in enumerate(r.topology.local_hosts):
-        seg = segments[i][k_seg]
-        part = batches_per_host[k]
-        if count > 1:
-          part = part[:, seg.start:seg.start + seg.steps]
-        batches = jax.device_put(part, sharding)
-        ids = jax.device_put(np.asarray(r.topology.hosts[i].worker_ids, np.int32),
-                             mesh_lib.per_worker(r.topology.local_mesh))
-        announce_compile(fns.local[k][k_seg], f"the local program for host {i}")
-        t0 = time.perf_counter()
-        delta, workers[k], loss_GxS = fns.local[k][k_seg](view, workers[k], batches, ids)
-        if timed:
-          jax.block_until_ready(delta)
-          compute[k] += time.perf_counter() - t0
-        deltas.append(delta)
-        losses[k].append(loss_GxS)
-      cat = lambda *xs: jnp.concatenate(xs) if len(xs) > 1 else xs[0]
-      deltas_local = cat(*deltas)
-      last = k_seg == count - 1
-      if last:  # the round's mean train loss per worker, over all its steps
-        losses_local = cat(*[(jnp.concatenate(ls, axis=1) if len(ls) > 1 else ls[0]).mean(axis=1)
-                             for ls in losses])
-    deltas_R = mesh_lib.to_global(deltas_local, r.topology.mesh, r.config.num_workers)
-    losses_R = (mesh_lib.to_global(losses_local, r.topology.mesh, r.config.num_workers) if last
-                else None)
-    signals = r.signals([seg[k_seg].steps for seg in segments], losses_R)
-    announce_compile(fns.syncs[k_seg], "the outer step")
-    with jax.set_mesh(r.topology.mesh):
-      state, round_metrics = fns.syncs[k_seg](state, deltas_R, signals,
-                                              metrics=metrics and last)
-  return state, tuple(workers), round_metrics, compute

@@ -57,7 +57,7 @@ class SimBackend:
     self.r, self.plan, self.config = r, plan, c
     self.rng = state.rng
     self.rules = r.algorithm.server_rules(c, plan)
-    # The runner's own jitted programs (build.jitted_steps): one per segment of a round.
+    # The runner's own jitted programs (rounds.jitted_steps): one per segment of a round.
     self.local_programs, self.syncs = programs.local[0], programs.syncs
     self.local_round = self.local_programs[0]
     self.codec = compress.make_codec(c.compress, lr=c.optimizer.lr) if self.rules else None

@@ -1,6 +1,6 @@
 """The runner: synchronous rounds on real devices, one process per host.
 
-What runs is assembled by build.py and one round is `build.train_round`; this module's
+What runs is assembled by build.py and one round is `rounds.train_round`; this module's
 driver feeds the run loop (run_loop.py) round by round: restoring, DyLU's choice of H per
 host, the hosts' timing, reading a round's metrics, evaluation, checkpoints, the summary.
 """
@@ -17,7 +17,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from lowcomm_jax import config_check, run_loop
-from lowcomm_jax.build import Run, build, init_run, jitted_steps, train_round
+from lowcomm_jax.build import Run, build
+from lowcomm_jax.rounds import init_run, jitted_steps, train_round
 from lowcomm_jax.checkpoint import CheckpointMismatch, abstract_with_shardings
 from lowcomm_jax.metrics import ReadyClock, announce_compile
 from lowcomm_jax.run_files import RunFiles, TrainingDiverged  # noqa: F401 - raised by the loop

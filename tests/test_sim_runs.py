@@ -181,8 +181,8 @@ def test_the_simulator_never_donates_what_its_servers_keep(tmp_path, monkeypatch
   """On accelerators the runner donates its state to the jitted sync; the simulator must not
   (it reuses the run's key and keeps snapshots). Forcing the runner's accelerator default
   on CPU, where donation is honored too, shows it."""
-  from lowcomm_jax import build
-  monkeypatch.setattr(build.jax, "default_backend", lambda: "gpu")
+  from lowcomm_jax import rounds
+  monkeypatch.setattr(rounds.jax, "default_backend", lambda: "gpu")
   summary = simulate.run(_sim_config(rounds=2, checkpoint_every=0), tmp_path)
   assert summary["total_inner_steps"] == 2 * 4 * 2
 

@@ -26,10 +26,9 @@ from typing import NamedTuple
 import jax
 import optax
 
-from lowcomm_jax import outer
 from lowcomm_jax.algorithms.base import field_problem
+from lowcomm_jax.algorithms.diloco import DiLoCo
 from lowcomm_jax.algorithms.one_step_delay import OneStepDelay
-from lowcomm_jax.outer.one_step_delay import one_step_delay
 
 
 class EagerMemory(NamedTuple):
@@ -73,17 +72,14 @@ class Eager(OneStepDelay):
                                "plain mean; use 'uniform'"))
     return out
 
-  def _rule(self, c):
-    return outer.diloco_outer(c.outer.lr, c.outer.momentum, c.outer.nesterov)
-
-  def outer_rule(self, c, inner_tx, layout) -> optax.GradientTransformation:
-    return one_step_delay(self._rule(c), keep_applied=True)
+  keep_applied = True
 
   def keeps_worker_params(self, c) -> bool:
     return False  # each round starts from θ and the worker's memory
 
   def worker_rule(self, c) -> EagerWorkers:
-    return EagerWorkers(self._rule(c), c.num_workers)
+    # The tentative step is DiLoCo's outer rule (the one one_step_delay wraps).
+    return EagerWorkers(DiLoCo.outer_rule(self, c, None, None), c.num_workers)
 
 
 ALGORITHM = Eager()

@@ -17,7 +17,6 @@ import dataclasses
 
 import optax
 
-from lowcomm_jax import outer
 from lowcomm_jax.algorithms.diloco import DiLoCo
 from lowcomm_jax.outer.one_step_delay import one_step_delay
 
@@ -27,8 +26,11 @@ class OneStepDelay(DiLoCo):
   summary = ("DiLoCo whose outer step applies the previous round's mean pseudo-gradient, "
              "so this round's travels during the next inner steps")
 
+  keep_applied = False  # eager updates read the last applied average too
+
   def outer_rule(self, c, inner_tx, layout) -> optax.GradientTransformation:
-    return one_step_delay(outer.diloco_outer(c.outer.lr, c.outer.momentum, c.outer.nesterov))
+    return one_step_delay(DiLoCo.outer_rule(self, c, inner_tx, layout),
+                          keep_applied=self.keep_applied)
 
   def schedule(self, plan, backend):
     from lowcomm_jax.sim.schedules import StreamingRounds
