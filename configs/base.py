@@ -28,6 +28,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 10  # rounds between checkpoints (0: only at the end)
   c.keep_checkpoints = 2  # how many checkpoints orbax keeps
   c.log_every = 1  # rounds between metric writes (TensorBoard + metrics.jsonl)
+  c.overlap_sync = True  # delayed syncs (one_step_delay, eager, overlap) run inside the next
+  # | round's program, their collective beside its local steps, where every process runs one
+  # | host of the same shape; rounds that evaluate or save sync at once (False: separate
+  # | programs; the numbers are the same either way)
   # Resuming a workdir under another config is refused, except for rounds and the cadence
   # fields above (and distributed.*): name other fields here to let them change.
   c.resume_allow = ""  # e.g. 'outer.lr,seed': fields allowed to differ on resume (recorded)

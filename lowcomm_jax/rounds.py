@@ -4,6 +4,7 @@ this process owns runs its local program on this process's devices, then all pro
 the segment's sync (one fragment's outer step) together.
 """
 
+import dataclasses
 import logging
 import time
 
@@ -50,6 +51,15 @@ def init_run(r: Run, fns: Programs) -> tuple[steps.TrainState, tuple]:
   return state, workers
 
 
+@dataclasses.dataclass
+class HeldSync:
+  """A round's sync held back to run inside the next round's program (`overlapped_round`):
+  its inputs, and whether it reports metrics."""
+  deltas_R: object
+  signals: steps.Signals
+  metrics: bool
+
+
 def train_round(r: Run, fns: Programs, state: steps.TrainState, workers: tuple,
                 batches_per_host, inner_steps_per_host, *, timed: bool = False,
                 metrics: bool = True):
@@ -59,9 +69,29 @@ def train_round(r: Run, fns: Programs, state: steps.TrainState, workers: tuple,
   Returns (state, workers, device metrics (empty without `metrics`), per-local-host compute
   seconds if `timed`). Timing blocks on each host's result: that is what measuring it means.
   """
+  state, workers, round_metrics, compute, _ = _round(
+      r, fns, state, workers, batches_per_host, inner_steps_per_host, timed=timed,
+      metrics=metrics, hold=False)
+  return state, workers, round_metrics, compute
+
+
+def held_round(r: Run, fns: Programs, state: steps.TrainState, workers: tuple,
+               batches_per_host, inner_steps_per_host, *, timed: bool = False,
+               metrics: bool = True):
+  """A one-segment round's local programs, its sync held back: (workers, compute seconds,
+  the `HeldSync`), for the next round's program (`overlapped_round`) or `run_held`."""
+  _, workers, _, compute, held = _round(
+      r, fns, state, workers, batches_per_host, inner_steps_per_host, timed=timed,
+      metrics=metrics, hold=True)
+  return workers, compute, held
+
+
+def _round(r: Run, fns: Programs, state, workers, batches_per_host, inner_steps_per_host, *,
+           timed: bool, metrics: bool, hold: bool):
   sharding = mesh_lib.round_batches(r.topology.local_mesh)
   segments = [r.segments(H) for H in inner_steps_per_host]  # per host (all hosts)
   count = len(segments[0])
+  assert not hold or count == 1, "only a one-segment round's sync can be held"
   workers = list(workers)
   losses = [[] for _ in r.topology.local_hosts]
   compute = [0.0] * len(r.topology.local_hosts)
@@ -78,11 +108,10 @@ def train_round(r: Run, fns: Programs, state: steps.TrainState, workers: tuple,
         if count > 1:
           part = part[:, seg.start:seg.start + seg.steps]
         batches = jax.device_put(part, sharding)
-        ids = jax.device_put(np.asarray(r.topology.hosts[i].worker_ids, np.int32),
-                             mesh_lib.per_worker(r.topology.local_mesh))
         announce_compile(fns.local[k][k_seg], f"the local program for host {i}")
         t0 = time.perf_counter()
-        delta, workers[k], loss_GxS = fns.local[k][k_seg](view, workers[k], batches, ids)
+        delta, workers[k], loss_GxS = fns.local[k][k_seg](view, workers[k], batches,
+                                                          _worker_ids(r, i))
         if timed:
           jax.block_until_ready(delta)
           compute[k] += time.perf_counter() - t0
@@ -98,8 +127,101 @@ def train_round(r: Run, fns: Programs, state: steps.TrainState, workers: tuple,
     losses_R = (mesh_lib.to_global(losses_local, r.topology.mesh, r.config.num_workers) if last
                 else None)
     signals = r.signals([seg[k_seg].steps for seg in segments], losses_R)
+    if hold:
+      return state, tuple(workers), {}, compute, HeldSync(deltas_R, signals, metrics)
     announce_compile(fns.syncs[k_seg], "the outer step")
     with jax.set_mesh(r.topology.mesh):
       state, round_metrics = fns.syncs[k_seg](state, deltas_R, signals,
                                               metrics=metrics and last)
-  return state, tuple(workers), round_metrics, compute
+  return state, tuple(workers), round_metrics, compute, None
+
+
+def run_held(r: Run, fns: Programs, state: steps.TrainState, held: HeldSync):
+  """The held sync on its own (before a round that cannot take it): (state, its metrics)."""
+  with jax.set_mesh(r.topology.mesh):
+    return fns.syncs[0](state, held.deltas_R, held.signals, metrics=held.metrics)
+
+
+def _worker_ids(r: Run, host: int) -> jax.Array:
+  return jax.device_put(np.asarray(r.topology.hosts[host].worker_ids, np.int32),
+                        mesh_lib.per_worker(r.topology.local_mesh))
+
+
+# Overlap: a held sync and the next round's local steps in one program ------------------------
+
+def can_overlap(r: Run, inner_steps_per_host) -> str | None:
+  """Why the held sync of an algorithm with a delayed sync cannot run inside the next round's
+  program with these H per host, or None when it can.
+
+  One program over every device needs every process to run the same program: one host per
+  process, all of the same tier, batch and H, one segment, no tensor parallelism. Otherwise
+  the sync and the local programs stay separate programs (the same arithmetic, in sequence).
+  """
+  hosts = r.topology.hosts
+  if not r.algorithm.delayed_sync:
+    return f"{r.config.algorithm}'s local steps wait for the sync's aggregate"
+  if len(r.topology.local_hosts) != 1 or len(hosts) != jax.process_count():
+    return "a process runs several hosts"
+  if len({(h.hidden, h.batch_size) for h in hosts}) > 1 or len(set(inner_steps_per_host)) > 1:
+    return "the hosts differ in tier, batch or H"
+  if len(r.segments(inner_steps_per_host[0])) != 1:
+    return "a round has several segments"
+  if r.config.model.tp.size > 1:
+    return "tensor parallelism"
+  return None
+
+
+def jitted_overlapped(r: Run, *, donate: bool | None = None):
+  """`overlapped(state, held Δ_R, held signals, workers_R, batches_R, ids_R, metrics=)` ->
+  (state, the held sync's metrics, Δ_R, workers_R, mean train loss_R): the previous round's sync and
+  this round's local steps in one program over the global mesh.
+
+  With a delayed sync the new θ does not depend on the aggregate (algorithms.base), so the
+  local steps read nothing the sync's collective produces and XLA is free to run that
+  collective while they compute (tests/test_overlap_program.py checks the compiled HLO).
+  """
+  if donate is None:
+    donate = jax.default_backend() != "cpu"
+  sync, local = r.programs.syncs[0], r.programs.local[0][0]
+
+  def overlapped(state, deltas_R, signals, workers, batches, ids, metrics):
+    state, sync_metrics = sync(state, deltas_R, signals, metrics=metrics)
+    delta, workers, losses_RxS = local(r.local_input(state), workers, batches, ids)
+    return state, sync_metrics, delta, workers, losses_RxS.mean(axis=1)
+
+  per_worker = mesh_lib.per_worker(r.topology.mesh)
+  return jax.jit(overlapped, static_argnames="metrics",
+                 donate_argnums=(0, 1, 3) if donate else (),
+                 out_shardings=(r.state_spec.shardings, mesh_lib.replicated(r.topology.mesh),
+                                per_worker, per_worker, per_worker))
+
+
+def overlapped_round(r: Run, fns: Programs, overlapped, state: steps.TrainState, workers: tuple,
+                     held: HeldSync, batches, inner_steps: int, *, timed: bool = False,
+                     metrics: bool = True, hold: bool = False):
+  """A round whose local steps run in one program with the previous round's held sync
+  (`can_overlap` holds). Returns (state, workers, the held sync's metrics, this round's
+  metrics, compute seconds, this round's held sync or None)."""
+  topo = r.topology
+  R = r.config.num_workers
+  host = topo.local_hosts[0]
+  batches = jax.device_put(batches, mesh_lib.round_batches(topo.local_mesh))
+  batches_R = mesh_lib.to_global(batches, topo.mesh, R, mesh_lib.round_batches(topo.mesh).spec)
+  workers_R = mesh_lib.to_global(workers[0], topo.mesh, R)
+  ids_R = mesh_lib.to_global(_worker_ids(r, host), topo.mesh, R)
+  announce_compile(overlapped, "the overlapped round (held sync + local steps)")
+  t0 = time.perf_counter()
+  with jax.set_mesh(topo.mesh):
+    state, held_metrics, deltas_R, workers_R, losses_R = overlapped(
+        state, held.deltas_R, held.signals, workers_R, batches_R, ids_R, metrics=held.metrics)
+  compute = [0.0]
+  if timed:
+    jax.block_until_ready(deltas_R)
+    compute[0] = time.perf_counter() - t0
+  workers = (mesh_lib.to_local(workers_R, topo.local_mesh),)
+  signals = r.signals([inner_steps] * len(topo.hosts), losses_R)
+  if hold:
+    return state, workers, held_metrics, {}, compute, HeldSync(deltas_R, signals, metrics)
+  with jax.set_mesh(topo.mesh):
+    state, round_metrics = fns.syncs[0](state, deltas_R, signals, metrics=metrics)
+  return state, workers, held_metrics, round_metrics, compute, None

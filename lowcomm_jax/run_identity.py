@@ -20,7 +20,7 @@ FILE = "config.json"
 # Changes that cannot alter the trained parameters (the distributed fields a restart on
 # other nodes changes; not num_processes, which decides whose checkpoint parts exist).
 RESUMABLE = ("rounds", "eval_every", "checkpoint_every", "keep_checkpoints", "log_every",
-             "resume_allow", "distributed.coordinator_address",
+             "overlap_sync", "resume_allow", "distributed.coordinator_address",
              "distributed.coordinator_bind_address", "distributed.process_id",
              "distributed.heartbeat_timeout_s", "distributed.join_timeout_s")
 # Changes a checkpoint cannot continue under (its shapes, H schedule or plan): never allowed.

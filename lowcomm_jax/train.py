@@ -18,7 +18,8 @@ from jax.experimental import multihost_utils
 
 from lowcomm_jax import config_check, run_loop
 from lowcomm_jax.build import Run, build
-from lowcomm_jax.rounds import init_run, jitted_steps, train_round
+from lowcomm_jax.rounds import (can_overlap, held_round, init_run, jitted_overlapped,
+                                jitted_steps, overlapped_round, run_held, train_round)
 from lowcomm_jax.checkpoint import CheckpointMismatch, abstract_with_shardings
 from lowcomm_jax.metrics import ReadyClock, announce_compile
 from lowcomm_jax.run_files import RunFiles, TrainingDiverged  # noqa: F401 - raised by the loop
@@ -65,6 +66,11 @@ class RoundDriver:
     self.stop_after_rounds = stop_after_rounds
     self.writes_files = jax.process_index() == 0
     self.fns = jitted_steps(r)
+    # An algorithm with a delayed sync runs each round's sync inside the next round's
+    # program where it can (rounds.can_overlap): its collective beside the local steps.
+    self.overlapped = (jitted_overlapped(r) if r.algorithm.delayed_sync and self.c.overlap_sync
+                       else None)
+    self.held = None  # (HeldSync, its round, its metrics once they exist) of the last round
     self.schedule_steps = self.c.optimizer.decay_steps or self.c.rounds * self.c.inner_steps
     self.ready = None  # started once the run is known to go on (open)
     # Time each host's program when its speed matters: DyLU, idle accounting across hosts.
@@ -120,6 +126,11 @@ class RoundDriver:
                          and not self.sched.measured)
     self.eval_windows = jax.device_put(r.data.eval_windows,
                                        mesh_lib.replicated(r.topology.mesh))
+    if self.overlapped is not None:
+      reason = can_overlap(r, self.sched.inner_steps)
+      logging.info("%s", "each round's sync runs inside the next round's program, beside its "
+                   "local steps" if reason is None else
+                   f"each round's sync runs as its own program ({reason})")
     logging.info("%s: %d workers on %d host(s) (this process runs %s), mesh %s, model %s "
                  "(%.2fM params), rounds %d..%d, H per host %s, %d bytes sent per worker per "
                  "round", c.algorithm, c.num_workers, len(hosts), r.topology.local_hosts,
@@ -141,11 +152,7 @@ class RoundDriver:
     mark_due = due(round_, last_of_run=round_ == c.rounds, last_of_call=round_ == self.end)
     batches = [r.data.streams[k].next_round(sched.inner_steps[i])
                for k, i in enumerate(r.topology.local_hosts)]
-    self.state, self.workers, metrics, compute = train_round(
-        r, self.fns, self.state, self.workers, batches, sched.inner_steps, timed=self.timed,
-        metrics=mark_due.metrics)
-    if mark_due.metrics:
-      self.ready.watch(round_, metrics)
+    metrics, compute = self._train(round_, mark_due, batches)
     sched.tokens += sum(r.round_tokens(sched.inner_steps))
     extra = {"tokens": sched.tokens}
     if self.timed:
@@ -159,8 +166,53 @@ class RoundDriver:
                      [f"{v:.2f}" for v in speeds], sched.inner_steps)
     return run_loop.Mark(round_, mark_due, (round_, metrics, extra))
 
+  def _train(self, round_: int, mark_due: run_loop.Due, batches) -> tuple:
+    """This round's local steps and its sync, or the sync held for the next round's program
+    when this mark needs no state (no evaluation or checkpoint). Returns (the round's metrics,
+    or a `_Later` for a held sync's; compute seconds per local host)."""
+    r, sched = self.r, self.sched
+    timing_dylu = self.measure_dylu and round_ <= self.start + 2
+    overlap = (self.overlapped is not None and not timing_dylu
+               and can_overlap(r, sched.inner_steps) is None)
+    hold = overlap and not (mark_due.evaluate or mark_due.checkpoint or mark_due.last)
+    held, self.held = self.held, None
+    new_held = None
+    if held is not None and overlap:
+      (self.state, self.workers, held_metrics, metrics, compute,
+       new_held) = overlapped_round(r, self.fns, self.overlapped, self.state, self.workers,
+                                    held[0], batches[0], sched.inner_steps[0], timed=self.timed,
+                                    metrics=mark_due.metrics, hold=hold)
+      self._resolve(held, held_metrics)
+    else:
+      if held is not None:  # the hosts changed: the held sync runs on its own first
+        self.state, held_metrics = run_held(r, self.fns, self.state, held[0])
+        self._resolve(held, held_metrics)
+      if hold:
+        self.workers, compute, new_held = held_round(
+            r, self.fns, self.state, self.workers, batches, sched.inner_steps,
+            timed=self.timed, metrics=mark_due.metrics)
+      else:
+        self.state, self.workers, metrics, compute = train_round(
+            r, self.fns, self.state, self.workers, batches, sched.inner_steps,
+            timed=self.timed, metrics=mark_due.metrics)
+    if new_held is not None:
+      metrics = _Later()
+      self.held = (new_held, round_, metrics)
+    elif mark_due.metrics:
+      self.ready.watch(round_, metrics)
+    return metrics, compute
+
+  def _resolve(self, held, metrics) -> None:
+    held_sync, round_, later = held
+    later.value = metrics
+    if held_sync.metrics:
+      self.ready.watch(round_, metrics)
+
   def read(self, handle) -> run_loop.Reading:
     round_, metrics, extra = handle
+    if isinstance(metrics, _Later):  # a held sync's: run with the next round (read late)
+      assert metrics.value is not None, f"round {round_}'s held sync was never run"
+      metrics = metrics.value
     scalars = jax.device_get(metrics)
     problem = None
     if not (math.isfinite(scalars["train_loss"]) and math.isfinite(scalars["param_norm"])):
@@ -199,6 +251,11 @@ class RoundDriver:
   def close(self) -> None:
     if self.ready is not None:
       self.ready.close()
+
+
+class _Later:
+  """A held sync's metrics: they exist once the next round's program ran it."""
+  value = None
 
 
 def _all_hosts(local_compute: list[float]) -> list[float]:

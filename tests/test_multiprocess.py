@@ -39,7 +39,8 @@ def _final_params(config, workdir):
 # Overlapped variants of DiLoCo (its own path is in every other test here): the average in
 # flight rides in the replicated outer state (eager's is one_step_delay's), a codec's error
 # buffers in the per-worker one, eager's memories and overlap's own models in each
-# process's worker states.
+# process's worker states. One host per process, alike: round 1's sync runs inside round 2's
+# program, over both processes (rounds.overlapped_round).
 @pytest.mark.parametrize("algorithm,codec", [("eager", "none"), ("overlap", "sparseloco")])
 def test_two_processes_match_one_process_with_the_same_two_workers(tmp_path, smoke_config,
                                                                    algorithm, codec):

@@ -59,6 +59,10 @@ class Algorithm:
   simulated_only = False  # runs in the simulator only (asynchronous servers)
   local_steps = True  # False: the local program is one gradient at θ (DDP)
   config_section = None  # its own config fields (c.<section>.*), if any
+  # The sync's new θ (and what local programs read of the outer state) does not depend on
+  # its own aggregate, only on earlier ones: the runner may run a round's sync inside the
+  # next round's program, its collective beside the local steps (rounds.can_overlap).
+  delayed_sync = False
 
   def problems(self, c: ml_collections.ConfigDict) -> list[str]:
     """This algorithm's own config problems, each 'field=value: fix'."""

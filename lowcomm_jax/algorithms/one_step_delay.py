@@ -27,6 +27,7 @@ class OneStepDelay(DiLoCo):
              "so this round's travels during the next inner steps")
 
   keep_applied = False  # eager updates read the last applied average too
+  delayed_sync = True
 
   def outer_rule(self, c, inner_tx, layout) -> optax.GradientTransformation:
     return one_step_delay(DiLoCo.outer_rule(self, c, inner_tx, layout),

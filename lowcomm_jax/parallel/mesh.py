@@ -67,15 +67,16 @@ def local_view(tree, local_mesh: Mesh):
   return jax.tree.map(view, tree)
 
 
-def to_global(tree, global_mesh: Mesh, total_workers: int):
-  """Per-worker arrays [G, ...] of this process -> global arrays [R, ...] split over 'replica'.
+def to_global(tree, global_mesh: Mesh, total_workers: int, spec: P = P("replica")):
+  """Per-worker arrays [G, ...] of this process -> global arrays [R, ...] split over 'replica'
+  (`spec`: how the rest is split, as on the local mesh).
 
   Each local device already holds its workers' rows; the global array is stitched from those
   shards without a copy (a single process's arrays are global already).
   """
   if jax.process_count() == 1:
     return tree
-  sharding = per_worker(global_mesh)
+  sharding = NamedSharding(global_mesh, spec)
 
   def stitch(x):
     shape = (total_workers,) + x.shape[1:]
@@ -83,3 +84,20 @@ def to_global(tree, global_mesh: Mesh, total_workers: int):
     devices = sharding.addressable_devices_indices_map(shape)
     return jax.make_array_from_single_device_arrays(shape, sharding, [shards[d] for d in devices])
   return jax.tree.map(stitch, tree)
+
+
+def to_local(tree, local_mesh: Mesh):
+  """Global per-worker arrays [R, ...] -> this process's rows [G, ...] on its mesh (no copy):
+  the inverse of `to_global`."""
+  if jax.process_count() == 1:
+    return tree
+  sharding = per_worker(local_mesh)
+  rows = local_mesh.shape["replica"]
+
+  def local(x):
+    shards = {s.device: s.data for s in x.addressable_shards}
+    per_row = x.shape[0] // x.sharding.mesh.shape["replica"]  # workers per replica row
+    shape = (per_row * rows,) + x.shape[1:]
+    devices = sharding.addressable_devices_indices_map(shape)
+    return jax.make_array_from_single_device_arrays(shape, sharding, [shards[d] for d in devices])
+  return jax.tree.map(local, tree)
