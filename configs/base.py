@@ -122,6 +122,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.sim.network.inter_latency_s = 0.05  # seconds, between any two regions
   c.sim.network.inter_gbps_matrix = ()  # or per pair: regions x regions rows (diagonal unused)
   c.sim.network.inter_latency_matrix = ()  # or per pair, like inter_gbps_matrix
+  c.sim.network.bytes_scale = 1.0  # payloads take this many times their real bytes' time
+  # | (a small CPU model standing in for a large one; bytes_sent stays real)
 
   # --- inner optimizer (each worker; for ddp the per-step optimizer) ----------------------
   c.optimizer = ml_collections.ConfigDict()

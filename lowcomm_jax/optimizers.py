@@ -1,6 +1,7 @@
 """The optax transforms a run uses, built from its config: inner (per worker) and outer."""
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -14,6 +15,19 @@ def inner_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Sc
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=opt.lr, warmup_steps=opt.warmup_steps,
       decay_steps=max(decay_steps, opt.warmup_steps + 1), end_value=opt.lr * opt.min_lr_ratio)
+
+
+def at_schedule_step(opt_state, step):
+  """`opt_state` with its learning-rate schedule's position (every
+  `optax.ScaleByScheduleState.count`) set to `step`, the rest (Adam's moments and bias-
+  correction count) untouched. Stacked states take a step per leading entry: step[G]."""
+  is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)
+
+  def place(s):
+    if not is_schedule(s):
+      return s
+    return s._replace(count=jnp.broadcast_to(jnp.asarray(step, s.count.dtype), s.count.shape))
+  return jax.tree.map(place, opt_state, is_leaf=is_schedule)
 
 
 def _is_matrix(params):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowcomm_jax import compress, outer, steps
+from lowcomm_jax import compress, optimizers, outer, steps
 from lowcomm_jax.build import Programs, Run
 from lowcomm_jax.sim import GLOBAL, Job, Plan
 
@@ -86,6 +86,21 @@ class SimBackend:
     self.snapshots = {}  # (server, revision) -> params pulled by jobs still out
     self.job_snapshot = {}  # job id -> (server, revision)
     self._queued: list[Job] = []
+    # Asynchronous workers' inner lr schedules run on the run's clock, not each worker's own
+    # step count: a job starts at the mean inner steps per worker started before it (fast
+    # workers would otherwise overrun the schedule and slow ones never decay).
+    self.started_steps = 0  # inner steps of every job started so far
+    # Synchronous syncs: the global models their segments started from, newest last, as far
+    # back as an applied contribution reaches (the drift of what a sync applies is measured
+    # from where its computation started: `lag` segments back; not checkpointed, so a
+    # resumed run measures drift again once the window has refilled).
+    segments = len(self.syncs)
+    self.lag = segments - 1 + (1 if r.algorithm.delayed_sync else 0)
+    self.sync_staleness = 1 if r.algorithm.delayed_sync else 0  # in rounds (versions)
+    self.pulled = []
+    self._drift = jax.jit(lambda now, then: optax.tree.norm(optax.tree.sub(now, then))
+                          / optax.tree.norm(now))
+    self.job_lr_step = {}  # job id -> the schedule step it starts at (until it runs)
 
   def _make_roundtrip(self, layout):
     def roundtrip(delta, codec_state, key):
@@ -115,6 +130,9 @@ class SimBackend:
     self.snapshots.setdefault(key, self.servers[job.server]["params"])
     self.job_snapshot[job.id] = key
     self._queued.append(job)
+    if self.rules:
+      self.job_lr_step[job.id] = self.started_steps // self.plan.num_workers
+      self.started_steps += job.steps
 
   def flush(self, next_batches) -> None:
     """Runs the jobs started since the last flush: one vmapped call per (server state, H).
@@ -133,9 +151,13 @@ class SimBackend:
           jnp.asarray(jobs[0].version, jnp.int32), self.rng, self.snapshots[(server, revision)],
           self.servers[GLOBAL]["opt_state"] if not self.rules else ()))
       everyone = len(ids) == self.plan.num_workers  # ids are sorted: all, in order
+      workers = self.workers if everyone else _take(self.workers, ids)
+      if self.rules:
+        lr_steps = np.asarray([self.job_lr_step.pop(j.id) for j in jobs], np.int32)
+        workers = workers._replace(
+            opt_state=optimizers.at_schedule_step(workers.opt_state, lr_steps))
       deltas, opt_state, losses = self.local_programs[segment](
-          view, self.workers if everyone else _take(self.workers, ids),
-          next_batches(ids, steps_), ids)
+          view, workers, next_batches(ids, steps_), ids)
       self.workers = opt_state if everyone else _put(self.workers, ids, opt_state)
       if self._roundtrip is not None:  # what the server receives is the decoded payload
         # Not the local round's per-worker keys (those split into step keys): fold in a tag.
@@ -174,6 +196,12 @@ class SimBackend:
     """The segment's sync (its fragment's outer step) at GLOBAL, as the runner's; the
     round's last segment completes a version (versions count rounds)."""
     msgs = [self.messages.pop(j.id) for j in sorted(jobs, key=lambda j: j.worker)]
+    # What this sync applies was computed from the global model `lag` segments back
+    # (DiLoCo: this segment's own start, drift 0; one-step delay: the previous round's;
+    # streaming with P fragments: when this fragment was last synced, P − 1 segments back).
+    self.pulled = (self.pulled + [self.snapshots[self.job_snapshot[jobs[0].id]]])[-self.lag - 1:]
+    drift = (self._drift(self.servers[GLOBAL]["params"], self.pulled[0])
+             if len(self.pulled) == self.lag + 1 else None)
     stacked = _stack(msgs)
     deltas, losses = stacked["delta"], stacked["loss"]
     g = self.servers[GLOBAL]
@@ -186,7 +214,7 @@ class SimBackend:
     for job in jobs:
       self._release(job)
     self._changed(GLOBAL, update=segment == len(self.syncs) - 1)
-    return [m["loss"] for m in msgs]
+    return [m["loss"] for m in msgs], drift, self.sync_staleness
 
   def push_update(self, src: str, msg: int) -> None:
     s = self.servers[src]
@@ -219,6 +247,7 @@ class SimBackend:
 
   def checkpoint_meta(self) -> dict:
     return {"versions": self.versions, "revisions": self.revisions,
+            "started_steps": self.started_steps,
             "job_snapshot": {str(k): list(v) for k, v in self.job_snapshot.items()},
             # Each in-flight message's parts and their shapes (a fragment's Δ is its size).
             "messages": {str(k): {part: list(np.shape(x)) for part, x in v.items()}
@@ -238,6 +267,7 @@ class SimBackend:
   def load(self, tree: dict, meta: dict) -> None:
     self.servers = tree["servers"]
     self.versions, self.revisions = dict(meta["versions"]), dict(meta["revisions"])
+    self.started_steps = meta["started_steps"]
     self.job_snapshot = {int(k): (v[0], int(v[1])) for k, v in meta["job_snapshot"].items()}
     self.snapshots = {key: tree["snapshots"][f"{key[0]}_r{key[1]}"]
                       for key in set(self.job_snapshot.values())}

@@ -48,7 +48,7 @@ def make_plan(c: ml_collections.ConfigDict, r: Run) -> Plan:
       num_workers=c.num_workers, regions=n.regions, worker_regions=tuple(n.worker_regions),
       intra_gbps=n.intra_gbps, intra_latency_s=n.intra_latency_s,
       inter_gbps=n.inter_gbps_matrix or n.inter_gbps,
-      inter_latency_s=n.inter_latency_matrix or n.inter_latency_s)
+      inter_latency_s=n.inter_latency_matrix or n.inter_latency_s, bytes_scale=n.bytes_scale)
   codec = compress.make_codec(c.compress, lr=c.optimizer.lr)
   params = r.model.layout.abstract
   wire = lambda tree: codec.payload_bytes(tree) if codec else ledger.tree_bytes(tree)
@@ -106,8 +106,9 @@ class _Simulation:
   def fingerprint(self) -> dict:
     """What a checkpoint must agree with to be continued by this config."""
     p = self.plan
-    # format 2: worker states hold θ_w, messages record their shapes (issue 15).
-    return {"format": 2, "algorithm": self.c.algorithm, "inner_steps": p.inner_steps,
+    # format 2: worker states hold θ_w, messages record their shapes (issue 15); format 3:
+    # asynchronous workers' inner lr schedules run on the run's clock (backend started_steps).
+    return {"format": 3, "algorithm": self.c.algorithm, "inner_steps": p.inner_steps,
             "total_steps": p.total_steps, "speeds": list(p.speeds.speeds),
             "worker_region": list(p.network.worker_region), "sync_every": p.sync_every,
             "codec": self.c.compress.codec}
@@ -234,7 +235,7 @@ class SimDriver:
                "bytes_sent": a.bytes_sent // w,
                "server_bytes_sent": a.server_bytes_sent,
                "mean_staleness": a.staleness_sum / max(a.applied_jobs, 1),
-               "mean_drift": a.drift_sum / max(a.applied_jobs, 1),
+               "mean_drift": a.drift_sum / max(a.drift_count, 1),
                "idle_fraction_per_worker": _idle_fractions(a, sim.loop.now)}
     if take_train_loss and (train_loss := schedule.take_train_loss()) is not None:
       scalars["train_loss"] = train_loss
@@ -290,7 +291,8 @@ def _summary(sim: _Simulation, eval_loss: float, wall: float) -> dict:
       "tokens": sim.r.tokens(a.applied_steps),
       "virtual_seconds": total,
       "mean_staleness": a.staleness_sum / max(a.applied_jobs, 1),
-      "mean_drift": a.drift_sum / max(a.applied_jobs, 1),
+      "mean_drift": a.drift_sum / max(a.drift_count, 1),
+      **_drift_stats(a.contributions, c.num_workers),
       "contributions": a.applied_jobs,
       "bytes_sent": a.bytes_sent // c.num_workers,  # what a worker sent, mean over workers
       "bytes_sent_total": a.bytes_sent,
@@ -315,3 +317,19 @@ def final_global_params(config: ml_collections.ConfigDict, workdir: str | pathli
   finally:
     ckpt.close()
   return sim.backend.global_params()
+
+
+def _drift_stats(contributions: list, num_workers: int) -> dict:
+  """The drift distribution of the applied contributions (those whose drift is known):
+  its 90th percentile, and per worker the 10/50/90th percentiles and the mean staleness."""
+  drift = lambda rows: np.asarray([d for _, _, d in rows if d is not None], np.float64)
+  quantiles = lambda x: ([float(q) for q in np.quantile(x, (0.1, 0.5, 0.9))] if x.size
+                         else None)
+  every = drift(contributions)
+  per_worker = []
+  for w in range(num_workers):
+    rows = [row for row in contributions if row[0] == w]
+    per_worker.append({"worker": w, "drift_p10_p50_p90": quantiles(drift(rows)),
+                       "mean_staleness": float(np.mean([s for _, s, _ in rows])) if rows else None})
+  return {"drift_p90": float(np.quantile(every, 0.9)) if every.size else None,
+          "drift_per_worker": per_worker}

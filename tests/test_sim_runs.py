@@ -4,6 +4,7 @@ import json
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from conftest import load_config, train_rounds
@@ -203,3 +204,32 @@ def test_ddp_in_the_simulator_equals_the_runner_and_pays_a_ring_every_step(tmp_p
   diloco = simulate.run(_sim_config(rounds=3, inner_steps=1, **slow), tmp_path / "diloco")
   assert summary["virtual_seconds"] == diloco["virtual_seconds"]
   assert summary["virtual_seconds"] > 2 * 3 * 0.1  # communication dominates here
+
+
+def test_asynchronous_inner_lr_schedules_follow_the_runs_clock(tmp_path, monkeypatch):
+  """Each async job's schedule starts at the mean inner steps per worker started before it:
+  no worker runs past the schedule's end, though the fastest takes more steps than
+  rounds·H of its own (its own count would have overrun the cosine)."""
+  seen = {}
+  real = simulate.SimBackend.flush
+
+  def flush(self, next_batches):
+    seen["backend"] = self
+    starts = dict(self.job_lr_step)
+    real(self, next_batches)
+    seen.setdefault("starts", []).extend(starts.items())
+  monkeypatch.setattr(simulate.SimBackend, "flush", flush)
+  config = _sim_config(**{"algorithm": "async_dn", "sim.heterogeneity": "very", "rounds": 6,
+                          "checkpoint_every": 0, "eval_every": 0})
+  simulate.run(config, tmp_path)
+  W, H, budget = 4, 2, 6 * 2
+  lr_steps = [step for _, step in sorted(seen["starts"])]  # by job id: start order
+  assert lr_steps == sorted(lr_steps) and lr_steps[0] == 0
+  assert lr_steps == [k * H // W for k in range(len(lr_steps))]  # every job has H = 2
+  backend = seen["backend"]
+  own_steps = np.asarray(backend.workers.steps)
+  counts = [np.asarray(s.count) for s in jax.tree.leaves(
+      backend.workers.opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+      if isinstance(s, optax.ScaleByScheduleState)]
+  assert own_steps.max() > budget + H  # the fastest worker's own clock would overrun
+  assert counts and all(c.max() <= budget + H for c in counts)

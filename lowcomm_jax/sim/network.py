@@ -40,10 +40,14 @@ class Network:
   worker_region: tuple[int, ...]
   latency_s: np.ndarray  # [regions, regions]; the diagonal is the intra-region link
   bandwidth_bps: np.ndarray  # [regions, regions], bits per second
+  # Every payload's virtual size is its real size times this: a small model trained on a CPU
+  # can stand for a large one on the wire (the ledger still counts real bytes).
+  bytes_scale: float = 1.0
 
   @classmethod
   def build(cls, *, num_workers: int, regions: int, worker_regions: Sequence[int] = (),
-            intra_gbps: float, intra_latency_s: float, inter_gbps, inter_latency_s) -> "Network":
+            intra_gbps: float, intra_latency_s: float, inter_gbps, inter_latency_s,
+            bytes_scale: float = 1.0) -> "Network":
     """Workers fill regions in contiguous blocks unless `worker_regions` places them."""
     placed = (tuple(int(r) for r in worker_regions) if worker_regions else
               tuple(w * regions // num_workers for w in range(num_workers)))
@@ -51,7 +55,7 @@ class Network:
     bandwidth = _matrix(inter_gbps, regions, "sim.network.inter_gbps") * 1e9
     np.fill_diagonal(latency, intra_latency_s)
     np.fill_diagonal(bandwidth, intra_gbps * 1e9)
-    return cls(placed, latency, bandwidth)
+    return cls(placed, latency, bandwidth, bytes_scale)
 
   @property
   def regions(self) -> int:
@@ -59,7 +63,7 @@ class Network:
 
   def transfer_seconds(self, src_region: int, dst_region: int, nbytes: int) -> float:
     return float(self.latency_s[src_region, dst_region]
-                 + 8.0 * nbytes / self.bandwidth_bps[src_region, dst_region])
+                 + 8.0 * nbytes * self.bytes_scale / self.bandwidth_bps[src_region, dst_region])
 
   def best_ring(self, workers: Sequence[int], chunk_bytes: float) -> tuple[list[int], float]:
     """(ring order of `workers`, seconds of one ring step sending `chunk_bytes` per link)."""

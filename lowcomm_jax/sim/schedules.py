@@ -13,7 +13,7 @@ other events; the event loop, the backend and the accounting stay as they are.
 """
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 
@@ -48,9 +48,11 @@ class Backend(Protocol):
   # Applies the job's contribution at job.server: (drift, train loss), device scalars.
   def apply_job(self, job: Job) -> tuple: ...
   # Aggregates every job's contribution at GLOBAL in one outer step: per-job train losses.
-  def sync_round(self, jobs: list[Job]) -> list: ...
+  # Synchronous syncs return (the jobs' train losses in worker order, the drift of what the
+  # sync applied or None where it is not known, that contribution's staleness in versions).
+  def sync_round(self, jobs: list[Job]) -> tuple[list, Any, int]: ...
   # The same for one segment's fragment (the round's last segment completes a version).
-  def sync_segment(self, jobs: list[Job], segment: int) -> list: ...
+  def sync_segment(self, jobs: list[Job], segment: int) -> tuple[list, Any, int]: ...
   def push_update(self, src: str, msg: int) -> None: ...  # src's unpushed change (HALoS)
   def apply_push(self, dst: str, msg: int) -> None: ...  # dst applies message msg
   def send_params(self, src: str, msg: int) -> None: ...  # src's parameters as message msg
@@ -88,6 +90,9 @@ class Accounting:
   applied_jobs: int = 0
   staleness_sum: float = 0.0
   drift_sum: float = 0.0
+  drift_count: int = 0  # contributions whose drift is known (a sync's first rounds' is not)
+  # Per applied contribution: [worker, staleness, drift or None] (the drift study's data).
+  contributions: list = dataclasses.field(default_factory=list)
   bytes_sent: int = 0  # what workers sent (contributions), all workers together
   server_bytes_sent: int = 0  # what servers sent (models to workers, HALoS LPS <-> GPS)
   loss_sum: float = 0.0  # train losses of jobs applied since the last log
@@ -131,13 +136,17 @@ class Schedule:
     a.applied_steps += job.steps
     a.applied_jobs += 1
     a.staleness_sum += staleness
-    self._pending.append((drift, loss))
+    self._pending.append((job.worker, staleness, drift, loss))
 
   def settle(self) -> None:
     """Reads the pending device scalars (one transfer) into the accounting."""
     if self._pending:
-      for drift, loss in jax.device_get(self._pending):
-        self.acct.drift_sum += float(drift)
+      for worker, staleness, drift, loss in jax.device_get(self._pending):
+        if drift is not None:
+          self.acct.drift_sum += float(drift)
+          self.acct.drift_count += 1
+        self.acct.contributions.append(
+            [int(worker), int(staleness), None if drift is None else float(drift)])
         self.acct.loss_sum += float(loss)
         self.acct.loss_count += 1
       self._pending = []
@@ -191,9 +200,9 @@ class SyncRounds(Schedule):
     if event.kind != "round_end":
       raise ValueError(f"unexpected event {event.kind!r}")
     jobs = sorted((Job(**j) for j in event.data["jobs"]), key=lambda j: j.worker)
-    losses = self.backend.sync_round(jobs)  # in worker order
+    losses, drift, staleness = self.backend.sync_round(jobs)  # in worker order
     for job, loss in zip(jobs, losses):
-      self._applied(job, staleness=0, drift=0.0, loss=loss)
+      self._applied(job, staleness=staleness, drift=drift, loss=loss)
     if self.backend.version(GLOBAL) < self.plan.rounds:
       self._begin_round(loop)
 
@@ -250,9 +259,9 @@ class StreamingRounds(SyncRounds):
       raise ValueError(f"unexpected event {event.kind!r}")
     k = event.data["segment"]
     jobs = sorted((Job(**j) for j in event.data["jobs"]), key=lambda j: j.worker)
-    losses = self.backend.sync_segment(jobs, k)  # in worker order
+    losses, drift, staleness = self.backend.sync_segment(jobs, k)  # in worker order
     for job, loss in zip(jobs, losses):
-      self._applied(job, staleness=0, drift=0.0, loss=loss)
+      self._applied(job, staleness=staleness, drift=drift, loss=loss)
     last = k == self.segments - 1
     if not last or self.backend.version(GLOBAL) < self.plan.rounds:
       self._begin_segment(loop, 0 if last else k + 1)

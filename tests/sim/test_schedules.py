@@ -31,7 +31,7 @@ class FakeBackend:
   def sync_round(self, jobs):
     self.versions[GLOBAL] = self.version(GLOBAL) + 1
     self.calls.append(("sync", len(jobs)))
-    return [1.0] * len(jobs)
+    return [1.0] * len(jobs), 0.0, 0
 
   def push_update(self, src, msg):
     self.calls.append(("push", src))
@@ -219,7 +219,7 @@ class FakeSegmentBackend(FakeBackend):
     if segment == self.segments - 1:
       self.versions[GLOBAL] = self.version(GLOBAL) + 1
     self.calls.append(("sync_segment", segment, len(jobs)))
-    return [1.0] * len(jobs)
+    return [1.0] * len(jobs), 0.0, 0
 
 
 @pytest.mark.parametrize("tau,expected", [
