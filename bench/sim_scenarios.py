@@ -1,6 +1,7 @@
 """The simulator's scenarios (issue 6): heterogeneity sweep and geo-distributed regions.
 
-  python bench/sim_scenarios.py [--grid sweep|geo|all] [--model small] [--workdir DIR]
+  python bench/sim_scenarios.py [--grid sweep|geo|all] [--model small] [--rounds 10] \
+      [--jobs N] [--workdir DIR]
 
 sweep: configs/sim_sweep.py — DiLoCo, Async (Nesterov per arrival), Async DN, Async DN+DyLU
        at heterogeneity none / slight / moderate / very, equal total inner steps.
@@ -16,12 +17,16 @@ import json
 import os
 import pathlib
 import runpy
+import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(REPO.parent / "shared" / "data" / "tiktoken"))
 
-from lowcomm_jax import report, simulate  # noqa: E402
+import sim_grid  # noqa: E402
+from lowcomm_jax import report  # noqa: E402
 
 LEVELS = ("none", "slight", "moderate", "very")
 # A 2-core CPU budget: byte-level `small`, short windows, 10 rounds of H = 10 (the grid's
@@ -44,19 +49,33 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--grid", choices=("sweep", "geo", "all"), default="all")
   parser.add_argument("--model", choices=("small", "config"), default="small")
+  parser.add_argument("--rounds", type=int, default=CPU_MODEL["rounds"],
+                      help="round-equivalents with --model small (budget W·rounds·H)")
+  parser.add_argument("--jobs", type=int, default=1, help="cases run at once (sim_grid.py)")
   parser.add_argument("--workdir", type=pathlib.Path, default=REPO / "bench/results/sim")
+  parser.add_argument("--only", help=argparse.SUPPRESS)
   args = parser.parse_args()
+
+  def config_of(name):
+    file, arg = {**_runs("sweep"), **_runs("geo")}[name]
+    config = runpy.run_path(str(REPO / "configs" / f"{file}.py"))["get_config"](arg)
+    if args.model == "small":
+      config.update_from_flattened_dict({**CPU_MODEL, "rounds": args.rounds})
+    return config
+
+  if args.only:
+    sim_grid.run_case(config_of(args.only), args.workdir / args.only)
+    return
   grids = ("sweep", "geo") if args.grid == "all" else (args.grid,)
   results = {}
   for grid in grids:
-    dirs = []
-    for name, (file, arg) in _runs(grid).items():
-      config = runpy.run_path(str(REPO / "configs" / f"{file}.py"))["get_config"](arg)
-      if args.model == "small":
-        config.update_from_flattened_dict(CPU_MODEL)
-      workdir = args.workdir / name
-      results[name] = simulate.run(config, workdir)
-      dirs.append(workdir)
+    names = list(_runs(grid))
+    failed = sim_grid.run_grid(__file__, names, args.workdir, args.jobs, sys.argv[1:])
+    if failed:
+      sys.exit(f"failed: {failed} (logs in {args.workdir / 'logs'})")
+    dirs = [args.workdir / name for name in names]
+    for name, workdir in zip(names, dirs):
+      results[name] = json.loads((workdir / "summary.json").read_text())
       print(f"{name}: eval {results[name]['eval_loss']:.4f}, "
             f"{results[name]['virtual_seconds']:.1f} virtual s", flush=True)
     table = report.markdown_table(dirs)

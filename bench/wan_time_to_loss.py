@@ -42,7 +42,7 @@ CODEC = {"compress.codec": "sparseloco"}
 METHODS = {
     "ddp": {"algorithm": "ddp"},
     "diloco": {"algorithm": "diloco"},
-    "streaming": {"algorithm": "streaming", "streaming.fragments": 5,
+    "streaming": {"algorithm": "streaming", "streaming.fragments": 2,
                   "streaming.overlap_steps": 1},
     # The delayed outer steps diverge with DiLoCo's outer momentum 0.9 (BENCHMARKS.md,
     # overlapped variants): they run without momentum.
