@@ -21,10 +21,10 @@ THETA0 = np.array([1.0, -2.0, 0.5], np.float32)
 TARGETS = np.array([[0.0, 0.0, 0.0], [2.0, 1.0, -1.0], [4.0, -4.0, 3.0]], np.float32)
 
 
-def _local_round(state, opt_state, batches_GxHxN, ids):
-  """Δ_w = ½(θ − t_w) with t_w = the worker's 'batch'; the opt state counts jobs."""
+def _local_round(state, workers, batches_GxHxN, ids):
+  """Δ_w = ½(θ − t_w) with t_w = the worker's 'batch'; `steps` counts jobs."""
   delta = 0.5 * (state.params[None] - batches_GxHxN[:, 0])
-  return delta, opt_state + 1, jnp.zeros(batches_GxHxN.shape[:2])
+  return delta, workers._replace(steps=workers.steps + 1), jnp.zeros(batches_GxHxN.shape[:2])
 
 
 def _backend(algorithm, workers=2, regions=(0, 0), **overrides):
@@ -43,7 +43,9 @@ def _backend(algorithm, workers=2, regions=(0, 0), **overrides):
   state = steps.TrainState(jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(0)),
                            jnp.asarray(THETA0), ())
   programs = types.SimpleNamespace(local=[[_local_round]], syncs=[None])
-  return SimBackend(run, programs, plan, state, jnp.zeros((workers,), jnp.int32))
+  # No schedule in the opt state: the backend's lr-clock placement leaves it as it is.
+  pool = steps.WorkerState((), (), jnp.zeros((workers,), jnp.int32))
+  return SimBackend(run, programs, plan, state, pool)
 
 
 class _Driver:
@@ -102,7 +104,7 @@ def test_async_server_applies_stale_deltas_with_nesterov_at_lr_over_w():
   theta2 = rule(theta1, 0.5 * (THETA0 - TARGETS[1]))  # stale: computed from θ0
   theta3 = rule(theta2, 0.5 * (theta1 - TARGETS[0]))  # pulled θ1, applied to θ2
   np.testing.assert_allclose(b.global_params(), theta3, rtol=1e-6)
-  assert b.version(GLOBAL) == 3 and int(b.workers[0]) == 2 and int(b.workers[1]) == 1
+  assert b.version(GLOBAL) == 3 and int(b.workers.steps[0]) == 2 and int(b.workers.steps[1]) == 1
   # Drift: how far the server moved while the job was out, relative to where it is.
   assert float(drift_a) == 0.0
   np.testing.assert_allclose(float(drift_c),
