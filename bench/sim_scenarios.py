@@ -1,7 +1,7 @@
 """The simulator's scenarios (issue 6): heterogeneity sweep and geo-distributed regions.
 
   python bench/sim_scenarios.py [--grid sweep|geo|all] [--model small] [--rounds 10] \
-      [--jobs N] [--workdir DIR]
+      [--jobs N] [--set FIELD=VALUE ...] [--runs NAME,...] [--workdir DIR]
 
 sweep: configs/sim_sweep.py — DiLoCo, Async (Nesterov per arrival), Async DN, Async DN+DyLU
        at heterogeneity none / slight / moderate / very, equal total inner steps.
@@ -53,14 +53,22 @@ def main() -> None:
                       help="round-equivalents with --model small (budget W·rounds·H)")
   parser.add_argument("--jobs", type=int, default=1, help="cases run at once (sim_grid.py)")
   parser.add_argument("--workdir", type=pathlib.Path, default=REPO / "bench/results/sim")
+  parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                      help="override a config field in every run (e.g. outer.momentum=0.0)")
+  parser.add_argument("--runs", help="comma-separated run names (default: the whole grid)")
   parser.add_argument("--only", help=argparse.SUPPRESS)
   args = parser.parse_args()
+  overrides = {}
+  for item in args.set:
+    field, _, value = item.partition("=")
+    overrides[field] = json.loads(value) if value[:1] in "-0123456789tfn[" else value
 
   def config_of(name):
     file, arg = {**_runs("sweep"), **_runs("geo")}[name]
     config = runpy.run_path(str(REPO / "configs" / f"{file}.py"))["get_config"](arg)
     if args.model == "small":
       config.update_from_flattened_dict({**CPU_MODEL, "rounds": args.rounds})
+    config.update_from_flattened_dict(overrides)
     return config
 
   if args.only:
@@ -69,7 +77,7 @@ def main() -> None:
   grids = ("sweep", "geo") if args.grid == "all" else (args.grid,)
   results = {}
   for grid in grids:
-    names = list(_runs(grid))
+    names = [n for n in _runs(grid) if not args.runs or n in args.runs.split(",")]
     failed = sim_grid.run_grid(__file__, names, args.workdir, args.jobs, sys.argv[1:])
     if failed:
       sys.exit(f"failed: {failed} (logs in {args.workdir / 'logs'})")

@@ -114,24 +114,28 @@ def report(args, grid: dict[str, dict]) -> str:
   dil = _time_to(curves["diloco"], target)
   fmt = lambda x, f="{:.1f}": "never" if x is None else f.format(x)
   lines = [f"L* = {target:.4f} (dense DiLoCo's final eval loss); fixed budget "
-           f"{budget:.1f} virtual s (2 × DiLoCo's compute-only time)", "",
-           "| case | final eval loss | virtual s | time to L* | × its floor's | vs DiLoCo | "
-           "eval loss at budget | MiB sent/worker |", "|---|---|---|---|---|---|---|---|"]
+           f"{budget:.1f} virtual s (2 × DiLoCo's compute-only time). Floor: the method's "
+           "run with free communication (`@free`): its time to L*, or where it never gets "
+           "there its whole compute time.", "",
+           "| case | final eval loss | virtual s | time to L* | floor | × floor | vs DiLoCo | "
+           "eval loss at budget | MiB sent/worker |", "|---|---|---|---|---|---|---|---|---|"]
   for n in grid:
     if n.endswith("@free"):
       continue
     method = n.split("+")[0]
     t = _time_to(curves[n], target)
-    floor = _time_to(curves[f"{method}@free"], target)
+    free = f"{method}@free"
+    floor = _time_to(curves[free], target) or summaries[free]["virtual_seconds"]
     s = summaries[n]
     lines.append(
         f"| {n} | {s['eval_loss']:.4f} | {s['virtual_seconds']:.1f} | {fmt(t)} | "
-        f"{fmt(t / floor if t and floor else None, '{:.2f}')} | "
+        f"{floor:.1f} | {fmt(t / floor if t else None, '{:.2f}')} | "
         f"{fmt(dil / t if t and dil else None, '{:.2f}×')} | "
         f"{fmt(_loss_at(curves[n], budget), '{:.4f}')} | {s['bytes_sent'] / 2**20:.1f} |")
-  lines += ["", "Compute-only floors (free communication): " + ", ".join(
-      f"{n.split('@')[0]} {summaries[n]['virtual_seconds']:.1f} s / L* at "
-      f"{fmt(_time_to(curves[n], target))}" for n in grid if n.endswith("@free"))]
+  lines += ["", "Compute-only runs (free communication): " + ", ".join(
+      f"{n.split('@')[0]} eval {summaries[n]['eval_loss']:.4f} in "
+      f"{summaries[n]['virtual_seconds']:.1f} s, L* at {fmt(_time_to(curves[n], target))}"
+      for n in grid if n.endswith("@free"))]
   return "\n".join(lines)
 
 
@@ -140,11 +144,12 @@ def plot(args, grid, path):
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(9, 5.5))
+  colours = {m: f"C{i}" for i, m in enumerate(METHODS)}  # one per method; codec dashed
   for n in grid:
     if n.endswith("@free"):
       continue
     t, loss = zip(*_curve(args.workdir / n))
-    ax.plot(t, loss, "--" if "+" in n else "-", label=n)
+    ax.plot(t, loss, "--" if "+" in n else "-", color=colours[n.split("+")[0]], label=n)
   ax.set_xscale("log")
   ax.set_xlabel("virtual seconds (gpt2_124m on A100s over 1 Gb/s between regions)")
   ax.set_ylabel("eval loss")
