@@ -3,7 +3,8 @@
 16 workers in 4 regions (100 Gb/s inside a region; 1 Gb/s and 50 ms between regions),
 `moderate` speeds (0.5–1×), the same tokens for every method: DDP, DiLoCo, Streaming
 DiLoCo, one-step-delay, eager, Overlap Local-SGD, async DN + DyLU and HALoS (+ DyLU), each
-dense and with SparseLoCo, and each dense with free communication (its compute-only floor).
+dense, with its best codec (DeMo for DDP, SparseLoCo for the rest; see DEMO, SPARSELOCO) and
+dense with free communication (its compute-only floor).
 
 The CPU trains the byte-level `small` model, but the clock is that of `gpt2_124m` on
 A100-class GPUs: an inner step takes STEP_SECONDS at speed 1 and every payload travels as
@@ -38,7 +39,16 @@ GPT2_PARAMS = 124_475_904  # gpt2_124m (vocab 50304), as bench/mfu.py counts it
 # gpt2_124m on an A100 (312 TFLOP/s bf16 dense) at 40% MFU, 16 × 1024 tokens per step:
 # 855 MFLOP per token (model/flops.py) -> 16384 · 855e6 / (0.4 · 312e12) s.
 STEP_SECONDS = 16384 * 855e6 / (0.4 * 312e12)
-CODEC = {"compress.codec": "sparseloco"}
+# The best codec for each method, as its authors configure it: DDP sends DeMo's top DCT
+# coefficients of its momentum and steps on their sign (configs/ddp_demo.py); the others
+# send SparseLoCo's top-k 2-bit pseudo-gradients with error feedback, under SparseLoCo's
+# outer SGD at lr 1 without momentum (configs/diloco_sparseloco.py; Overlap Local-SGD's
+# anchor rule has no lr, and keeps its own).
+DEMO = ("demo", {"compress.codec": "demo", "compress.beta": 0.999, "compress.chunk": 64,
+                 "compress.k": 32, "optimizer.lr": 1e-3})
+SPARSELOCO = ("sparseloco", {"compress.codec": "sparseloco", "compress.beta": 0.95,
+                             "compress.chunk": 64, "compress.k": 64, "outer.lr": 1.0,
+                             "outer.momentum": 0.0})
 METHODS = {
     "ddp": {"algorithm": "ddp"},
     "diloco": {"algorithm": "diloco"},
@@ -60,7 +70,10 @@ def cases(args) -> dict[str, dict]:
   out = {}
   for m, fields in METHODS.items():
     out[m] = fields
-    out[f"{m}+sparseloco"] = {**fields, **CODEC}
+    name, codec = DEMO if m == "ddp" else SPARSELOCO
+    if m == "overlap":
+      codec = {k: v for k, v in codec.items() if not k.startswith("outer.")}
+    out[f"{m}+{name}"] = {**fields, **codec}
     out[f"{m}@free"] = {**fields, **FREE}
   return out
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import math
 import os
 import runpy
 
@@ -329,8 +330,9 @@ def _check_sim(c: ml_collections.ConfigDict, check, problems: list[str],
     check(len(speeds) == c.num_workers and _numbers(speeds) and min(speeds) > 0, "sim.speeds",
           f"give {c.num_workers} positive relative speeds (one per worker), or () to use "
           "sim.heterogeneity")
-  check(s.step_seconds > 0, "sim.step_seconds", "must be > 0")
-  check(s.network.bytes_scale > 0, "sim.network.bytes_scale", "must be > 0")
+  check(0 < s.step_seconds < math.inf, "sim.step_seconds", "must be a finite number > 0")
+  check(0 < s.network.bytes_scale < math.inf, "sim.network.bytes_scale",
+        "must be a finite number > 0 (1: payloads travel at their real size)")
   check(s.jitter >= 0, "sim.jitter", "must be >= 0")
   check(0.0 <= s.straggler_prob <= 1.0, "sim.straggler_prob", "must be in [0, 1]")
   check(s.straggler_slowdown >= 1.0, "sim.straggler_slowdown", "must be >= 1")

@@ -87,13 +87,15 @@ class SimBackend:
     self.job_snapshot = {}  # job id -> (server, revision)
     self._queued: list[Job] = []
     # Asynchronous workers' inner lr schedules run on the run's clock, not each worker's own
-    # step count: a job starts at the mean inner steps per worker started before it (fast
-    # workers would otherwise overrun the schedule and slow ones never decay).
-    self.started_steps = 0  # inner steps of every job started so far
+    # step count: a job starts at the inner steps per worker of the jobs started at earlier
+    # virtual instants (fast workers would otherwise overrun the schedule and slow ones never
+    # decay; jobs that start together share one lr).
+    self.started_steps = 0  # inner steps of every job flushed so far
     # Synchronous syncs: the global models their segments started from, newest last, as far
-    # back as an applied contribution reaches (the drift of what a sync applies is measured
-    # from where its computation started: `lag` segments back; not checkpointed, so a
-    # resumed run measures drift again once the window has refilled).
+    # back as an applied contribution reaches. The drift of what a sync applies is measured
+    # from the global model `lag` segments back (for Overlap Local-SGD, whose workers never
+    # restart from θ, that is the anchor's movement). Checkpointed: a resumed run measures
+    # the same drift.
     segments = len(self.syncs)
     self.lag = segments - 1 + (1 if r.algorithm.delayed_sync else 0)
     self.sync_staleness = 1 if r.algorithm.delayed_sync else 0  # in rounds (versions)
@@ -130,9 +132,8 @@ class SimBackend:
     self.snapshots.setdefault(key, self.servers[job.server]["params"])
     self.job_snapshot[job.id] = key
     self._queued.append(job)
-    if self.rules:
+    if self.rules:  # the clock moves at flushes: jobs queued together start together
       self.job_lr_step[job.id] = self.started_steps // self.plan.num_workers
-      self.started_steps += job.steps
 
   def flush(self, next_batches) -> None:
     """Runs the jobs started since the last flush: one vmapped call per (server state, H).
@@ -140,6 +141,7 @@ class SimBackend:
     groups: dict[tuple, list[Job]] = {}
     for job in self._queued:
       groups.setdefault(self.job_snapshot[job.id] + (job.steps, job.segment), []).append(job)
+      self.started_steps += job.steps
     self._queued = []
     for (server, revision, steps_, segment), jobs in groups.items():
       jobs.sort(key=lambda j: j.worker)
@@ -238,16 +240,21 @@ class SimBackend:
 
   # --- checkpointing ----------------------------------------------------------------------
 
+  def _pulled_kept(self) -> list:
+    """The part of the drift window the next syncs read (the next appends one)."""
+    return self.pulled[len(self.pulled) - self.lag:] if self.lag else []
+
   def checkpoint_tree(self) -> dict:
     """Every array the simulation needs to continue (worker optimizer states aside)."""
     return _without_empty({"servers": self.servers,
             "snapshots": {f"{s}_r{rev}": p for (s, rev), p in self.snapshots.items()},
             "messages": {str(k): v for k, v in self.messages.items()},
+            "pulled": {str(i): p for i, p in enumerate(self._pulled_kept())},
             "codec": self.codec_states})
 
   def checkpoint_meta(self) -> dict:
     return {"versions": self.versions, "revisions": self.revisions,
-            "started_steps": self.started_steps,
+            "started_steps": self.started_steps, "pulled": len(self._pulled_kept()),
             "job_snapshot": {str(k): list(v) for k, v in self.job_snapshot.items()},
             # Each in-flight message's parts and their shapes (a fragment's Δ is its size).
             "messages": {str(k): {part: list(np.shape(x)) for part, x in v.items()}
@@ -262,6 +269,7 @@ class SimBackend:
         "snapshots": {f"{s}_r{rev}": params for s, rev in keys},
         "messages": {k: {p: jax.ShapeDtypeStruct(tuple(shape), params.dtype)
                          for p, shape in v.items()} for k, v in meta["messages"].items()},
+        "pulled": {str(i): params for i in range(meta["pulled"])},
         "codec": jax.eval_shape(lambda: self.codec_states)})
 
   def load(self, tree: dict, meta: dict) -> None:
@@ -272,6 +280,8 @@ class SimBackend:
     self.snapshots = {key: tree["snapshots"][f"{key[0]}_r{key[1]}"]
                       for key in set(self.job_snapshot.values())}
     self.messages = {int(k): v for k, v in tree.get("messages", {}).items()}
+    pulled = tree.get("pulled", {})
+    self.pulled = [pulled[str(i)] for i in range(meta["pulled"])]
     self.codec_states = tree.get("codec", ())
 
   def global_params(self):

@@ -184,7 +184,8 @@ class RoundDriver:
                                     metrics=mark_due.metrics, hold=hold)
       self._resolve(held, held_metrics)
     else:
-      if held is not None:  # the hosts changed: the held sync runs on its own first
+      if held is not None:  # this round cannot overlap (not reached today: rounds before
+        # DyLU's new H do not hold): the held sync runs on its own first
         self.state, held_metrics = run_held(r, self.fns, self.state, held[0])
         self._resolve(held, held_metrics)
       if hold:
@@ -198,15 +199,14 @@ class RoundDriver:
     if new_held is not None:
       metrics = _Later()
       self.held = (new_held, round_, metrics)
+      if mark_due.metrics:  # its work is its local steps: ready with their losses (the
+        self.ready.watch(round_, new_held.signals)  # Δ may be donated to the next program)
     elif mark_due.metrics:
       self.ready.watch(round_, metrics)
     return metrics, compute
 
   def _resolve(self, held, metrics) -> None:
-    held_sync, round_, later = held
-    later.value = metrics
-    if held_sync.metrics:
-      self.ready.watch(round_, metrics)
+    held[2].value = metrics
 
   def read(self, handle) -> run_loop.Reading:
     round_, metrics, extra = handle

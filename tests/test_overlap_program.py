@@ -115,7 +115,12 @@ def test_overlapped_runs_train_exactly_as_separate_programs(tmp_path, smoke_conf
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_hosts_that_differ_fall_back_to_separate_programs(smoke_config):
+def test_runs_that_cannot_overlap_say_why(smoke_config):
+  """(Hosts that differ in tier, batch or H on separate processes are the two-process
+  tests'; no delayed algorithm has several segments yet.)"""
   tiers = smoke_config(algorithm="one_step_delay",
                        hosts=[host(tier=1.0, workers=1), host(tier=0.5, workers=1)])
   assert "several hosts" in rounds.can_overlap(train.build(tiers), [2, 2])
+  tp = smoke_config(algorithm="one_step_delay", **{"model.tp.size": 2})
+  assert rounds.can_overlap(train.build(tp), [2]) == "tensor parallelism"
+  assert rounds.can_overlap(train.build(smoke_config(algorithm="eager")), [2]) is None

@@ -165,7 +165,10 @@ def test_streaming_in_the_simulator_equals_the_real_runner(tmp_path):
   # Stopped after round 1's checkpoint, with round 2's first fragment in flight.
   assert simulate.run(config, tmp_path / "split", stop_after_checkpoints=1)["stopped_at"] == 1
   resumed = simulate.run(config, tmp_path / "split")
-  assert resumed["virtual_seconds"] == summary["virtual_seconds"]
+  # Drift too: the window of pulled models is in the checkpoint.
+  for key in ("virtual_seconds", "mean_drift", "drift_p90", "drift_per_worker"):
+    assert resumed[key] == summary[key], key
+  assert summary["mean_drift"] > 0
   split_params = simulate.final_global_params(config, tmp_path / "split")
   np.testing.assert_array_equal(np.asarray(split_params), np.asarray(sim_params))
   runner = load_config("smoke", num_workers=4, rounds=2, **streaming, **{"mesh.replica": 1})
@@ -207,25 +210,30 @@ def test_ddp_in_the_simulator_equals_the_runner_and_pays_a_ring_every_step(tmp_p
 
 
 def test_asynchronous_inner_lr_schedules_follow_the_runs_clock(tmp_path, monkeypatch):
-  """Each async job's schedule starts at the mean inner steps per worker started before it:
-  no worker runs past the schedule's end, though the fastest takes more steps than
-  rounds·H of its own (its own count would have overrun the cosine)."""
+  """Each async job's schedule starts at the inner steps per worker of the jobs started at
+  earlier virtual instants (jobs that start together share one lr): no worker runs past the
+  schedule's end, though the fastest takes more steps than rounds·H of its own (its own
+  count would have overrun the cosine)."""
   seen = {}
   real = simulate.SimBackend.flush
 
   def flush(self, next_batches):
     seen["backend"] = self
-    starts = dict(self.job_lr_step)
+    starts = [(j.id, j.start, self.job_lr_step[j.id]) for j in self._queued]
     real(self, next_batches)
-    seen.setdefault("starts", []).extend(starts.items())
+    seen.setdefault("starts", []).extend(starts)
   monkeypatch.setattr(simulate.SimBackend, "flush", flush)
   config = _sim_config(**{"algorithm": "async_dn", "sim.heterogeneity": "very", "rounds": 6,
                           "checkpoint_every": 0, "eval_every": 0})
   simulate.run(config, tmp_path)
   W, H, budget = 4, 2, 6 * 2
-  lr_steps = [step for _, step in sorted(seen["starts"])]  # by job id: start order
-  assert lr_steps == sorted(lr_steps) and lr_steps[0] == 0
-  assert lr_steps == [k * H // W for k in range(len(lr_steps))]  # every job has H = 2
+  starts = sorted(seen["starts"])  # by job id: start order
+  lr_steps = [step for _, _, step in starts]
+  assert lr_steps == sorted(lr_steps) and lr_steps[:W] == [0] * W  # all start at t = 0
+  times = [t for _, t, _ in starts]
+  # Every job has H = 2: the steps of the jobs started strictly before, per worker.
+  assert lr_steps == [sum(u < t for u in times) * H // W for t in times]
+  assert max(lr_steps) > budget // 2  # the clock moves through the run
   backend = seen["backend"]
   own_steps = np.asarray(backend.workers.steps)
   counts = [np.asarray(s.count) for s in jax.tree.leaves(
