@@ -153,10 +153,15 @@ def get_config() -> ml_collections.ConfigDict:
   # --- data --------------------------------------------------------------------------
   c.data = ml_collections.ConfigDict()
   c.data.path = ""  # a plain-text corpus; '' means TinyShakespeare (local copy or download)
+  # | or a folder written by `python -m lowcomm_jax.data.prepare`, or a .bin token file in
+  # | nanoGPT's format (flat uint16/uint32 ids)
   c.data.tokenizer = "byte"  # 'byte' (vocab 256, no files) | 'r50k_base' | 'gpt2' (alias)
+  # | or a Hugging Face tokenizer.json path; token files must have been made with it
+  c.data.dtype = ""  # a .bin file's tokens: 'uint16' | 'uint32'; '' : meta.json's, else uint16
+  c.data.val_path = ""  # a .bin file of validation tokens; '' : data.path's tail
   c.data.batch_mode = "different"  # 'different': a stream per worker | 'same': one shared stream
   c.data.seq_len = 128  # tokens per training window (model input length)
   c.data.batch_size = 16  # sequences per worker per inner step
-  c.data.val_fraction = 0.1  # tail of the corpus kept for validation
+  c.data.val_fraction = 0.1  # tail kept for validation (text, or a .bin without val_path)
 
   return c

@@ -15,8 +15,7 @@ import numpy as np
 from flax import nnx
 
 from lowcomm_jax import algorithms, config_check, memory, optimizers, steps
-from lowcomm_jax.data import (DataError, WorkerStreams, eval_windows, get_tokenizer, load_tokens,
-                              resolve_corpus, split_train_val)
+from lowcomm_jax.data import WorkerStreams, eval_windows, open_corpus
 from lowcomm_jax.hosts import HostSpec, host_table
 from lowcomm_jax.model import GPT, GPTConfig, count_params, get_preset, next_token_loss
 from lowcomm_jax.model.matformer import slice_tier
@@ -212,16 +211,13 @@ def build(config: ml_collections.ConfigDict) -> Run:
                         local_devices=jax.local_device_count())
   c = config
   algorithm = algorithms.get(c.algorithm)
-  tokenizer = get_tokenizer(c.data.tokenizer)
-  tokens = load_tokens(resolve_corpus(c.data.path), tokenizer)
-  train_tokens, val_tokens = split_train_val(tokens, c.data.val_fraction)
-  if min(len(train_tokens), len(val_tokens)) <= c.data.seq_len + 1:
-    raise DataError(f"the corpus has {len(tokens)} tokens: too few for data.seq_len="
-                    f"{c.data.seq_len} in both splits; use a longer corpus or a shorter seq_len")
-
+  corpus = open_corpus(c.data, window=c.data.seq_len + 1)
   model_cfg = get_preset(c.model.name, vocab_size=c.model.vocab_size,
-                         tokenizer_vocab=tokenizer.vocab_size, dtype=c.model.dtype,
+                         tokenizer_vocab=corpus.vocab_size, dtype=c.model.dtype,
                          dropout=c.model.dropout)
+  corpus.check_vocabulary(model_cfg.vocab_size)
+  # Token files are read window by window: each is checked against the vocabulary too.
+  window_vocab = model_cfg.vocab_size if corpus.files is not None else None
   hosts = host_table(c, model_cfg.d_ff, nproc)
   if nproc > 1:  # one host per process, each on all of its devices
     local_hosts = [jax.process_index()]
@@ -314,12 +310,13 @@ def build(config: ml_collections.ConfigDict) -> Run:
                     param_count=count_params(layout.abstract),
                     param_bytes=ledger.tree_bytes(layout.abstract), tier_bytes=tier_bytes)
   data = RunData(
-      streams=[WorkerStreams(train_tokens, worker_ids=hosts[i].worker_ids,
+      streams=[WorkerStreams(corpus.train, worker_ids=hosts[i].worker_ids,
                              seq_len=c.data.seq_len, batch_size=hosts[i].batch_size,
-                             seed=c.seed, batch_mode=c.data.batch_mode) for i in local_hosts],
-      eval_windows=eval_windows(val_tokens, seq_len=c.data.seq_len,
+                             seed=c.seed, batch_mode=c.data.batch_mode,
+                             vocab_size=window_vocab) for i in local_hosts],
+      eval_windows=eval_windows(corpus.val, seq_len=c.data.seq_len,
                                 batch_size=c.data.batch_size, num_batches=c.eval_batches,
-                                seed=c.seed))
+                                seed=c.seed, vocab_size=window_vocab))
   programs = Programs(local=local_programs, syncs=syncs, init_workers=init_workers,
                       eval=steps.make_eval_step(loss_of(model_cfg.d_ff, mesh), layout))
   run = Run(config=c, algorithm=algorithm, topology=topology, model=model, data=data,

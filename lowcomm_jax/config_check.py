@@ -11,7 +11,7 @@ import ml_collections
 from lowcomm_jax import algorithms, config_doc, run_identity
 from lowcomm_jax.compress import CODECS
 from lowcomm_jax.compress.sparse import kept_per_chunk
-from lowcomm_jax.data.tokenizers import TOKENIZER_VOCAB
+from lowcomm_jax.data.tokenizers import TOKENIZER_VOCAB, is_tokenizer_file
 from lowcomm_jax.model.matformer import hidden_units
 from lowcomm_jax.model.presets import PRESETS
 from lowcomm_jax.model.tp import SYNC_PLANS, SyncPlan, plan_problems
@@ -83,8 +83,15 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   check(c.model.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0: the preset's)")
   # Only read with tp.size > 1, but a typo should not wait for the run that shards.
   check(c.model.tp.sync in SYNC_PLANS, "model.tp.sync", f"use one of {SYNC_PLANS}")
-  check(c.data.tokenizer in TOKENIZER_VOCAB, "data.tokenizer",
-        f"use one of {sorted(TOKENIZER_VOCAB)}")
+  if is_tokenizer_file(c.data.tokenizer):
+    check(os.path.isfile(os.path.expanduser(c.data.tokenizer)), "data.tokenizer",
+          "no such tokenizer.json; give its path or one of "
+          f"{sorted(TOKENIZER_VOCAB)}")
+  else:
+    check(c.data.tokenizer in TOKENIZER_VOCAB, "data.tokenizer",
+          f"use one of {sorted(TOKENIZER_VOCAB)} or a Hugging Face tokenizer.json path")
+  check(c.data.dtype in ("", "uint16", "uint32"), "data.dtype",
+        "use 'uint16', 'uint32' or '' (meta.json's, else uint16)")
   check(c.data.batch_mode in ("same", "different"), "data.batch_mode",
         "use 'same' (one shared stream) or 'different' (a stream per worker)")
   check(c.data.batch_size >= 1, "data.batch_size", "must be >= 1")

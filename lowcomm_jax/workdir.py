@@ -187,7 +187,11 @@ def release(path: pathlib.Path) -> None:
 
 @contextlib.contextmanager
 def locked(workdir: str | pathlib.Path):
-  path = acquire(pathlib.Path(workdir))
+  """Holds the workdir's lock; a workdir this run created and left empty (a config or data
+  error before any work) is removed again, so a failed start leaves nothing behind."""
+  workdir = pathlib.Path(workdir)
+  created = not workdir.exists()
+  path = acquire(workdir)
   stop = threading.Event()
   beat = threading.Thread(target=_heartbeat, args=(path, stop), daemon=True,
                           name="workdir-lock-heartbeat")
@@ -198,6 +202,9 @@ def locked(workdir: str | pathlib.Path):
     stop.set()
     beat.join()
     release(path)
+    if created:
+      with contextlib.suppress(OSError):  # not empty (the run wrote), or another process's
+        workdir.rmdir()
 
 
 def holds_lock(run_fn):

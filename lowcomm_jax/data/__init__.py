@@ -1,6 +1,7 @@
-"""Corpora, tokenizers and per-worker grain pipelines."""
+"""Corpora (text or pre-tokenized files), tokenizers and per-worker grain pipelines."""
 
 from lowcomm_jax.data.corpus import DataError, resolve_corpus
 from lowcomm_jax.data.pipeline import WorkerStreams, eval_windows, split_train_val
+from lowcomm_jax.data.source import Corpus, open_corpus
 from lowcomm_jax.data.tokenizers import (TOKENIZER_NAMES, TOKENIZER_VOCAB, get_tokenizer,
-                                         load_tokens)
+                                         is_tokenizer_file, load_tokens)

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import grain
 import numpy as np
 
+from lowcomm_jax.data.corpus import DataError
+
 _ENDLESS = 2**62  # index space of a stream: random windows never run out
 
 
@@ -29,24 +31,32 @@ def split_train_val(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray
 
 
 class _RandomWindow(grain.transforms.RandomMap):
-  """A uniformly random window of `length` tokens (input + shifted target)."""
+  """A uniformly random window of `length` tokens (input + shifted target). `tokens` may be
+  a memmap: a window reads only its own pages. With `vocab_size`, a window holding an id
+  the model has no embedding for stops the run (token files are checked only in part at
+  start-up)."""
 
-  def __init__(self, tokens: np.ndarray, length: int):
+  def __init__(self, tokens: np.ndarray, length: int, vocab_size: int | None = None):
     if len(tokens) <= length:
       raise ValueError(f"corpus split has {len(tokens)} tokens, fewer than a window of {length}")
-    self._tokens, self._length = tokens, length
+    self._tokens, self._length, self._vocab = tokens, length, vocab_size
 
   def random_map(self, element, rng: np.random.Generator) -> np.ndarray:
     del element
     start = rng.integers(0, len(self._tokens) - self._length + 1)
-    return self._tokens[start:start + self._length].astype(np.int32)
+    window = self._tokens[start:start + self._length].astype(np.int32)
+    if self._vocab is not None and window.max() >= self._vocab:
+      raise DataError(f"token id {window.max():,} at position {start + window.argmax():,} of "
+                      f"the corpus is outside the model's vocabulary ({self._vocab:,}); the "
+                      "data was made with another tokenizer, or is damaged")
+    return window
 
 
-def window_dataset(tokens: np.ndarray, *, seq_len: int, batch_size: int,
-                   seed: int) -> grain.MapDataset:
+def window_dataset(tokens: np.ndarray, *, seq_len: int, batch_size: int, seed: int,
+                   vocab_size: int | None = None) -> grain.MapDataset:
   """Endless batches [batch_size, seq_len + 1] of random windows."""
   return (grain.MapDataset.range(_ENDLESS)
-          .random_map(_RandomWindow(tokens, seq_len + 1), seed=seed)
+          .random_map(_RandomWindow(tokens, seq_len + 1, vocab_size), seed=seed)
           .batch(batch_size))
 
 
@@ -54,7 +64,7 @@ class WorkerStreams:
   """The training batches of a set of workers, a round at a time."""
 
   def __init__(self, train_tokens: np.ndarray, *, worker_ids: Sequence[int], seq_len: int,
-               batch_size: int, seed: int, batch_mode: str):
+               batch_size: int, seed: int, batch_mode: str, vocab_size: int | None = None):
     if batch_mode not in ("same", "different"):
       raise ValueError(f"batch_mode must be 'same' or 'different', got {batch_mode!r}")
     self.worker_ids = list(worker_ids)
@@ -62,7 +72,7 @@ class WorkerStreams:
     seeds = ([stream_seed(seed, _WORKER, w) for w in self.worker_ids]
              if batch_mode == "different" else [stream_seed(seed, _SHARED)])
     self._iters = [iter(window_dataset(train_tokens, seq_len=seq_len, batch_size=batch_size,
-                                       seed=s)) for s in seeds]
+                                       seed=s, vocab_size=vocab_size)) for s in seeds]
 
   def next_round(self, inner_steps: int) -> np.ndarray:
     """Batches [workers, inner_steps, batch_size, seq_len + 1] for one round."""
@@ -94,8 +104,8 @@ class WorkerStreams:
 
 
 def eval_windows(val_tokens: np.ndarray, *, seq_len: int, batch_size: int, num_batches: int,
-                 seed: int) -> np.ndarray:
+                 seed: int, vocab_size: int | None = None) -> np.ndarray:
   """Fixed validation batches [num_batches, batch_size, seq_len + 1], the same every eval."""
   it = iter(window_dataset(val_tokens, seq_len=seq_len, batch_size=batch_size,
-                           seed=stream_seed(seed, _EVAL)))
+                           seed=stream_seed(seed, _EVAL), vocab_size=vocab_size))
   return np.stack([next(it) for _ in range(num_batches)])

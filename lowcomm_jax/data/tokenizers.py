@@ -1,4 +1,8 @@
-"""Tokenizers (byte-level and tiktoken GPT-2 BPE) and an on-disk cache of tokenized corpora."""
+"""Tokenizers (byte-level, tiktoken GPT-2 BPE, a Hugging Face tokenizer.json) and an on-disk
+cache of tokenized corpora.
+
+Each has `name` (what a cache key and a prepared corpus's meta.json record), `vocab_size`,
+`eot` (the id `prepare` puts between documents), `encode` and `decode`."""
 
 import hashlib
 import os
@@ -14,9 +18,11 @@ _ALIASES = {"gpt2": "r50k_base"}  # same ranks; r50k_base needs one file instead
 
 
 class ByteTokenizer:
-  """UTF-8 bytes as tokens: vocab 256, needs no files."""
+  """UTF-8 bytes as tokens: vocab 256, needs no files. Documents are separated by NUL (0),
+  a byte text files do not contain."""
   name = "byte"
   vocab_size = 256
+  eot = 0
 
   def encode(self, text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
@@ -39,6 +45,7 @@ class TiktokenTokenizer:
           "tiktoken), or use --config.data.tokenizer=byte") from e
     self.name = encoding
     self.vocab_size = self._enc.n_vocab
+    self.eot = self._enc.eot_token  # <|endoftext|>
 
   def encode(self, text: str) -> np.ndarray:
     return np.asarray(self._enc.encode_ordinary(text), dtype=np.uint16)
@@ -47,13 +54,61 @@ class TiktokenTokenizer:
     return self._enc.decode([int(t) for t in tokens])
 
 
+class HuggingFaceTokenizer:
+  """A Hugging Face `tokenizer.json` through the `tokenizers` library (the `hf` extra)."""
+
+  def __init__(self, path: str):
+    try:
+      from tokenizers import Tokenizer
+    except ImportError as e:
+      raise DataError(f"data.tokenizer={path!r} needs the tokenizers library: pip install "
+                      "'lowcomm_jax[hf]' (or pip install tokenizers)") from e
+    file = pathlib.Path(path).expanduser()
+    if not file.is_file():
+      raise DataError(f"data.tokenizer={path!r}: no such file; point it at a Hugging Face "
+                      f"tokenizer.json or use one of {TOKENIZER_NAMES}")
+    try:
+      self._tok = Tokenizer.from_file(str(file))
+    except Exception as e:  # the library raises plain Exception for bad files
+      raise DataError(f"{file} is not a readable tokenizer.json ({e})") from e
+    self.name = tokenizer_id(path)
+    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    special = [t for t in ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+               if self._tok.token_to_id(t) is not None]
+    self.eot = self._tok.token_to_id(special[0]) if special else None
+
+  def encode(self, text: str) -> np.ndarray:
+    ids = self._tok.encode(text, add_special_tokens=False).ids
+    return np.asarray(ids, dtype=np.uint32 if self.vocab_size > 65536 else np.uint16)
+
+  def decode(self, tokens) -> str:
+    return self._tok.decode([int(t) for t in tokens], skip_special_tokens=False)
+
+
+def is_tokenizer_file(name: str) -> bool:
+  return name.endswith(".json")
+
+
+def tokenizer_id(name: str) -> str:
+  """What identifies a tokenizer across machines: its canonical name, or for a
+  tokenizer.json the hash of its content (paths differ between hosts)."""
+  if is_tokenizer_file(name):
+    file = pathlib.Path(name).expanduser()
+    digest = hashlib.sha256(file.read_bytes()).hexdigest()[:16] if file.is_file() else "?"
+    return f"hf:{digest}"
+  return _ALIASES.get(name, name)
+
+
 def get_tokenizer(name: str):
+  if is_tokenizer_file(name):
+    return HuggingFaceTokenizer(name)
   name = _ALIASES.get(name, name)
   if name == "byte":
     return ByteTokenizer()
   if name == "r50k_base":
     return TiktokenTokenizer(name)
-  raise ValueError(f"unknown tokenizer {name!r}; choose one of {TOKENIZER_NAMES}")
+  raise ValueError(f"unknown tokenizer {name!r}; choose one of {TOKENIZER_NAMES} or a "
+                   "tokenizer.json path")
 
 
 def load_tokens(corpus: pathlib.Path, tokenizer) -> np.ndarray:
