@@ -7,6 +7,8 @@ its seed and its iterator state is just where it is; both are checkpointed.
   batch_mode='same':      one stream; every worker gets the same batch at the same step.
 """
 
+import contextlib
+import mmap
 from collections.abc import Sequence
 
 import grain
@@ -15,8 +17,14 @@ import numpy as np
 from lowcomm_jax.data.corpus import DataError
 
 _ENDLESS = 2**62  # index space of a stream: random windows never run out
+# How far a stream reads ahead. grain's default (16 threads, 500 batches) holds hundreds of
+# steps of batches per worker and, from a memmapped file, faults in a page range for each;
+# a round of H steps is read at once anyway. Elements depend on their index alone, so these
+# options change no batch.
+READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=32)
 
 
+_RELEASE_EVERY = 16  # memmapped windows read between releases of their mapped pages
 _WORKER, _SHARED, _EVAL = 0, 1, 2  # stream kinds, so no two kinds ever share a seed
 
 
@@ -40,11 +48,25 @@ class _RandomWindow(grain.transforms.RandomMap):
     if len(tokens) <= length:
       raise ValueError(f"corpus split has {len(tokens)} tokens, fewer than a window of {length}")
     self._tokens, self._length, self._vocab = tokens, length, vocab_size
+    # A memmap's pages stay mapped once read, and the kernel maps whole page-cache folios
+    # (up to 2 MB measured per 2 KB window): drop the mappings every few windows so resident
+    # memory stays flat (the pages stay in the page cache; nothing is re-read from disk).
+    self._mmap = getattr(tokens, "_mmap", None)
+    self._reads = 0
+
+  def __deepcopy__(self, memo):
+    # grain's prefetch threads deep-copy transforms; copying a memmap would read the whole
+    # corpus into memory. The tokens are read-only: every copy shares them.
+    return _RandomWindow(self._tokens, self._length, self._vocab)
 
   def random_map(self, element, rng: np.random.Generator) -> np.ndarray:
     del element
     start = rng.integers(0, len(self._tokens) - self._length + 1)
     window = self._tokens[start:start + self._length].astype(np.int32)
+    self._reads += 1  # (prefetch threads race on it: a missed count only delays a release)
+    if self._mmap is not None and self._reads % _RELEASE_EVERY == 0:
+      with contextlib.suppress(OSError, ValueError):
+        self._mmap.madvise(mmap.MADV_DONTNEED)
     if self._vocab is not None and window.max() >= self._vocab:
       raise DataError(f"token id {window.max():,} at position {start + window.argmax():,} of "
                       f"the corpus is outside the model's vocabulary ({self._vocab:,}); the "
@@ -60,6 +82,10 @@ def window_dataset(tokens: np.ndarray, *, seq_len: int, batch_size: int, seed: i
           .batch(batch_size))
 
 
+def _iterate(dataset: grain.MapDataset):
+  return iter(dataset.to_iter_dataset(READ_OPTIONS))
+
+
 class WorkerStreams:
   """The training batches of a set of workers, a round at a time."""
 
@@ -71,8 +97,9 @@ class WorkerStreams:
     self.batch_mode = batch_mode
     seeds = ([stream_seed(seed, _WORKER, w) for w in self.worker_ids]
              if batch_mode == "different" else [stream_seed(seed, _SHARED)])
-    self._iters = [iter(window_dataset(train_tokens, seq_len=seq_len, batch_size=batch_size,
-                                       seed=s, vocab_size=vocab_size)) for s in seeds]
+    self._iters = [_iterate(window_dataset(train_tokens, seq_len=seq_len,
+                                           batch_size=batch_size, seed=s,
+                                           vocab_size=vocab_size)) for s in seeds]
 
   def next_round(self, inner_steps: int) -> np.ndarray:
     """Batches [workers, inner_steps, batch_size, seq_len + 1] for one round."""
@@ -106,6 +133,6 @@ class WorkerStreams:
 def eval_windows(val_tokens: np.ndarray, *, seq_len: int, batch_size: int, num_batches: int,
                  seed: int, vocab_size: int | None = None) -> np.ndarray:
   """Fixed validation batches [num_batches, batch_size, seq_len + 1], the same every eval."""
-  it = iter(window_dataset(val_tokens, seq_len=seq_len, batch_size=batch_size,
-                           seed=stream_seed(seed, _EVAL), vocab_size=vocab_size))
+  it = _iterate(window_dataset(val_tokens, seq_len=seq_len, batch_size=batch_size,
+                               seed=stream_seed(seed, _EVAL), vocab_size=vocab_size))
   return np.stack([next(it) for _ in range(num_batches)])

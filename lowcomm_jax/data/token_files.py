@@ -2,14 +2,17 @@
 
 Two layouts:
   - a prepared folder (`python -m lowcomm_jax.data.prepare`): train.bin, val.bin and
-    meta.json (tokenizer, vocabulary, dtype, token counts, sources);
+    meta.json (tokenizer, vocabulary, dtype, token counts, sources); a folder with train.bin
+    and val.bin but no meta.json (nanoGPT's data/openwebtext) is read as the two files;
   - a flat token file in nanoGPT's format (little-endian uint16, or uint32 for vocabularies
     over 65,535), e.g. the train.bin nanoGPT's prepare.py writes. Validation comes from
     `data.val_path`, else the file's last `data.val_fraction` is held out.
 """
 
+import contextlib
 import dataclasses
 import json
+import mmap
 import pathlib
 
 import numpy as np
@@ -43,6 +46,9 @@ class TokenFiles:
       return int(self.meta["max_token"]), f"{self.where}/{META}"
     found = [(int(a[:SCAN_TOKENS].max()), name) for a, name in
              ((self.train, "train"), (self.val, "val")) if len(a)]
+    for a in (self.train, self.val):  # unmap the scanned pages (they stay in page cache)
+      with contextlib.suppress(AttributeError, OSError, ValueError):
+        a._mmap.madvise(mmap.MADV_DONTNEED)
     top, name = max(found)
     return top, f"{self.where} ({name} split, first {SCAN_TOKENS:,} tokens)"
 
@@ -64,15 +70,25 @@ def _memmap(path: pathlib.Path, dtype: str, field: str) -> np.ndarray:
   if size % item:
     raise DataError(f"{path}: {size:,} bytes is not a whole number of {dtype} tokens "
                     f"({item} bytes each); the file is cut short or data.dtype is wrong")
-  return np.memmap(path, dtype=DTYPES[dtype], mode="r")
+  tokens = np.memmap(path, dtype=DTYPES[dtype], mode="r")
+  # Windows are read at random places: without this the kernel reads ahead ~128 KB around
+  # every 2 KB window, and resident memory grows with the windows read.
+  with contextlib.suppress(AttributeError, OSError, ValueError):
+    tokens._mmap.madvise(mmap.MADV_RANDOM)
+  return tokens
 
 
-def _read_meta(folder: pathlib.Path) -> dict:
+def _read_meta(folder: pathlib.Path) -> dict | None:
+  """The folder's meta.json; None for a folder in nanoGPT's layout (train.bin and val.bin,
+  no meta.json, nothing half-written)."""
   path = folder / META
   if not path.is_file():
-    raise DataError(f"data.path={str(folder)!r} has no {META}: not a finished prepare (an "
-                    "interrupted one leaves none). Run python -m lowcomm_jax.data.prepare "
-                    f"--out={folder} again, or point data.path at a .bin file")
+    if any(folder.glob("*.partial")) or not all(
+        (folder / f).is_file() for f in ("train.bin", "val.bin")):
+      raise DataError(f"data.path={str(folder)!r} has no {META}: not a finished prepare (an "
+                      "interrupted one leaves none). Run python -m lowcomm_jax.data.prepare "
+                      f"--out={folder} again, or point data.path at a .bin file")
+    return None
   try:
     meta = json.loads(path.read_text())
     meta["dtype"], meta["tokenizer"], meta["vocab_size"]
@@ -94,6 +110,9 @@ def open_token_files(path: str, *, dtype: str, val_path: str,
                     f"{META}, else uint16)")
   if p.is_dir():
     meta = _read_meta(p)
+    if meta is None:  # nanoGPT's train.bin and val.bin
+      return open_token_files(str(p / "train.bin"), dtype=dtype,
+                              val_path=val_path or str(p / "val.bin"), val_fraction=val_fraction)
     if dtype and dtype != meta["dtype"]:
       raise DataError(f"data.dtype={dtype!r} contradicts {p / META} ({meta['dtype']!r}); "
                       "leave data.dtype empty to read it from there")

@@ -77,6 +77,9 @@ def test_a_file_from_a_numpy_writer_in_nanogpts_format_is_read(tmp_path):
   tail = open_corpus(_data(tmp_path / "train.bin").data, window=33)
   np.testing.assert_array_equal(tail.train, ids[:2700])
   np.testing.assert_array_equal(tail.val, ids[2700:])
+  # nanoGPT's folder (train.bin and val.bin, no meta.json) reads as the two files.
+  folder = open_corpus(_data(tmp_path).data, window=33)
+  np.testing.assert_array_equal(folder.val, ids[:500])
   # uint32 files (vocabularies over 65,535) too.
   ids.astype(np.uint32).tofile(tmp_path / "wide.bin")
   wide = open_corpus(_data(tmp_path / "wide.bin", dtype="uint32").data, window=33)
@@ -155,9 +158,13 @@ def test_a_prepared_folder_refuses_another_tokenizer_dtype_or_no_meta(tmp_path):
     train.build(_data(tmp_path / "p", tokenizer="gpt2"))
   with pytest.raises(DataError, match="data.dtype='uint32' contradicts .*meta.json"):
     train.build(_data(tmp_path / "p", dtype="uint32"))
-  os.remove(tmp_path / "p" / "meta.json")
+  # Without meta.json it is nanoGPT's layout (the two files, data.dtype's tokens)...
+  os.rename(tmp_path / "p" / "meta.json", tmp_path / "p" / "meta.json.partial")
+  # ...unless a half-written file shows an interrupted prepare.
   with pytest.raises(DataError, match="has no meta.json: not a finished prepare"):
     train.build(_data(tmp_path / "p"))
+  os.remove(tmp_path / "p" / "meta.json.partial")
+  assert len(open_corpus(_data(tmp_path / "p").data, window=33).train) == len(corpus.train)
 
 
 def test_a_bad_data_path_exits_2_and_writes_nothing(tmp_path):
