@@ -4,7 +4,7 @@ one worker whose model is split over `model.tp.size` GPUs, one run per sync plan
   # once: nanoGPT's data/openwebtext/prepare.py output works as is (train.bin, val.bin), or
   python -m lowcomm_jax.data.prepare --input=owt.jsonl --tokenizer=gpt2 --out=data/openwebtext \
       --workers=16
-  python -m lowcomm_jax.main --config=configs/tp_owt_124m.py:spd \
+  CUDA_VISIBLE_DEVICES=0,1,2,3 python -m lowcomm_jax.main --config=configs/tp_owt_124m.py:spd \
       --config.data.path=data/openwebtext --workdir=runs/tp_owt_spd
 
 Plans (after the colon): standard (24 all-reduces per forward), spd (12), grouped_k2 / _k3 /

@@ -146,6 +146,9 @@ def _run_until_parsed(monkeypatch, argv: list[str], *, script=None, module=None)
 
 
 def _device_count(env: dict) -> int:
+  """Devices the command runs on: forced host devices, the GPUs it names, else one."""
+  if env.get("CUDA_VISIBLE_DEVICES"):  # a GPU command: CUDA_VISIBLE_DEVICES=0,1,2,3 python ...
+    return len(env["CUDA_VISIBLE_DEVICES"].split(","))
   match = re.search(r"--xla_force_host_platform_device_count=(\d+)", env.get("XLA_FLAGS", ""))
   return int(match.group(1)) if match else 1  # a CPU exposes one device by default
 

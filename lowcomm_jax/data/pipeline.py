@@ -55,22 +55,24 @@ class _RandomWindow(grain.transforms.RandomMap):
     self._reads = 0
 
   def __deepcopy__(self, memo):
-    # grain's prefetch threads deep-copy transforms; copying a memmap would read the whole
-    # corpus into memory. The tokens are read-only: every copy shares them.
+    # Deep-copying a memmap reads the whole corpus into memory (grain deep-copies datasets
+    # for its multiprocess prefetch). The tokens are read-only: every copy shares them.
     return _RandomWindow(self._tokens, self._length, self._vocab)
 
   def random_map(self, element, rng: np.random.Generator) -> np.ndarray:
     del element
     start = rng.integers(0, len(self._tokens) - self._length + 1)
-    window = self._tokens[start:start + self._length].astype(np.int32)
+    raw = self._tokens[start:start + self._length]
+    # Checked before the int32 cast, which would turn uint32 ids of 2^31 and up negative.
+    if self._vocab is not None and raw.max() >= self._vocab:
+      raise DataError(f"token id {raw.max():,} at position {start + raw.argmax():,} of the "
+                      f"split is outside the model's vocabulary ({self._vocab:,}); the data "
+                      "was made with another tokenizer or dtype (data.dtype), or is damaged")
+    window = raw.astype(np.int32)
     self._reads += 1  # (prefetch threads race on it: a missed count only delays a release)
     if self._mmap is not None and self._reads % _RELEASE_EVERY == 0:
       with contextlib.suppress(OSError, ValueError):
         self._mmap.madvise(mmap.MADV_DONTNEED)
-    if self._vocab is not None and window.max() >= self._vocab:
-      raise DataError(f"token id {window.max():,} at position {start + window.argmax():,} of "
-                      f"the corpus is outside the model's vocabulary ({self._vocab:,}); the "
-                      "data was made with another tokenizer, or is damaged")
     return window
 
 

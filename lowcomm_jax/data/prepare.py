@@ -25,6 +25,7 @@ import os
 import pathlib
 import sys
 import time
+import zlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -72,7 +73,8 @@ def read_pieces(files: list[pathlib.Path], text_field: str) -> Iterator[Piece]:
     raw = open(path, "rb")
     with raw:
       stream = gzip.open(raw, "rb") if path.suffix == ".gz" else raw
-      text = io.TextIOWrapper(stream, encoding="utf-8")
+      # newline="": CR and CRLF stay as they are (a text run reads the bytes as they are).
+      text = io.TextIOWrapper(stream, encoding="utf-8", newline="")
       try:
         if _is_jsonl(path):
           yield from _jsonl_pieces(text, path, text_field, raw, done)
@@ -80,20 +82,25 @@ def read_pieces(files: list[pathlib.Path], text_field: str) -> Iterator[Piece]:
           yield from _text_pieces(text, raw, done)
       except UnicodeDecodeError as e:
         raise DataError(f"{path} is not UTF-8 text ({e}); convert it first") from e
-      except (OSError, EOFError) as e:  # gzip's errors for damaged or truncated files
+      except (OSError, EOFError, zlib.error) as e:  # damaged or truncated gzip files
         raise DataError(f"{path} cannot be read ({type(e).__name__}: {e})") from e
     done += path.stat().st_size
 
 
 def _text_pieces(text, raw, done: int) -> Iterator[Piece]:
-  """A text file is one document, cut at line ends into pieces."""
+  """A text file is one document, cut into pieces between "x\n" and a line that starts with
+  a non-space character: a lone newline between two non-spaces is a token of its own for
+  GPT-2's pre-tokenizer (and bytes are bytes), so the pieces tokenize as the whole file
+  would. (Runs of whitespace at a cut would not: "\n\n" at a piece's end is one token,
+  inside the text two.) A Hugging Face pre-tokenizer may differ; decoding round-trips."""
   buffer, size = [], 0
   for line in text:
-    buffer.append(line)
-    size += len(line)
-    if size >= PIECE_BYTES:
+    if (size >= PIECE_BYTES and line[:1].strip() and buffer
+        and buffer[-1].endswith("\n") and buffer[-1][-2:-1].strip()):
       yield Piece(["".join(buffer)], False, done + raw.tell())
       buffer, size = [], 0
+    buffer.append(line)
+    size += len(line)  # characters: a piece's size need not be exact
   yield Piece(["".join(buffer)], True, done + raw.tell())
 
 
@@ -136,6 +143,7 @@ def _tokenize(piece: Piece) -> tuple[np.ndarray, int]:
 
 class Progress:
   """One status line on stderr: input read, tokens, rate, ETA."""
+  line_open = False  # a status line without its newline is on stderr (an error starts anew)
 
   def __init__(self, total_bytes: int, label: str):
     self.total, self.label, self.t0, self.shown = max(total_bytes, 1), label, time.time(), 0.0
@@ -151,6 +159,7 @@ class Progress:
             f"({100 * done / self.total:.0f}%), {tokens:,} tokens, {rate / 1e6:.2f} MB/s, "
             f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
     print(line, end="\n" if final else "", file=sys.stderr, flush=True)
+    Progress.line_open = not final
 
 
 def _write_tokens(files, args, out: pathlib.Path, dtype, label: str) -> tuple[int, int]:
@@ -187,8 +196,8 @@ def _split_tail(train: pathlib.Path, val: pathlib.Path, dtype, fraction: float) 
   """Moves the last `fraction` of `train`'s tokens into `val`; returns how many."""
   item = np.dtype(dtype).itemsize
   total = train.stat().st_size // item
-  n_val = int(total * fraction)
-  keep = total - n_val
+  keep = int(total * (1.0 - fraction))  # pipeline.split_train_val's formula
+  n_val = total - keep
   with open(train, "rb") as src, open(val, "wb") as dst:
     src.seek(keep * item)
     while chunk := src.read(64 << 20):
@@ -196,11 +205,21 @@ def _split_tail(train: pathlib.Path, val: pathlib.Path, dtype, fraction: float) 
     dst.flush()
     os.fsync(dst.fileno())
   os.truncate(train, keep * item)
+  _fsync(train)
   return n_val
 
 
+def _fsync(path: pathlib.Path) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
 def _sources(files: list[pathlib.Path]) -> list[dict]:
-  return [{"path": str(f.resolve()), "bytes": f.stat().st_size} for f in files]
+  return [{"path": str(f.resolve()), "bytes": f.stat().st_size,
+           "mtime_ns": f.stat().st_mtime_ns} for f in files]
 
 
 def prepare(args) -> dict:
@@ -215,10 +234,16 @@ def prepare(args) -> dict:
   dtype = np.uint32 if tokenizer.vocab_size > 65535 else np.uint16
   wanted = {"tokenizer": tokenizer_id(args.tokenizer), "sources": _sources(files),
             "val_sources": _sources(val_files),
-            "val_fraction": 0.0 if val_files else args.val_fraction}
+            "val_fraction": 0.0 if val_files else args.val_fraction,
+            "text_field": args.text_field}
   meta_path = out / META
   if meta_path.is_file():
-    have = json.loads(meta_path.read_text())
+    try:
+      have = json.loads(meta_path.read_text())
+      have["tokens"]["train"]
+    except (ValueError, KeyError, TypeError) as e:
+      raise DataError(f"{meta_path} is damaged ({type(e).__name__}: {e}); choose another "
+                      "--out, or move that folder aside and prepare again") from e
     if all(have.get(k) == v for k, v in wanted.items()):
       print(f"{out} already holds this corpus ({have['tokens']['train']:,} train tokens); "
             "nothing to do", file=sys.stderr)
@@ -243,9 +268,11 @@ def prepare(args) -> dict:
           "eot": int(tokenizer.eot), "max_token": top,
           "tokens": {"train": n_train, "val": n_val}, "seconds": round(time.time() - t0, 3)}
   partial[META].write_text(json.dumps(meta, indent=2) + "\n")
+  _fsync(partial[META])
   os.replace(partial["train.bin"], out / "train.bin")
   os.replace(partial["val.bin"], out / "val.bin")
   os.replace(partial[META], meta_path)  # last: only now does the folder look complete
+  _fsync(out)  # the renames themselves
   print(f"wrote {out}: {n_train:,} train + {n_val:,} val tokens ({meta['dtype']}) in "
         f"{meta['seconds']:.1f} s", file=sys.stderr)
   return meta
@@ -282,7 +309,7 @@ def main(argv=None) -> None:
   try:
     prepare(args)
   except (DataError, ValueError) as e:  # ValueError: an unknown tokenizer name
-    print(f"error: {e}", file=sys.stderr)
+    print(f"{chr(10) if Progress.line_open else ''}error: {e}", file=sys.stderr)
     sys.exit(2)
 
 

@@ -3,6 +3,7 @@ token files read from disk (token_files.py). Either way: train and val token arr
 vocabulary the model must cover, and the check that it does."""
 
 import dataclasses
+import pathlib
 
 import ml_collections
 import numpy as np
@@ -28,15 +29,22 @@ class Corpus:
     if top >= model_vocab:
       raise DataError(f"{where} holds token id {top:,} but the model's vocabulary has "
                       f"{model_vocab:,} entries (model.vocab_size); set data.tokenizer to "
-                      "the tokenizer the data was made with, or a larger model.vocab_size")
+                      "the tokenizer the data was made with (and data.dtype to its width), "
+                      "or a larger model.vocab_size")
 
 
 def open_corpus(d: ml_collections.ConfigDict, *, window: int) -> Corpus:
   """The corpus `d` (config.data) names, split into train and val, each longer than
   `window` tokens."""
+  if d.path and not pathlib.Path(d.path).expanduser().exists():
+    raise DataError(f"data.path={d.path!r}: no such file or folder; point it at a text "
+                    "corpus, a .bin token file or a folder written by python -m "
+                    "lowcomm_jax.data.prepare (or leave it empty for TinyShakespeare)")
   if token_files.is_token_path(d.path):
+    wide = get_tokenizer(d.tokenizer).vocab_size > 65535 if not d.dtype else False
     files = token_files.open_token_files(d.path, dtype=d.dtype, val_path=d.val_path,
-                                         val_fraction=d.val_fraction)
+                                         val_fraction=d.val_fraction,
+                                         default_dtype="uint32" if wide else "uint16")
     vocab = _tokenizer_vocab(d.tokenizer, files)
     corpus = Corpus(files.train, files.val, vocab, files)
   else:

@@ -95,15 +95,17 @@ def _read_meta(folder: pathlib.Path) -> dict | None:
   except (ValueError, KeyError, TypeError) as e:
     raise DataError(f"{path} is damaged ({type(e).__name__}: {e}); prepare the corpus "
                     "again") from e
-  if meta.get("format") != META_FORMAT:
-    raise DataError(f"{path}: format {meta.get('format')!r}, this version reads "
-                    f"{META_FORMAT!r}; prepare the corpus again")
+  if meta.get("format") != META_FORMAT or meta["dtype"] not in DTYPES:
+    raise DataError(f"{path}: format {meta.get('format')!r}, dtype {meta['dtype']!r}; this "
+                    f"version reads {META_FORMAT!r} with {sorted(DTYPES)}: prepare the corpus "
+                    "again")
   return meta
 
 
-def open_token_files(path: str, *, dtype: str, val_path: str,
-                     val_fraction: float) -> TokenFiles:
-  """The train and val splits of `data.path` (a prepared folder or a .bin file)."""
+def open_token_files(path: str, *, dtype: str, val_path: str, val_fraction: float,
+                     default_dtype: str = "uint16") -> TokenFiles:
+  """The train and val splits of `data.path` (a prepared folder or a .bin file). A bare
+  .bin's dtype is `dtype`, else `default_dtype` (the tokenizer's: uint32 above 65,535)."""
   p = pathlib.Path(path).expanduser()
   if dtype and dtype not in DTYPES:
     raise DataError(f"data.dtype={dtype!r}: use one of {sorted(DTYPES)} ('' : from "
@@ -112,22 +114,39 @@ def open_token_files(path: str, *, dtype: str, val_path: str,
     meta = _read_meta(p)
     if meta is None:  # nanoGPT's train.bin and val.bin
       return open_token_files(str(p / "train.bin"), dtype=dtype,
-                              val_path=val_path or str(p / "val.bin"), val_fraction=val_fraction)
+                              val_path=val_path or str(p / "val.bin"), val_fraction=val_fraction,
+                              default_dtype=default_dtype)
     if dtype and dtype != meta["dtype"]:
       raise DataError(f"data.dtype={dtype!r} contradicts {p / META} ({meta['dtype']!r}); "
                       "leave data.dtype empty to read it from there")
     if val_path:
       raise DataError(f"data.val_path={val_path!r}: a prepared folder holds its own "
                       "val.bin; leave data.val_path empty")
-    return TokenFiles(_memmap(p / "train.bin", meta["dtype"], "data.path"),
-                      _memmap(p / "val.bin", meta["dtype"], "data.path"), meta["dtype"],
-                      meta, str(p))
+    splits = {}
+    for name in ("train", "val"):
+      splits[name] = _memmap(p / f"{name}.bin", meta["dtype"], "data.path")
+      if len(splits[name]) != meta["tokens"][name]:
+        raise DataError(f"{p / (name + '.bin')}: {len(splits[name]):,} tokens, {META} "
+                        f"records {meta['tokens'][name]:,}: the file was cut short or "
+                        "replaced; copy it again or prepare the corpus again")
+    return TokenFiles(splits["train"], splits["val"], meta["dtype"], meta, str(p))
   if not p.exists():
     raise DataError(f"data.path={path!r}: no such file or folder")
-  dtype = dtype or "uint16"
+  dtype = dtype or default_dtype
   tokens = _memmap(p, dtype, "data.path")
+  _refuse_wider(tokens, p, dtype)
   if val_path:
     return TokenFiles(tokens, _memmap(pathlib.Path(val_path).expanduser(), dtype,
                                       "data.val_path"), dtype, None, str(p))
   n_train = int(len(tokens) * (1.0 - val_fraction))  # as split_train_val does for text
   return TokenFiles(tokens[:n_train], tokens[n_train:], dtype, None, str(p))
+
+
+def _refuse_wider(tokens: np.ndarray, path: pathlib.Path, dtype: str) -> None:
+  """uint32 ids read as uint16 come out as (id, 0) pairs, all inside any vocabulary: a
+  file whose every second uint16 in its first 64K is 0 (and the others not all 0) is
+  refused rather than trained on as interleaved garbage."""
+  head = np.asarray(tokens[:1 << 16])
+  if dtype == "uint16" and len(head) >= 64 and not head[1::2].any() and head[0::2].any():
+    raise DataError(f"{path} looks like uint32 tokens (every second uint16 is 0); set "
+                    "--config.data.dtype=uint32")

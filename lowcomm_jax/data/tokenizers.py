@@ -72,14 +72,15 @@ class HuggingFaceTokenizer:
     except Exception as e:  # the library raises plain Exception for bad files
       raise DataError(f"{file} is not a readable tokenizer.json ({e})") from e
     self.name = tokenizer_id(path)
-    self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+    # Added tokens may leave gaps: the vocabulary must cover the largest id.
+    self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True),
+                          max(self._tok.get_vocab(with_added_tokens=True).values()) + 1)
     special = [t for t in ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
                if self._tok.token_to_id(t) is not None]
     self.eot = self._tok.token_to_id(special[0]) if special else None
 
   def encode(self, text: str) -> np.ndarray:
-    ids = self._tok.encode(text, add_special_tokens=False).ids
-    return np.asarray(ids, dtype=np.uint32 if self.vocab_size > 65536 else np.uint16)
+    return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.uint32)
 
   def decode(self, tokens) -> str:
     return self._tok.decode([int(t) for t in tokens], skip_special_tokens=False)

@@ -52,7 +52,8 @@ def test_prepare_then_decode_round_trips_documents_and_separators(tmp_path):
   tok = get_tokenizer("gpt2")
   eot = "<|endoftext|>"
   assert tok.decode(np.concatenate([train_ids, val_ids])) == eot.join(docs + [text]) + eot
-  assert len(val_ids) == int(0.2 * (len(train_ids) + len(val_ids)))  # the stream's tail
+  total = len(train_ids) + len(val_ids)
+  assert len(train_ids) == int(total * 0.8)  # the stream's tail validates, as for text
   assert meta["max_token"] == int(np.concatenate([train_ids, val_ids]).max())
   # A rerun with the same inputs keeps what is there; other inputs are refused.
   before = (out / "train.bin").stat().st_mtime_ns
@@ -60,7 +61,30 @@ def test_prepare_then_decode_round_trips_documents_and_separators(tmp_path):
            "--out", out, "--text_field", "body", "--val_fraction", "0.2")
   assert (out / "train.bin").stat().st_mtime_ns == before
   with pytest.raises(DataError, match="already holds a prepared corpus of other inputs"):
-    _prepare("--input", tmp_path / "c.txt", "--tokenizer", "gpt2", "--out", out)
+    _prepare("--input", tmp_path / "c.txt", "--tokenizer", "gpt2", "--out", out,
+             "--text_field", "body", "--val_fraction", "0.2")  # only the inputs differ
+
+
+def test_pieces_cut_where_the_whole_text_would_split_its_tokens(tmp_path, monkeypatch):
+  """Text files are cut into pieces for the tokenizing processes; GPT-2 BPE of the pieces
+  equals BPE of the whole file (cuts fall before lines that start with a non-space)."""
+  monkeypatch.setattr(prepare_lib, "PIECE_BYTES", 200)
+  text = SHAKESPEARE.read_text()[:30_000] + "end.\n\n\n  indented\r\nCRLF\r\n"
+  (tmp_path / "t.txt").write_bytes(text.encode())
+  _prepare("--input", tmp_path / "t.txt", "--tokenizer", "gpt2", "--out", tmp_path / "p",
+           "--val_fraction", "0.1")
+  ids = np.concatenate([np.fromfile(tmp_path / "p" / f, np.uint16)
+                        for f in ("train.bin", "val.bin")])
+  whole = get_tokenizer("gpt2").encode(text)
+  np.testing.assert_array_equal(ids, np.append(whole, 50256))
+
+
+def test_a_bad_input_line_is_an_error_with_several_processes(tmp_path):
+  (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+  with pytest.raises(DataError, match=r"a.jsonl:2: no text field 'text'"):
+    _prepare("--input", tmp_path / "a.jsonl", "--tokenizer", "byte", "--out",
+             tmp_path / "p", "--workers", "2")
+  assert not (tmp_path / "p" / "meta.json").exists()
 
 
 def test_a_file_from_a_numpy_writer_in_nanogpts_format_is_read(tmp_path):
@@ -167,6 +191,32 @@ def test_a_prepared_folder_refuses_another_tokenizer_dtype_or_no_meta(tmp_path):
   assert len(open_corpus(_data(tmp_path / "p").data, window=33).train) == len(corpus.train)
 
 
+def test_ids_past_the_start_up_scan_are_caught_by_the_windows(tmp_path, monkeypatch):
+  from lowcomm_jax.data import token_files
+  monkeypatch.setattr(token_files, "SCAN_TOKENS", 8)
+  ids = np.full(5000, 999, np.uint16)
+  ids[:8] = 7  # all the scan sees
+  ids.tofile(tmp_path / "t.bin")
+  np.full(500, 7, np.uint16).tofile(tmp_path / "v.bin")
+  r = train.build(_data(tmp_path / "t.bin", val_path=str(tmp_path / "v.bin")))
+  with pytest.raises(DataError, match="token id 999 at position .* outside the model's "
+                     "vocabulary \\(256\\)"):
+    r.data.streams[0].next_round(1)
+
+
+def test_uint32_tokens_read_as_uint16_and_a_cut_file_are_refused(tmp_path):
+  (np.arange(5000) % 200).astype(np.uint32).tofile(tmp_path / "wide.bin")
+  with pytest.raises(DataError, match="looks like uint32 tokens.*data.dtype=uint32"):
+    train.build(_data(tmp_path / "wide.bin"))
+  src = tmp_path / "s.txt"
+  src.write_text(SHAKESPEARE.read_text()[:20_000])
+  _prepare("--input", src, "--tokenizer", "byte", "--out", tmp_path / "p")
+  with open(tmp_path / "p" / "train.bin", "r+b") as f:
+    f.truncate(f.seek(0, 2) - 2)
+  with pytest.raises(DataError, match="train.bin: 19,.* tokens, meta.json records"):
+    train.build(_data(tmp_path / "p"))
+
+
 def test_a_bad_data_path_exits_2_and_writes_nothing(tmp_path):
   bad = tmp_path / "odd.bin"
   bad.write_bytes(b"\x00" * 3)
@@ -181,7 +231,7 @@ def test_a_bad_data_path_exits_2_and_writes_nothing(tmp_path):
 
 def test_an_interrupted_prepare_leaves_nothing_that_looks_complete(tmp_path):
   big = tmp_path / "big.txt"
-  big.write_text(SHAKESPEARE.read_text() * 6)  # ~6.7 MB: seconds of BPE
+  big.write_text(SHAKESPEARE.read_text() * 20)  # ~22 MB: a few seconds of BPE
   out = tmp_path / "out"
   argv = [sys.executable, "-m", "lowcomm_jax.data.prepare", f"--input={big}",
           "--tokenizer=gpt2", f"--out={out}"]
