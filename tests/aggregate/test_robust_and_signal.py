@@ -1,0 +1,96 @@
+"""Robust rules (aggregate/robust.py) against NumPy and hand computations, and signal weights
+(aggregate/signal.py) from hand-computed signals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lowcomm_jax.aggregate import robust, signal
+
+RNG = np.random.default_rng(0)
+U = {"a": RNG.normal(size=(5, 3, 4)).astype(np.float32),
+     "b": RNG.normal(size=(5, 7)).astype(np.float32)}  # 5 workers
+
+
+def test_median_and_trimmed_mean_match_numpy():
+  med = robust.median(U)
+  trimmed = robust.trimmed_mean(U, 1)
+  for k, x in U.items():
+    np.testing.assert_allclose(med[k], np.median(x, axis=0), rtol=1e-6)
+    np.testing.assert_allclose(trimmed[k], np.sort(x, axis=0)[1:4].mean(axis=0), rtol=1e-6)
+  with pytest.raises(ValueError, match="trim=3 per side leaves nothing of 5"):
+    robust.trimmed_mean(U, 3)
+
+
+def test_weighted_mean_with_uniform_weights_is_the_mean():
+  out = robust.weighted_mean(U, jnp.full((5,), 0.2))
+  for k, x in U.items():
+    np.testing.assert_allclose(out[k], x.mean(axis=0), rtol=1e-6)
+
+
+def test_centered_clip_by_hand():
+  # Three workers in 2-D, centre 0, τ = 1: (3, 4) is 5 away -> clipped to (0.6, 0.8);
+  # (0.3, 0) and (0, -0.5) are inside. v1 = (0.6 + 0.3 + 0, 0.8 + 0 - 0.5) / 3.
+  u = {"x": jnp.asarray([[3.0, 4.0], [0.3, 0.0], [0.0, -0.5]])}
+  v, tau = robust.centered_clip(u, {"x": jnp.zeros(2)}, jnp.full((3,), 1 / 3), iters=1,
+                                tau=1.0)
+  np.testing.assert_allclose(v["x"], [0.9 / 3, 0.3 / 3], rtol=1e-6)
+  # Default τ: the median distance from the centre (0.5 here); a second iteration moves
+  # from v1: by hand with NumPy.
+  v2, tau = robust.centered_clip(u, {"x": jnp.zeros(2)}, jnp.full((3,), 1 / 3), iters=2)
+  assert float(tau) == pytest.approx(0.5)
+  x, c = np.asarray(u["x"]), np.zeros(2)
+  for _ in range(2):
+    d = x - c
+    c = c + (d * np.minimum(1, 0.5 / np.linalg.norm(d, axis=1))[:, None]).mean(axis=0)
+  np.testing.assert_allclose(v2["x"], c, rtol=1e-5)
+  # An attacker 100x away moves the clipped centre by at most τ / W per iteration.
+  u["x"] = u["x"].at[0].set(jnp.asarray([300.0, 400.0]))
+  v3, _ = robust.centered_clip(u, {"x": jnp.zeros(2)}, jnp.full((3,), 1 / 3), iters=1,
+                               tau=1.0)
+  np.testing.assert_allclose(v3["x"], [0.9 / 3, 0.3 / 3], rtol=1e-6)
+
+
+def test_buckets_average_shuffled_groups():
+  key = jax.random.key(3)
+  means, weights = robust.buckets(U, jnp.full((5,), 0.2), key, bucket=2)
+  order = np.asarray(jax.random.permutation(key, 5))
+  for k, x in U.items():
+    expect = [x[order[0:2]].mean(0), x[order[2:4]].mean(0), x[order[4:5]].mean(0)]
+    np.testing.assert_allclose(means[k], np.stack(expect), rtol=1e-6)
+  np.testing.assert_allclose(weights, [0.4, 0.4, 0.2], rtol=1e-6)
+
+
+def test_signal_weights_by_hand():
+  s = signal.init(2)
+  s = signal.observe(s, losses=jnp.asarray([2.0, 4.0]), norms=jnp.asarray([1.0, 1.0]),
+                     cosines=jnp.asarray([0.5, -0.5]), ema=0.9)
+  np.testing.assert_allclose(s.loss, [2.0, 4.0])  # the first round sets the EMAs
+  s = signal.observe(s, losses=jnp.asarray([1.0, 4.0]), norms=jnp.asarray([3.0, 1.0]),
+                     cosines=jnp.asarray([0.5, -0.5]), ema=0.9)
+  np.testing.assert_allclose(s.loss, [1.9, 4.0], rtol=1e-6)
+  # Norm EMAs: worker 0 mean 1.2, mean square 1.8 -> std sqrt(0.36) = 0.6 -> 1.2/0.6 = 2;
+  # worker 1 always 1: std 0 -> very stable (clamped std 1e-6 * mean).
+  stab = signal.signal_of(s, "grad_norm_stability")
+  assert float(stab[0]) == pytest.approx(2.0, rel=1e-5) and float(stab[1]) > 1e5
+  # loss_ema: signal (-1.9, -4.0) standardizes to (+1, -1); softmax(z / T) with T = 1;
+  # floor 0.2 over 2 workers; no smoothing.
+  w = signal.weights_from(signal.signal_of(s, "loss_ema"), s.weights, temperature=1.0,
+                          floor=0.2, weight_ema=0.0, warm=jnp.asarray(True))
+  p = np.exp([1.0, -1.0]) / np.exp([1.0, -1.0]).sum()
+  np.testing.assert_allclose(w, 0.8 * p + 0.1, rtol=1e-6)
+  assert float(w.min()) >= 0.1 and float(w.sum()) == pytest.approx(1.0)
+  # Smoothing from uniform, and uniform during warm-up.
+  smooth = signal.weights_from(signal.signal_of(s, "loss_ema"), s.weights, temperature=1.0,
+                               floor=0.2, weight_ema=0.5, warm=jnp.asarray(True))
+  np.testing.assert_allclose(smooth, 0.5 * 0.5 + 0.5 * (0.8 * p + 0.1), rtol=1e-6)
+  cold = signal.weights_from(signal.signal_of(s, "loss_ema"), s.weights, temperature=1.0,
+                             floor=0.2, weight_ema=0.0, warm=jnp.asarray(False))
+  np.testing.assert_allclose(cold, [0.5, 0.5])
+  # Equal signals give uniform weights; effective workers 1/Σw².
+  flat = signal.weights_from(jnp.asarray([3.0, 3.0, 3.0]), jnp.full((3,), 1 / 3),
+                             temperature=0.5, floor=0.0, weight_ema=0.0, warm=jnp.asarray(True))
+  np.testing.assert_allclose(flat, [1 / 3] * 3, rtol=1e-6)
+  assert float(signal.effective_workers(flat)) == pytest.approx(3.0)
+  assert float(signal.effective_workers(jnp.asarray([1.0, 0.0]))) == pytest.approx(1.0)
