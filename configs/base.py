@@ -87,6 +87,18 @@ def get_config() -> ml_collections.ConfigDict:
   # --- aggregation of pseudo-gradients --------------------------------------------------
   c.aggregate = ml_collections.ConfigDict()
   c.aggregate.weighting = "uniform"  # 'uniform' | 'tokens' (weight workers by tokens processed)
+  c.aggregate.rule = "mean"  # 'mean' | 'median' | 'trimmed_mean' | 'centered_clip' (robust)
+  c.aggregate.signal = "none"  # per-worker weights from: 'none' | 'loss_ema'
+  # | 'grad_norm_stability' | 'cosine' (lowcomm_jax/aggregate/signal.py)
+  c.aggregate.trim = 1  # trimmed_mean: values dropped per side per coordinate (workers)
+  c.aggregate.clip_iters = 1  # centered_clip: clipping iterations from the previous aggregate
+  c.aggregate.clip_tau = 0.0  # centered_clip: clipping radius; 0: the median distance
+  c.aggregate.bucket = 0  # > 1: average shuffled buckets of this many workers before the rule
+  c.aggregate.temperature = 1.0  # softmax temperature over the standardized signal
+  c.aggregate.floor = 0.2  # no worker's weight below floor / num_workers
+  c.aggregate.weight_ema = 0.5  # smoothing of the weights from round to round
+  c.aggregate.warmup_rounds = 2  # uniform weights while the signals accumulate
+  c.aggregate.signal_ema = 0.9  # EMA decay of each worker's signals
 
   # --- compression of what crosses the network (lowcomm_jax/compress/) ------------------
   # diloco: compresses each round's pseudo-gradients; ddp: every step's gradients ('demo'

@@ -259,6 +259,8 @@ def build(config: ml_collections.ConfigDict) -> Run:
   # Each fragment has its own aggregator (a codec's error buffers) and outer rule state.
   aggregators = [optimizers.aggregator(c, layout.fragment(p), nested=nested) for p in fragments]
   rules = [algorithm.outer_rule(c, inner_txs[0], layout.fragment(p)) for p in fragments]
+  if optimizers.robust_combination(c):  # the all-gathered Δ are combined before the rule
+    rules = [optimizers.robust_rule(c, rule) for rule in rules]
   segments = algorithm.segments(c, c.inner_steps)
   syncs = [steps.make_sync(aggregators[s.sync], rules[s.sync], nested=nested,
                            weigh_tokens=c.aggregate.weighting == "tokens", layout=layout,

@@ -123,6 +123,7 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   # Host table (one row per process; lowcomm_jax/hosts.py).
   check(c.aggregate.weighting in ("uniform", "tokens"), "aggregate.weighting",
         "use 'uniform' or 'tokens'")
+  _check_robust(c, check)
   check(c.keep_checkpoints >= 2, "keep_checkpoints",
         "keep at least 2: a crash mid-save must leave an older complete checkpoint")
   rows = list(c.hosts)
@@ -207,6 +208,36 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
 
   if problems:
     raise ConfigError(problems)
+
+
+def _check_robust(c: ml_collections.ConfigDict, check) -> None:
+  """aggregate.rule / aggregate.signal and their fields (aggregate/robust.py, signal.py)."""
+  from lowcomm_jax.aggregate import RULES, SIGNALS
+  a = c.aggregate
+  check(a.rule in RULES, "aggregate.rule", f"use one of {list(RULES)}")
+  check(a.signal in SIGNALS, "aggregate.signal", f"use one of {list(SIGNALS)}")
+  check(a.clip_iters >= 1, "aggregate.clip_iters", "must be >= 1")
+  check(a.clip_tau >= 0, "aggregate.clip_tau", "must be >= 0 (0: the median distance)")
+  check(a.bucket >= 0, "aggregate.bucket", "must be >= 0 (0 or 1: no buckets)")
+  check(a.temperature > 0, "aggregate.temperature", "must be > 0")
+  check(0.0 <= a.floor <= 1.0, "aggregate.floor", "must be in [0, 1]")
+  check(0.0 <= a.weight_ema < 1.0, "aggregate.weight_ema", "must be in [0, 1)")
+  check(a.warmup_rounds >= 0, "aggregate.warmup_rounds", "must be >= 0")
+  check(0.0 <= a.signal_ema < 1.0, "aggregate.signal_ema", "must be in [0, 1)")
+  groups = -(-c.num_workers // a.bucket) if a.bucket > 1 else c.num_workers
+  if a.rule == "trimmed_mean":
+    check(a.trim >= 0 and 2 * a.trim < groups, "aggregate.trim",
+          f"must be >= 0 and leave a value: 2·trim < {groups} (workers, or buckets)")
+  if a.rule == "mean" and a.signal == "none" and a.bucket <= 1:
+    return  # the plain mean: nothing below applies
+  check(c.compress.codec == "none", "aggregate.rule",
+        "robust rules and signal weights combine uncompressed updates; use compress.codec=none")
+  check(a.weighting == "uniform" and all(float(h.tier) >= 1.0 for h in c.hosts),
+        "aggregate.rule", "robust rules and signal weights need full-width workers of equal "
+        "weight (no MatFormer tiers, aggregate.weighting=uniform)")
+  check(c.algorithm not in ("eager", "async", "async_dn", "halos"), "aggregate.rule",
+        f"{c.algorithm} combines contributions its own way (eager: equal weights; "
+        "asynchronous: one at a time); use ddp or a synchronous DiLoCo variant")
 
 
 def _check_compress(c: ml_collections.ConfigDict, check) -> None:

@@ -54,17 +54,41 @@ def needs_nested_mean(config: ml_collections.ConfigDict, hosts, d_ff: int) -> bo
   return config.aggregate.weighting == "tokens" or any(h.hidden != d_ff for h in hosts)
 
 
+def robust_combination(config: ml_collections.ConfigDict) -> bool:
+  """Whether the sync combines all-gathered updates by a robust rule or signal weights
+  (aggregate/robust.py) instead of the plain mean's all-reduce."""
+  a = config.aggregate
+  return a.rule != "mean" or a.signal != "none" or a.bucket > 1
+
+
+def robust_rule(config: ml_collections.ConfigDict, rule: optax.GradientTransformation
+                ) -> optax.GradientTransformationExtraArgs:
+  """The outer `rule` after the robust combination of the all-gathered updates. The
+  combination's state (previous aggregate, signal EMAs, weights) is the same on every
+  worker, so it lives with the outer rule's, once per fragment, and is checkpointed there.
+  Works on the flat Δ: norms and coordinates are the tree's."""
+  a = config.aggregate
+  return aggregate.combine_then(aggregate.robust_combine(
+      rule=a.rule, signal=a.signal, num_workers=config.num_workers, trim=a.trim,
+      clip_iters=a.clip_iters, clip_tau=a.clip_tau, bucket=a.bucket,
+      temperature=a.temperature, floor=a.floor, weight_ema=a.weight_ema,
+      warmup_rounds=a.warmup_rounds, signal_ema=a.signal_ema, seed=config.seed), rule)
+
+
 def aggregator(config: ml_collections.ConfigDict, layout: ParamLayout, *, nested: bool = False
                ) -> optax.GradientTransformationExtraArgs:
   """How the workers' Δ of one fragment (flat, `layout` is the fragment's) become one update:
   the sync's only communication.
 
-  With a codec (`compress.codec`) it is the compressed mean (encode, all-gather payloads,
-  decode); else `nested` picks the tier-aware weighted mean (aggregate/nested.py) over the
+  A robust rule or signal weights (`aggregate.rule`, `aggregate.signal`) all-gather the
+  updates, which `robust_rule` combines. With a codec (`compress.codec`) it is the
+  compressed mean (encode, all-gather payloads, decode); else `nested` picks the tier-aware weighted mean (aggregate/nested.py) over the
   plain one (the compressed mean takes the same tier weights). The plain mean runs on the
   flat buffer as is; codecs (per tensor) and the nested mean (tier masks per FFN leaf) see
   the tree. What follows it, the outer rule, is the algorithm's (algorithms/).
   """
+  if robust_combination(config):
+    return aggregate.gather_all("replica")  # combined in the outer rule: `robust_rule`
   codec = compress.make_codec(config.compress, lr=config.optimizer.lr)
   if codec is not None:
     return tree_view(aggregate.compressed_mean(codec, "replica", seed=config.seed), layout)

@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lowcomm_jax.aggregate.robust import CombinedState
+from lowcomm_jax.aggregate.signal import effective_workers
 from lowcomm_jax.algorithms import Segment
 from lowcomm_jax.model.matformer import pad_tier, slice_tier, tier_mask, unslice_tier
 from lowcomm_jax.parallel.flat import ParamLayout
@@ -208,15 +210,19 @@ def make_sync(aggregator: optax.GradientTransformationExtraArgs,
   def coordinate_weights(hidden, weight):
     return jax.tree.map(lambda m: m * weight, tier_mask(part.abstract, hidden))
 
+  rule = optax.with_extra_args_support(rule)
+
   def worker(params, agg_state, rule_state, delta, hidden, weight, all_weights, totals,
-             round_index):
+             round_index, losses_R):
     extra = {"round_index": round_index}
     if nested:
       # Own weights (nested mean) and everyone's (compressed mean weighs after decoding).
       extra.update(coordinate_weights=coordinate_weights(hidden, weight),
                    sender_weights=all_weights, weight_totals=totals)
     mean, agg_state = aggregator.update(delta, agg_state, params, **extra)
-    updates, rule_state = rule.update(mean, rule_state, params)
+    # Every worker's train loss: a robust combination's signals read it (rules ignore it).
+    updates, rule_state = rule.update(mean, rule_state, params, worker_losses=losses_R,
+                                      round_index=round_index)
     return optax.apply_updates(params, updates), agg_state, rule_state
 
   def sync(state: TrainState, deltas_R, signals: Signals, metrics: bool = True):
@@ -228,10 +234,11 @@ def make_sync(aggregator: optax.GradientTransformationExtraArgs,
     params = layout.fragment_slice(state.params, fragment)
     outer = state.outer
     new_part, agg_state, rule_state = jax.vmap(
-        worker, in_axes=(None, 0, None, 0, 0, 0, None, None, None),
+        worker, in_axes=(None, 0, None, 0, 0, 0, None, None, None, None),
         out_axes=(None, 0, None), axis_name=axis_name, spmd_axis_name=axis_name)(
             params, outer.per_worker[fragment], outer.per_fragment[fragment], deltas_R,
-            signals.hidden, weight_R, all_weights, totals, state.round * count + fragment)
+            signals.hidden, weight_R, all_weights, totals, state.round * count + fragment,
+            signals.loss)
     new_params = layout.fragment_update(state.params, new_part, fragment)
     outer = OuterState(_replace(outer.per_worker, fragment, agg_state),
                        _replace(outer.per_fragment, fragment, rule_state))
@@ -246,6 +253,9 @@ def make_sync(aggregator: optax.GradientTransformationExtraArgs,
       per_worker = jnp.where(jnp.eye(losses_R.shape[0], dtype=bool), losses_R[:, None],
                              0).sum(0)
       out.update(train_loss=per_worker.mean(), train_loss_per_worker=per_worker)
+      if isinstance(rule_state, CombinedState):  # a robust combination's weights
+        weights = rule_state.combine.signals.weights
+        out.update(worker_weights=weights, effective_workers=effective_workers(weights))
     round_ = state.round + 1 if last else state.round
     return TrainState(round_, state.rng, new_params, outer), out
 

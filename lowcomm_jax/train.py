@@ -316,4 +316,14 @@ def _summary(r: Run, sched: _Schedule, sync_bytes, eval_loss, scalars, wall: flo
       **r.tp_counts(),
       "workers": workers,
       "tiers": {str(t): b for t, b in r.model.tier_bytes.items()},
+      **_combination(c, scalars),
   }
+
+
+def _combination(c, scalars) -> dict:
+  """A robust combination's last per-worker weights and effective number of workers."""
+  if not scalars or "effective_workers" not in scalars:
+    return {}
+  return {"aggregate_rule": c.aggregate.rule, "aggregate_signal": c.aggregate.signal,
+          "worker_weights": [float(w) for w in np.asarray(scalars["worker_weights"])],
+          "effective_workers": float(scalars["effective_workers"])}

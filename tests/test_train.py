@@ -160,5 +160,5 @@ def test_cli_reports_bad_config_and_missing_corpus_without_a_traceback(tmp_path)
   proc = _main("--config=configs/smoke.py", f"--workdir={tmp_path}",
                f"--config.data.path={tmp_path}/missing.txt")
   assert proc.returncode == 2
-  assert "is not a file" in proc.stderr and "Traceback" not in proc.stderr
+  assert "no such file or folder" in proc.stderr and "Traceback" not in proc.stderr
   assert not (tmp_path / "checkpoints").exists()  # failed before any work

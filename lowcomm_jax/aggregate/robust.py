@@ -16,8 +16,14 @@ defines them.
 Norms are over the whole update (every leaf), as the papers define them per worker.
 """
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
+import optax
+
+from lowcomm_jax.aggregate import signal as signal_lib
+from lowcomm_jax.parallel import collectives
 
 
 def _norms(tree_WxN) -> jax.Array:
@@ -70,3 +76,100 @@ def buckets(tree_WxN, weights_W, key, bucket: int):
 
   means = jax.tree.map(lambda x: jnp.stack([mean_of(x, g) for g in groups]), tree_WxN)
   return means, jnp.stack([weights_W[g].sum() for g in groups])
+
+
+class RobustState(NamedTuple):
+  center: Any  # the previous aggregate (centered clipping's start; the cosine signal's reference)
+  signals: signal_lib.SignalState
+
+
+RULES = ("mean", "median", "trimmed_mean", "centered_clip")
+
+
+def gather_all(axis_name: str = "replica") -> optax.GradientTransformationExtraArgs:
+  """The sync's communication when a robust rule combines the updates: every worker
+  all-gathers everyone's update ([W, ...]; the ledger counts W − 1 received)."""
+
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
+    return collectives.all_gather(updates, axis_name), state
+
+  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
+
+
+def robust_combine(*, rule: str, signal: str, num_workers: int, trim: int = 1,
+                   clip_iters: int = 1, clip_tau: float = 0.0, bucket: int = 0,
+                   temperature: float = 1.0, floor: float = 0.2, weight_ema: float = 0.5,
+                   warmup_rounds: int = 2, signal_ema: float = 0.9, seed: int = 0
+                   ) -> optax.GradientTransformationExtraArgs:
+  """Updates stacked over workers ([W, ...], from `gather_all`) combined into one by `rule`
+  with weights from `signal` (module docstring; aggregate/signal.py). Every worker computes
+  the same result from the same state (previous aggregate, signal EMAs, weights). Extra args:
+  `worker_losses` [W] (every worker's train loss), `round_index` (seeds the buckets'
+  shuffle)."""
+  if rule not in RULES:
+    raise ValueError(f"unknown rule {rule!r}; choose one of {RULES}")
+
+  def init_fn(params):
+    return RobustState(jax.tree.map(jnp.zeros_like, params), signal_lib.init(num_workers))
+
+  def update_fn(all_u, state, params=None, *, worker_losses=None, round_index=0,
+                **extra_args):
+    del params, extra_args
+    norms = _norms(all_u)
+    center_norm = _norms(jax.tree.map(lambda c: c[None], state.center))[0]
+    dots = sum(jnp.sum(jnp.reshape(u, (u.shape[0], -1)) * jnp.reshape(c, (1, -1)), axis=1)
+               for u, c in zip(jax.tree.leaves(all_u), jax.tree.leaves(state.center)))
+    cosines = jnp.where(center_norm > 0, dots / jnp.maximum(norms * center_norm, 1e-12), 0.0)
+    losses = (jnp.zeros((num_workers,), jnp.float32) if worker_losses is None
+              else worker_losses.astype(jnp.float32))
+    seen = signal_lib.observe(state.signals, losses=losses, norms=norms, cosines=cosines,
+                              ema=signal_ema)
+    if signal == "none":
+      weights = seen.weights
+    else:
+      weights = signal_lib.weights_from(
+          signal_lib.signal_of(seen, signal), state.signals.weights, temperature=temperature,
+          floor=floor, weight_ema=weight_ema, warm=seen.rounds > warmup_rounds)
+    seen = seen._replace(weights=weights)
+    stacked, w = all_u, weights
+    if bucket > 1:
+      key = jax.random.fold_in(jax.random.key(seed), round_index)
+      stacked, w = buckets(all_u, weights, key, bucket)
+    if rule == "mean":
+      # Uniform weights (no signal, or still warming up) give the plain mean exactly.
+      uniform = jnp.all(w == w[0])
+      out = jax.tree.map(lambda m, x: jnp.where(uniform, jnp.mean(x, axis=0), m),
+                         weighted_mean(stacked, w), stacked)
+    elif rule == "median":
+      out = median(stacked)
+    elif rule == "trimmed_mean":
+      out = trimmed_mean(stacked, trim)
+    else:
+      out, _ = centered_clip(stacked, state.center, w, iters=clip_iters,
+                             tau=clip_tau if clip_tau > 0 else None)
+    return out, RobustState(out, seen)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class CombinedState(NamedTuple):
+  """A fragment's outer state when a robust rule combines the updates before the outer rule."""
+  combine: RobustState
+  rule: Any
+
+
+def combine_then(combine: optax.GradientTransformationExtraArgs,
+                 rule: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  """`combine` (stacked updates -> one) followed by the outer `rule`; extra args go to
+  `combine`."""
+
+  def init_fn(params):
+    return CombinedState(combine.init(params), rule.init(params))
+
+  def update_fn(all_u, state, params=None, **extra_args):
+    one, combine_state = combine.update(all_u, state.combine, params, **extra_args)
+    updates, rule_state = rule.update(one, state.rule, params)
+    return updates, CombinedState(combine_state, rule_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
