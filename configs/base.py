@@ -100,6 +100,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.aggregate.warmup_rounds = 2  # uniform weights while the signals accumulate
   c.aggregate.signal_ema = 0.9  # EMA decay of each worker's signals
 
+  # --- adversarial workers (tests and benchmarks of robust aggregation) ---------------
+  c.attack = ml_collections.ConfigDict()
+  c.attack.workers = ()  # worker ids that send a manipulated update
+  c.attack.kind = "scale"  # 'scale' (x attack.scale) | 'sign_flip' | 'random' (same norm)
+  c.attack.scale = 100.0  # the factor of 'scale'
+
   # --- compression of what crosses the network (lowcomm_jax/compress/) ------------------
   # diloco: compresses each round's pseudo-gradients; ddp: every step's gradients ('demo'
   # there is DisTrO-style training: DeMo momentum + DCT top-k, sign descent).
@@ -174,6 +180,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.batch_mode = "different"  # 'different': a stream per worker | 'same': one shared stream
   c.data.seq_len = 128  # tokens per training window (model input length)
   c.data.batch_size = 16  # sequences per worker per inner step
+  c.data.corrupt_workers = ()  # worker ids whose training data is corrupted (tests, benchmarks)
+  c.data.corruption = "token_swap"  # 'token_swap' (random tokens) | 'shuffle' (within the window)
+  c.data.corruption_prob = 0.3  # token_swap: chance that each token is replaced
   c.data.val_fraction = 0.1  # tail kept for validation (text, or a .bin without val_path)
 
   return c

@@ -262,9 +262,12 @@ def build(config: ml_collections.ConfigDict) -> Run:
   if optimizers.robust_combination(c):  # the all-gathered Δ are combined before the rule
     rules = [optimizers.robust_rule(c, rule) for rule in rules]
   segments = algorithm.segments(c, c.inner_steps)
+  attack = steps.make_attack(tuple(c.attack.workers), c.attack.kind, c.attack.scale,
+                             c.num_workers)
   syncs = [steps.make_sync(aggregators[s.sync], rules[s.sync], nested=nested,
                            weigh_tokens=c.aggregate.weighting == "tokens", layout=layout,
-                           fragment=s.sync, count=len(segments), last=k == len(segments) - 1)
+                           fragment=s.sync, count=len(segments), last=k == len(segments) - 1,
+                           attack=attack)
            for k, s in enumerate(segments)]
   alpha = algorithm.mix(c)
   keeps_params = algorithm.keeps_worker_params(c)
@@ -311,11 +314,14 @@ def build(config: ml_collections.ConfigDict) -> Run:
   model = ModelSpec(cfg=model_cfg, graphdef=graphdef, layout=layout,
                     param_count=count_params(layout.abstract),
                     param_bytes=ledger.tree_bytes(layout.abstract), tier_bytes=tier_bytes)
+  # Workers whose data is corrupted on purpose (robust-aggregation tests and benchmarks).
+  corrupt = {w: (c.data.corruption, c.data.corruption_prob, corpus.vocab_size)
+             for w in c.data.corrupt_workers}
   data = RunData(
       streams=[WorkerStreams(corpus.train, worker_ids=hosts[i].worker_ids,
                              seq_len=c.data.seq_len, batch_size=hosts[i].batch_size,
                              seed=c.seed, batch_mode=c.data.batch_mode,
-                             vocab_size=window_vocab) for i in local_hosts],
+                             vocab_size=window_vocab, corrupt=corrupt) for i in local_hosts],
       eval_windows=eval_windows(corpus.val, seq_len=c.data.seq_len,
                                 batch_size=c.data.batch_size, num_batches=c.eval_batches,
                                 seed=c.seed, vocab_size=window_vocab))

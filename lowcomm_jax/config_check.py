@@ -124,6 +124,7 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   check(c.aggregate.weighting in ("uniform", "tokens"), "aggregate.weighting",
         "use 'uniform' or 'tokens'")
   _check_robust(c, check)
+  _check_adversaries(c, check)
   check(c.keep_checkpoints >= 2, "keep_checkpoints",
         "keep at least 2: a crash mid-save must leave an older complete checkpoint")
   rows = list(c.hosts)
@@ -208,6 +209,28 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
 
   if problems:
     raise ConfigError(problems)
+
+
+def _check_adversaries(c: ml_collections.ConfigDict, check) -> None:
+  """data.corrupt_workers / data.corruption* and attack.* (tests and benchmarks)."""
+  from lowcomm_jax.data.pipeline import CORRUPTIONS
+  ids = range(c.num_workers)
+  bad = list(c.data.corrupt_workers)
+  check(all(isinstance(w, int) and w in ids for w in bad), "data.corrupt_workers",
+        f"give worker ids in [0, {c.num_workers})")
+  if bad:
+    check(c.data.corruption in CORRUPTIONS, "data.corruption", f"use one of {list(CORRUPTIONS)}")
+    check(0.0 <= c.data.corruption_prob <= 1.0, "data.corruption_prob", "must be in [0, 1]")
+    check(c.data.batch_mode == "different", "data.corrupt_workers",
+          "needs a stream per worker: data.batch_mode=different")
+  attackers = list(c.attack.workers)
+  check(all(isinstance(w, int) and w in ids for w in attackers), "attack.workers",
+        f"give worker ids in [0, {c.num_workers})")
+  check(c.attack.kind in ("scale", "sign_flip", "random"), "attack.kind",
+        "use 'scale', 'sign_flip' or 'random'")
+  if attackers:
+    check(c.algorithm not in ("async", "async_dn", "halos"), "attack.workers",
+          "attacks are applied in synchronous syncs; use ddp or a synchronous DiLoCo variant")
 
 
 def _check_robust(c: ml_collections.ConfigDict, check) -> None:

@@ -25,7 +25,8 @@ READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=32)
 
 
 _RELEASE_EVERY = 16  # memmapped windows read between releases of their mapped pages
-_WORKER, _SHARED, _EVAL = 0, 1, 2  # stream kinds, so no two kinds ever share a seed
+_WORKER, _SHARED, _EVAL = 0, 1, 2
+_CORRUPT_SEED = 0x5EED_C0DE  # the corruption's draws differ from the window's  # stream kinds, so no two kinds ever share a seed
 
 
 def stream_seed(seed: int, kind: int, index: int = 0) -> int:
@@ -76,12 +77,37 @@ class _RandomWindow(grain.transforms.RandomMap):
     return window
 
 
+CORRUPTIONS = ("token_swap", "shuffle")
+
+
+class _Corrupt(grain.transforms.RandomMap):
+  """A corrupted worker's windows (tests and benchmarks of robust aggregation):
+  'token_swap' replaces each token by a uniformly random one with probability `prob`;
+  'shuffle' permutes the window's tokens. Drawn from the element's own generator: the same
+  for a seed and position, so a resumed stream is corrupted the same way."""
+
+  def __init__(self, kind: str, prob: float, vocab_size: int):
+    if kind not in CORRUPTIONS:
+      raise ValueError(f"unknown corruption {kind!r}; choose one of {CORRUPTIONS}")
+    self._kind, self._prob, self._vocab = kind, prob, vocab_size
+
+  def random_map(self, window: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    if self._kind == "shuffle":
+      return rng.permutation(window)
+    swap = rng.random(window.shape) < self._prob
+    return np.where(swap, rng.integers(0, self._vocab, window.shape), window).astype(np.int32)
+
+
 def window_dataset(tokens: np.ndarray, *, seq_len: int, batch_size: int, seed: int,
-                   vocab_size: int | None = None) -> grain.MapDataset:
-  """Endless batches [batch_size, seq_len + 1] of random windows."""
-  return (grain.MapDataset.range(_ENDLESS)
-          .random_map(_RandomWindow(tokens, seq_len + 1, vocab_size), seed=seed)
-          .batch(batch_size))
+                   vocab_size: int | None = None,
+                   corruption: tuple[str, float, int] | None = None) -> grain.MapDataset:
+  """Endless batches [batch_size, seq_len + 1] of random windows, each corrupted by
+  `corruption` = (kind, prob, vocabulary) if given."""
+  windows = (grain.MapDataset.range(_ENDLESS)
+             .random_map(_RandomWindow(tokens, seq_len + 1, vocab_size), seed=seed))
+  if corruption is not None:
+    windows = windows.random_map(_Corrupt(*corruption), seed=seed ^ _CORRUPT_SEED)
+  return windows.batch(batch_size)
 
 
 def _iterate(dataset: grain.MapDataset):
@@ -92,16 +118,23 @@ class WorkerStreams:
   """The training batches of a set of workers, a round at a time."""
 
   def __init__(self, train_tokens: np.ndarray, *, worker_ids: Sequence[int], seq_len: int,
-               batch_size: int, seed: int, batch_mode: str, vocab_size: int | None = None):
+               batch_size: int, seed: int, batch_mode: str, vocab_size: int | None = None,
+               corrupt: dict | None = None):
     if batch_mode not in ("same", "different"):
       raise ValueError(f"batch_mode must be 'same' or 'different', got {batch_mode!r}")
     self.worker_ids = list(worker_ids)
     self.batch_mode = batch_mode
     seeds = ([stream_seed(seed, _WORKER, w) for w in self.worker_ids]
              if batch_mode == "different" else [stream_seed(seed, _SHARED)])
+    # `corrupt`: worker id -> (kind, prob, vocabulary) for the workers whose data is bad.
+    corrupt = corrupt or {}
+    if corrupt and batch_mode != "different":
+      raise ValueError("corrupting some workers' data needs batch_mode='different'")
+    owners = self.worker_ids if batch_mode == "different" else [None]
     self._iters = [_iterate(window_dataset(train_tokens, seq_len=seq_len,
                                            batch_size=batch_size, seed=s,
-                                           vocab_size=vocab_size)) for s in seeds]
+                                           vocab_size=vocab_size, corruption=corrupt.get(w)))
+                   for s, w in zip(seeds, owners)]
 
   def next_round(self, inner_steps: int) -> np.ndarray:
     """Batches [workers, inner_steps, batch_size, seq_len + 1] for one round."""

@@ -1,0 +1,81 @@
+"""Corrupted data streams and adversarial updates (data.corrupt_workers, attack.*), the test
+bed of robust aggregation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import load_config, train_rounds
+from lowcomm_jax import config_check
+from lowcomm_jax.data import WorkerStreams
+from lowcomm_jax.steps import make_attack
+
+TOKENS = (np.arange(200_000) * 7 % 251).astype(np.uint16)
+
+
+def _streams(corrupt=None):
+  return WorkerStreams(TOKENS, worker_ids=(0, 1), seq_len=255, batch_size=8, seed=3,
+                       batch_mode="different", corrupt=corrupt)
+
+
+def test_token_swap_corrupts_the_configured_share_of_one_workers_tokens():
+  clean = _streams().next_round(50)
+  bad = _streams({1: ("token_swap", 0.3, 256)})
+  dirty = bad.next_round(50)
+  np.testing.assert_array_equal(dirty[0], clean[0])  # worker 0 untouched
+  changed = float((dirty[1] != clean[1]).mean())
+  # A swap draws the same token again with chance 1/256.
+  assert changed == pytest.approx(0.3 * 255 / 256, abs=0.01)
+  # Deterministic from the stream's position: a restored stream corrupts the same way.
+  state = bad.get_state()
+  again = _streams({1: ("token_swap", 0.3, 256)})
+  again.set_state(state)
+  np.testing.assert_array_equal(again.next_round(3), bad.next_round(3))
+
+
+def test_shuffle_permutes_each_window():
+  clean = _streams().next_round(2)
+  dirty = _streams({0: ("shuffle", 0.0, 256)}).next_round(2)
+  assert not np.array_equal(dirty[0], clean[0])
+  np.testing.assert_array_equal(np.sort(dirty[0], axis=-1), np.sort(clean[0], axis=-1))
+
+
+def test_attacks_replace_only_the_attackers_updates():
+  d = jax.random.normal(jax.random.key(0), (4, 50))
+  key = jax.random.key(1)
+  scaled = make_attack((1,), "scale", 100.0, 4)(d, key)
+  np.testing.assert_allclose(scaled[1], 100 * d[1], rtol=1e-6)
+  np.testing.assert_array_equal(np.delete(np.asarray(scaled), 1, 0), np.delete(np.asarray(d), 1, 0))
+  np.testing.assert_allclose(make_attack((0, 2), "sign_flip", 0, 4)(d, key)[2], -d[2])
+  rand = make_attack((3,), "random", 0, 4)(d, key)
+  assert float(jnp.linalg.norm(rand[3])) == pytest.approx(float(jnp.linalg.norm(d[3])), rel=1e-5)
+  assert abs(float(jnp.dot(rand[3], d[3]))) < 0.5 * float(jnp.linalg.norm(d[3])) ** 2
+  assert make_attack((), "scale", 100.0, 4) is None
+
+
+def _eval_loss(config) -> float:
+  r, state, _, _ = train_rounds(config, 3)
+  with jax.set_mesh(r.topology.mesh):
+    return float(jax.jit(r.programs.eval)(state.params, r.data.eval_windows))
+
+
+def test_a_scaled_attacker_breaks_the_mean_and_not_the_robust_rules():
+  base = dict(num_workers=4, rounds=3, **{"attack.workers": (0,), "attack.scale": 100.0})
+  losses = {rule: _eval_loss(load_config("smoke", **base, **{"aggregate.rule": rule}))
+            for rule in ("mean", "median", "centered_clip")}
+  clean = _eval_loss(load_config("smoke", num_workers=4, rounds=3))
+  assert not losses["mean"] < clean + 1.0, losses  # (a NaN fails the other way, too)
+  for rule in ("median", "centered_clip"):
+    assert losses[rule] < clean * 1.05, (rule, losses, clean)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"data.corrupt_workers": (7,)}, "data.corrupt_workers"),
+    ({"data.corrupt_workers": (1,), "data.corruption": "other"}, "data.corruption"),
+    ({"data.corrupt_workers": (1,), "data.batch_mode": "same"}, "batch_mode=different"),
+    ({"attack.workers": (0,), "attack.kind": "noise"}, "attack.kind"),
+])
+def test_bad_adversary_configs_name_the_field(overrides, message):
+  with pytest.raises(config_check.ConfigError, match=message):
+    config_check.validate(load_config("smoke", num_workers=4, **overrides), num_devices=8)
