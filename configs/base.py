@@ -180,6 +180,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.batch_mode = "different"  # 'different': a stream per worker | 'same': one shared stream
   c.data.seq_len = 128  # tokens per training window (model input length)
   c.data.batch_size = 16  # sequences per worker per inner step
+  c.data.partition = "none"  # 'none': every worker samples the whole corpus (IID)
+  # | 'contiguous': worker w samples only the w-th of num_workers contiguous shards (non-IID)
   c.data.corrupt_workers = ()  # worker ids whose training data is corrupted (tests, benchmarks)
   c.data.corruption = "token_swap"  # 'token_swap' (random tokens) | 'shuffle' (within the window)
   c.data.corruption_prob = 0.3  # token_swap: chance that each token is replaced

@@ -321,7 +321,9 @@ def build(config: ml_collections.ConfigDict) -> Run:
       streams=[WorkerStreams(corpus.train, worker_ids=hosts[i].worker_ids,
                              seq_len=c.data.seq_len, batch_size=hosts[i].batch_size,
                              seed=c.seed, batch_mode=c.data.batch_mode,
-                             vocab_size=window_vocab, corrupt=corrupt) for i in local_hosts],
+                             vocab_size=window_vocab, corrupt=corrupt,
+                             partitions=c.num_workers if c.data.partition == "contiguous"
+                             else 0) for i in local_hosts],
       eval_windows=eval_windows(corpus.val, seq_len=c.data.seq_len,
                                 batch_size=c.data.batch_size, num_batches=c.eval_batches,
                                 seed=c.seed, vocab_size=window_vocab))

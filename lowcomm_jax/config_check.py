@@ -215,6 +215,11 @@ def _check_adversaries(c: ml_collections.ConfigDict, check) -> None:
   """data.corrupt_workers / data.corruption* and attack.* (tests and benchmarks)."""
   from lowcomm_jax.data.pipeline import CORRUPTIONS
   ids = range(c.num_workers)
+  check(c.data.partition in ("none", "contiguous"), "data.partition",
+        "use 'none' (IID) or 'contiguous' (a shard of the corpus per worker)")
+  if c.data.partition != "none":
+    check(c.data.batch_mode == "different", "data.partition",
+          "needs a stream per worker: data.batch_mode=different")
   bad = list(c.data.corrupt_workers)
   check(all(isinstance(w, int) and w in ids for w in bad), "data.corrupt_workers",
         f"give worker ids in [0, {c.num_workers})")

@@ -79,3 +79,11 @@ def test_a_scaled_attacker_breaks_the_mean_and_not_the_robust_rules():
 def test_bad_adversary_configs_name_the_field(overrides, message):
   with pytest.raises(config_check.ConfigError, match=message):
     config_check.validate(load_config("smoke", num_workers=4, **overrides), num_devices=8)
+
+
+def test_contiguous_partitions_give_each_worker_its_own_shard():
+  tokens = np.arange(100_000, dtype=np.uint32)  # a token's value is its position
+  streams = WorkerStreams(tokens, worker_ids=(0, 1), seq_len=15, batch_size=4, seed=0,
+                          batch_mode="different", partitions=2)
+  batch = streams.next_round(20)
+  assert batch[0].max() < 50_000 and batch[1].min() >= 50_000

@@ -41,20 +41,31 @@ def _final_params(config, workdir):
 # buffers in the per-worker one, eager's memories and overlap's own models in each
 # process's worker states. One host per process, alike: round 1's sync runs inside round 2's
 # program, over both processes (rounds.overlapped_round).
-@pytest.mark.parametrize("algorithm,codec", [("eager", "none"), ("overlap", "sparseloco")])
+# The third case all-gathers the updates across processes and combines them robustly with
+# signal weights (issue 18), the combination's state in the replicated outer state.
+ROBUST = {"aggregate.rule": "centered_clip", "aggregate.signal": "loss_ema",
+          "aggregate.warmup_rounds": 1}
+
+
+@pytest.mark.parametrize("algorithm,codec,extra", [("eager", "none", {}),
+                                                   ("overlap", "sparseloco", {}),
+                                                   ("one_step_delay", "none", ROBUST)])
 def test_two_processes_match_one_process_with_the_same_two_workers(tmp_path, smoke_config,
-                                                                   algorithm, codec):
+                                                                   algorithm, codec, extra):
   # With a codec each process holds its worker's error buffer (a shard of the global state).
   proc = _launch("--num_processes", "2", "--", *SMOKE, f"--workdir={tmp_path / 'two'}",
-                 f"--config.compress.codec={codec}", f"--config.algorithm={algorithm}")
+                 f"--config.compress.codec={codec}", f"--config.algorithm={algorithm}",
+                 *[f"--config.{k}={v}" for k, v in extra.items()])
   out, err = proc.communicate(timeout=420)
   assert proc.returncode == 0, (out + err)[-4000:]
   assert "[p0]" in out and "[p1]" in out and "all 2 processes finished" in out
   config = smoke_config(rounds=3, checkpoint_every=3, algorithm=algorithm,
-                        **{"compress.codec": codec})
+                        **{"compress.codec": codec, **extra})
   one = train.run(config, tmp_path / "one")
   two = json.loads((tmp_path / "two" / "summary.json").read_text())
   assert two["bytes_sent"] == one["bytes_sent"] and two["tokens"] == one["tokens"]
+  if extra:
+    np.testing.assert_allclose(two["worker_weights"], one["worker_weights"], rtol=1e-5)
   np.testing.assert_allclose(two["eval_loss"], one["eval_loss"], rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-6),
                _final_params(config, tmp_path / "two"), _final_params(config, tmp_path / "one"))
@@ -169,6 +180,8 @@ def test_streaming_two_unequal_processes_match_one_process(tmp_path):
   one = train.run(config, tmp_path / "one")
   two = json.loads((tmp_path / "two" / "summary.json").read_text())
   assert two["bytes_sent"] == one["bytes_sent"] and two["tokens"] == one["tokens"]
+  if extra:
+    np.testing.assert_allclose(two["worker_weights"], one["worker_weights"], rtol=1e-5)
   assert two["bytes_sent_peak_sync"] == one["bytes_sent_peak_sync"] < one["bytes_sent"] // 3
   assert [w["inner_steps"] for w in two["workers"]] == [8, 4]
   np.testing.assert_allclose(two["eval_loss"], one["eval_loss"], rtol=1e-5)

@@ -119,7 +119,7 @@ class WorkerStreams:
 
   def __init__(self, train_tokens: np.ndarray, *, worker_ids: Sequence[int], seq_len: int,
                batch_size: int, seed: int, batch_mode: str, vocab_size: int | None = None,
-               corrupt: dict | None = None):
+               corrupt: dict | None = None, partitions: int = 0):
     if batch_mode not in ("same", "different"):
       raise ValueError(f"batch_mode must be 'same' or 'different', got {batch_mode!r}")
     self.worker_ids = list(worker_ids)
@@ -131,7 +131,14 @@ class WorkerStreams:
     if corrupt and batch_mode != "different":
       raise ValueError("corrupting some workers' data needs batch_mode='different'")
     owners = self.worker_ids if batch_mode == "different" else [None]
-    self._iters = [_iterate(window_dataset(train_tokens, seq_len=seq_len,
+    # `partitions` P > 0: worker w reads only the w-th of P contiguous shards of the corpus
+    # (non-IID data: another part of the text per worker).
+    if partitions and batch_mode != "different":
+      raise ValueError("partitioned data needs batch_mode='different'")
+    shard = lambda w: (train_tokens if not partitions else
+                       train_tokens[len(train_tokens) * w // partitions:
+                                    len(train_tokens) * (w + 1) // partitions])
+    self._iters = [_iterate(window_dataset(shard(w), seq_len=seq_len,
                                            batch_size=batch_size, seed=s,
                                            vocab_size=vocab_size, corruption=corrupt.get(w)))
                    for s, w in zip(seeds, owners)]
