@@ -180,8 +180,6 @@ def test_streaming_two_unequal_processes_match_one_process(tmp_path):
   one = train.run(config, tmp_path / "one")
   two = json.loads((tmp_path / "two" / "summary.json").read_text())
   assert two["bytes_sent"] == one["bytes_sent"] and two["tokens"] == one["tokens"]
-  if extra:
-    np.testing.assert_allclose(two["worker_weights"], one["worker_weights"], rtol=1e-5)
   assert two["bytes_sent_peak_sync"] == one["bytes_sent_peak_sync"] < one["bytes_sent"] // 3
   assert [w["inner_steps"] for w in two["workers"]] == [8, 4]
   np.testing.assert_allclose(two["eval_loss"], one["eval_loss"], rtol=1e-5)
