@@ -31,9 +31,12 @@ os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 
 import sim_grid  # noqa: E402
 
-SIGNALS = ("loss_ema", "grad_norm_stability", "cosine")
+SIGNALS = ("loss_ema", "grad_norm_stability", "cosine", "probe_loss")
 RULES = ("mean", "median", "trimmed_mean", "centered_clip")
 ATTACKS = ("none", "scale", "sign_flip", "random")
+# 8 workers at the 2-worker runs' global batch (8 x 4 windows a step instead of 2 x 16), so
+# a run costs about what a 2-worker run does on a CPU.
+EIGHT = {"num_workers": 8, "data.batch_size": 4}
 
 
 def _seed_grid(prefix: str, extra: dict) -> dict[str, tuple[str, dict]]:
@@ -58,11 +61,11 @@ def cases(part: str) -> dict[str, tuple[str, dict]]:
                                       "rounds": 30, "eval_every": 3, "log_every": 1,
                                       "checkpoint_every": 10}))
   if part in ("eight", "all"):
-    out.update(_seed_grid("ddp8", {"num_workers": 8, "data.corrupt_workers": (6, 7)}))
+    out.update(_seed_grid("ddp8", {**EIGHT, "data.corrupt_workers": (6, 7)}))
   if part in ("robust", "all"):
     for rule in RULES:
       for attack in ATTACKS:
-        fields = {"num_workers": 8, "data.corrupt_workers": (), "aggregate.rule": rule,
+        fields = {**EIGHT, "data.corrupt_workers": (), "aggregate.rule": rule,
                   "aggregate.trim": 1}
         if attack != "none":
           fields.update({"attack.workers": (0,), "attack.kind": attack, "attack.scale": 100.0})

@@ -89,7 +89,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.aggregate.weighting = "uniform"  # 'uniform' | 'tokens' (weight workers by tokens processed)
   c.aggregate.rule = "mean"  # 'mean' | 'median' | 'trimmed_mean' | 'centered_clip' (robust)
   c.aggregate.signal = "none"  # per-worker weights from: 'none' | 'loss_ema'
-  # | 'grad_norm_stability' | 'cosine' (lowcomm_jax/aggregate/signal.py)
+  # | 'grad_norm_stability' | 'cosine' | 'probe_loss' (lowcomm_jax/aggregate/signal.py)
   c.aggregate.trim = 1  # trimmed_mean: values dropped per side per coordinate (workers)
   c.aggregate.clip_iters = 1  # centered_clip: clipping iterations from the previous aggregate
   c.aggregate.clip_tau = 0.0  # centered_clip: clipping radius; 0: the median distance
@@ -99,6 +99,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.aggregate.weight_ema = 0.5  # smoothing of the weights from round to round
   c.aggregate.warmup_rounds = 2  # uniform weights while the signals accumulate
   c.aggregate.signal_ema = 0.9  # EMA decay of each worker's signals
+  c.aggregate.probe_batch_size = 16  # probe_loss: windows in the shared probe batch (train split)
+  c.aggregate.probe_step = 0.0  # probe_loss: proposal θ − step·Δ_w; 0: 1 (local steps), optimizer.lr (ddp)
 
   # --- adversarial workers (tests and benchmarks of robust aggregation) ---------------
   c.attack = ml_collections.ConfigDict()
@@ -184,7 +186,9 @@ def get_config() -> ml_collections.ConfigDict:
   # | 'contiguous': worker w samples only the w-th of num_workers contiguous shards (non-IID)
   c.data.corrupt_workers = ()  # worker ids whose training data is corrupted (tests, benchmarks)
   c.data.corruption = "token_swap"  # 'token_swap' (random tokens) | 'shuffle' (within the window)
-  c.data.corruption_prob = 0.3  # token_swap: chance that each token is replaced
+  # | 'other_text' (windows of data.corruption_path instead)
+  c.data.corruption_prob = 0.3  # token_swap: per token; other_text: per window
+  c.data.corruption_path = ""  # other_text: a plain-text file the corrupted workers read
   c.data.val_fraction = 0.1  # tail kept for validation (text, or a .bin without val_path)
 
   return c

@@ -15,7 +15,8 @@ import numpy as np
 from flax import nnx
 
 from lowcomm_jax import algorithms, config_check, memory, optimizers, steps
-from lowcomm_jax.data import WorkerStreams, eval_windows, open_corpus
+from lowcomm_jax.data import (WorkerStreams, eval_windows, open_corpus, other_corpus,
+                              probe_windows)
 from lowcomm_jax.hosts import HostSpec, host_table
 from lowcomm_jax.model import GPT, GPTConfig, count_params, get_preset, next_token_loss
 from lowcomm_jax.model.matformer import slice_tier
@@ -260,7 +261,16 @@ def build(config: ml_collections.ConfigDict) -> Run:
   aggregators = [optimizers.aggregator(c, layout.fragment(p), nested=nested) for p in fragments]
   rules = [algorithm.outer_rule(c, inner_txs[0], layout.fragment(p)) for p in fragments]
   if optimizers.robust_combination(c):  # the all-gathered Δ are combined before the rule
-    rules = [optimizers.robust_rule(c, rule) for rule in rules]
+    probes = [None] * layout.num_fragments
+    if c.aggregate.signal == "probe_loss":  # every receiver scores each worker's proposal
+      windows = probe_windows(corpus.train, seq_len=c.data.seq_len,
+                              batch_size=c.aggregate.probe_batch_size, seed=c.seed,
+                              vocab_size=window_vocab)
+      step = optimizers.probe_step(c, algorithm.local_steps)
+      # The plain model (no TP plan): the probe runs inside the sync, replicated over 'model'.
+      probe_loss = _loss_fn(graphdef, model_cfg, None, mesh)
+      probes = [steps.make_probe(probe_loss, layout, p, windows, step) for p in fragments]
+    rules = [optimizers.robust_rule(c, rule, probe) for rule, probe in zip(rules, probes)]
   segments = algorithm.segments(c, c.inner_steps)
   attack = steps.make_attack(tuple(c.attack.workers), c.attack.kind, c.attack.scale,
                              c.num_workers)
@@ -315,7 +325,9 @@ def build(config: ml_collections.ConfigDict) -> Run:
                     param_count=count_params(layout.abstract),
                     param_bytes=ledger.tree_bytes(layout.abstract), tier_bytes=tier_bytes)
   # Workers whose data is corrupted on purpose (robust-aggregation tests and benchmarks).
-  corrupt = {w: (c.data.corruption, c.data.corruption_prob, corpus.vocab_size)
+  other = (other_corpus(c.data.corruption_path, c.data.tokenizer)
+           if c.data.corrupt_workers and c.data.corruption == "other_text" else None)
+  corrupt = {w: (c.data.corruption, c.data.corruption_prob, corpus.vocab_size, other)
              for w in c.data.corrupt_workers}
   data = RunData(
       streams=[WorkerStreams(corpus.train, worker_ids=hosts[i].worker_ids,

@@ -228,6 +228,9 @@ def _check_adversaries(c: ml_collections.ConfigDict, check) -> None:
     check(0.0 <= c.data.corruption_prob <= 1.0, "data.corruption_prob", "must be in [0, 1]")
     check(c.data.batch_mode == "different", "data.corrupt_workers",
           "needs a stream per worker: data.batch_mode=different")
+    if c.data.corruption == "other_text":
+      check(bool(c.data.corruption_path), "data.corruption_path",
+            "corruption 'other_text' reads another corpus: give a plain-text file")
   attackers = list(c.attack.workers)
   check(all(isinstance(w, int) and w in ids for w in attackers), "attack.workers",
         f"give worker ids in [0, {c.num_workers})")
@@ -252,6 +255,9 @@ def _check_robust(c: ml_collections.ConfigDict, check) -> None:
   check(0.0 <= a.weight_ema < 1.0, "aggregate.weight_ema", "must be in [0, 1)")
   check(a.warmup_rounds >= 0, "aggregate.warmup_rounds", "must be >= 0")
   check(0.0 <= a.signal_ema < 1.0, "aggregate.signal_ema", "must be in [0, 1)")
+  check(a.probe_batch_size >= 1, "aggregate.probe_batch_size", "must be >= 1")
+  check(a.probe_step >= 0, "aggregate.probe_step",
+        "must be >= 0 (0: 1 with local steps, optimizer.lr for ddp)")
   groups = -(-c.num_workers // a.bucket) if a.bucket > 1 else c.num_workers
   if a.rule == "trimmed_mean":
     check(a.trim >= 0 and 2 * a.trim < groups, "aggregate.trim",

@@ -61,8 +61,8 @@ def robust_combination(config: ml_collections.ConfigDict) -> bool:
   return a.rule != "mean" or a.signal != "none" or a.bucket > 1
 
 
-def robust_rule(config: ml_collections.ConfigDict, rule: optax.GradientTransformation
-                ) -> optax.GradientTransformationExtraArgs:
+def robust_rule(config: ml_collections.ConfigDict, rule: optax.GradientTransformation,
+                probe=None) -> optax.GradientTransformationExtraArgs:
   """The outer `rule` after the robust combination of the all-gathered updates. The
   combination's state (previous aggregate, signal EMAs, weights) is the same on every
   worker, so it lives with the outer rule's, once per fragment, and is checkpointed there.
@@ -72,7 +72,17 @@ def robust_rule(config: ml_collections.ConfigDict, rule: optax.GradientTransform
       rule=a.rule, signal=a.signal, num_workers=config.num_workers, trim=a.trim,
       clip_iters=a.clip_iters, clip_tau=a.clip_tau, bucket=a.bucket,
       temperature=a.temperature, floor=a.floor, weight_ema=a.weight_ema,
-      warmup_rounds=a.warmup_rounds, signal_ema=a.signal_ema, seed=config.seed), rule)
+      warmup_rounds=a.warmup_rounds, signal_ema=a.signal_ema, seed=config.seed,
+      probe=probe), rule)
+
+
+def probe_step(config: ml_collections.ConfigDict, local_steps: bool) -> float:
+  """How far along each worker's update the `probe_loss` signal evaluates its proposal:
+  `aggregate.probe_step`, or by default the whole Δ for algorithms with local steps (θ − Δ_w
+  is the worker's own model) and one SGD step at the inner lr for DDP (Δ is a gradient)."""
+  if config.aggregate.probe_step > 0:
+    return float(config.aggregate.probe_step)
+  return 1.0 if local_steps else float(config.optimizer.lr)
 
 
 def aggregator(config: ml_collections.ConfigDict, layout: ParamLayout, *, nested: bool = False

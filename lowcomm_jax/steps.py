@@ -240,16 +240,17 @@ def make_sync(aggregator: optax.GradientTransformationExtraArgs,
   rule = optax.with_extra_args_support(rule)
 
   def worker(params, agg_state, rule_state, delta, hidden, weight, all_weights, totals,
-             round_index, losses_R):
+             round_index, losses_R, theta):
     extra = {"round_index": round_index}
     if nested:
       # Own weights (nested mean) and everyone's (compressed mean weighs after decoding).
       extra.update(coordinate_weights=coordinate_weights(hidden, weight),
                    sender_weights=all_weights, weight_totals=totals)
     mean, agg_state = aggregator.update(delta, agg_state, params, **extra)
-    # Every worker's train loss: a robust combination's signals read it (rules ignore it).
+    # Every worker's train loss and the whole θ: a robust combination's signals read them
+    # (the loss EMA, and the probe loss of each worker's proposal); other rules ignore them.
     updates, rule_state = rule.update(mean, rule_state, params, worker_losses=losses_R,
-                                      round_index=round_index)
+                                      round_index=round_index, theta=theta)
     return optax.apply_updates(params, updates), agg_state, rule_state
 
   def sync(state: TrainState, deltas_R, signals: Signals, metrics: bool = True):
@@ -263,11 +264,11 @@ def make_sync(aggregator: optax.GradientTransformationExtraArgs,
     params = layout.fragment_slice(state.params, fragment)
     outer = state.outer
     new_part, agg_state, rule_state = jax.vmap(
-        worker, in_axes=(None, 0, None, 0, 0, 0, None, None, None, None),
+        worker, in_axes=(None, 0, None, 0, 0, 0, None, None, None, None, None),
         out_axes=(None, 0, None), axis_name=axis_name, spmd_axis_name=axis_name)(
             params, outer.per_worker[fragment], outer.per_fragment[fragment], deltas_R,
             signals.hidden, weight_R, all_weights, totals, state.round * count + fragment,
-            signals.loss)
+            signals.loss, state.params)
     new_params = layout.fragment_update(state.params, new_part, fragment)
     outer = OuterState(_replace(outer.per_worker, fragment, agg_state),
                        _replace(outer.per_fragment, fragment, rule_state))
@@ -289,6 +290,26 @@ def make_sync(aggregator: optax.GradientTransformationExtraArgs,
     return TrainState(round_, state.rng, new_params, outer), out
 
   return sync
+
+
+def make_probe(loss_fn: LossFn, layout: ParamLayout, fragment: int, windows_BxL1,
+               step: float):
+  """`probe(Δ[W, N_p], θ flat) -> [W]`: the loss on the fixed probe batch `windows` of the
+  model each worker's update proposes, θ with fragment p moved to θ_p − step·Δ_w,p (step 1:
+  a DiLoCo worker's own model; DDP: an SGD step of its gradient). One model at a time
+  (lax.map), so memory holds one extra copy of θ, not W."""
+  windows = jnp.asarray(windows_BxL1)
+
+  def probe(deltas_WxN, theta):
+    base = layout.fragment_slice(theta, fragment)
+
+    def loss_of(delta):
+      proposed = layout.fragment_update(theta, base - step * delta, fragment)
+      return loss_fn(layout.unravel(proposed), windows, None)
+
+    return jax.lax.map(loss_of, deltas_WxN).astype(jnp.float32)
+
+  return probe
 
 
 def _replace(parts: tuple, i: int, value) -> tuple:

@@ -41,6 +41,36 @@ def test_shuffle_permutes_each_window():
   np.testing.assert_array_equal(np.sort(dirty[0], axis=-1), np.sort(clean[0], axis=-1))
 
 
+def test_other_text_replaces_the_configured_share_of_windows_by_the_other_corpus():
+  other = np.arange(251, 256, dtype=np.uint16)[np.arange(50_000) % 5]  # ids the corpus lacks
+  clean = _streams().next_round(100)
+  bad = _streams({1: ("other_text", 0.4, 256, other)})
+  dirty = bad.next_round(100)
+  np.testing.assert_array_equal(dirty[0], clean[0])
+  from_other = (dirty[1] >= 251).all(axis=-1)  # [steps, batch]: a window is one or the other
+  untouched = (dirty[1] == clean[1]).all(axis=-1)
+  assert (from_other ^ untouched).all()
+  assert float(from_other.mean()) == pytest.approx(0.4, abs=0.05)  # 800 windows
+  for window in dirty[1][from_other][:20]:  # a real window of the other text
+    start = int(np.argmax(other == window[0]))
+    np.testing.assert_array_equal(window, other[start:start + window.size])
+  again = _streams({1: ("other_text", 0.4, 256, other)})
+  again.set_state(bad.get_state())
+  np.testing.assert_array_equal(again.next_round(3), bad.next_round(3))
+
+
+def test_other_text_trains_from_a_second_file(tmp_path):
+  other = tmp_path / "other.txt"
+  other.write_text("lorem ipsum dolor sit amet " * 400)
+  config = load_config("smoke", rounds=1, **{
+      "data.corrupt_workers": (1,), "data.corruption": "other_text",
+      "data.corruption_prob": 1.0, "data.corruption_path": str(other)})
+  from lowcomm_jax import build
+  batch = build.build(config).data.streams[0].next_round(2)
+  assert set(np.unique(batch[1]).tolist()) <= set(b" loremipsudtca")  # worker 1: all other text
+  assert not set(np.unique(batch[0]).tolist()) <= set(b" loremipsudtca")
+
+
 def test_attacks_replace_only_the_attackers_updates():
   d = jax.random.normal(jax.random.key(0), (4, 50))
   key = jax.random.key(1)
@@ -75,6 +105,7 @@ def test_a_scaled_attacker_breaks_the_mean_and_not_the_robust_rules():
     ({"data.corrupt_workers": (1,), "data.corruption": "other"}, "data.corruption"),
     ({"data.corrupt_workers": (1,), "data.batch_mode": "same"}, "batch_mode=different"),
     ({"attack.workers": (0,), "attack.kind": "noise"}, "attack.kind"),
+    ({"data.corrupt_workers": (1,), "data.corruption": "other_text"}, "data.corruption_path"),
 ])
 def test_bad_adversary_configs_name_the_field(overrides, message):
   with pytest.raises(config_check.ConfigError, match=message):

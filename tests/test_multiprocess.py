@@ -42,9 +42,10 @@ def _final_params(config, workdir):
 # process's worker states. One host per process, alike: round 1's sync runs inside round 2's
 # program, over both processes (rounds.overlapped_round).
 # The third case all-gathers the updates across processes and combines them robustly with
-# signal weights (issue 18), the combination's state in the replicated outer state.
-ROBUST = {"aggregate.rule": "centered_clip", "aggregate.signal": "loss_ema",
-          "aggregate.warmup_rounds": 1}
+# signal weights (issue 18), the combination's state in the replicated outer state; the
+# probe-loss signal has every process score both workers' proposals on the same probe batch.
+ROBUST = {"aggregate.rule": "centered_clip", "aggregate.signal": "probe_loss",
+          "aggregate.warmup_rounds": 1, "aggregate.probe_batch_size": 4}
 
 
 @pytest.mark.parametrize("algorithm,codec,extra", [("eager", "none", {}),

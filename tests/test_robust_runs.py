@@ -65,6 +65,39 @@ def test_signal_weighted_centered_clipping_trains_reports_and_resumes_exactly(tm
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_the_probe_scores_each_workers_proposal_by_hand():
+  import jax.numpy as jnp
+  from lowcomm_jax.parallel.flat import ParamLayout
+  from lowcomm_jax.steps import make_probe
+  tree = {"a": jnp.zeros((2,)), "b": jnp.zeros((3,))}
+  layout = ParamLayout.of(tree, [0, 1])  # two fragments: 'a' then 'b'
+  target = jnp.arange(5.0)
+
+  def loss_fn(params, windows, key):  # a quadratic that ignores the windows
+    del key
+    flat = jnp.concatenate([params["a"], params["b"]])
+    return jnp.sum((flat - target) ** 2) + 0.0 * windows.sum()
+
+  theta = jnp.asarray([1.0, 1.0, 2.0, 2.0, 2.0])
+  deltas = jnp.asarray([[0.0, 2.0, 0.0], [1.0, 1.0, 1.0]])  # fragment 1 ('b'): 3 values
+  probe = make_probe(loss_fn, layout, 1, np.zeros((1, 2), np.int32), step=0.5)
+  # Proposals: b - 0.5 * Δ_w with a unchanged; loss = (1-0)^2 + (1-1)^2 + Σ_b (b' - target_b)^2
+  # w0: b' = (2, 1, 2) vs (2, 3, 4): 0 + 4 + 4 -> 9;  w1: b' = (1.5, 1.5, 1.5): 0.25 + 2.25 + 6.25 -> 9.75
+  np.testing.assert_allclose(probe(deltas, theta), [9.0, 9.75], rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["scale", "sign_flip"])
+def test_the_probe_loss_signal_weighs_down_an_attacker(kind):
+  config = _config(rounds=4, **{"aggregate.signal": "probe_loss", "aggregate.warmup_rounds": 1,
+                                "attack.workers": (2,), "attack.kind": kind,
+                                "attack.scale": 100.0, "aggregate.probe_batch_size": 4})
+  _, state, _, metrics = train_rounds(config, 4)
+  weights = np.asarray(metrics["worker_weights"])
+  assert weights.sum() == pytest.approx(1.0, abs=1e-5)
+  assert int(np.argmin(weights)) == 2 and weights[2] < 0.25 * 0.75, weights
+  assert np.isfinite(np.asarray(state.params)).all()
+
+
 @pytest.mark.parametrize("overrides,message", [
     ({"aggregate.rule": "krum"}, "aggregate.rule"),
     ({"aggregate.signal": "vibes"}, "aggregate.signal"),
@@ -73,6 +106,9 @@ def test_signal_weighted_centered_clipping_trains_reports_and_resumes_exactly(tm
     ({"aggregate.signal": "cosine", "algorithm": "eager"}, "eager combines"),
     ({"aggregate.rule": "median", "aggregate.weighting": "tokens"}, "equal weight"),
     ({"aggregate.floor": 1.5}, "aggregate.floor"),
+    ({"aggregate.signal": "probe_loss", "aggregate.probe_batch_size": 0},
+     "aggregate.probe_batch_size"),
+    ({"aggregate.signal": "probe_loss", "aggregate.probe_step": -1.0}, "aggregate.probe_step"),
 ])
 def test_bad_robust_configs_name_the_field(overrides, message):
   with pytest.raises(config_check.ConfigError, match=message):

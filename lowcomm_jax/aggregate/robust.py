@@ -100,20 +100,25 @@ def gather_all(axis_name: str = "replica") -> optax.GradientTransformationExtraA
 def robust_combine(*, rule: str, signal: str, num_workers: int, trim: int = 1,
                    clip_iters: int = 1, clip_tau: float = 0.0, bucket: int = 0,
                    temperature: float = 1.0, floor: float = 0.2, weight_ema: float = 0.5,
-                   warmup_rounds: int = 2, signal_ema: float = 0.9, seed: int = 0
-                   ) -> optax.GradientTransformationExtraArgs:
+                   warmup_rounds: int = 2, signal_ema: float = 0.9, seed: int = 0,
+                   probe=None) -> optax.GradientTransformationExtraArgs:
   """Updates stacked over workers ([W, ...], from `gather_all`) combined into one by `rule`
   with weights from `signal` (module docstring; aggregate/signal.py). Every worker computes
   the same result from the same state (previous aggregate, signal EMAs, weights). Extra args:
   `worker_losses` [W] (every worker's train loss), `round_index` (seeds the buckets'
-  shuffle)."""
+  shuffle), `theta` (the global model, flat: what `probe` perturbs).
+
+  `probe(updates [W, ...], theta) -> [W]`: the probe loss of each worker's proposal
+  (steps.make_probe), which the `probe_loss` signal needs and only it computes."""
   if rule not in RULES:
     raise ValueError(f"unknown rule {rule!r}; choose one of {RULES}")
+  if signal == "probe_loss" and probe is None:
+    raise ValueError("signal 'probe_loss' needs a probe (steps.make_probe)")
 
   def init_fn(params):
     return RobustState(jax.tree.map(jnp.zeros_like, params), signal_lib.init(num_workers))
 
-  def update_fn(all_u, state, params=None, *, worker_losses=None, round_index=0,
+  def update_fn(all_u, state, params=None, *, worker_losses=None, round_index=0, theta=None,
                 **extra_args):
     del params, extra_args
     norms = _norms(all_u)
@@ -123,8 +128,11 @@ def robust_combine(*, rule: str, signal: str, num_workers: int, trim: int = 1,
     cosines = jnp.where(center_norm > 0, dots / jnp.maximum(norms * center_norm, 1e-12), 0.0)
     losses = (jnp.zeros((num_workers,), jnp.float32) if worker_losses is None
               else worker_losses.astype(jnp.float32))
+    # Computed by every receiver from the updates it received (W forward passes).
+    probes = (probe(all_u, theta) if signal == "probe_loss"
+              else jnp.zeros((num_workers,), jnp.float32))
     seen = signal_lib.observe(state.signals, losses=losses, norms=norms, cosines=cosines,
-                              ema=signal_ema)
+                              probes=probes, ema=signal_ema)
     if signal == "none":
       weights = seen.weights
     else:

@@ -7,6 +7,10 @@ oriented so that higher means more trusted:
   grad_norm_stability  EMA(‖u‖) / std(‖u‖): the inverse coefficient of variation of the
                        worker's update norms (scale-free: steady workers are trusted)
   cosine               EMA(cos(u_w, previous aggregate))
+  probe_loss           −EMA(probe loss): the loss, on a probe batch every receiver holds, of
+                       the model the worker's update proposes (DiLoCo family: θ − Δ_w, the
+                       worker's own model; DDP: θ − lr·g_w). The receivers compute it from
+                       what was sent, so a worker cannot misreport its own quality.
 
 Weights from a signal s [W]: standardize across workers (z = (s − mean) / std, 0 where all
 agree), p = softmax(z / temperature), mix with uniform so none falls below floor / W
@@ -19,7 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-SIGNALS = ("none", "loss_ema", "grad_norm_stability", "cosine")
+SIGNALS = ("none", "loss_ema", "grad_norm_stability", "cosine", "probe_loss")
 
 
 class SignalState(NamedTuple):
@@ -28,22 +32,23 @@ class SignalState(NamedTuple):
   norm: jax.Array  # [W] EMA of ‖u_w‖
   norm_sq: jax.Array  # [W] EMA of ‖u_w‖²
   cosine: jax.Array  # [W] EMA of cos(u_w, previous aggregate)
+  probe: jax.Array  # [W] EMA of the probe loss of each worker's proposal (0 when not probed)
   weights: jax.Array  # [W] the weights last used
 
 
 def init(num_workers: int) -> SignalState:
   zeros = jnp.zeros((num_workers,), jnp.float32)
-  return SignalState(jnp.zeros((), jnp.int32), zeros, zeros, zeros, zeros,
+  return SignalState(jnp.zeros((), jnp.int32), zeros, zeros, zeros, zeros, zeros,
                      jnp.full((num_workers,), 1.0 / num_workers, jnp.float32))
 
 
-def observe(state: SignalState, *, losses, norms, cosines, ema: float) -> SignalState:
+def observe(state: SignalState, *, losses, norms, cosines, probes, ema: float) -> SignalState:
   """The signals after one more round; the first round sets them."""
   first = state.rounds == 0
   mix = lambda old, new: jnp.where(first, new, ema * old + (1.0 - ema) * new)
   return state._replace(rounds=state.rounds + 1, loss=mix(state.loss, losses),
                         norm=mix(state.norm, norms), norm_sq=mix(state.norm_sq, norms ** 2),
-                        cosine=mix(state.cosine, cosines))
+                        cosine=mix(state.cosine, cosines), probe=mix(state.probe, probes))
 
 
 def signal_of(state: SignalState, name: str) -> jax.Array:
@@ -55,6 +60,8 @@ def signal_of(state: SignalState, name: str) -> jax.Array:
     return state.norm / jnp.maximum(std, 1e-6 * jnp.maximum(state.norm, 1e-12))
   if name == "cosine":
     return state.cosine
+  if name == "probe_loss":
+    return -state.probe
   raise ValueError(f"unknown signal {name!r}; choose one of {SIGNALS}")
 
 

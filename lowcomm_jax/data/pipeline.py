@@ -25,7 +25,7 @@ READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=32)
 
 
 _RELEASE_EVERY = 16  # memmapped windows read between releases of their mapped pages
-_WORKER, _SHARED, _EVAL = 0, 1, 2
+_WORKER, _SHARED, _EVAL, _PROBE = 0, 1, 2, 3
 _CORRUPT_SEED = 0x5EED_C0DE  # the corruption's draws differ from the window's  # stream kinds, so no two kinds ever share a seed
 
 
@@ -77,32 +77,44 @@ class _RandomWindow(grain.transforms.RandomMap):
     return window
 
 
-CORRUPTIONS = ("token_swap", "shuffle")
+CORRUPTIONS = ("token_swap", "shuffle", "other_text")
 
 
 class _Corrupt(grain.transforms.RandomMap):
   """A corrupted worker's windows (tests and benchmarks of robust aggregation):
   'token_swap' replaces each token by a uniformly random one with probability `prob`;
-  'shuffle' permutes the window's tokens. Drawn from the element's own generator: the same
-  for a seed and position, so a resumed stream is corrupted the same way."""
+  'shuffle' permutes the window's tokens; 'other_text' replaces the whole window, with
+  probability `prob`, by a random window of `other` (another corpus's tokens). Drawn from
+  the element's own generator: the same for a seed and position, so a resumed stream is
+  corrupted the same way."""
 
-  def __init__(self, kind: str, prob: float, vocab_size: int):
+  def __init__(self, kind: str, prob: float, vocab_size: int, other: np.ndarray | None = None):
     if kind not in CORRUPTIONS:
       raise ValueError(f"unknown corruption {kind!r}; choose one of {CORRUPTIONS}")
-    self._kind, self._prob, self._vocab = kind, prob, vocab_size
+    if kind == "other_text" and other is None:
+      raise ValueError("corruption 'other_text' needs the other corpus's tokens")
+    self._kind, self._prob, self._vocab, self._other = kind, prob, vocab_size, other
 
   def random_map(self, window: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     if self._kind == "shuffle":
       return rng.permutation(window)
+    if self._kind == "other_text":
+      if rng.random() >= self._prob:
+        return window
+      if len(self._other) < len(window):
+        raise DataError(f"data.corruption_path has {len(self._other):,} tokens, fewer than "
+                        f"a window of {len(window)}; use a longer text")
+      start = rng.integers(0, len(self._other) - len(window) + 1)
+      return self._other[start:start + len(window)].astype(np.int32)
     swap = rng.random(window.shape) < self._prob
     return np.where(swap, rng.integers(0, self._vocab, window.shape), window).astype(np.int32)
 
 
 def window_dataset(tokens: np.ndarray, *, seq_len: int, batch_size: int, seed: int,
                    vocab_size: int | None = None,
-                   corruption: tuple[str, float, int] | None = None) -> grain.MapDataset:
+                   corruption: tuple | None = None) -> grain.MapDataset:
   """Endless batches [batch_size, seq_len + 1] of random windows, each corrupted by
-  `corruption` = (kind, prob, vocabulary) if given."""
+  `corruption` = (kind, prob, vocabulary[, other corpus's tokens]) if given."""
   windows = (grain.MapDataset.range(_ENDLESS)
              .random_map(_RandomWindow(tokens, seq_len + 1, vocab_size), seed=seed))
   if corruption is not None:
@@ -126,7 +138,8 @@ class WorkerStreams:
     self.batch_mode = batch_mode
     seeds = ([stream_seed(seed, _WORKER, w) for w in self.worker_ids]
              if batch_mode == "different" else [stream_seed(seed, _SHARED)])
-    # `corrupt`: worker id -> (kind, prob, vocabulary) for the workers whose data is bad.
+    # `corrupt`: worker id -> (kind, prob, vocabulary[, other tokens]) for the workers whose
+    # data is bad (_Corrupt).
     corrupt = corrupt or {}
     if corrupt and batch_mode != "different":
       raise ValueError("corrupting some workers' data needs batch_mode='different'")
@@ -173,8 +186,17 @@ class WorkerStreams:
 
 
 def eval_windows(val_tokens: np.ndarray, *, seq_len: int, batch_size: int, num_batches: int,
-                 seed: int, vocab_size: int | None = None) -> np.ndarray:
+                 seed: int, vocab_size: int | None = None, kind: int = _EVAL) -> np.ndarray:
   """Fixed validation batches [num_batches, batch_size, seq_len + 1], the same every eval."""
   it = _iterate(window_dataset(val_tokens, seq_len=seq_len, batch_size=batch_size,
-                               seed=stream_seed(seed, _EVAL), vocab_size=vocab_size))
+                               seed=stream_seed(seed, kind), vocab_size=vocab_size))
   return np.stack([next(it) for _ in range(num_batches)])
+
+
+def probe_windows(train_tokens: np.ndarray, *, seq_len: int, batch_size: int, seed: int,
+                  vocab_size: int | None = None) -> np.ndarray:
+  """The probe batch [batch_size, seq_len + 1] of the `probe_loss` signal: fixed windows of
+  the (clean) training split from a stream of their own, the same on every process. Not the
+  validation split, so the weights are not chosen on the data the runs are judged on."""
+  return eval_windows(train_tokens, seq_len=seq_len, batch_size=batch_size, num_batches=1,
+                      seed=seed, vocab_size=vocab_size, kind=_PROBE)[0]

@@ -75,3 +75,13 @@ def _tokenizer_vocab(name: str, files: token_files.TokenFiles) -> int:
                     f"{files.where} was prepared with ({wanted}); set data.tokenizer to that "
                     "one, or prepare the corpus again with yours")
   return int(files.meta["vocab_size"])
+
+
+def other_corpus(path: str, tokenizer: str) -> np.ndarray:
+  """The tokens of `data.corruption_path` (corruption 'other_text'): a text file tokenized
+  like the run's data."""
+  p = pathlib.Path(path).expanduser()
+  if not path or not p.is_file():
+    raise DataError(f"data.corruption_path={path!r} is not a file; corruption 'other_text' "
+                    "reads its windows from another plain-text corpus: point it at one")
+  return load_tokens(p, get_tokenizer(tokenizer))

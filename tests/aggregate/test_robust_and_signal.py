@@ -65,11 +65,13 @@ def test_buckets_average_shuffled_groups():
 def test_signal_weights_by_hand():
   s = signal.init(2)
   s = signal.observe(s, losses=jnp.asarray([2.0, 4.0]), norms=jnp.asarray([1.0, 1.0]),
-                     cosines=jnp.asarray([0.5, -0.5]), ema=0.9)
+                     cosines=jnp.asarray([0.5, -0.5]), probes=jnp.asarray([3.0, 1.0]), ema=0.9)
   np.testing.assert_allclose(s.loss, [2.0, 4.0])  # the first round sets the EMAs
   s = signal.observe(s, losses=jnp.asarray([1.0, 4.0]), norms=jnp.asarray([3.0, 1.0]),
-                     cosines=jnp.asarray([0.5, -0.5]), ema=0.9)
+                     cosines=jnp.asarray([0.5, -0.5]), probes=jnp.asarray([2.0, 1.0]), ema=0.9)
   np.testing.assert_allclose(s.loss, [1.9, 4.0], rtol=1e-6)
+  # probe_loss: EMA (0.9·3 + 0.1·2, 1) = (2.9, 1); lower probe loss = more trusted.
+  np.testing.assert_allclose(signal.signal_of(s, "probe_loss"), [-2.9, -1.0], rtol=1e-6)
   # Norm EMAs: worker 0 mean 1.2, mean square 1.8 -> std sqrt(0.36) = 0.6 -> 1.2/0.6 = 2;
   # worker 1 always 1: std 0 -> very stable (clamped std 1e-6 * mean).
   stab = signal.signal_of(s, "grad_norm_stability")
