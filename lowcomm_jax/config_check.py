@@ -264,8 +264,9 @@ def _check_robust(c: ml_collections.ConfigDict, check) -> None:
           f"must be >= 0 and leave a value: 2·trim < {groups} (workers, or buckets)")
   if a.rule == "mean" and a.signal == "none" and a.bucket <= 1:
     return  # the plain mean: nothing below applies
-  check(c.compress.codec == "none", "aggregate.rule",
-        "robust rules and signal weights combine uncompressed updates; use compress.codec=none")
+  check(c.compress.codec != "demo", "aggregate.rule",
+        "DeMo's payloads are averaged by its own rule (sign descent of the mean); use "
+        "another codec, or aggregate.rule=mean with aggregate.signal=none")
   check(a.weighting == "uniform" and all(float(h.tier) >= 1.0 for h in c.hosts),
         "aggregate.rule", "robust rules and signal weights need full-width workers of equal "
         "weight (no MatFormer tiers, aggregate.weighting=uniform)")

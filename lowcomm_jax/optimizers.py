@@ -91,15 +91,19 @@ def aggregator(config: ml_collections.ConfigDict, layout: ParamLayout, *, nested
   the sync's only communication.
 
   A robust rule or signal weights (`aggregate.rule`, `aggregate.signal`) all-gather the
-  updates, which `robust_rule` combines. With a codec (`compress.codec`) it is the
-  compressed mean (encode, all-gather payloads, decode); else `nested` picks the tier-aware weighted mean (aggregate/nested.py) over the
+  updates (with a codec: the payloads, decoded per sender), which `robust_rule` combines.
+  With a codec (`compress.codec`) it is the compressed mean (encode, all-gather payloads,
+  decode); else `nested` picks the tier-aware weighted mean (aggregate/nested.py) over the
   plain one (the compressed mean takes the same tier weights). The plain mean runs on the
   flat buffer as is; codecs (per tensor) and the nested mean (tier masks per FFN leaf) see
   the tree. What follows it, the outer rule, is the algorithm's (algorithms/).
   """
-  if robust_combination(config):
-    return aggregate.gather_all("replica")  # combined in the outer rule: `robust_rule`
   codec = compress.make_codec(config.compress, lr=config.optimizer.lr)
+  if robust_combination(config):  # combined in the outer rule: `robust_rule`
+    if codec is not None:
+      return tree_view(aggregate.compressed_gather(codec, "replica", seed=config.seed), layout,
+                       stacked=True)
+    return aggregate.gather_all("replica")
   if codec is not None:
     return tree_view(aggregate.compressed_mean(codec, "replica", seed=config.seed), layout)
   if nested:

@@ -1,6 +1,7 @@
 """How workers' decoded contributions combine: optax transforms over the replica axis."""
 
-from lowcomm_jax.aggregate.compressed import CompressedMeanState, compressed_mean
+from lowcomm_jax.aggregate.compressed import (CompressedMeanState, compressed_gather,
+                                              compressed_mean)
 from lowcomm_jax.aggregate.mean import replica_mean
 from lowcomm_jax.aggregate.nested import nested_mean
 from lowcomm_jax.aggregate.robust import (RULES, CombinedState, RobustState, combine_then,

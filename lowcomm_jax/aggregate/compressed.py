@@ -42,13 +42,8 @@ def compressed_mean(codec, axis_name: str = "replica", seed: int = 0
   def update_fn(updates, state, params=None, *, sender_weights=None, weight_totals=None,
                 round_index=None, **extra_args):
     del params, extra_args  # e.g. the nested mean's own coordinate_weights
-    round_ = state.count if round_index is None else round_index
-    round_key = jax.random.fold_in(jax.random.key(seed), round_)
-    size = jax.lax.axis_size(axis_name)
-    sender_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(round_key, jnp.arange(size))
-    my_key = jax.random.fold_in(round_key, jax.lax.axis_index(axis_name))
-    payload, codec_state = codec.encode(updates, state.codec_state, my_key)
-    payloads = collectives.all_gather(payload, axis_name)
+    payloads, sender_keys, codec_state = _encode_and_gather(codec, updates, state, round_index,
+                                                            axis_name, seed)
     if sender_weights is None:
       mean = codec.average(payloads, updates, sender_keys)
     else:
@@ -57,3 +52,36 @@ def compressed_mean(codec, axis_name: str = "replica", seed: int = 0
     return mean, CompressedMeanState(state.count + 1, codec_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def compressed_gather(codec, axis_name: str = "replica", seed: int = 0
+                      ) -> optax.GradientTransformationExtraArgs:
+  """Every worker's decoded, compressed update, stacked [R, ...] on every worker: what a
+  robust rule combines (aggregate/robust.py) when a codec compresses the sync. The same
+  payloads cross the network as for the compressed mean."""
+
+  def init_fn(params):
+    return CompressedMeanState(jnp.zeros((), jnp.int32), codec.init(params))
+
+  def update_fn(updates, state, params=None, *, round_index=None, **extra_args):
+    del params, extra_args
+    payloads, sender_keys, codec_state = _encode_and_gather(codec, updates, state, round_index,
+                                                            axis_name, seed)
+    decoded = jax.vmap(lambda payload, key: codec.decode(payload, updates, key))(
+        payloads, sender_keys)
+    return decoded, CompressedMeanState(state.count + 1, codec_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _encode_and_gather(codec, updates, state: CompressedMeanState, round_index, axis_name,
+                       seed):
+  """This worker's payload, encoded with its key, all-gathered: (payloads [R, ...], every
+  sender's key [R], this worker's new codec state)."""
+  round_ = state.count if round_index is None else round_index
+  round_key = jax.random.fold_in(jax.random.key(seed), round_)
+  size = jax.lax.axis_size(axis_name)
+  sender_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(round_key, jnp.arange(size))
+  my_key = jax.random.fold_in(round_key, jax.lax.axis_index(axis_name))
+  payload, codec_state = codec.encode(updates, state.codec_state, my_key)
+  return collectives.all_gather(payload, axis_name), sender_keys, codec_state

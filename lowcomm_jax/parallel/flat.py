@@ -119,13 +119,15 @@ def _key(entry):
   raise TypeError(f"unsupported tree path entry {entry!r}")
 
 
-def tree_view(tx: optax.GradientTransformation, layout: ParamLayout
-              ) -> optax.GradientTransformationExtraArgs:
+def tree_view(tx: optax.GradientTransformation, layout: ParamLayout, *,
+              stacked: bool = False) -> optax.GradientTransformationExtraArgs:
   """`tx`, which needs the parameters' tensors, applied to flat updates and parameters.
 
   Its state stays tree-shaped (a codec's per-tensor error buffers, AdamW's moments); extra
-  args (tier weights, say) are passed through as the trees the caller built.
+  args (tier weights, say) are passed through as the trees the caller built. `stacked`: tx
+  returns one update per worker ([R, ...] leaves), raveled to [R, size].
   """
+  ravel = jax.vmap(layout.ravel) if stacked else layout.ravel
   tx = optax.with_extra_args_support(tx)
 
   def init_fn(params):
@@ -134,6 +136,6 @@ def tree_view(tx: optax.GradientTransformation, layout: ParamLayout
   def update_fn(updates, state, params=None, **extra_args):
     tree_params = None if params is None else layout.unravel(params)
     updates, state = tx.update(layout.unravel(updates), state, tree_params, **extra_args)
-    return layout.ravel(updates), state
+    return ravel(updates), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
