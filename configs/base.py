@@ -95,6 +95,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.aggregate.clip_tau = 0.0  # centered_clip: clipping radius; 0: the median distance
   c.aggregate.bucket = 0  # > 1: average shuffled buckets of this many workers before the rule
   c.aggregate.temperature = 1.0  # softmax temperature over the standardized signal
+  c.aggregate.noise_sigmas = 3.0  # a difference must exceed this many noise std to count; 0: plain z-score
   c.aggregate.floor = 0.2  # no worker's weight below floor / num_workers
   c.aggregate.weight_ema = 0.5  # smoothing of the weights from round to round
   c.aggregate.warmup_rounds = 2  # uniform weights while the signals accumulate

@@ -251,6 +251,7 @@ def _check_robust(c: ml_collections.ConfigDict, check) -> None:
   check(a.clip_tau >= 0, "aggregate.clip_tau", "must be >= 0 (0: the median distance)")
   check(a.bucket >= 0, "aggregate.bucket", "must be >= 0 (0 or 1: no buckets)")
   check(a.temperature > 0, "aggregate.temperature", "must be > 0")
+  check(a.noise_sigmas >= 0, "aggregate.noise_sigmas", "must be >= 0 (0: plain z-scores)")
   check(0.0 <= a.floor <= 1.0, "aggregate.floor", "must be in [0, 1]")
   check(0.0 <= a.weight_ema < 1.0, "aggregate.weight_ema", "must be in [0, 1)")
   check(a.warmup_rounds >= 0, "aggregate.warmup_rounds", "must be >= 0")

@@ -73,7 +73,7 @@ def robust_rule(config: ml_collections.ConfigDict, rule: optax.GradientTransform
       clip_iters=a.clip_iters, clip_tau=a.clip_tau, bucket=a.bucket,
       temperature=a.temperature, floor=a.floor, weight_ema=a.weight_ema,
       warmup_rounds=a.warmup_rounds, signal_ema=a.signal_ema, seed=config.seed,
-      probe=probe), rule)
+      noise_sigmas=a.noise_sigmas, probe=probe), rule)
 
 
 def probe_step(config: ml_collections.ConfigDict, local_steps: bool) -> float:

@@ -101,7 +101,8 @@ def robust_combine(*, rule: str, signal: str, num_workers: int, trim: int = 1,
                    clip_iters: int = 1, clip_tau: float = 0.0, bucket: int = 0,
                    temperature: float = 1.0, floor: float = 0.2, weight_ema: float = 0.5,
                    warmup_rounds: int = 2, signal_ema: float = 0.9, seed: int = 0,
-                   probe=None) -> optax.GradientTransformationExtraArgs:
+                   noise_sigmas: float = 0.0, probe=None
+                   ) -> optax.GradientTransformationExtraArgs:
   """Updates stacked over workers ([W, ...], from `gather_all`) combined into one by `rule`
   with weights from `signal` (module docstring; aggregate/signal.py). Every worker computes
   the same result from the same state (previous aggregate, signal EMAs, weights). Extra args:
@@ -138,7 +139,8 @@ def robust_combine(*, rule: str, signal: str, num_workers: int, trim: int = 1,
     else:
       weights = signal_lib.weights_from(
           signal_lib.signal_of(seen, signal), state.signals.weights, temperature=temperature,
-          floor=floor, weight_ema=weight_ema, warm=seen.rounds > warmup_rounds)
+          floor=floor, weight_ema=weight_ema, warm=seen.rounds > warmup_rounds,
+          noise=signal_lib.noise_of(seen, signal, signal_ema), noise_sigmas=noise_sigmas)
     seen = seen._replace(weights=weights)
     stacked, w = all_u, weights
     if bucket > 1:

@@ -96,3 +96,31 @@ def test_signal_weights_by_hand():
   np.testing.assert_allclose(flat, [1 / 3] * 3, rtol=1e-6)
   assert float(signal.effective_workers(flat)) == pytest.approx(3.0)
   assert float(signal.effective_workers(jnp.asarray([1.0, 0.0]))) == pytest.approx(1.0)
+
+
+def test_noise_aware_standardization_by_hand():
+  s = signal.init(2)
+  zeros = jnp.zeros((2,))
+  for losses in ([2.0, 3.0], [4.0, 3.0], [2.0, 5.0]):
+    s = signal.observe(s, losses=jnp.asarray(losses), norms=zeros + 1.0, cosines=zeros,
+                       probes=zeros, ema=0.5)
+  # EMAs (ema 0.5): w0 2 -> 3 -> 2.5; w1 3 -> 3 -> 4.
+  # The variance is of x_w − mean(x) around m_w − mean(m): centred observations (−.5, .5),
+  # (.5, −.5), (−1.5, 1.5); centred EMAs before rounds 2 and 3: (−.5, .5), (0, 0).
+  # var ← 0.5·(var + 0.5·d²): d = ±1 -> 0.25; d = ±1.5 -> 0.5·(0.25 + 0.5·2.25) = 0.6875.
+  np.testing.assert_allclose(s.loss, [2.5, 4.0])
+  np.testing.assert_allclose(s.loss_var, [0.6875, 0.6875])
+  # Noise of an EMA with α = 0.5: sqrt(var·α/(2 − α)) = sqrt(var / 3).
+  noise = signal.noise_of(s, "loss_ema", ema=0.5)
+  np.testing.assert_allclose(noise, np.sqrt([0.6875 / 3] * 2), rtol=1e-6)
+  assert not np.asarray(signal.noise_of(s, "grad_norm_stability", ema=0.5)).any()
+  # Signal (−2.5, −4): spread var 0.5625; k = 2: scale = sqrt(0.5625 + (2·σ)²), z = ±0.75 / scale.
+  sig = signal.signal_of(s, "loss_ema")
+  w = signal.weights_from(sig, s.weights, temperature=1.0, floor=0.0, weight_ema=0.0,
+                          warm=jnp.asarray(True), noise=noise, noise_sigmas=2.0)
+  z = 0.75 / np.sqrt(0.5625 + 4 * 0.6875 / 3)
+  np.testing.assert_allclose(w, np.exp([z, -z]) / np.exp([z, -z]).sum(), rtol=1e-5)
+  # k = 0 is the plain z-score (±1), whatever the noise.
+  plain = signal.weights_from(sig, s.weights, temperature=1.0, floor=0.0, weight_ema=0.0,
+                              warm=jnp.asarray(True), noise=noise, noise_sigmas=0.0)
+  np.testing.assert_allclose(plain, np.exp([1, -1]) / np.exp([1, -1]).sum(), rtol=1e-5)
