@@ -325,7 +325,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
                     param_count=count_params(layout.abstract),
                     param_bytes=ledger.tree_bytes(layout.abstract), tier_bytes=tier_bytes)
   # Workers whose data is corrupted on purpose (robust-aggregation tests and benchmarks).
-  other = (other_corpus(c.data.corruption_path, c.data.tokenizer)
+  other = (other_corpus(c.data.corruption_path, c.data.tokenizer, window=c.data.seq_len + 1)
            if c.data.corrupt_workers and c.data.corruption == "other_text" else None)
   corrupt = {w: (c.data.corruption, c.data.corruption_prob, corpus.vocab_size, other)
              for w in c.data.corrupt_workers}

@@ -69,6 +69,10 @@ def test_other_text_trains_from_a_second_file(tmp_path):
   batch = build.build(config).data.streams[0].next_round(2)
   assert set(np.unique(batch[1]).tolist()) <= set(b" loremipsudtca")  # worker 1: all other text
   assert not set(np.unique(batch[0]).tolist()) <= set(b" loremipsudtca")
+  other.write_text("too short")  # shorter than a window: refused at start-up, named
+  from lowcomm_jax.data import DataError
+  with pytest.raises(DataError, match="data.corruption_path"):
+    build.build(config)
 
 
 def test_attacks_replace_only_the_attackers_updates():

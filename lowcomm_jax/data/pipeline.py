@@ -25,8 +25,8 @@ READ_OPTIONS = grain.ReadOptions(num_threads=4, prefetch_buffer_size=32)
 
 
 _RELEASE_EVERY = 16  # memmapped windows read between releases of their mapped pages
-_WORKER, _SHARED, _EVAL, _PROBE = 0, 1, 2, 3
-_CORRUPT_SEED = 0x5EED_C0DE  # the corruption's draws differ from the window's  # stream kinds, so no two kinds ever share a seed
+_WORKER, _SHARED, _EVAL, _PROBE = 0, 1, 2, 3  # stream kinds, so no two kinds ever share a seed
+_CORRUPT_SEED = 0x5EED_C0DE  # the corruption's draws differ from the window's
 
 
 def stream_seed(seed: int, kind: int, index: int = 0) -> int:
@@ -101,9 +101,6 @@ class _Corrupt(grain.transforms.RandomMap):
     if self._kind == "other_text":
       if rng.random() >= self._prob:
         return window
-      if len(self._other) < len(window):
-        raise DataError(f"data.corruption_path has {len(self._other):,} tokens, fewer than "
-                        f"a window of {len(window)}; use a longer text")
       start = rng.integers(0, len(self._other) - len(window) + 1)
       return self._other[start:start + len(window)].astype(np.int32)
     swap = rng.random(window.shape) < self._prob

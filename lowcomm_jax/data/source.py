@@ -77,11 +77,15 @@ def _tokenizer_vocab(name: str, files: token_files.TokenFiles) -> int:
   return int(files.meta["vocab_size"])
 
 
-def other_corpus(path: str, tokenizer: str) -> np.ndarray:
+def other_corpus(path: str, tokenizer: str, *, window: int) -> np.ndarray:
   """The tokens of `data.corruption_path` (corruption 'other_text'): a text file tokenized
-  like the run's data."""
+  like the run's data, longer than a window."""
   p = pathlib.Path(path).expanduser()
   if not path or not p.is_file():
     raise DataError(f"data.corruption_path={path!r} is not a file; corruption 'other_text' "
                     "reads its windows from another plain-text corpus: point it at one")
-  return load_tokens(p, get_tokenizer(tokenizer))
+  tokens = load_tokens(p, get_tokenizer(tokenizer))
+  if len(tokens) <= window:
+    raise DataError(f"data.corruption_path={path!r} has {len(tokens):,} tokens, too few for "
+                    f"a window of data.seq_len + 1 = {window}; use a longer text")
+  return tokens
