@@ -159,11 +159,6 @@ def report(grid: dict, workdir: pathlib.Path) -> str:
   return "\n".join(out)
 
 
-def _curve(workdir: pathlib.Path):
-  rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-  return [(r["tokens"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-
-
 def plot(grid: dict, workdir: pathlib.Path, path: pathlib.Path) -> None:
   """Eval loss against tokens, one panel per group, one line per signal or rule."""
   import matplotlib

@@ -48,8 +48,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from lowcomm_jax.model import GPT, get_preset  # noqa: E402
-from lowcomm_jax.model.tp import (SyncPlan, count_all_reduces, plan_problems,  # noqa: E402
-                                  tp_loss)
+from lowcomm_jax.model.tp import SyncPlan, plan_problems, tp_loss  # noqa: E402
 from lowcomm_jax.parallel import mesh as mesh_lib  # noqa: E402
 
 PLANS = {"standard": SyncPlan("standard"), "spd": SyncPlan("spd"),

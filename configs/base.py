@@ -160,10 +160,15 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- model -------------------------------------------------------------------------
   c.model = ml_collections.ConfigDict()
-  c.model.name = "small"  # preset: tiny | small | small12 | pythia_14m | gpt2_124m (lowcomm_jax/model/presets.py)
+  # Presets (lowcomm_jax/model/presets.py): tiny | small | small12 | pythia_14m | gpt2_124m,
+  # and the Llama family's tiny_llama | smollm2_135m.
+  c.model.name = "small"  # model preset (above)
   c.model.vocab_size = 0  # 0: the preset's, or the tokenizer's rounded up to a multiple of 64
   c.model.dtype = "float32"  # compute dtype: 'float32' | 'bfloat16' (parameters stay float32)
   c.model.dropout = 0.0  # residual/embedding dropout rate during training
+  # A pretrained checkpoint (lowcomm_jax/model/pretrained.py): its architecture replaces
+  # model.name's and its weights the random init.
+  c.model.init_from = ""  # .gguf, .safetensors or a folder with both; '' trains from scratch
   # Tensor parallelism inside each worker (lowcomm_jax/model/tp.py), over the mesh's 'model' axis.
   c.model.tp = ml_collections.ConfigDict()
   c.model.tp.size = 1  # devices on 'model' (heads and FFN split over them); 1: no TP

@@ -19,6 +19,7 @@ from lowcomm_jax.data import (WorkerStreams, eval_windows, open_corpus, other_co
                               probe_windows)
 from lowcomm_jax.hosts import HostSpec, host_table
 from lowcomm_jax.model import GPT, GPTConfig, count_params, get_preset, next_token_loss
+from lowcomm_jax.model import pretrained
 from lowcomm_jax.model.matformer import slice_tier
 from lowcomm_jax.model.tp import SyncPlan, count_all_reduces, partitioner, tp_loss
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
@@ -38,6 +39,7 @@ class Topology:
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
   """The model's shapes and sizes (nothing allocated)."""
+  name: str  # the preset's name, or what model.init_from read ("gguf:<path>", …)
   cfg: GPTConfig
   graphdef: nnx.GraphDef
   layout: ParamLayout  # the flat θ's tree view and fragments (abstract tree: layout.abstract)
@@ -56,7 +58,8 @@ class RunData:
 @dataclasses.dataclass(frozen=True)
 class StateSpec:
   """The global state's constructor, shapes and shardings."""
-  init: Callable[[], steps.TrainState]
+  init: Callable[[jax.Array], steps.TrainState]  # from the initial flat θ
+  initial_params: Callable[[], jax.Array]  # θ_0: the seeded random init or the pretrained
   abstract: steps.TrainState
   shardings: steps.TrainState
 
@@ -213,9 +216,14 @@ def build(config: ml_collections.ConfigDict) -> Run:
   c = config
   algorithm = algorithms.get(c.algorithm)
   corpus = open_corpus(c.data, window=c.data.seq_len + 1)
-  model_cfg = get_preset(c.model.name, vocab_size=c.model.vocab_size,
-                         tokenizer_vocab=corpus.vocab_size, dtype=c.model.dtype,
-                         dropout=c.model.dropout)
+  if c.model.init_from:  # the checkpoint's architecture and weights
+    start = pretrained.load(c.model.init_from)
+    model_cfg = dataclasses.replace(start.cfg, dtype=c.model.dtype, dropout=c.model.dropout)
+  else:
+    start = None
+    model_cfg = get_preset(c.model.name, vocab_size=c.model.vocab_size,
+                           tokenizer_vocab=corpus.vocab_size, dtype=c.model.dtype,
+                           dropout=c.model.dropout)
   corpus.check_vocabulary(model_cfg.vocab_size)
   # Token files are read window by window: each is checked against the vocabulary too.
   window_vocab = model_cfg.vocab_size if corpus.files is not None else None
@@ -297,11 +305,19 @@ def build(config: ml_collections.ConfigDict) -> Run:
           worker_rule=worker_rule))
       for i in local_hosts]
 
-  def init_fn():
-    return steps.init_state(layout.ravel(param_tree()), seed=c.seed, layout=layout,
+  def init_fn(flat_params):
+    return steps.init_state(flat_params, seed=c.seed, layout=layout,
                             aggregators=aggregators, rules=rules, num_workers=c.num_workers)
 
-  abstract_state = jax.eval_shape(init_fn)
+  if start is None:
+    initial_params = jax.jit(lambda: layout.ravel(param_tree()))
+  else:
+    if jax.tree.structure(start.params) != jax.tree.structure(abstract_params):
+      raise ValueError(f"model.init_from={c.model.init_from!r}: its tensors do not make the "
+                       "model's parameter tree")
+    pretrained_flat = layout.ravel(start.params)
+    initial_params = lambda: pretrained_flat
+  abstract_state = jax.eval_shape(init_fn, jax.ShapeDtypeStruct((layout.size,), jnp.float32))
   per_worker_outer = abstract_state.outer.per_worker
   tier_bytes = {}
   for h, tx in zip(hosts, inner_txs):
@@ -321,8 +337,8 @@ def build(config: ml_collections.ConfigDict) -> Run:
   topology = Topology(
       mesh=mesh, local_mesh=local_mesh, hosts=hosts, local_hosts=local_hosts,
       hidden_per_worker=np.asarray([h.hidden for h in hosts for _ in h.worker_ids], np.int32))
-  model = ModelSpec(cfg=model_cfg, graphdef=graphdef, layout=layout,
-                    param_count=count_params(layout.abstract),
+  model = ModelSpec(name=start.source if start else c.model.name, cfg=model_cfg,
+                    graphdef=graphdef, layout=layout, param_count=count_params(layout.abstract),
                     param_bytes=ledger.tree_bytes(layout.abstract), tier_bytes=tier_bytes)
   # Workers whose data is corrupted on purpose (robust-aggregation tests and benchmarks).
   other = (other_corpus(c.data.corruption_path, c.data.tokenizer, window=c.data.seq_len + 1)
@@ -342,7 +358,8 @@ def build(config: ml_collections.ConfigDict) -> Run:
   programs = Programs(local=local_programs, syncs=syncs, init_workers=init_workers,
                       eval=steps.make_eval_step(loss_of(model_cfg.d_ff, mesh), layout))
   run = Run(config=c, algorithm=algorithm, topology=topology, model=model, data=data,
-            state_spec=StateSpec(init=init_fn, abstract=abstract_state,
+            state_spec=StateSpec(init=init_fn, initial_params=initial_params,
+                                 abstract=abstract_state,
                                  shardings=state_shardings),
             programs=programs, local_reads_rules=worker_rule is not None,
             partitioner=lambda: partitioner(plan))

@@ -13,6 +13,7 @@ from lowcomm_jax.compress import CODECS
 from lowcomm_jax.compress.sparse import kept_per_chunk
 from lowcomm_jax.data.tokenizers import TOKENIZER_VOCAB, is_tokenizer_file
 from lowcomm_jax.model.matformer import hidden_units
+from lowcomm_jax.model import pretrained
 from lowcomm_jax.model.presets import PRESETS
 from lowcomm_jax.model.tp import SYNC_PLANS, SyncPlan, plan_problems
 from lowcomm_jax.sim.speeds import HETEROGENEITY
@@ -100,9 +101,22 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
           f"must be divisible by mesh.data={m.data} (each data shard gets an equal slice)")
   check(0.0 < c.data.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
   check(tp >= 1, "model.tp.size", "must be >= 1 (1: no tensor parallelism)")
-  if c.model.name in PRESETS:
-    preset = PRESETS[c.model.name]
-    if tp > 1:
+  preset = PRESETS.get(c.model.name)
+  model_label = f"model {c.model.name!r}"
+  if c.model.init_from:  # the checkpoint fixes the architecture; model.name is not used
+    check(c.model.vocab_size == 0, "model.vocab_size",
+          "must be 0 with model.init_from (the checkpoint fixes the vocabulary)")
+    model_label = f"checkpoint {c.model.init_from!r}"
+    try:
+      preset = pretrained.read_config(c.model.init_from)
+    except pretrained.PretrainedError as e:
+      problems.append(str(e))
+      preset = None
+  if preset is not None:
+    if tp > 1 and (preset.family != "gpt" or preset.mlp != "gelu"):
+      problems.append(f"model.tp.size={tp}: tensor parallelism shards the GPT family with "
+                      f"exact GELU only, not {model_label}; set --config.model.tp.size=1")
+    elif tp > 1:
       plan = SyncPlan(c.model.tp.sync, c.model.tp.layers_per_group,
                       tuple(c.model.tp.attn_sync_layers))
       problems.extend(plan_problems(
@@ -113,7 +127,7 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
           problems.append(f"hosts: tier {row.tier} trains {hidden} FFN units, not divisible "
                           f"by model.tp.size={tp}; pick a tier whose width tp divides")
     check(1 <= c.data.seq_len <= preset.block_size, "data.seq_len",
-          f"must be in [1, {preset.block_size}] (the block size of model {c.model.name!r})")
+          f"must be in [1, {preset.block_size}] (the block size of {model_label})")
     vocab = c.model.vocab_size or preset.vocab_size
     tok_vocab = TOKENIZER_VOCAB.get(c.data.tokenizer)
     if vocab and tok_vocab and vocab < tok_vocab:

@@ -44,7 +44,8 @@ def init_run(r: Run, fns: Programs) -> tuple[steps.TrainState, tuple]:
   """Round-0 global state and this process's fresh worker states."""
   logging.info("compiling the initial state…")
   with jax.set_mesh(r.topology.mesh):
-    state = jax.jit(r.state_spec.init, out_shardings=r.state_spec.shardings)()
+    state = jax.jit(r.state_spec.init, out_shardings=r.state_spec.shardings)(
+        r.state_spec.initial_params())
   view = mesh_lib.local_view(state.params, r.topology.local_mesh)
   with jax.set_mesh(r.topology.local_mesh):
     workers = tuple(init(view) for init in fns.init_workers)

@@ -285,7 +285,7 @@ def _summary(sim: _Simulation, eval_loss: float, wall: float) -> dict:
       "algorithm": c.algorithm, "simulated": True, "num_workers": c.num_workers,
       "heterogeneity": c.sim.heterogeneity if not c.sim.speeds else "explicit",
       "dylu": c.outer.dylu, "inner_steps": c.inner_steps, "rounds": c.rounds,
-      "model": c.model.name, "params": sim.r.model.param_count, "codec": c.compress.codec,
+      "model": sim.r.model.name, "params": sim.r.model.param_count, "codec": c.compress.codec,
       "eval_loss": eval_loss, "train_loss": a.last_train_loss,
       "total_inner_steps": a.applied_steps,
       "tokens": sim.r.tokens(a.applied_steps),

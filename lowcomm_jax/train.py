@@ -134,7 +134,7 @@ class RoundDriver:
     logging.info("%s: %d workers on %d host(s) (this process runs %s), mesh %s, model %s "
                  "(%.2fM params), rounds %d..%d, H per host %s, %d bytes sent per worker per "
                  "round", c.algorithm, c.num_workers, len(hosts), r.topology.local_hosts,
-                 dict(r.topology.mesh.shape), c.model.name, r.model.param_count / 1e6,
+                 dict(r.topology.mesh.shape), r.model.name, r.model.param_count / 1e6,
                  self.start, c.rounds, self.sched.inner_steps, self.round_bytes.sent)
     return None
 
@@ -299,7 +299,7 @@ def _summary(r: Run, sched: _Schedule, sync_bytes, eval_loss, scalars, wall: flo
                       "idle_fraction": sched.idle_seconds[i] / busy if busy else 0.0})
   return {
       "algorithm": c.algorithm, "num_workers": c.num_workers, "rounds": c.rounds,
-      "inner_steps": c.inner_steps, "model": c.model.name, "params": r.model.param_count,
+      "inner_steps": c.inner_steps, "model": r.model.name, "params": r.model.param_count,
       "eval_loss": eval_loss,
       "train_loss": float(scalars["train_loss"]) if scalars else None,
       "tokens": sched.tokens,

@@ -1,5 +1,3 @@
-import pathlib
-
 import pytest
 
 from conftest import REPO, load_config

@@ -1,5 +1,5 @@
-"""Tokenizers (byte-level, tiktoken GPT-2 BPE, a Hugging Face tokenizer.json) and an on-disk
-cache of tokenized corpora.
+"""Tokenizers (byte-level, tiktoken GPT-2 BPE, a Hugging Face tokenizer.json or the
+byte-level BPE a GGUF model holds) and an on-disk cache of tokenized corpora.
 
 Each has `name` (what a cache key and a prepared corpus's meta.json record), `vocab_size`,
 `eot` (the id `prepare` puts between documents), `encode` and `decode`."""
@@ -66,9 +66,12 @@ class HuggingFaceTokenizer:
     file = pathlib.Path(path).expanduser()
     if not file.is_file():
       raise DataError(f"data.tokenizer={path!r}: no such file; point it at a Hugging Face "
-                      f"tokenizer.json or use one of {TOKENIZER_NAMES}")
+                      f"tokenizer.json, a .gguf model or use one of {TOKENIZER_NAMES}")
     try:
-      self._tok = Tokenizer.from_file(str(file))
+      self._tok = (Tokenizer.from_str(gguf_tokenizer_json(file)) if file.suffix == ".gguf"
+                   else Tokenizer.from_file(str(file)))
+    except DataError:
+      raise
     except Exception as e:  # the library raises plain Exception for bad files
       raise DataError(f"{file} is not a readable tokenizer.json ({e})") from e
     self.name = tokenizer_id(path)
@@ -86,8 +89,46 @@ class HuggingFaceTokenizer:
     return self._tok.decode([int(t) for t in tokens], skip_special_tokens=False)
 
 
+def gguf_tokenizer_json(path: str | pathlib.Path) -> str:
+  """The GGUF's byte-level BPE tokenizer (`tokenizer.ggml.model = gpt2`: its tokens and
+  merges) as a Hugging Face tokenizer.json string, built with the `tokenizers` library."""
+  file = pathlib.Path(path).expanduser()
+  try:
+    import gguf
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+  except ImportError as e:
+    raise DataError(f"data.tokenizer={str(path)!r} needs the gguf and tokenizers packages: "
+                    "pip install 'lowcomm_jax[pretrained]'") from e
+  try:
+    reader = gguf.GGUFReader(str(file))
+  except Exception as e:  # the reader raises ValueError/struct errors for damaged files
+    raise DataError(f"{file} is not a readable GGUF file ({e})") from e
+  model = reader.fields.get("tokenizer.ggml.model")
+  if model is None or model.contents() != "gpt2":
+    kind = None if model is None else model.contents()
+    raise DataError(f"{file}: tokenizer.ggml.model={kind!r}; only byte-level BPE ('gpt2') "
+                    "GGUF tokenizers are read")
+  tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+  merges = [tuple(m.split(" ", 1)) for m in reader.fields["tokenizer.ggml.merges"].contents()]
+  pre = reader.fields.get("tokenizer.ggml.pre")
+  tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  # llama.cpp's 'smollm' pre-tokenizer splits digits one by one before the GPT-2 regex.
+  if pre is not None and pre.contents() == "smollm":
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), byte_level])
+  else:
+    tok.pre_tokenizer = byte_level
+  tok.decoder = decoders.ByteLevel()
+  types = reader.fields.get("tokenizer.ggml.token_type")
+  if types is not None:  # type 3: control tokens (<|endoftext|>, <|im_start|>, …)
+    tok.add_special_tokens([t for t, kind in zip(tokens, types.contents()) if kind == 3])
+  return tok.to_str()
+
+
 def is_tokenizer_file(name: str) -> bool:
-  return name.endswith(".json")
+  """A tokenizer.json, or a GGUF model whose metadata holds its tokenizer."""
+  return name.endswith((".json", ".gguf"))
 
 
 def tokenizer_id(name: str) -> str:
@@ -95,8 +136,12 @@ def tokenizer_id(name: str) -> str:
   tokenizer.json the hash of its content (paths differ between hosts)."""
   if is_tokenizer_file(name):
     file = pathlib.Path(name).expanduser()
-    digest = hashlib.sha256(file.read_bytes()).hexdigest()[:16] if file.is_file() else "?"
-    return f"hf:{digest}"
+    if not file.is_file():
+      return "hf:?"
+    # A GGUF is identified by the tokenizer it holds, not by its weights.
+    content = (gguf_tokenizer_json(file).encode() if file.suffix == ".gguf"
+               else file.read_bytes())
+    return f"hf:{hashlib.sha256(content).hexdigest()[:16]}"
   return _ALIASES.get(name, name)
 
 

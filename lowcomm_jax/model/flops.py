@@ -18,7 +18,9 @@ def matmul_params(cfg: GPTConfig) -> int:
   """Weights a token multiplies through: per block qkv, attention out, FFN in and out;
   then the LM head (tied to the embedding or not, it is one d × vocab matmul)."""
   d = cfg.d_model
-  per_block = d * 3 * d + d * d + d * cfg.d_ff + cfg.d_ff * d
+  qkv = d * (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
+  ffn_in = (2 if cfg.mlp == "swiglu" else 1) * d * cfg.d_ff  # gate and up for SwiGLU
+  per_block = qkv + d * d + ffn_in + cfg.d_ff * d
   return cfg.n_layer * per_block + d * cfg.vocab_size
 
 

@@ -1,7 +1,9 @@
-"""nanoGPT-compatible GPT in Flax NNX, with GPT-NeoX options (rotary, parallel residual).
+"""nanoGPT-compatible GPT in Flax NNX, with GPT-NeoX options (rotary, parallel residual) and
+the Llama family's (RMSNorm, SwiGLU, grouped-query attention, rotary base).
 
 Learned positions, pre-LayerNorm, exact-GELU MLP (MatFormer-nested), tied input/output
-embeddings, optional biases and dropout. Parameters are float32; `dtype` sets the compute
+embeddings, optional biases and dropout. One module serves both families, so every
+algorithm, tier and codec works on either. Parameters are float32; `dtype` sets the compute
 dtype (bfloat16 for speed on GPUs); logits and the loss are computed in float32.
 """
 
@@ -25,10 +27,11 @@ def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
   return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
 
 
-def _rotary(x_BxLxNxH: jax.Array, rot_dims: int) -> jax.Array:
-  """GPT-NeoX rotary embedding on the first `rot_dims` dims of every head."""
+def _rotary(x_BxLxNxH: jax.Array, rot_dims: int, base: float = 10000.0) -> jax.Array:
+  """GPT-NeoX rotary embedding on the first `rot_dims` dims of every head (the halves
+  layout Hugging Face's Llama uses too)."""
   seq_len = x_BxLxNxH.shape[1]
-  inv_freq = 1.0 / (10000.0 ** (jnp.arange(0, rot_dims, 2, dtype=jnp.float32) / rot_dims))
+  inv_freq = 1.0 / (base ** (jnp.arange(0, rot_dims, 2, dtype=jnp.float32) / rot_dims))
   angles_LxR2 = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
   angles_LxR = jnp.concatenate([angles_LxR2, angles_LxR2], axis=-1)[None, :, None, :]
   cos, sin = jnp.cos(angles_LxR), jnp.sin(angles_LxR)
@@ -43,11 +46,17 @@ class CausalSelfAttention(nnx.Module):
 
   def __init__(self, cfg: GPTConfig, *, out_std: float, rngs: nnx.Rngs):
     dtype = jnp.dtype(cfg.dtype)
-    self.qkv = nnx.Linear(cfg.d_model, 3 * cfg.d_model, use_bias=cfg.bias, dtype=dtype,
-                          kernel_init=_normal(0.02), rngs=rngs)
+    if cfg.n_head % cfg.kv_heads:
+      raise ValueError(f"n_head={cfg.n_head} is not a multiple of n_kv_head={cfg.kv_heads}")
+    # q, k, v in one matmul: n_head query heads, then kv_heads key and kv_heads value heads.
+    self.qkv = nnx.Linear(cfg.d_model, (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim,
+                          use_bias=cfg.bias, dtype=dtype, kernel_init=_normal(0.02),
+                          rngs=rngs)
     self.proj = nnx.Linear(cfg.d_model, cfg.d_model, use_bias=cfg.bias, dtype=dtype,
                            kernel_init=_normal(out_std), rngs=rngs)
     self.n_head = cfg.n_head
+    self.kv_heads = cfg.kv_heads
+    self.rope_base = cfg.rope_base
     # Rotary needs an even number of dims; round the configured share down to one.
     self.rot_dims = (2 * int(cfg.head_dim * cfg.rotary_fraction / 2)
                      if cfg.position == "rotary" else 0)
@@ -55,14 +64,19 @@ class CausalSelfAttention(nnx.Module):
   def __call__(self, x_BxLxD: jax.Array, *, dropout: float = 0.0,
                key: jax.Array | None = None) -> jax.Array:
     b, l, d = x_BxLxD.shape
-    qkv_BxLx3D = self.qkv(x_BxLxD)
-    q, k, v = (t.reshape(b, l, self.n_head, d // self.n_head)
-               for t in jnp.split(qkv_BxLx3D, 3, axis=-1))
+    hd = d // self.n_head
+    qkv = self.qkv(x_BxLxD).reshape(b, l, self.n_head + 2 * self.kv_heads, hd)
+    q, k, v = jnp.split(qkv, [self.n_head, self.n_head + self.kv_heads], axis=2)
     if self.rot_dims:
-      q, k = _rotary(q, self.rot_dims), _rotary(k, self.rot_dims)
+      q = _rotary(q, self.rot_dims, self.rope_base)
+      k = _rotary(k, self.rot_dims, self.rope_base)
     if key is None or dropout == 0.0:  # fused kernel (cuDNN flash attention on GPUs)
+      # Grouped-query attention when kv_heads < n_head: query head n reads kv head
+      # n // (n_head / kv_heads), as Hugging Face's repeat_kv does.
       y_BxLxNxH = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     else:  # nanoGPT's dropout on the attention probabilities needs them materialized
+      group = self.n_head // self.kv_heads
+      k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
       scores_BxNxLxL = jnp.einsum("blnh,bmnh->bnlm", q, k).astype(jnp.float32)
       scores_BxNxLxL = scores_BxNxLxL / math.sqrt(q.shape[-1])
       causal = jnp.tril(jnp.ones((l, l), bool))
@@ -72,17 +86,26 @@ class CausalSelfAttention(nnx.Module):
     return self.proj(y_BxLxNxH.reshape(b, l, d))
 
 
+def _norm(cfg: GPTConfig, rngs: nnx.Rngs) -> nnx.Module:
+  dtype = jnp.dtype(cfg.dtype)
+  if cfg.norm == "rmsnorm":
+    return nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dtype, rngs=rngs)
+  if cfg.norm == "layernorm":
+    return nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, use_bias=cfg.bias, dtype=dtype,
+                         rngs=rngs)
+  raise ValueError(f"norm={cfg.norm!r}: use 'layernorm' or 'rmsnorm'")
+
+
 class Block(nnx.Module):
 
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
     out_std = 0.02 / math.sqrt(2 * cfg.n_layer)  # GPT-2's scaled residual projections
     dtype = jnp.dtype(cfg.dtype)
-    self.ln1 = nnx.LayerNorm(cfg.d_model, epsilon=1e-5, use_bias=cfg.bias, dtype=dtype,
-                             rngs=rngs)
+    self.ln1 = _norm(cfg, rngs)
     self.attn = CausalSelfAttention(cfg, out_std=out_std, rngs=rngs)
-    self.ln2 = nnx.LayerNorm(cfg.d_model, epsilon=1e-5, use_bias=cfg.bias, dtype=dtype,
-                             rngs=rngs)
+    self.ln2 = _norm(cfg, rngs)
     self.mlp = NestedMLP(cfg.d_model, cfg.d_ff, out_std=out_std, bias=cfg.bias, dtype=dtype,
+                         gated=cfg.mlp == "swiglu", approximate_gelu=cfg.mlp == "gelu_tanh",
                          rngs=rngs)
     self.parallel_residual = cfg.parallel_residual
     self.dropout = cfg.dropout
@@ -103,6 +126,8 @@ class GPT(nnx.Module):
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
     if cfg.vocab_size is None:
       raise ValueError("GPTConfig.vocab_size is unset; resolve it with presets.get_preset")
+    if cfg.mlp not in ("gelu", "gelu_tanh", "swiglu"):
+      raise ValueError(f"mlp={cfg.mlp!r}: use 'gelu', 'gelu_tanh' or 'swiglu'")
     if cfg.d_model % cfg.n_head:
       raise ValueError(f"d_model={cfg.d_model} is not divisible by n_head={cfg.n_head}")
     self.cfg = cfg
@@ -113,8 +138,7 @@ class GPT(nnx.Module):
                           embedding_init=_normal(0.02), rngs=rngs)
                 if cfg.position == "learned" else None)
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layer)])
-    self.ln_f = nnx.LayerNorm(cfg.d_model, epsilon=1e-5, use_bias=cfg.bias, dtype=dtype,
-                             rngs=rngs)
+    self.ln_f = _norm(cfg, rngs)
     self.lm_head = (None if cfg.tie_embeddings else
                     nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=dtype,
                                kernel_init=_normal(0.02), rngs=rngs))

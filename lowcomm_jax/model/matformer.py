@@ -17,24 +17,35 @@ def hidden_units(d_ff: int, fraction: float) -> int:
 
 
 class NestedMLP(nnx.Module):
-  """GELU MLP d -> F -> d whose width is chosen per call."""
+  """MLP d -> F -> d whose width is chosen per call: GELU (exact, or GPT-2's tanh
+  approximation when `approximate_gelu`), or SwiGLU when `gated` (silu(x W_gate) * (x W_fc),
+  Llama's gate and up projections)."""
 
   def __init__(self, d_model: int, d_ff: int, *, out_std: float, bias: bool,
-               dtype: jnp.dtype, rngs: nnx.Rngs):
+               dtype: jnp.dtype, rngs: nnx.Rngs, gated: bool = False,
+               approximate_gelu: bool = False):
+    if gated and bias:
+      raise ValueError("a SwiGLU MLP has no biases here (Llama's have none); set bias=False")
     init = jax.nn.initializers.normal(0.02)
+    self.gate_kernel = nnx.Param(init(rngs.params(), (d_model, d_ff))) if gated else None
     self.fc_kernel = nnx.Param(init(rngs.params(), (d_model, d_ff)))
     self.proj_kernel = nnx.Param(jax.nn.initializers.normal(out_std)(rngs.params(), (d_ff, d_model)))
     self.fc_bias = nnx.Param(jnp.zeros((d_ff,))) if bias else None
     self.proj_bias = nnx.Param(jnp.zeros((d_model,))) if bias else None
     self.d_ff = d_ff
     self.dtype = dtype
+    self.approximate_gelu = approximate_gelu
 
   def __call__(self, x_BxLxD: jax.Array, fraction: float = 1.0) -> jax.Array:
     m = hidden_units(self.d_ff, fraction)
     h_BxLxM = x_BxLxD @ self.fc_kernel[:, :m].astype(self.dtype)
     if self.fc_bias is not None:
       h_BxLxM = h_BxLxM + self.fc_bias[:m].astype(self.dtype)
-    h_BxLxM = jax.nn.gelu(h_BxLxM, approximate=False)  # nanoGPT uses exact GELU
+    if self.gate_kernel is not None:
+      h_BxLxM = jax.nn.silu(x_BxLxD @ self.gate_kernel[:, :m].astype(self.dtype)) * h_BxLxM
+    else:
+      # nanoGPT uses exact GELU; GPT-2's released weights were trained with the tanh form
+      h_BxLxM = jax.nn.gelu(h_BxLxM, approximate=self.approximate_gelu)
     y_BxLxD = h_BxLxM @ self.proj_kernel[:m].astype(self.dtype)
     if self.proj_bias is not None:
       y_BxLxD = y_BxLxD + self.proj_bias[...].astype(self.dtype)
@@ -46,7 +57,7 @@ class NestedMLP(nnx.Module):
 # are the full tree with these leaves cut along their hidden axis. The outer step works on
 # full shapes, so tier-shaped pseudo-gradients are zero-padded back and weighted by a mask.
 
-_HIDDEN_AXIS = {"fc_kernel": 1, "fc_bias": 0, "proj_kernel": 0}  # NestedMLP leaves
+_HIDDEN_AXIS = {"gate_kernel": 1, "fc_kernel": 1, "fc_bias": 0, "proj_kernel": 0}
 
 
 def _hidden_axis(path) -> int | None:

@@ -18,10 +18,27 @@ class GPTConfig:
   parallel_residual: bool = False  # x + attn(ln1 x) + mlp(ln2 x) (GPT-NeoX) vs sequential
   tie_embeddings: bool = True
   dtype: str = "float32"  # compute dtype; parameters are always float32
+  # Llama family: RMSNorm, SwiGLU, grouped-query attention, rotary on every head dim.
+  norm: str = "layernorm"  # 'layernorm' | 'rmsnorm'
+  norm_eps: float = 1e-5
+  # 'gelu' (exact, nanoGPT) | 'gelu_tanh' (GPT-2's released weights) | 'swiglu' (Llama)
+  mlp: str = "gelu"
+  n_kv_head: int | None = None  # key/value heads (grouped-query attention); None: n_head
+  rope_base: float = 10000.0
 
   @property
   def head_dim(self) -> int:
     return self.d_model // self.n_head
+
+  @property
+  def kv_heads(self) -> int:
+    return self.n_kv_head or self.n_head
+
+  @property
+  def family(self) -> str:
+    """'llama' for the Llama-style options (what tensor parallelism does not shard)."""
+    gpt = self.norm == "layernorm" and self.mlp != "swiglu" and self.kv_heads == self.n_head
+    return "gpt" if gpt else "llama"
 
 
 PRESETS: dict[str, GPTConfig] = {
@@ -40,6 +57,15 @@ PRESETS: dict[str, GPTConfig] = {
     # GPT-2 small as in nanoGPT (vocab padded to 50304): 124M parameters.
     "gpt2_124m": GPTConfig(
         n_layer=12, n_head=12, d_model=768, d_ff=3072, block_size=1024, vocab_size=50304),
+    # Unit tests of the Llama family: 4 query heads sharing 2 key/value heads.
+    "tiny_llama": GPTConfig(
+        n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, block_size=64, bias=False,
+        position="rotary", norm="rmsnorm", mlp="swiglu"),
+    # SmolLM2-135M (Llama architecture, tied embeddings): 134.5M parameters.
+    "smollm2_135m": GPTConfig(
+        n_layer=30, n_head=9, n_kv_head=3, d_model=576, d_ff=1536, block_size=8192,
+        vocab_size=49152, bias=False, position="rotary", norm="rmsnorm", mlp="swiglu",
+        rope_base=100000.0),
 }
 
 

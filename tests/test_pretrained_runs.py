@@ -1,0 +1,55 @@
+"""Runs that start from a pretrained checkpoint (model.init_from)."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import load_config
+from lowcomm_jax import train
+from lowcomm_jax.config_check import ConfigError
+from lowcomm_jax.model import get_preset
+
+gguf = pytest.importorskip("gguf")
+from tests.model.test_pretrained import _llama_to_hf, _random_model, _write_gguf  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+  cfg = get_preset("tiny_llama", vocab_size=256)
+  _, params = _random_model(cfg)
+  path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
+  _write_gguf(path, _llama_to_hf(params, cfg), cfg)
+  return path, params
+
+
+def test_a_run_starts_from_the_checkpoints_weights_and_trains(tiny_gguf, tmp_path):
+  path, params = tiny_gguf
+  config = load_config("smoke", **{"model.init_from": str(path), "algorithm": "diloco"})
+  r = train.build(config)
+  with r.partitioner():
+    state, _ = train.init_run(r, train.jitted_steps(r))
+  assert r.model.cfg.mlp == "swiglu" and r.model.cfg.kv_heads == 2
+  np.testing.assert_array_equal(np.asarray(state.params),
+                                np.asarray(r.model.layout.ravel(params)))
+  with jax.set_mesh(r.topology.mesh):
+    start_loss = float(jax.jit(r.programs.eval)(state.params, r.data.eval_windows))
+  summary = train.run(config, tmp_path / "run")
+  assert summary["model"] == f"gguf:{path}"
+  assert summary["params"] == sum(x.size for x in jax.tree.leaves(params))
+  assert summary["eval_loss"] < start_loss - 0.1, (summary["eval_loss"], start_loss)
+  recorded = json.loads((tmp_path / "run" / "config.json").read_text())["config"]
+  assert recorded["model"]["init_from"] == str(path)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model.init_from": "/nonexistent/model.gguf"}, "model.init_from='/nonexistent/model.gguf'"),
+    ({"model.init_from": "GGUF", "model.vocab_size": 512}, "model.vocab_size=512"),
+    ({"model.name": "tiny_llama", "model.tp.size": 2}, "model.tp.size=2: tensor parallelism"),
+])
+def test_bad_pretrained_configs_name_the_field(tiny_gguf, overrides, message):
+  if overrides.get("model.init_from") == "GGUF":
+    overrides = {**overrides, "model.init_from": str(tiny_gguf[0])}
+  with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    train.build(load_config("smoke", **overrides))
