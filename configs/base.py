@@ -148,13 +148,18 @@ def get_config() -> ml_collections.ConfigDict:
 
   # --- inner optimizer (each worker; for ddp the per-step optimizer) ----------------------
   c.optimizer = ml_collections.ConfigDict()
-  c.optimizer.name = "adamw"  # 'adamw' | 'sgd'
+  # Inner optimizers (lowcomm_jax/optimizers.py): adamw | sgd | lamb | lars | adafactor | lion |
+  # muon (Newton-Schulz-orthogonalized momentum on hidden matrices, AdamW on embeddings,
+  # the LM head, norms and biases).
+  c.optimizer.name = "adamw"  # inner optimizer (above)
   c.optimizer.lr = 3e-3  # peak learning rate
   c.optimizer.warmup_steps = 50  # linear warmup (inner steps)
   c.optimizer.decay_steps = 0  # cosine decay length in inner steps; 0: rounds * inner_steps
   c.optimizer.min_lr_ratio = 0.1  # final lr = lr * min_lr_ratio
-  c.optimizer.b1 = 0.9  # AdamW first-moment decay
-  c.optimizer.b2 = 0.95  # AdamW second-moment decay
+  c.optimizer.b1 = 0.9  # first-moment decay (AdamW, LAMB, Lion, Muon's AdamW part)
+  c.optimizer.b2 = 0.95  # second-moment decay (the same; Lion's paper uses 0.99)
+  c.optimizer.momentum = 0.95  # momentum of lars and muon (sgd is plain SGD)
+  c.optimizer.adam_lr = 0.0  # muon: peak lr of its AdamW part; 0: optimizer.lr
   c.optimizer.weight_decay = 0.1  # decoupled, on matrices only (not biases/LayerNorm)
   c.optimizer.grad_clip = 1.0  # global-norm clipping; 0 disables it
 

@@ -8,7 +8,7 @@ import runpy
 
 import ml_collections
 
-from lowcomm_jax import algorithms, config_doc, run_identity
+from lowcomm_jax import algorithms, config_doc, optimizers, run_identity
 from lowcomm_jax.compress import CODECS
 from lowcomm_jax.compress.sparse import kept_per_chunk
 from lowcomm_jax.data.tokenizers import TOKENIZER_VOCAB, is_tokenizer_file
@@ -204,7 +204,10 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
                       "a multiple of that")
 
   # Optimizers.
-  check(c.optimizer.name in ("adamw", "sgd"), "optimizer.name", "use 'adamw' or 'sgd'")
+  check(c.optimizer.name in optimizers.INNER, "optimizer.name",
+        f"use one of {optimizers.INNER}")
+  check(0.0 <= c.optimizer.momentum < 1.0, "optimizer.momentum", "must be in [0, 1)")
+  check(c.optimizer.adam_lr >= 0, "optimizer.adam_lr", "must be >= 0 (0: optimizer.lr)")
   check(c.optimizer.lr > 0, "optimizer.lr", "must be > 0")
   check(c.optimizer.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
   check(c.optimizer.grad_clip >= 0, "optimizer.grad_clip", "must be >= 0 (0 disables clipping)")
