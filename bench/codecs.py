@@ -4,6 +4,7 @@
   python bench/codecs.py --speed_only
   python bench/codecs.py --sweep            # also the SWEEP runs toward the 1000x target
   python bench/codecs.py --long             # the LONG runs: 4x the tokens
+  python bench/codecs.py --muloco           # DiLoCo with Muon inside, dense and compressed
 
 Methods: DDP, DiLoCo (H=20), DiLoCo + int8 / 4-bit / SparseLoCo, DDP + DeMo, DDP + DeMo 1-bit,
 all 2,457,600 tokens. Prints a table of final eval loss, bytes sent per worker and the ratio
@@ -78,6 +79,19 @@ LONG = {
 }
 
 
+# --muloco (MuLoCo, Thérien et al. 2025: Muon inner steps make DiLoCo's pseudo-gradients
+# less sensitive to compression): DiLoCo, DiLoCo + int4, DiLoCo + SparseLoCo, each with the
+# AdamW inner optimizer above and with Muon (lr 0.02 on the hidden matrices, its AdamW part
+# at the runs' 3e-3), at the same tokens.
+_MUON = {"optimizer.name": "muon", "optimizer.lr": 0.02, "optimizer.adam_lr": 3e-3}
+MULOCO = {
+    **{k: METHODS[k] for k in ("diloco", "diloco_int4", "diloco_sparseloco")},
+    "diloco_muon": ("diloco_hetero", {"hosts": [], **_MUON}),
+    "diloco_muon_int4": ("diloco_hetero", {"hosts": [], "compress.codec": "int4", **_MUON}),
+    "diloco_muon_sparseloco": ("diloco_sparseloco", _MUON),
+}
+
+
 def _config(file: str, overrides: dict):
   config = runpy.run_path(str(REPO / "configs" / f"{file}.py"))["get_config"]()
   config.update_from_flattened_dict(overrides)  # dotted keys, e.g. "compress.codec"
@@ -117,15 +131,18 @@ def main():
   p.add_argument("--sweep", action="store_true", help="also run the SWEEP methods")
   p.add_argument("--long", action="store_true",
                  help="run the LONG methods (4x tokens) instead; default workdir codecs_long")
+  p.add_argument("--muloco", action="store_true",
+                 help="run the MULOCO methods instead; default workdir codecs (shared runs)")
   args = p.parse_args()
-  if args.long and args.sweep:
-    p.error("--long and --sweep are separate tables; run them one at a time")
+  if args.long + args.sweep + args.muloco > 1:
+    p.error("--long, --sweep and --muloco are separate tables; run them one at a time")
   if args.workdir is None:
     args.workdir = REPO / "bench/results" / ("codecs_long" if args.long else "codecs")
   result = {"speed_ms_per_10M": {k: v * 1e3 for k, v in codec_speed().items()}}
   if not args.speed_only:
     rows = {}
-    methods = LONG if args.long else {**METHODS, **(SWEEP if args.sweep else {})}
+    methods = (LONG if args.long else MULOCO if args.muloco
+               else {**METHODS, **(SWEEP if args.sweep else {})})
     for name, (file, overrides) in methods.items():
       if args.only and name not in args.only:
         continue
