@@ -62,7 +62,7 @@ def bare_steps_per_second(r, config, batches_HxBxL1, rounds: int) -> dict[str, f
   for name, fn, calls, arg in (("per_step", per_step, rounds * h, lambda i: batch_list[i % h]),
                                ("scanned", scan, rounds, lambda i: stacked)):
     # The model's tree.
-    params = jax.jit(lambda: r.model.layout.unravel(r.state_spec.init().params))()
+    params = jax.jit(lambda: r.model.layout.unravel(r.state_spec.initial_params()))()
     opt_state = tx.init(params)
     params, opt_state, loss = fn(params, opt_state, arg(0))  # compile
     jax.block_until_ready(loss)

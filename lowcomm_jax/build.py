@@ -216,11 +216,10 @@ def build(config: ml_collections.ConfigDict) -> Run:
   c = config
   algorithm = algorithms.get(c.algorithm)
   corpus = open_corpus(c.data, window=c.data.seq_len + 1)
-  if c.model.init_from:  # the checkpoint's architecture and weights
-    start = pretrained.load(c.model.init_from)
-    model_cfg = dataclasses.replace(start.cfg, dtype=c.model.dtype, dropout=c.model.dropout)
+  if c.model.init_from:  # the checkpoint's architecture (its weights: initial_params)
+    model_cfg = dataclasses.replace(pretrained.read_config(c.model.init_from),
+                                    dtype=c.model.dtype, dropout=c.model.dropout)
   else:
-    start = None
     model_cfg = get_preset(c.model.name, vocab_size=c.model.vocab_size,
                            tokenizer_vocab=corpus.vocab_size, dtype=c.model.dtype,
                            dropout=c.model.dropout)
@@ -309,14 +308,13 @@ def build(config: ml_collections.ConfigDict) -> Run:
     return steps.init_state(flat_params, seed=c.seed, layout=layout,
                             aggregators=aggregators, rules=rules, num_workers=c.num_workers)
 
-  if start is None:
+  if not c.model.init_from:
     initial_params = jax.jit(lambda: layout.ravel(param_tree()))
-  else:
-    if jax.tree.structure(start.params) != jax.tree.structure(abstract_params):
-      raise ValueError(f"model.init_from={c.model.init_from!r}: its tensors do not make the "
-                       "model's parameter tree")
-    pretrained_flat = layout.ravel(start.params)
-    initial_params = lambda: pretrained_flat
+  else:  # read when asked (init_run), not held for the whole run
+    def initial_params():
+      start = pretrained.load(c.model.init_from)
+      pretrained.check_shapes(start, abstract_params)
+      return layout.ravel(start.params)
   abstract_state = jax.eval_shape(init_fn, jax.ShapeDtypeStruct((layout.size,), jnp.float32))
   per_worker_outer = abstract_state.outer.per_worker
   tier_bytes = {}
@@ -337,7 +335,8 @@ def build(config: ml_collections.ConfigDict) -> Run:
   topology = Topology(
       mesh=mesh, local_mesh=local_mesh, hosts=hosts, local_hosts=local_hosts,
       hidden_per_worker=np.asarray([h.hidden for h in hosts for _ in h.worker_ids], np.int32))
-  model = ModelSpec(name=start.source if start else c.model.name, cfg=model_cfg,
+  model = ModelSpec(name=(pretrained.source_of(c.model.init_from) if c.model.init_from
+                          else c.model.name), cfg=model_cfg,
                     graphdef=graphdef, layout=layout, param_count=count_params(layout.abstract),
                     param_bytes=ledger.tree_bytes(layout.abstract), tier_bytes=tier_bytes)
   # Workers whose data is corrupted on purpose (robust-aggregation tests and benchmarks).

@@ -113,7 +113,9 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
       problems.append(str(e))
       preset = None
   if preset is not None:
-    if tp > 1 and (preset.family != "gpt" or preset.mlp != "gelu"):
+    # tp.py's sharded forward is the GPT's: exact GELU, LayerNorm eps 1e-5, rotary base 1e4.
+    if tp > 1 and (preset.family != "gpt" or preset.mlp != "gelu"
+                   or (preset.norm_eps, preset.rope_base) != (1e-5, 10000.0)):
       problems.append(f"model.tp.size={tp}: tensor parallelism shards the GPT family with "
                       f"exact GELU only, not {model_label}; set --config.model.tp.size=1")
     elif tp > 1:

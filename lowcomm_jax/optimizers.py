@@ -66,8 +66,9 @@ def inner_optimizer(opt: ml_collections.ConfigDict, total_steps: int) -> optax.G
     tx = optax.lars(schedule, weight_decay=opt.weight_decay, weight_decay_mask=_is_matrix,
                     trust_ratio_mask=_is_matrix, momentum=opt.momentum)
   elif opt.name == "adafactor":  # factored second moments: O(rows + cols) state per matrix
-    tx = optax.adafactor(schedule, weight_decay_rate=opt.weight_decay or None,
-                         weight_decay_mask=_is_matrix)
+    # optax adds Adafactor's decay after the lr step: scale it by the lr, as AdamW's is.
+    decay = (lambda t: opt.weight_decay * schedule(t)) if opt.weight_decay else None
+    tx = optax.adafactor(schedule, weight_decay_rate=decay, weight_decay_mask=_is_matrix)
   elif opt.name == "lion":  # sign of an interpolated momentum (Chen et al. 2023)
     tx = optax.lion(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay,
                     mask=_is_matrix)
@@ -78,7 +79,8 @@ def inner_optimizer(opt: ml_collections.ConfigDict, total_steps: int) -> optax.G
     tx = optax_contrib.muon(
         schedule, beta=opt.momentum, weight_decay=opt.weight_decay,
         weight_decay_mask=_is_matrix, adam_b1=opt.b1, adam_b2=opt.b2,
-        # No decay in the AdamW part: it holds the norms and biases, and it takes no mask.
+        # No decay in the AdamW part (embeddings, LM head, norms, biases): it takes no mask,
+        # and norms and biases must not decay. Embeddings lose the decay AdamW gives them.
         adam_weight_decay=0.0, adam_learning_rate=adam_schedule,
         muon_weight_dimension_numbers=muon_dimension_numbers)
   else:

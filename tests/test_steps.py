@@ -22,7 +22,7 @@ def test_diloco_h1_sgd_outer_lr1_equals_ddp_with_sgd(smoke_config):
   np.testing.assert_allclose(m_diloco["train_loss_per_worker"], m_ddp["train_loss_per_worker"],
                              rtol=1e-5)
   # ...and training moved the parameters (the equivalence is not between two no-ops).
-  init = jax.jit(r_ddp.state_spec.init)()
+  init = jax.jit(r_ddp.state_spec.init)(r_ddp.state_spec.initial_params())
   embedding = lambda s: r_ddp.model.layout.unravel(s.params)["wte"]["embedding"]
   assert not np.allclose(embedding(init), embedding(s_ddp))
 

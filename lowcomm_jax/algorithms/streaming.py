@@ -23,7 +23,7 @@ would not keep that alignment.
 
 from lowcomm_jax.algorithms.base import Segment, field_problem
 from lowcomm_jax.algorithms.diloco import DiLoCo, codec_problems
-from lowcomm_jax.model.presets import PRESETS
+from lowcomm_jax.model.pretrained import architecture_of
 
 LAYOUTS = ("strided", "sequential")
 
@@ -52,7 +52,8 @@ class StreamingDiLoCo(DiLoCo):
   def problems(self, c):
     s = c.streaming
     out = codec_problems(c)
-    n_layer = PRESETS[c.model.name].n_layer if c.model.name in PRESETS else None
+    arch = architecture_of(c.model)  # the preset's, or model.init_from's
+    n_layer = arch.n_layer if arch else None
     if s.fragments < 1 or (n_layer and s.fragments > n_layer):
       most = n_layer or "the number of blocks"
       out.append(field_problem(c, "streaming.fragments", f"must be in [1, {most}] (each "

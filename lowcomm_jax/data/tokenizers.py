@@ -5,6 +5,7 @@ Each has `name` (what a cache key and a prepared corpus's meta.json record), `vo
 `eot` (the id `prepare` puts between documents), `encode` and `decode`."""
 
 import hashlib
+import json
 import os
 import pathlib
 
@@ -73,7 +74,7 @@ class HuggingFaceTokenizer:
     except DataError:
       raise
     except Exception as e:  # the library raises plain Exception for bad files
-      raise DataError(f"{file} is not a readable tokenizer.json ({e})") from e
+      raise DataError(f"{file}: no tokenizer could be built from it ({e})") from e
     self.name = tokenizer_id(path)
     # Added tokens may leave gaps: the vocabulary must cover the largest id.
     self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True),
@@ -89,40 +90,48 @@ class HuggingFaceTokenizer:
     return self._tok.decode([int(t) for t in tokens], skip_special_tokens=False)
 
 
+def _gguf_tokenizer_fields(file: pathlib.Path) -> dict:
+  """The tokenizer metadata of a GGUF: tokens, merges, pre-tokenizer, token types."""
+  try:
+    import gguf
+  except ImportError as e:
+    raise DataError(f"data.tokenizer={str(file)!r} needs the gguf and tokenizers packages: "
+                    "pip install 'lowcomm_jax[pretrained]'") from e
+  try:
+    fields = gguf.GGUFReader(str(file)).fields
+  except Exception as e:  # the reader raises ValueError/struct errors for damaged files
+    raise DataError(f"{file} is not a readable GGUF file ({e})") from e
+  get = lambda name: fields[name].contents() if name in fields else None
+  out = {"model": get("tokenizer.ggml.model"), "pre": get("tokenizer.ggml.pre"),
+         "tokens": get("tokenizer.ggml.tokens"), "merges": get("tokenizer.ggml.merges"),
+         "types": get("tokenizer.ggml.token_type")}
+  if out["model"] != "gpt2" or not out["tokens"] or out["merges"] is None:
+    raise DataError(f"{file}: tokenizer.ggml.model={out['model']!r}; only byte-level BPE "
+                    "('gpt2', with tokens and merges) GGUF tokenizers are read")
+  if out["pre"] not in _GGUF_PRE:
+    raise DataError(f"{file}: tokenizer.ggml.pre={out['pre']!r} is not supported; "
+                    f"{sorted(_GGUF_PRE)} are (other splitting rules would encode wrongly)")
+  return out
+
+
+# llama.cpp's pre-tokenizer names -> whether digits are split one by one before GPT-2's regex
+_GGUF_PRE = {"gpt-2": False, "smollm": True}
+
+
 def gguf_tokenizer_json(path: str | pathlib.Path) -> str:
   """The GGUF's byte-level BPE tokenizer (`tokenizer.ggml.model = gpt2`: its tokens and
   merges) as a Hugging Face tokenizer.json string, built with the `tokenizers` library."""
-  file = pathlib.Path(path).expanduser()
-  try:
-    import gguf
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-  except ImportError as e:
-    raise DataError(f"data.tokenizer={str(path)!r} needs the gguf and tokenizers packages: "
-                    "pip install 'lowcomm_jax[pretrained]'") from e
-  try:
-    reader = gguf.GGUFReader(str(file))
-  except Exception as e:  # the reader raises ValueError/struct errors for damaged files
-    raise DataError(f"{file} is not a readable GGUF file ({e})") from e
-  model = reader.fields.get("tokenizer.ggml.model")
-  if model is None or model.contents() != "gpt2":
-    kind = None if model is None else model.contents()
-    raise DataError(f"{file}: tokenizer.ggml.model={kind!r}; only byte-level BPE ('gpt2') "
-                    "GGUF tokenizers are read")
-  tokens = reader.fields["tokenizer.ggml.tokens"].contents()
-  merges = [tuple(m.split(" ", 1)) for m in reader.fields["tokenizer.ggml.merges"].contents()]
-  pre = reader.fields.get("tokenizer.ggml.pre")
-  tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+  f = _gguf_tokenizer_fields(pathlib.Path(path).expanduser())
+  merges = [tuple(m.split(" ", 1)) for m in f["merges"]]
+  tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(f["tokens"])}, merges=merges))
   byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-  # llama.cpp's 'smollm' pre-tokenizer splits digits one by one before the GPT-2 regex.
-  if pre is not None and pre.contents() == "smollm":
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), byte_level])
-  else:
-    tok.pre_tokenizer = byte_level
+  tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                byte_level])
+                       if _GGUF_PRE[f["pre"]] else byte_level)
   tok.decoder = decoders.ByteLevel()
-  types = reader.fields.get("tokenizer.ggml.token_type")
-  if types is not None:  # type 3: control tokens (<|endoftext|>, <|im_start|>, …)
-    tok.add_special_tokens([t for t, kind in zip(tokens, types.contents()) if kind == 3])
+  if f["types"] is not None:  # type 3: control tokens (<|endoftext|>, <|im_start|>, …)
+    tok.add_special_tokens([t for t, kind in zip(f["tokens"], f["types"]) if kind == 3])
   return tok.to_str()
 
 
@@ -138,9 +147,9 @@ def tokenizer_id(name: str) -> str:
     file = pathlib.Path(name).expanduser()
     if not file.is_file():
       return "hf:?"
-    # A GGUF is identified by the tokenizer it holds, not by its weights.
-    content = (gguf_tokenizer_json(file).encode() if file.suffix == ".gguf"
-               else file.read_bytes())
+    # A GGUF is identified by the tokenizer it holds (its metadata), not by its weights.
+    content = (json.dumps(_gguf_tokenizer_fields(file), default=lambda o: o.tolist()).encode()
+               if file.suffix == ".gguf" else file.read_bytes())
     return f"hf:{hashlib.sha256(content).hexdigest()[:16]}"
   return _ALIASES.get(name, name)
 

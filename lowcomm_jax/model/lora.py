@@ -33,7 +33,7 @@ def init_adapters(key: jax.Array, base, *, rank: int, targets) -> dict:
   """Adapters for every kernel of `base` that `targets` names (float32)."""
   unknown = set(targets) - set(TARGETS)
   if unknown or not targets:
-    raise ValueError(f"lora.targets={tuple(targets)}: choose from {tuple(TARGETS)}")
+    raise ValueError(f"LoRA targets {tuple(targets)}: choose from {tuple(TARGETS)}")
   flat = jax.tree_util.tree_flatten_with_path(base)[0]
   out: dict = {}
   for i, (path, w) in enumerate(flat):
@@ -46,7 +46,7 @@ def init_adapters(key: jax.Array, base, *, rank: int, targets) -> dict:
       node = node.setdefault(name, {})
     node[_names(path)[-1]] = {"a": a, "b": jnp.zeros((rank, d_out), jnp.float32)}
   if not out:
-    raise ValueError(f"lora.targets={tuple(targets)}: the model has none of these kernels")
+    raise ValueError(f"LoRA targets {tuple(targets)}: the model has none of these kernels")
   return out
 
 

@@ -36,7 +36,8 @@ class GPTConfig:
 
   @property
   def family(self) -> str:
-    """'llama' for the Llama-style options (what tensor parallelism does not shard)."""
+    """'llama' where any of the Llama family's options is on (RMSNorm, SwiGLU, grouped
+    query attention), else 'gpt'. Tensor parallelism shards 'gpt' with exact GELU only."""
     gpt = self.norm == "layernorm" and self.mlp != "swiglu" and self.kv_heads == self.n_head
     return "gpt" if gpt else "llama"
 

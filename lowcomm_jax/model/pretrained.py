@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from lowcomm_jax.model.presets import GPTConfig
+from lowcomm_jax.model.presets import PRESETS, GPTConfig
 
 
 class PretrainedError(ValueError):
@@ -54,11 +54,42 @@ def _file_of(path) -> pathlib.Path:
   return p
 
 
+def source_of(path: str | pathlib.Path) -> str:
+  """What a run records as its model: the format and the file ("gguf:<path>")."""
+  p = _file_of(path)
+  return f"{p.suffix[1:]}:{p}"
+
+
+def architecture_of(model_config) -> GPTConfig | None:
+  """The architecture a run's `model` config section names: the checkpoint's when
+  `init_from` is set (None if it cannot be read), else the preset's (None if unknown)."""
+  if model_config.init_from:
+    try:
+      return read_config(model_config.init_from)
+    except PretrainedError:
+      return None
+  return PRESETS.get(model_config.name)
+
+
 def load(path: str | pathlib.Path) -> Pretrained:
   """The architecture and weights of the checkpoint at `path` (.gguf, .safetensors, or a
   folder holding model.safetensors and config.json)."""
   p = _file_of(path)
   return _from_gguf(p) if p.suffix == ".gguf" else _from_safetensors(p)
+
+
+def check_shapes(start: Pretrained, abstract_params) -> None:
+  """Refuses, naming the first tensor that differs, weights that do not fit the model."""
+  got = dict(jax.tree_util.tree_flatten_with_path(start.params)[0])
+  for path, want in jax.tree_util.tree_flatten_with_path(abstract_params)[0]:
+    name = "/".join(str(getattr(k, "key", k)) for k in path)
+    have = got.pop(path, None)
+    if have is None or have.shape != want.shape:
+      raise PretrainedError(f"{start.source}: parameter {name} has shape "
+                            f"{None if have is None else have.shape}, the model needs "
+                            f"{want.shape}; the file does not match its own metadata")
+  if got:
+    raise PretrainedError(f"{start.source}: {len(got)} tensors the model has no place for")
 
 
 def read_config(path: str | pathlib.Path) -> GPTConfig:
@@ -77,32 +108,70 @@ def _hf_config(file: pathlib.Path) -> dict:
   if not cfg_file.is_file():
     raise PretrainedError(f"{file}: no config.json beside it; copy the model's config.json "
                           "from its Hugging Face repository into the same folder")
-  return json.loads(cfg_file.read_text())
+  try:
+    hf = json.loads(cfg_file.read_text())
+  except (OSError, ValueError) as e:
+    raise PretrainedError(f"{cfg_file} is not readable JSON ({e})") from e
+  hf["_file"] = str(cfg_file)
+  return hf
+
+
+# GPT-2's released weights use gelu_new (tanh); "gelu" is the exact one (nanoGPT's)
+_GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+def _llama_problems(hf: dict) -> list[str]:
+  """What a Llama-family config.json may hold that this model does not compute."""
+  out = []
+  scaling = hf.get("rope_scaling") or {}
+  if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+    out.append(f"rope_scaling={scaling} (only plain RoPE)")
+  for key in ("attention_bias", "mlp_bias"):
+    if hf.get(key):
+      out.append(f"{key}=true (the Llama family here has no biases)")
+  if hf.get("hidden_act", "silu") != "silu":
+    out.append(f"hidden_act={hf['hidden_act']!r} (SwiGLU uses silu)")
+  heads = hf["num_attention_heads"]
+  if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
+    out.append(f"head_dim={hf['head_dim']} (must be hidden_size / num_attention_heads)")
+  window = hf.get("sliding_window")
+  if window is not None and hf.get("use_sliding_window", True) and \
+      window < hf.get("max_position_embeddings", 0):
+    out.append(f"sliding_window={window} (full causal attention only)")
+  return out
 
 
 def _config_from_hf(hf: dict) -> GPTConfig:
-  kind = hf.get("model_type")
-  if kind == "gpt2":
-    return GPTConfig(
-        n_layer=hf["n_layer"], n_head=hf["n_head"], d_model=hf["n_embd"],
-        d_ff=hf.get("n_inner") or 4 * hf["n_embd"], block_size=hf["n_positions"],
-        vocab_size=hf["vocab_size"], norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-        # GPT-2's released weights use gelu_new (tanh); "gelu" is the exact one (nanoGPT's)
-        mlp="gelu" if hf.get("activation_function") == "gelu" else "gelu_tanh")
-  if kind in ("llama", "mistral", "qwen2") and not hf.get("attention_bias", False):
-    if (hf.get("rope_scaling") or {}).get("rope_type", "default") not in ("default", None):
-      raise PretrainedError(f"rope_scaling={hf['rope_scaling']} is not supported (only "
-                            "plain RoPE)")
-    return GPTConfig(
-        n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"],
-        n_kv_head=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        d_model=hf["hidden_size"], d_ff=hf["intermediate_size"],
-        block_size=hf.get("max_position_embeddings", 2048), vocab_size=hf["vocab_size"],
-        bias=False, position="rotary", norm="rmsnorm", mlp="swiglu",
-        norm_eps=hf.get("rms_norm_eps", 1e-6), rope_base=float(hf.get("rope_theta", 10000.0)),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
-  raise PretrainedError(f"model_type={kind!r} in config.json is not supported; GPT-2 and "
-                        "Llama-family (llama, without attention biases) are")
+  kind, file = hf.get("model_type"), hf.get("_file", "config.json")
+  try:
+    if kind == "gpt2":
+      act = hf.get("activation_function", "gelu_new")
+      if act not in _GPT2_ACTIVATIONS:
+        raise PretrainedError(f"{file}: activation_function={act!r} is not supported; "
+                              f"{sorted(_GPT2_ACTIVATIONS)} are")
+      return GPTConfig(
+          n_layer=hf["n_layer"], n_head=hf["n_head"], d_model=hf["n_embd"],
+          d_ff=hf.get("n_inner") or 4 * hf["n_embd"], block_size=hf["n_positions"],
+          vocab_size=hf["vocab_size"], norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+          mlp=_GPT2_ACTIVATIONS[act])
+    if kind in ("llama", "mistral"):
+      problems = _llama_problems(hf)
+      if problems:
+        raise PretrainedError(f"{file}: {'; '.join(problems)}: not supported")
+      return GPTConfig(
+          n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"],
+          n_kv_head=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+          d_model=hf["hidden_size"], d_ff=hf["intermediate_size"],
+          block_size=hf.get("max_position_embeddings", 2048), vocab_size=hf["vocab_size"],
+          bias=False, position="rotary", norm="rmsnorm", mlp="swiglu",
+          norm_eps=hf.get("rms_norm_eps", 1e-6),
+          rope_base=float(hf.get("rope_theta", 10000.0)),
+          tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+  except KeyError as e:
+    raise PretrainedError(f"{file}: no {e.args[0]!r} field; is it a {kind} model's "
+                          "config.json?") from e
+  raise PretrainedError(f"{file}: model_type={kind!r} is not supported; 'gpt2' and the "
+                        "Llama family ('llama', 'mistral' without a sliding window) are")
 
 
 def _from_safetensors(file: pathlib.Path) -> Pretrained:
@@ -125,7 +194,7 @@ def _from_safetensors(file: pathlib.Path) -> Pretrained:
     params = _llama_params(cfg, lambda i, n: get(f"model.layers.{i}.{n}.weight"),
                            get("model.embed_tokens.weight"), get("model.norm.weight"),
                            None if cfg.tie_embeddings else get("lm_head.weight"))
-  return Pretrained(cfg, params, f"safetensors:{file}")
+  return Pretrained(cfg, params, source_of(file))
 
 
 def _getter(tensors: dict, file: pathlib.Path):
@@ -186,6 +255,9 @@ _GGUF_BLOCK = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                "ffn_norm": "post_attention_layernorm"}
 
 
+_HF_BLOCK = {h: g for g, h in _GGUF_BLOCK.items()}
+
+
 def _unpermute(w_OxI: np.ndarray, heads: int) -> np.ndarray:
   """Undoes llama.cpp's Q/K row permutation (convert_hf_to_gguf's `permute`), which within
   each head interleaves the two halves: GGUF rows [a0, b0, a1, b1, …] back to Hugging
@@ -226,10 +298,23 @@ def _gguf_config(file: pathlib.Path, reader, tensors: dict) -> GPTConfig:
   if "token_embd.weight" not in tensors:
     raise PretrainedError(f"{file}: tensor 'token_embd.weight' is missing; the file is "
                           "incomplete")
-  m = lambda key, default=None: meta.get(f"llama.{key}", default)
+  def m(key, default=None):
+    value = meta.get(f"llama.{key}", default)
+    if value is None:
+      raise PretrainedError(f"{file}: metadata llama.{key} is missing; the file is incomplete")
+    return value
+
   # GGUF stores float32: 1e-6 reads back as 9.99999997e-07; take float32's shortest decimal.
   f32 = lambda x: float(str(np.float32(x)))
   n_head = int(m("attention.head_count"))
+  head_dim = int(m("embedding_length")) // n_head
+  if meta.get("llama.rope.scaling.type", "none") != "none" or "rope_freqs.weight" in tensors:
+    raise PretrainedError(f"{file}: scaled RoPE (llama.rope.scaling.*, rope_freqs) is not "
+                          "supported; only plain RoPE")
+  if int(meta.get("llama.rope.dimension_count", head_dim)) != head_dim:
+    raise PretrainedError(f"{file}: llama.rope.dimension_count="
+                          f"{meta['llama.rope.dimension_count']} rotates part of each head; "
+                          f"only the whole head ({head_dim}) is supported")
   return GPTConfig(
       n_layer=int(m("block_count")), n_head=n_head,
       n_kv_head=int(m("attention.head_count_kv", n_head)),
@@ -255,7 +340,7 @@ def _from_gguf(file: pathlib.Path) -> Pretrained:
     return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
 
   def layer(i, hf_name):
-    gguf_name = next(g for g, h in _GGUF_BLOCK.items() if h == hf_name)
+    gguf_name = _HF_BLOCK[hf_name]
     w = get(f"blk.{i}.{gguf_name}.weight")
     if gguf_name == "attn_q":
       return _unpermute(w, cfg.n_head)
@@ -265,7 +350,7 @@ def _from_gguf(file: pathlib.Path) -> Pretrained:
 
   params = _llama_params(cfg, layer, get("token_embd.weight"), get("output_norm.weight"),
                          None if cfg.tie_embeddings else get("output.weight"))
-  return Pretrained(cfg, params, f"gguf:{file}")
+  return Pretrained(cfg, params, source_of(file))
 
 
 # --- Export -------------------------------------------------------------------------------
@@ -276,8 +361,10 @@ def hf_tensors(cfg: GPTConfig, params) -> dict[str, np.ndarray]:
   Llama family."""
   p = jax.tree.map(np.asarray, params)
   if cfg.family == "llama":
-    if cfg.position != "rotary" or cfg.bias:
-      raise PretrainedError("a Llama-family export needs rotary positions and no biases")
+    if (cfg.position, cfg.rotary_fraction, cfg.norm, cfg.mlp, cfg.bias,
+        cfg.parallel_residual) != ("rotary", 1.0, "rmsnorm", "swiglu", False, False):
+      raise PretrainedError("a Llama export needs rotary positions on whole heads, RMSNorm, "
+                            "SwiGLU, no biases and sequential residuals")
     hd, nq, nkv = cfg.head_dim, cfg.n_head, cfg.kv_heads
     out = {"model.embed_tokens.weight": p["wte"]["embedding"],
            "model.norm.weight": p["ln_f"]["scale"]}
@@ -295,9 +382,10 @@ def hf_tensors(cfg: GPTConfig, params) -> dict[str, np.ndarray]:
               pre + "input_layernorm.weight": b["ln1"]["scale"],
               pre + "post_attention_layernorm.weight": b["ln2"]["scale"]}
   else:
-    if cfg.position != "learned" or not cfg.bias or cfg.parallel_residual or "lm_head" in p:
-      raise PretrainedError("a GPT-2 export needs learned positions, biases, sequential "
-                            "residuals and tied embeddings")
+    if (cfg.position, cfg.norm, cfg.bias, cfg.parallel_residual) != (
+        "learned", "layernorm", True, False) or "lm_head" in p:
+      raise PretrainedError("a GPT-2 export needs learned positions, LayerNorm, biases, "
+                            "sequential residuals and tied embeddings")
     out = {"wte.weight": p["wte"]["embedding"], "wpe.weight": p["wpe"]["embedding"],
            "ln_f.weight": p["ln_f"]["scale"], "ln_f.bias": p["ln_f"]["bias"]}
     for i, b in p["blocks"].items():

@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from lowcomm_jax.model import GPT, get_preset, lora, pretrained
+from tests.model.test_pretrained import _gpt2_to_hf, _llama_to_hf
 
 pytest.importorskip("safetensors")
 
@@ -36,7 +37,7 @@ def test_adapters_cover_the_targeted_kernels_and_start_at_the_base():
   for x, y in zip(jax.tree.leaves(merged), jax.tree.leaves(base)):
     np.testing.assert_array_equal(x, y)  # B = 0: exactly the base
   assert lora.count(attn) == 2 * (32 * 4 + 4 * 64 + 32 * 4 + 4 * 32)
-  with pytest.raises(ValueError, match="lora.targets"):
+  with pytest.raises(ValueError, match="LoRA targets"):
     lora.init_adapters(jax.random.key(0), base, rank=4, targets=("embeddings",))
 
 
@@ -66,6 +67,13 @@ def test_a_merged_model_exports_as_safetensors_the_importer_reads_back(tmp_path,
                           lora.init_adapters(jax.random.key(1), base, rank=2,
                                              targets=("attn", "mlp")))
   merged = lora.merge(base, adapters, scale=2.0)
+  # The exporter's layout against the tests' own writers (not only its inverse, the importer).
+  written = (_llama_to_hf(jax.tree.map(np.asarray, merged), cfg) if name == "tiny_llama"
+             else _gpt2_to_hf(jax.tree.map(np.asarray, merged)))
+  exported = pretrained.hf_tensors(cfg, merged)
+  assert sorted(exported) == sorted(written)
+  for k in written:
+    np.testing.assert_array_equal(exported[k], written[k])
   pretrained.save_safetensors(tmp_path, cfg, merged, metadata={"lora_base": "test"})
   assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
   back = pretrained.load(tmp_path)

@@ -137,9 +137,8 @@ def test_llama_safetensors_round_trip(tmp_path, llama):
                              atol=1e-5)
 
 
-def test_gpt2_safetensors_round_trip_uses_gpt2s_tanh_gelu(tmp_path):
-  cfg = get_preset("tiny", vocab_size=VOCAB, mlp="gelu_tanh")
-  model, p = _random_model(cfg)
+def _gpt2_to_hf(p):
+  """The model's tree in GPT2Model's names ([in, out] Conv1D weights, as the model's)."""
   hf = {"wte.weight": p["wte"]["embedding"], "wpe.weight": p["wpe"]["embedding"],
         "ln_f.weight": p["ln_f"]["scale"], "ln_f.bias": p["ln_f"]["bias"]}
   for i, b in p["blocks"].items():
@@ -153,8 +152,14 @@ def test_gpt2_safetensors_round_trip_uses_gpt2s_tanh_gelu(tmp_path):
            f"h.{i}.mlp.c_fc.bias": b["mlp"]["fc_bias"],
            f"h.{i}.mlp.c_proj.weight": b["mlp"]["proj_kernel"],
            f"h.{i}.mlp.c_proj.bias": b["mlp"]["proj_bias"]}
+  return {k: np.ascontiguousarray(v, np.float32) for k, v in hf.items()}
+
+
+def test_gpt2_safetensors_round_trip_uses_gpt2s_tanh_gelu(tmp_path):
+  cfg = get_preset("tiny", vocab_size=VOCAB, mlp="gelu_tanh")
+  model, p = _random_model(cfg)
   # GPT2LMHeadModel's names carry "transformer."
-  hf = {f"transformer.{k}": np.ascontiguousarray(v) for k, v in hf.items()}
+  hf = {f"transformer.{k}": v for k, v in _gpt2_to_hf(p).items()}
   safetensors_numpy.save_file(hf, str(tmp_path / "model.safetensors"))
   (tmp_path / "config.json").write_text(json.dumps({
       "model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "n_inner": 128,
@@ -290,3 +295,42 @@ def test_gguf_tokenizer_follows_the_vocabularys_merges(tmp_path, llama):
 def test_bad_pretrained_files_are_one_line_errors(tmp_path, make, message):
   with pytest.raises(pretrained.PretrainedError, match=message):
     pretrained.load(make(tmp_path))
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"model_type": "qwen2"}, "model_type='qwen2' is not supported"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling="),
+    ({"attention_bias": True}, "attention_bias=true"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"model_type": "mistral", "sliding_window": 16}, "sliding_window=16"),
+    ({"num_hidden_layers": None}, "num_hidden_layers"),
+])
+def test_llama_configs_it_cannot_compute_are_refused_by_name(tmp_path, fields, message):
+  hf = {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "hidden_size": 32, "intermediate_size": 64,
+        "max_position_embeddings": 64, "vocab_size": VOCAB}
+  hf.update(fields)
+  hf = {k: v for k, v in hf.items() if v is not None}
+  (tmp_path / "model.safetensors").write_bytes(b"")
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  with pytest.raises(pretrained.PretrainedError, match=message):
+    pretrained.read_config(tmp_path)
+
+
+def test_weights_that_do_not_fit_the_model_name_the_tensor(tmp_path, llama):
+  cfg, params, _, _ = llama
+  hf = _llama_to_hf(params, cfg)
+  hf["model.layers.1.mlp.up_proj.weight"] = hf["model.layers.1.mlp.up_proj.weight"][:32]
+  _write_gguf(tmp_path / "cut.gguf", hf, cfg)
+  start = pretrained.load(tmp_path / "cut.gguf")
+  abstract = jax.eval_shape(lambda: params)
+  with pytest.raises(pretrained.PretrainedError, match="blocks/1/mlp/fc_kernel has shape"):
+    pretrained.check_shapes(start, abstract)
+
+
+def test_a_gguf_tokenizer_with_unknown_splitting_rules_is_refused(tmp_path, llama):
+  cfg, params, _, _ = llama
+  _write_gguf(tmp_path / "t.gguf", _llama_to_hf(params, cfg), cfg,
+              tokenizer=(["a", "b", "ab"], ["a b"], [1, 1, 1], "llama-bpe"))
+  with pytest.raises(Exception, match="tokenizer.ggml.pre='llama-bpe' is not supported"):
+    get_tokenizer(str(tmp_path / "t.gguf"))
