@@ -174,6 +174,14 @@ def get_config() -> ml_collections.ConfigDict:
   # A pretrained checkpoint (lowcomm_jax/model/pretrained.py): its architecture replaces
   # model.name's and its weights the random init.
   c.model.init_from = ""  # .gguf, .safetensors or a folder with both; '' trains from scratch
+  # LoRA (lowcomm_jax/model/lora.py): train adapters A [in, r], B [r, out] on the targeted
+  # kernels of a frozen base (model.init_from's, or the seeded init); only they cross the
+  # network and fill the checkpoints.
+  c.lora = ml_collections.ConfigDict()
+  c.lora.rank = 0  # adapter rank; 0: no LoRA, every weight trains
+  c.lora.alpha = 16.0  # the adapters' scale is alpha / rank (nnx.LoRA applies none)
+  c.lora.targets = ("attn",)  # 'attn' (q|k|v and output projections) and/or 'mlp'
+  c.lora.base_dtype = "float32"  # the frozen base's storage: 'float32' | 'bfloat16'
   # Tensor parallelism inside each worker (lowcomm_jax/model/tp.py), over the mesh's 'model' axis.
   c.model.tp = ml_collections.ConfigDict()
   c.model.tp.size = 1  # devices on 'model' (heads and FFN split over them); 1: no TP

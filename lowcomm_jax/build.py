@@ -7,6 +7,7 @@ programs and runs them.
 import contextlib
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ from lowcomm_jax.data import (WorkerStreams, eval_windows, open_corpus, other_co
                               probe_windows)
 from lowcomm_jax.hosts import HostSpec, host_table
 from lowcomm_jax.model import GPT, GPTConfig, count_params, get_preset, next_token_loss
-from lowcomm_jax.model import pretrained
+from lowcomm_jax.model import lora, pretrained
 from lowcomm_jax.model.matformer import slice_tier
 from lowcomm_jax.model.tp import SyncPlan, count_all_reduces, partitioner, tp_loss
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
@@ -46,6 +47,7 @@ class ModelSpec:
   param_count: int
   param_bytes: int
   tier_bytes: dict[float, dict[str, int]]  # per tier: parameter and optimizer bytes per worker
+  frozen_count: int = 0  # parameters of the frozen base (LoRA), beside the trained ones
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +92,9 @@ class Run:
   local_reads_rules: bool = False
   # Enter around compiling and running the run's programs (model/tp.py: GSPMD under TP).
   partitioner: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+  # Weights every program reads and none trains (a LoRA run's base, replicated on the mesh);
+  # passed as an argument (rounds.jitted_steps binds it), never compiled in as a constant.
+  frozen: Any = ()
   _placed: dict = dataclasses.field(default_factory=dict)
 
   def replicated_input(self, x: np.ndarray) -> jax.Array:
@@ -197,15 +202,30 @@ class Run:
                               jax.eval_shape(f, params)) for f in self.programs.init_workers)
 
 
-def _loss_fn(graphdef, model_cfg: GPTConfig, plan: SyncPlan | None, mesh):
-  """(params, windows, key) -> loss: the NNX model, or its tensor-parallel form under `plan`
-  over `mesh`'s 'model' axis (no dropout there; validation requires model.dropout = 0)."""
+def _loss_fn(graphdef, model_cfg: GPTConfig, plan: SyncPlan | None, mesh,
+             lora_scale: float | None = None):
+  """(params, windows, key, frozen) -> loss: the NNX model, or its tensor-parallel form under
+  `plan` over `mesh`'s 'model' axis (no dropout there; validation requires model.dropout =
+  0). With `lora_scale`, `params` are LoRA adapters on the frozen base `frozen`."""
   if plan is not None:
-    return lambda params, windows, key: tp_loss(params, windows, model_cfg, plan, mesh)
+    return lambda params, windows, key, frozen: tp_loss(params, windows, model_cfg, plan, mesh)
 
-  def loss_fn(params, windows, key):
+  def loss_fn(params, windows, key, frozen):
+    if lora_scale is not None:  # W + scale·A·B, the base read in float32 whatever it is stored in
+      base = jax.tree.map(lambda x: x.astype(jnp.float32), frozen)
+      params = lora.merge(base, params, scale=lora_scale)
     return next_token_loss(nnx.merge(graphdef, params), windows, dropout_key=key)
   return loss_fn
+
+
+def _model_weights(c: ml_collections.ConfigDict, model_tree: Callable[[], dict]):
+  """The model's own weights: `model.init_from`'s (checked against the model's shapes), or
+  the seeded random init."""
+  if not c.model.init_from:
+    return jax.jit(model_tree)()
+  start = pretrained.load(c.model.init_from)
+  pretrained.check_shapes(start, jax.eval_shape(model_tree))
+  return start.params
 
 
 def build(config: ml_collections.ConfigDict) -> Run:
@@ -249,8 +269,16 @@ def build(config: ml_collections.ConfigDict) -> Run:
 
   graphdef = graphdef_of(model_cfg.d_ff)
 
-  def param_tree():
+  def model_tree():
     return nnx.to_pure_dict(nnx.state(GPT(model_cfg, rngs=nnx.Rngs(params=c.seed)), nnx.Param))
+
+  lo = c.lora
+  if lo.rank > 0:  # θ: the adapters alone; the model's weights stay frozen (Run.frozen)
+    def param_tree():
+      return lora.init_adapters(jax.random.fold_in(jax.random.key(c.seed), 0x4C6F5241),
+                                model_tree(), rank=lo.rank, targets=tuple(lo.targets))
+  else:
+    param_tree = model_tree
   abstract_params = jax.eval_shape(param_tree)
   layout = ParamLayout.of(abstract_params, algorithm.leaf_fragments(c, abstract_params))
   tp = c.model.tp
@@ -258,7 +286,8 @@ def build(config: ml_collections.ConfigDict) -> Run:
           if tp.size > 1 else None)
 
   def loss_of(d_ff, on_mesh):
-    return _loss_fn(graphdef_of(d_ff), dataclasses.replace(model_cfg, d_ff=d_ff), plan, on_mesh)
+    return _loss_fn(graphdef_of(d_ff), dataclasses.replace(model_cfg, d_ff=d_ff), plan, on_mesh,
+                    lora_scale=lo.alpha / lo.rank if lo.rank > 0 else None)
 
   # Each host's inner schedule spans its own number of steps (rounds x its H).
   inner_txs = [optimizers.inner_optimizer(c.optimizer, c.rounds * h.inner_steps) for h in hosts]
@@ -308,13 +337,17 @@ def build(config: ml_collections.ConfigDict) -> Run:
     return steps.init_state(flat_params, seed=c.seed, layout=layout,
                             aggregators=aggregators, rules=rules, num_workers=c.num_workers)
 
-  if not c.model.init_from:
+  frozen = ()
+  if lo.rank > 0:  # adapters start at B = 0: exactly the base
+    initial_params = jax.jit(lambda: layout.ravel(param_tree()))
+    frozen = jax.device_put(jax.tree.map(lambda x: jnp.asarray(x, lo.base_dtype),
+                                         _model_weights(c, model_tree)),
+                            mesh_lib.replicated(mesh))
+  elif not c.model.init_from:
     initial_params = jax.jit(lambda: layout.ravel(param_tree()))
   else:  # read when asked (init_run), not held for the whole run
     def initial_params():
-      start = pretrained.load(c.model.init_from)
-      pretrained.check_shapes(start, abstract_params)
-      return layout.ravel(start.params)
+      return layout.ravel(_model_weights(c, model_tree))
   abstract_state = jax.eval_shape(init_fn, jax.ShapeDtypeStruct((layout.size,), jnp.float32))
   per_worker_outer = abstract_state.outer.per_worker
   tier_bytes = {}
@@ -338,7 +371,8 @@ def build(config: ml_collections.ConfigDict) -> Run:
   model = ModelSpec(name=(pretrained.source_of(c.model.init_from) if c.model.init_from
                           else c.model.name), cfg=model_cfg,
                     graphdef=graphdef, layout=layout, param_count=count_params(layout.abstract),
-                    param_bytes=ledger.tree_bytes(layout.abstract), tier_bytes=tier_bytes)
+                    param_bytes=ledger.tree_bytes(layout.abstract), tier_bytes=tier_bytes,
+                    frozen_count=count_params(frozen))
   # Workers whose data is corrupted on purpose (robust-aggregation tests and benchmarks).
   other = (other_corpus(c.data.corruption_path, c.data.tokenizer, window=c.data.seq_len + 1)
            if c.data.corrupt_workers and c.data.corruption == "other_text" else None)
@@ -361,6 +395,6 @@ def build(config: ml_collections.ConfigDict) -> Run:
                                  abstract=abstract_state,
                                  shardings=state_shardings),
             programs=programs, local_reads_rules=worker_rule is not None,
-            partitioner=lambda: partitioner(plan))
+            partitioner=lambda: partitioner(plan), frozen=frozen)
   memory.check(run)  # nothing is allocated yet: refuse in seconds, not at RESOURCE_EXHAUSTED
   return run

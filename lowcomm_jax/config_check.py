@@ -140,6 +140,7 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   check(c.aggregate.weighting in ("uniform", "tokens"), "aggregate.weighting",
         "use 'uniform' or 'tokens'")
   _check_robust(c, check)
+  _check_lora(c, check, problems, num_processes)
   _check_adversaries(c, check)
   check(c.keep_checkpoints >= 2, "keep_checkpoints",
         "keep at least 2: a crash mid-save must leave an older complete checkpoint")
@@ -258,6 +259,31 @@ def _check_adversaries(c: ml_collections.ConfigDict, check) -> None:
   if attackers:
     check(c.algorithm not in ("async", "async_dn", "halos"), "attack.workers",
           "attacks are applied in synchronous syncs; use ddp or a synchronous DiLoCo variant")
+
+
+def _check_lora(c, check, problems: list, num_processes: int) -> None:
+  lo = c.lora
+  check(lo.rank >= 0, "lora.rank", "must be >= 0 (0: no LoRA)")
+  if lo.rank == 0:
+    return
+  check(lo.alpha > 0, "lora.alpha", "must be > 0 (the adapters' scale is alpha / rank)")
+  check(bool(lo.targets) and set(lo.targets) <= {"attn", "mlp"}, "lora.targets",
+        "use ('attn',), ('mlp',) or ('attn', 'mlp')")
+  check(lo.base_dtype in ("float32", "bfloat16"), "lora.base_dtype",
+        "use 'float32' or 'bfloat16'")
+  # Not built yet with LoRA: say so before any work, rather than train something else.
+  for ok, field, why in (
+      (c.model.tp.size == 1, "model.tp.size", "tensor parallelism shards full weights"),
+      (all(float(row.tier) == 1.0 for row in c.hosts), "hosts",
+       "MatFormer tiers slice the FFN by leaf name; adapters have their own"),
+      (c.aggregate.signal != "probe_loss", "aggregate.signal",
+       "the probe scores proposals without the frozen base"),
+      (not c.sim.enabled, "sim.enabled", "the simulator is not wired for a frozen base"),
+      (num_processes == 1, "num_processes",
+       "the frozen base is placed for one process; run one process for now")):
+    if not ok:
+      problems.append(f"lora.rank={lo.rank}: not yet with {field} here ({why}); "
+                      f"set --config.lora.rank=0 or change {field}")
 
 
 def _check_robust(c: ml_collections.ConfigDict, check) -> None:

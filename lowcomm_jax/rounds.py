@@ -18,6 +18,20 @@ from lowcomm_jax.metrics import announce_compile
 from lowcomm_jax.parallel import mesh as mesh_lib
 
 
+class Bound:
+  """A jitted program with its `frozen` argument bound (Run.frozen): called, or lowered, like
+  the program without it. `func` is the jitted program (metrics.announce_compile)."""
+
+  def __init__(self, func, frozen):
+    self.func, self.frozen = func, frozen
+
+  def __call__(self, *args, **kwargs):
+    return self.func(*args, frozen=self.frozen, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    return self.func.lower(*args, frozen=self.frozen, **kwargs)
+
+
 def jitted_steps(r: Run, *, donate: bool | None = None) -> Programs:
   """The run's programs, jitted with their output shardings.
 
@@ -29,15 +43,19 @@ def jitted_steps(r: Run, *, donate: bool | None = None) -> Programs:
   if donate is None:
     donate = jax.default_backend() != "cpu"
   per_worker = mesh_lib.per_worker(r.topology.local_mesh)
-  local = [[jax.jit(f, donate_argnums=(1,) if donate else (),
-                    out_shardings=(per_worker, per_worker, per_worker)) for f in host]
+  # The frozen weights (Run.frozen) are an argument of every program that runs the model,
+  # bound here so no caller passes them: local programs read this process's view of them.
+  local_frozen = mesh_lib.local_view(r.frozen, r.topology.local_mesh)
+  local = [[Bound(jax.jit(f, donate_argnums=(1,) if donate else (),
+                          out_shardings=(per_worker, per_worker, per_worker)), local_frozen)
+            for f in host]
            for host in r.programs.local]
   syncs = [jax.jit(f, out_shardings=(r.state_spec.shardings,
                                     mesh_lib.replicated(r.topology.mesh)),
                    static_argnames="metrics", donate_argnums=(0,) if donate else ())
            for f in r.programs.syncs]
   init = [jax.jit(f, out_shardings=per_worker) for f in r.programs.init_workers]
-  return Programs(local, syncs, init, jax.jit(r.programs.eval))
+  return Programs(local, syncs, init, Bound(jax.jit(r.programs.eval), r.frozen))
 
 
 def init_run(r: Run, fns: Programs) -> tuple[steps.TrainState, tuple]:
@@ -185,16 +203,18 @@ def jitted_overlapped(r: Run, *, donate: bool | None = None):
     donate = jax.default_backend() != "cpu"
   sync, local = r.programs.syncs[0], r.programs.local[0][0]
 
-  def overlapped(state, deltas_R, signals, workers, batches, ids, metrics):
+  def overlapped(state, deltas_R, signals, workers, batches, ids, metrics, frozen):
     state, sync_metrics = sync(state, deltas_R, signals, metrics=metrics)
-    delta, workers, losses_RxS = local(r.local_input(state), workers, batches, ids)
+    delta, workers, losses_RxS = local(r.local_input(state), workers, batches, ids,
+                                       frozen=frozen)
     return state, sync_metrics, delta, workers, losses_RxS.mean(axis=1)
 
   per_worker = mesh_lib.per_worker(r.topology.mesh)
-  return jax.jit(overlapped, static_argnames="metrics",
-                 donate_argnums=(0, 1, 3) if donate else (),
-                 out_shardings=(r.state_spec.shardings, mesh_lib.replicated(r.topology.mesh),
-                                per_worker, per_worker, per_worker))
+  return Bound(
+      jax.jit(overlapped, static_argnames="metrics", donate_argnums=(0, 1, 3) if donate else (),
+              out_shardings=(r.state_spec.shardings, mesh_lib.replicated(r.topology.mesh),
+                             per_worker, per_worker, per_worker)),
+      r.frozen)
 
 
 def overlapped_round(r: Run, fns: Programs, overlapped, state: steps.TrainState, workers: tuple,

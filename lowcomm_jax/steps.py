@@ -37,7 +37,9 @@ from lowcomm_jax.algorithms import Segment
 from lowcomm_jax.model.matformer import pad_tier, slice_tier, tier_mask, unslice_tier
 from lowcomm_jax.parallel.flat import ParamLayout
 
-LossFn = Callable[[Any, jax.Array, jax.Array | None], jax.Array]  # (params, windows, key)
+# (params, windows, key, frozen) -> loss. `frozen`: weights the loss reads but nothing trains
+# (a LoRA run's base model; () otherwise), passed to every program as an argument.
+LossFn = Callable[[Any, jax.Array, jax.Array | None, Any], jax.Array]
 
 
 class OuterState(NamedTuple):
@@ -109,20 +111,21 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
   narrow = hidden != d_ff
   sync, mix, mix_at = segment.sync, segment.mix, segment.mix_at
 
-  def inner_steps(params, opt_state, batches, keys):
+  def inner_steps(params, opt_state, batches, keys, frozen):
     def inner_step(carry, batch_and_key):
       local_params, opt_state = carry
       batch, step_key = batch_and_key
-      loss, grads = grad_fn(local_params, batch, step_key)
+      loss, grads = grad_fn(local_params, batch, step_key, frozen)
       updates, opt_state = inner_tx.update(grads, opt_state, local_params)
       return (optax.apply_updates(local_params, updates), opt_state), loss
     return jax.lax.scan(inner_step, (params, opt_state), (batches, keys))
 
-  def worker(global_flat, round_, rule_state, own_flat, opt_state, steps, memory, batches, key):
+  def worker(global_flat, round_, rule_state, own_flat, opt_state, steps, memory, batches, key,
+             frozen):
     global_params = layout.unravel(global_flat)
     if not local_steps:  # DDP: the gradient at θ is the contribution
       params = slice_tier(global_params, hidden) if narrow else global_params
-      loss, grads = grad_fn(params, batches[0], key)
+      loss, grads = grad_fn(params, batches[0], key, frozen)
       delta = pad_tier(grads, global_params) if narrow else grads
       return layout.fragment_slice(layout.ravel(delta), sync), (), loss[None]
     s = batches.shape[0]
@@ -130,7 +133,7 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
     if worker_rule is not None:
       start_flat = worker_rule.start(global_flat, rule_state, memory)
       (trained, opt_state), losses_s = inner_steps(layout.unravel(start_flat), opt_state,
-                                                   batches, step_keys)
+                                                   batches, step_keys, frozen)
       delta, memory = worker_rule.finish(start_flat, layout.ravel(trained), memory)
       return delta, WorkerState((), opt_state, steps + s, memory), losses_s
     own = layout.unravel(own_flat) if keeps_params else global_params
@@ -155,12 +158,12 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
     losses = []
     if mix_at > 0:
       (trained, opt_state), first = inner_steps(tier(own), opt_state, batches[:mix_at],
-                                                step_keys[:mix_at])
+                                                step_keys[:mix_at], frozen)
       own = full(trained, own)
       losses.append(first)
     own = landed(own)
     (trained, opt_state), rest = inner_steps(tier(own), opt_state, batches[mix_at:],
-                                             step_keys[mix_at:])
+                                             step_keys[mix_at:], frozen)
     own_flat = layout.ravel(full(trained, own))
     losses.append(rest)
     delta = (layout.fragment_slice(global_flat, sync) - layout.fragment_slice(own_flat, sync))
@@ -168,19 +171,20 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
     return (delta, WorkerState(own_flat if keeps_params else (), opt_state, steps + s, memory),
             losses_s)
 
-  def local(state: TrainState, workers: WorkerState | tuple, batches_GxSxBxL1, worker_ids_G):
+  def local(state: TrainState, workers: WorkerState | tuple, batches_GxSxBxL1, worker_ids_G,
+            *, frozen=()):
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(round_key(state), worker_ids_G)
     rule_state = state.outer.per_fragment[0] if worker_rule is not None else ()
     if not local_steps:
       own, opt_state, steps, memory = (), (), (), ()
-      in_axes = (None, None, None, None, None, None, None, 0, 0)
+      in_axes = (None, None, None, None, None, None, None, 0, 0, None)
     else:
       own, opt_state, steps, memory = workers
-      in_axes = (None, None, None, 0 if keeps_params else None, 0, 0, 0, 0, 0)
+      in_axes = (None, None, None, 0 if keeps_params else None, 0, 0, 0, 0, 0, None)
     delta, workers, losses = jax.vmap(
         worker, in_axes=in_axes, axis_name=axis_name, spmd_axis_name=axis_name)(
             state.params, state.round, rule_state, own, opt_state, steps, memory,
-            batches_GxSxBxL1, keys)
+            batches_GxSxBxL1, keys, frozen)
     return delta, workers, losses
 
   return local
@@ -305,7 +309,7 @@ def make_probe(loss_fn: LossFn, layout: ParamLayout, fragment: int, windows_BxL1
 
     def loss_of(delta):
       proposed = layout.fragment_update(theta, base - step * delta, fragment)
-      return loss_fn(layout.unravel(proposed), windows, None)
+      return loss_fn(layout.unravel(proposed), windows, None, ())  # (refused with LoRA)
 
     return jax.lax.map(loss_of, deltas_WxN).astype(jnp.float32)
 
@@ -319,9 +323,10 @@ def _replace(parts: tuple, i: int, value) -> tuple:
 def make_eval_step(loss_fn: LossFn, layout: ParamLayout):
   """`eval_step(flat params, windows[N, B, L+1]) -> mean loss` over N fixed batches."""
 
-  def eval_step(flat_params, windows_NxBxL1):
+  def eval_step(flat_params, windows_NxBxL1, *, frozen=()):
     params = layout.unravel(flat_params)
-    return jax.lax.map(lambda batch: loss_fn(params, batch, None), windows_NxBxL1).mean()
+    return jax.lax.map(lambda batch: loss_fn(params, batch, None, frozen),
+                       windows_NxBxL1).mean()
 
   return eval_step
 

@@ -300,6 +300,9 @@ def _summary(r: Run, sched: _Schedule, sync_bytes, eval_loss, scalars, wall: flo
   return {
       "algorithm": c.algorithm, "num_workers": c.num_workers, "rounds": c.rounds,
       "inner_steps": c.inner_steps, "model": r.model.name, "params": r.model.param_count,
+      # LoRA: the adapters train; param_count counts them with the frozen base
+      "trainable_params": r.model.param_count,
+      "param_count": r.model.param_count + r.model.frozen_count,
       "eval_loss": eval_loss,
       "train_loss": float(scalars["train_loss"]) if scalars else None,
       "tokens": sched.tokens,

@@ -73,8 +73,8 @@ def test_the_probe_scores_each_workers_proposal_by_hand():
   layout = ParamLayout.of(tree, [0, 1])  # two fragments: 'a' then 'b'
   target = jnp.arange(5.0)
 
-  def loss_fn(params, windows, key):  # a quadratic that ignores the windows
-    del key
+  def loss_fn(params, windows, key, frozen):  # a quadratic that ignores the windows
+    del key, frozen
     flat = jnp.concatenate([params["a"], params["b"]])
     return jnp.sum((flat - target) ** 2) + 0.0 * windows.sum()
 

@@ -54,7 +54,7 @@ def _toy_run(config, rounds):
   segments = algorithm.segments(config, config.inner_steps)
   inner_tx = optimizers.inner_optimizer(config.optimizer, 1000)
 
-  def loss_fn(params, target_2x2, key):
+  def loss_fn(params, target_2x2, key, frozen):
     return sum(0.5 * jnp.sum((params["blocks"][b]["w"] - target_2x2[b]) ** 2) for b in (0, 1))
 
   aggregators = [optimizers.aggregator(config, layout.fragment(p)) for p in range(2)]

@@ -32,7 +32,7 @@ def run(algorithm_name: str, rounds: int, **overrides):
   tree = {"w": THETA0}
   layout = ParamLayout.of(tree)
   inner_tx = optimizers.inner_optimizer(config.optimizer, 1000)
-  loss_fn = lambda params, target, key: 0.5 * jnp.sum((params["w"] - target) ** 2)
+  loss_fn = lambda params, target, key, frozen: 0.5 * jnp.sum((params["w"] - target) ** 2)
   aggregator = optimizers.aggregator(config, layout.fragment(0))
   rule = algorithm.outer_rule(config, inner_tx, layout.fragment(0))
   worker_rule = algorithm.worker_rule(config)
