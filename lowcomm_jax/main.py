@@ -16,6 +16,9 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file "
                                           "(path or path:argument).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (default runs/<config name>).")
+_EXPORT_MERGED = flags.DEFINE_string(
+    "export_merged", None, "LoRA runs: after the run, write base + adapters of the latest "
+    "checkpoint as Hugging Face safetensors (model.safetensors, config.json) into this folder.")
 _PRINT_CONFIG = flags.DEFINE_bool(
     "print_config", False, "Print the resolved config (every field with its value and the "
     "comment from configs/base.py that explains it) and exit without training.")
@@ -112,6 +115,14 @@ def main(argv):
           TrainingDiverged) as e:
     print(f"lowcomm_jax: error: {e}", file=sys.stderr)
     sys.exit(2)
+  if _EXPORT_MERGED.value and jax.process_index() == 0:
+    from lowcomm_jax.export import export_merged
+    try:
+      written = export_merged(train.build(_CONFIG.value), workdir, _EXPORT_MERGED.value)
+    except ValueError as e:
+      print(f"lowcomm_jax: error: {e}", file=sys.stderr)
+      sys.exit(2)
+    print(f"merged model written to {written}", file=sys.stderr)
   if jax.process_index() != 0:
     return  # process 0 reports for the run
   print(json.dumps(summary, indent=2))

@@ -9,7 +9,8 @@ import pytest
 from conftest import checkpointed_state, load_config
 from lowcomm_jax import train
 from lowcomm_jax.config_check import ConfigError
-from lowcomm_jax.model import lora
+from lowcomm_jax.export import export_merged
+from lowcomm_jax.model import lora, pretrained
 
 
 def _config(**overrides):
@@ -44,6 +45,16 @@ def test_only_adapters_train_cross_the_network_and_fill_checkpoints(tmp_path):
   assert state.params.shape == (2048,)
   for a, b in zip(jax.tree.leaves(frozen_before), jax.tree.leaves(r.frozen)):
     np.testing.assert_array_equal(a, np.asarray(b))
+  # --export_merged: base + (α/r)·A·B of the last checkpoint, as safetensors.
+  export_merged(r, tmp_path / "run", tmp_path / "merged")
+  back = pretrained.load(tmp_path / "merged")
+  adapters = r.model.layout.unravel(state.params)
+  expected = lora.merge(frozen_before, adapters, scale=4.0 / 2)
+  assert back.cfg == r.model.cfg
+  for x, y in zip(jax.tree.leaves(back.params), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(x, np.asarray(y), rtol=1e-6, atol=1e-7)
+  qkv = back.params["blocks"][0]["attn"]["qkv"]["kernel"]
+  assert not np.array_equal(qkv, frozen_before["blocks"][0]["attn"]["qkv"]["kernel"])
 
 
 def test_a_bfloat16_base_trains_its_adapters():
