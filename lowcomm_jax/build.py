@@ -93,7 +93,7 @@ class Run:
   # Enter around compiling and running the run's programs (model/tp.py: GSPMD under TP).
   partitioner: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
   # Weights every program reads and none trains (a LoRA run's base, replicated on the mesh);
-  # passed as an argument (rounds.jitted_steps binds it), never compiled in as a constant.
+  # passed as an argument (rounds.Bound binds it), never compiled in as a constant.
   frozen: Any = ()
   _placed: dict = dataclasses.field(default_factory=dict)
 
@@ -211,9 +211,8 @@ def _loss_fn(graphdef, model_cfg: GPTConfig, plan: SyncPlan | None, mesh,
     return lambda params, windows, key, frozen: tp_loss(params, windows, model_cfg, plan, mesh)
 
   def loss_fn(params, windows, key, frozen):
-    if lora_scale is not None:  # W + scale·A·B, the base read in float32 whatever it is stored in
-      base = jax.tree.map(lambda x: x.astype(jnp.float32), frozen)
-      params = lora.merge(base, params, scale=lora_scale)
+    if lora_scale is not None:  # W + scale·A·B in float32; untargeted leaves as stored
+      params = lora.merge(frozen, params, scale=lora_scale, dtype=jnp.float32)
     return next_token_loss(nnx.merge(graphdef, params), windows, dropout_key=key)
   return loss_fn
 
@@ -275,6 +274,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
   lo = c.lora
   if lo.rank > 0:  # θ: the adapters alone; the model's weights stay frozen (Run.frozen)
     def param_tree():
+      # A's draws: the run's seed folded with "LoRA" in ASCII, apart from the model's init
       return lora.init_adapters(jax.random.fold_in(jax.random.key(c.seed), 0x4C6F5241),
                                 model_tree(), rank=lo.rank, targets=tuple(lo.targets))
   else:
@@ -340,7 +340,8 @@ def build(config: ml_collections.ConfigDict) -> Run:
   frozen = ()
   if lo.rank > 0:  # adapters start at B = 0: exactly the base
     initial_params = jax.jit(lambda: layout.ravel(param_tree()))
-    frozen = jax.device_put(jax.tree.map(lambda x: jnp.asarray(x, lo.base_dtype),
+    # Straight from host memory to every device (no staging copy on device 0).
+    frozen = jax.device_put(jax.tree.map(lambda x: np.asarray(x).astype(lo.base_dtype),
                                          _model_weights(c, model_tree)),
                             mesh_lib.replicated(mesh))
   elif not c.model.init_from:
@@ -396,5 +397,6 @@ def build(config: ml_collections.ConfigDict) -> Run:
                                  shardings=state_shardings),
             programs=programs, local_reads_rules=worker_rule is not None,
             partitioner=lambda: partitioner(plan), frozen=frozen)
-  memory.check(run)  # nothing is allocated yet: refuse in seconds, not at RESOURCE_EXHAUSTED
+  # Nothing but a LoRA base is allocated yet: refuse in seconds, not at RESOURCE_EXHAUSTED.
+  memory.check(run)
   return run

@@ -30,6 +30,8 @@ def export_merged(r, workdir: str | pathlib.Path, out: str | pathlib.Path) -> pa
   base = jax.tree.map(lambda x: x.astype("float32"), r.frozen)
   merged = lora.merge(base, adapters, scale=c.lora.alpha / c.lora.rank)
   meta = {"lora_base": c.model.init_from or f"seeded init (seed {c.seed})",
+          # a bfloat16-stored base is exported as it was trained on: bfloat16-rounded
+          "lora_base_dtype": c.lora.base_dtype,
           "lora": json.dumps({"rank": c.lora.rank, "alpha": c.lora.alpha,
                               "targets": list(c.lora.targets)}),
           "round": str(step)}

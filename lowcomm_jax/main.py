@@ -90,6 +90,9 @@ def main(argv):
   from lowcomm_jax.config_check import ConfigError
   from lowcomm_jax.parallel import distributed
   from lowcomm_jax.run_identity import ResumeRefused
+  if _EXPORT_MERGED.value and _CONFIG.value.lora.rank == 0:
+    _fail("--export_merged writes a LoRA run's base + adapters; set --config.lora.rank > 0 "
+          "(a full run's checkpoint already holds its whole model)")
   try:
     distributed.initialize(_CONFIG.value)  # before any other JAX use; no-op single-process
     _validate_early(_CONFIG.value)
@@ -115,17 +118,17 @@ def main(argv):
           TrainingDiverged) as e:
     print(f"lowcomm_jax: error: {e}", file=sys.stderr)
     sys.exit(2)
-  if _EXPORT_MERGED.value and jax.process_index() == 0:
+  if jax.process_index() != 0:
+    return  # process 0 reports for the run (and exports)
+  print(json.dumps(summary, indent=2))
+  if _EXPORT_MERGED.value:
     from lowcomm_jax.export import export_merged
     try:
       written = export_merged(train.build(_CONFIG.value), workdir, _EXPORT_MERGED.value)
-    except ValueError as e:
-      print(f"lowcomm_jax: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, CheckpointMismatch) as e:
+      print(f"lowcomm_jax: error: --export_merged: {e}", file=sys.stderr)
       sys.exit(2)
     print(f"merged model written to {written}", file=sys.stderr)
-  if jax.process_index() != 0:
-    return  # process 0 reports for the run
-  print(json.dumps(summary, indent=2))
   if summary.get("simulated"):
     print(f"eval loss {summary['eval_loss']:.4f} after {summary['virtual_seconds']:,.1f} "
           f"virtual seconds and {summary['total_inner_steps']:,} inner steps; mean staleness "

@@ -78,7 +78,12 @@ def estimate(r) -> dict[str, int]:
   out = {"params": params, "outer_state": ledger.tree_bytes(rule_state),
          "outer_temporaries": 2 * params,
          "codec_buffers": math.ceil(ledger.tree_bytes(codec_state) / global_replicas),
-         "inner_optimizer": 0, "worker_params": 0, "deltas": 0, "round_temporaries": 0}
+         "inner_optimizer": 0, "worker_params": 0, "deltas": 0, "round_temporaries": 0,
+         # LoRA: the frozen base, replicated on every device
+         "frozen_base": ledger.tree_bytes(r.frozen)}
+  # LoRA merges W + s·A·B in float32 per worker and backprop makes a full-size gradient of
+  # each merged kernel: two float32 copies of the model per worker, at most.
+  merged = 2 * 4 * r.model.frozen_count
   for i in r.topology.local_hosts:
     h = r.topology.hosts[i]
     per_device = math.ceil(len(h.worker_ids) / local_replicas)
@@ -89,7 +94,7 @@ def estimate(r) -> dict[str, int]:
       out["worker_params"] += copies * per_device * params
     out["deltas"] += per_device * params
     # Hosts run one after another: only the largest round's temporaries count.
-    running = per_device * (2 * tier["param_bytes"] + activation_bytes(
+    running = per_device * (2 * tier["param_bytes"] + merged + activation_bytes(
         r.model.cfg, h.batch_size // data, c.data.seq_len, tp))
     out["round_temporaries"] = max(out["round_temporaries"], running)
   return out

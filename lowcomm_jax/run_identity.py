@@ -26,7 +26,7 @@ RESUMABLE = ("rounds", "eval_every", "checkpoint_every", "keep_checkpoints", "lo
 # Changes a checkpoint cannot continue under (its shapes, H schedule or plan): never allowed.
 FIXED = ("algorithm", "num_workers", "inner_steps", "hosts", "outer.dylu",
          "distributed.num_processes", "data.seq_len", "data.tokenizer", "data.batch_mode",
-         "streaming.fragments", "streaming.layout")
+         "streaming.fragments", "streaming.layout", "lora.rank", "lora.targets")
 FIXED_PREFIXES = ("model.", "compress.", "mesh.", "sim.")
 
 

@@ -299,10 +299,11 @@ def _summary(r: Run, sched: _Schedule, sync_bytes, eval_loss, scalars, wall: flo
                       "idle_fraction": sched.idle_seconds[i] / busy if busy else 0.0})
   return {
       "algorithm": c.algorithm, "num_workers": c.num_workers, "rounds": c.rounds,
-      "inner_steps": c.inner_steps, "model": r.model.name, "params": r.model.param_count,
-      # LoRA: the adapters train; param_count counts them with the frozen base
-      "trainable_params": r.model.param_count,
+      "inner_steps": c.inner_steps, "model": r.model.name,
+      # LoRA: the adapters train; the model's parameters count them with the frozen base
+      "params": r.model.param_count + r.model.frozen_count,
       "param_count": r.model.param_count + r.model.frozen_count,
+      "trainable_params": r.model.param_count,
       "eval_loss": eval_loss,
       "train_loss": float(scalars["train_loss"]) if scalars else None,
       "tokens": sched.tokens,
