@@ -7,7 +7,7 @@ import pathlib
 import jax
 
 from lowcomm_jax.checkpoint import Checkpointer, abstract_with_shardings
-from lowcomm_jax.model import lora, pretrained
+from lowcomm_jax.model import hf_export, lora
 
 
 def export_merged(r, workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path:
@@ -35,4 +35,4 @@ def export_merged(r, workdir: str | pathlib.Path, out: str | pathlib.Path) -> pa
           "lora": json.dumps({"rank": c.lora.rank, "alpha": c.lora.alpha,
                               "targets": list(c.lora.targets)}),
           "round": str(step)}
-  return pretrained.save_safetensors(out, r.model.cfg, merged, metadata=meta)
+  return hf_export.save_safetensors(out, r.model.cfg, merged, metadata=meta)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lowcomm_jax.model import GPT, get_preset, lora, pretrained
+from lowcomm_jax.model import GPT, get_preset, hf_export, lora, pretrained
 from tests.model.test_pretrained import _gpt2_to_hf, _llama_to_hf
 
 pytest.importorskip("safetensors")
@@ -70,11 +70,11 @@ def test_a_merged_model_exports_as_safetensors_the_importer_reads_back(tmp_path,
   # The exporter's layout against the tests' own writers (not only its inverse, the importer).
   written = (_llama_to_hf(jax.tree.map(np.asarray, merged), cfg) if name == "tiny_llama"
              else _gpt2_to_hf(jax.tree.map(np.asarray, merged)))
-  exported = pretrained.hf_tensors(cfg, merged)
+  exported = hf_export.hf_tensors(cfg, merged)
   assert sorted(exported) == sorted(written)
   for k in written:
     np.testing.assert_array_equal(exported[k], written[k])
-  pretrained.save_safetensors(tmp_path, cfg, merged, metadata={"lora_base": "test"})
+  hf_export.save_safetensors(tmp_path, cfg, merged, metadata={"lora_base": "test"})
   assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
   back = pretrained.load(tmp_path)
   assert back.cfg == cfg  # tiny: exact GELU goes out as "gelu" and comes back as such
