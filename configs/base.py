@@ -182,6 +182,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.lora.alpha = 16.0  # the adapters' scale is alpha / rank (nnx.LoRA applies none)
   c.lora.targets = ("attn",)  # 'attn' (q|k|v and output projections) and/or 'mlp'
   c.lora.base_dtype = "float32"  # the frozen base's storage: 'float32' | 'bfloat16'
+  # A target batch reached together by unequal peers (lowcomm_jax/collab.py), as hivemind
+  # does: every host takes micro-batches of its own batch_size at its own speed until the
+  # collaboration's samples reach the target, then the sample-weighted mean gradient takes one
+  # optimizer step (an epoch; `rounds` counts them). Needs algorithm='ddp'.
+  c.collab = ml_collections.ConfigDict()
+  c.collab.target_batch_size = 0  # samples per epoch over all peers; 0: off
+  c.collab.wait_timeout_s = 600.0  # a peer waits this long for the others' counts, then fails
   # Tensor parallelism inside each worker (lowcomm_jax/model/tp.py), over the mesh's 'model' axis.
   c.model.tp = ml_collections.ConfigDict()
   c.model.tp.size = 1  # devices on 'model' (heads and FFN split over them); 1: no TP

@@ -75,6 +75,8 @@ class Programs:
   syncs: list[Callable]
   init_workers: list[Callable]  # per local host: flat θ -> its WorkerState [G, ...]
   eval: Callable[[jax.Array, jax.Array], jax.Array]  # (flat θ, windows) -> loss
+  # per local host, collaborative runs only (collab.py): steps.make_accumulate
+  accumulate: list[Callable] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -291,7 +293,9 @@ def build(config: ml_collections.ConfigDict) -> Run:
 
   # Each host's inner schedule spans its own number of steps (rounds x its H).
   inner_txs = [optimizers.inner_optimizer(c.optimizer, c.rounds * h.inner_steps) for h in hosts]
-  nested = optimizers.needs_nested_mean(c, hosts, model_cfg.d_ff)
+  # A collaborative epoch weighs each worker's mean gradient by its samples.
+  collab = c.collab.target_batch_size > 0
+  nested = collab or optimizers.needs_nested_mean(c, hosts, model_cfg.d_ff)
   fragments = range(layout.num_fragments)
   # Each fragment has its own aggregator (a codec's error buffers) and outer rule state.
   aggregators = [optimizers.aggregator(c, layout.fragment(p), nested=nested) for p in fragments]
@@ -311,7 +315,8 @@ def build(config: ml_collections.ConfigDict) -> Run:
   attack = steps.make_attack(tuple(c.attack.workers), c.attack.kind, c.attack.scale,
                              c.num_workers)
   syncs = [steps.make_sync(aggregators[s.sync], rules[s.sync], nested=nested,
-                           weigh_tokens=c.aggregate.weighting == "tokens", layout=layout,
+                           weigh_tokens=collab or c.aggregate.weighting == "tokens",
+                           layout=layout,
                            fragment=s.sync, count=len(segments), last=k == len(segments) - 1,
                            attack=attack)
            for k, s in enumerate(segments)]
@@ -389,8 +394,13 @@ def build(config: ml_collections.ConfigDict) -> Run:
       eval_windows=eval_windows(corpus.val, seq_len=c.data.seq_len,
                                 batch_size=c.data.batch_size, num_batches=c.eval_batches,
                                 seed=c.seed, vocab_size=window_vocab))
+  accumulate = [steps.make_accumulate(loss_of(hosts[i].hidden, local_mesh),
+                                      hidden=hosts[i].hidden, d_ff=model_cfg.d_ff,
+                                      layout=layout)
+                for i in local_hosts] if collab else []
   programs = Programs(local=local_programs, syncs=syncs, init_workers=init_workers,
-                      eval=steps.make_eval_step(loss_of(model_cfg.d_ff, mesh), layout))
+                      eval=steps.make_eval_step(loss_of(model_cfg.d_ff, mesh), layout),
+                      accumulate=accumulate)
   run = Run(config=c, algorithm=algorithm, topology=topology, model=model, data=data,
             state_spec=StateSpec(init=init_fn, initial_params=initial_params,
                                  abstract=abstract_state,

@@ -141,6 +141,7 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
         "use 'uniform' or 'tokens'")
   _check_robust(c, check)
   _check_lora(c, check, problems, num_processes)
+  _check_collab(c, check, problems)
   _check_adversaries(c, check)
   check(c.keep_checkpoints >= 2, "keep_checkpoints",
         "keep at least 2: a crash mid-save must leave an older complete checkpoint")
@@ -278,12 +279,28 @@ def _check_lora(c, check, problems: list, num_processes: int) -> None:
        "MatFormer tiers slice the FFN by leaf name; adapters have their own"),
       (c.aggregate.signal != "probe_loss", "aggregate.signal",
        "the probe scores proposals without the frozen base"),
-      (not c.sim.enabled, "sim.enabled", "the simulator is not wired for a frozen base"),
-      (num_processes == 1, "num_processes",
-       "the frozen base is placed for one process; run one process for now")):
+      (not c.sim.enabled, "sim.enabled", "the simulator is not wired for a frozen base")):
     if not ok:
       problems.append(f"lora.rank={lo.rank}: not yet with {field} here ({why}); "
                       f"set --config.lora.rank=0 or change {field}")
+
+
+def _check_collab(c, check, problems: list) -> None:
+  """collab.* (lowcomm_jax/collab.py): a target batch reached together by unequal peers."""
+  co = c.collab
+  check(co.target_batch_size >= 0, "collab.target_batch_size",
+        "must be >= 0 (0: no collaborative epochs)")
+  check(co.wait_timeout_s > 0, "collab.wait_timeout_s", "must be > 0 seconds")
+  if co.target_batch_size <= 0:
+    return
+  off = " (or set --config.collab.target_batch_size=0)"
+  check(c.algorithm == "ddp", "algorithm", "collaborative epochs average gradients at θ and "
+        "take one optimizer step per epoch; use --config.algorithm=ddp" + off)
+  check(not c.sim.enabled, "sim.enabled", "the simulator keeps its own clock; set "
+        "--config.sim.enabled=False" + off)
+  check(c.aggregate.rule == "mean" and c.aggregate.signal == "none" and c.aggregate.bucket <= 1,
+        "aggregate.rule", "an epoch weighs workers by their samples; use the mean with "
+        "aggregate.signal='none' and aggregate.bucket=0" + off)
 
 
 def _check_robust(c: ml_collections.ConfigDict, check) -> None:

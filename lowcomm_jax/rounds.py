@@ -55,7 +55,10 @@ def jitted_steps(r: Run, *, donate: bool | None = None) -> Programs:
                    static_argnames="metrics", donate_argnums=(0,) if donate else ())
            for f in r.programs.syncs]
   init = [jax.jit(f, out_shardings=per_worker) for f in r.programs.init_workers]
-  return Programs(local, syncs, init, Bound(jax.jit(r.programs.eval), r.frozen))
+  accumulate = [Bound(jax.jit(f, donate_argnums=(1,) if donate else (),
+                             out_shardings=(per_worker, per_worker)), local_frozen)
+                for f in r.programs.accumulate]
+  return Programs(local, syncs, init, Bound(jax.jit(r.programs.eval), r.frozen), accumulate)
 
 
 def init_run(r: Run, fns: Programs) -> tuple[steps.TrainState, tuple]:

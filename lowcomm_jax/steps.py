@@ -190,6 +190,34 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
   return local
 
 
+def make_accumulate(loss_fn: LossFn, *, hidden: int, d_ff: int, layout: ParamLayout,
+                    axis_name: str = "replica"):
+  """`accumulate(state, acc[G, N], batches[G, B, L+1], worker_ids[G], micro)`
+  -> (acc + B·∇L(θ; batch_w) [G, N], losses[G]): one micro-batch of a collaborative epoch
+  (collab.py) for one host's G workers of width `hidden`, every gradient at the epoch's θ.
+  `acc` sums gradients times samples, so a host's mean gradient is acc / its samples
+  whatever its batch size. Micro-batch `micro`'s keys fold it into the round's."""
+  grad_fn = jax.value_and_grad(loss_fn)
+  narrow = hidden != d_ff
+
+  def worker(global_flat, acc, batch, key, frozen):
+    global_params = layout.unravel(global_flat)
+    params = slice_tier(global_params, hidden) if narrow else global_params
+    loss, grads = grad_fn(params, batch, key, frozen)
+    grads = pad_tier(grads, global_params) if narrow else grads
+    return acc + batch.shape[0] * layout.ravel(grads), loss
+
+  def accumulate(state: TrainState, acc_GxN, batches_GxBxL1, worker_ids_G, micro, *,
+                 frozen=()):
+    key = jax.random.fold_in(round_key(state), micro)
+    keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, worker_ids_G)
+    return jax.vmap(worker, in_axes=(None, 0, 0, 0, None), axis_name=axis_name,
+                    spmd_axis_name=axis_name)(state.params, acc_GxN, batches_GxBxL1, keys,
+                                              frozen)
+
+  return accumulate
+
+
 def make_attack(workers, kind: str, scale: float, num_workers: int):
   """`attack(Δ[R, N], key) -> Δ'`: the listed workers' updates replaced (tests and
   benchmarks of robust aggregation): 'scale' multiplies them by `scale`, 'sign_flip'

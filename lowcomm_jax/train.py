@@ -50,8 +50,13 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   t_start = time.time()
   files = RunFiles(config, workdir)  # refuses a changed config before any work
   r = build(config)
+  if config.collab.target_batch_size > 0:  # epochs of a target batch (collab.py)
+    from lowcomm_jax.collab import CollabDriver
+    driver = CollabDriver(r, stop_after_rounds)
+  else:
+    driver = RoundDriver(r, stop_after_rounds)
   with r.partitioner():  # tensor-parallel programs compile under GSPMD (model/tp.py)
-    return run_loop.run(RoundDriver(r, stop_after_rounds), files, t_start=t_start)
+    return run_loop.run(driver, files, t_start=t_start)
 
 
 class RoundDriver:
