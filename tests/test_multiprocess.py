@@ -186,3 +186,26 @@ def test_streaming_two_unequal_processes_match_one_process(tmp_path):
   np.testing.assert_allclose(two["eval_loss"], one["eval_loss"], rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-6),
                _final_params(config, tmp_path / "two"), _final_params(config, tmp_path / "one"))
+
+
+def test_collaborative_lora_peers_and_their_monitor(tmp_path):
+  # Two unequal peers (batch 8, and batch 2 at half speed) fill a target batch of 32 samples
+  # per epoch through the coordination service's key-value store; the monitor watches.
+  proc = _launch("--num_processes", "2", "--monitor", "--", "--config=configs/collab_lora.py",
+                 f"--workdir={tmp_path}", "--config.rounds=4", "--config.eval_every=0",
+                 "--config.checkpoint_every=4", "--config.data.seq_len=32")
+  out, err = proc.communicate(timeout=420)
+  assert proc.returncode == 0, (out + err)[-4000:]
+  assert "[monitor] epoch 4/4" in out and "[monitor] the run finished" in out
+  rows = [json.loads(l) for l in (tmp_path / "collab.jsonl").read_text().splitlines()]
+  epochs = [row for row in rows if not row.get("live")]
+  assert [row["epoch"] for row in epochs] == [1, 2, 3, 4]
+  for row in epochs:  # the target reached, each peer in whole micro-batches of its own size
+    assert sum(row["samples"]) >= 32 and row["samples"][0] % 8 == 0 and row["samples"][1] % 2 == 0
+    assert sum(row["samples"]) < 32 + 8 + 2  # at most one running micro-batch per peer over
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["tokens"] == 32 * sum(sum(row["samples"]) for row in epochs)
+  assert 0 < summary["trainable_params"] < summary["param_count"]
+  # Only the adapters' averaged gradient crosses the network: at most a ring all-reduce's 2x.
+  assert 0 < summary["bytes_sent"] <= 2 * 4 * summary["trainable_params"] * 4
+  assert list((tmp_path / "monitor").glob("events.out.tfevents.*"))

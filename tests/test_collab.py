@@ -1,0 +1,274 @@
+"""Collaborative epochs (lowcomm_jax/collab.py): unequal peers fill a target batch, the
+sample-weighted mean gradient takes one optimizer step."""
+
+import json
+import pathlib
+import threading
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from conftest import checkpointed_state, load_config
+from lowcomm_jax import collab, optimizers, run_loop, train
+from lowcomm_jax.config_check import ConfigError, validate
+from lowcomm_jax.hosts import host
+from lowcomm_jax.model import next_token_loss
+from lowcomm_jax.run_files import RunFiles
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _config(**overrides):
+  # Host 0: micro-batches of 4 every time unit; host 1: of 2, every 2 units. Target 12:
+  # t=1: 4, t=2: 8 and 10, t=3: 14 >= 12. Host 1's micro-batch started at t=2 < 3 counts:
+  # host 0 gave 3 micro-batches (12 samples), host 1 two (4 samples).
+  # Plain SGD without clipping: the step is linear in the averaged gradient.
+  c = load_config("smoke", algorithm="ddp", inner_steps=1, rounds=1, num_workers=2,
+                  checkpoint_every=1, eval_every=0, **{
+                      "optimizer.warmup_steps": 0, "optimizer.name": "sgd",
+                      "optimizer.lr": 0.5, "optimizer.grad_clip": 0.0,
+                      "collab.target_batch_size": 12})
+  c.hosts = [host(1.0, batch_size=4, speed=1.0), host(1.0, batch_size=2, speed=0.5)]
+  for k, v in overrides.items():
+    c[k] = v
+  return c
+
+
+def _run(config, workdir, progress_cls=None):
+  r = train.build(config)
+  progress = None
+  if progress_cls is not None:
+    progress = progress_cls(config.collab.target_batch_size,
+                            [h.batch_size for h in r.topology.hosts], [1.0, 0.5])
+  driver = collab.CollabDriver(r, None, progress=progress)
+  summary = run_loop.run(driver, RunFiles(config, workdir), t_start=time.time())
+  return r, summary
+
+
+def _hand_step(config, micro_batches_per_host):
+  """(θ_0, the epoch's update) by hand: each host's micro-batches drawn from fresh streams,
+  every gradient at θ_0, averaged weighted by samples (and, for contrast, the plain mean of
+  the hosts' mean gradients), times -lr."""
+  r = train.build(config)
+  theta = r.state_spec.initial_params()
+  params = r.model.layout.unravel(theta)
+
+  def loss(p, batch):
+    return next_token_loss(nnx.merge(r.model.graphdef, p), batch)
+
+  grad = jax.jit(jax.grad(loss))
+  sums, counts = [], []
+  for stream, count in zip(r.data.streams, micro_batches_per_host):
+    total, n = np.zeros(theta.shape, np.float64), 0
+    for _ in range(count):
+      batch = stream.next_round(1)[0, 0]
+      total += batch.shape[0] * np.asarray(r.model.layout.ravel(grad(params, batch)))
+      n += batch.shape[0]
+    sums.append(total)
+    counts.append(n)
+  weighted = sum(sums) / sum(counts)
+  plain = np.mean([s / n for s, n in zip(sums, counts) if n], axis=0)
+  lr = config.optimizer.lr
+  return np.asarray(theta), -lr * weighted, -lr * plain
+
+
+def _metrics(workdir):
+  return [json.loads(l) for l in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_unequal_peers_average_weighted_by_samples(tmp_path):
+  config = _config()
+  summary = train.run(config, tmp_path)
+  row = _metrics(tmp_path)[-1]
+  assert (row["samples_host_0"], row["samples_host_1"], row["samples"]) == (12, 4, 16)
+  assert summary["tokens"] == 16 * config.data.seq_len
+  (state, _), _ = checkpointed_state(config, tmp_path)
+  theta, update, plain = _hand_step(config, [3, 2])
+  np.testing.assert_allclose(np.asarray(state.params) - theta, update, rtol=1e-4, atol=1e-7)
+  # Not the plain mean of the two hosts' mean gradients: the sample weights matter here.
+  assert np.abs(update - plain).max() > 100 * np.abs(np.asarray(state.params) - theta
+                                                     - update).max()
+  rows = [json.loads(l) for l in (tmp_path / collab.PROGRESS_FILE).read_text().splitlines()]
+  assert rows[-1]["samples"] == [12, 4] and rows[-1]["target"] == 12
+
+
+class _LateHostOne(collab.VirtualProgress):
+  """Host 1 is still busy (compiling, loading) while host 0 fills the batch."""
+
+  def next_host(self):
+    return 0 if self.total < self.target else None
+
+
+def test_a_late_peer_joins_with_weight_zero(tmp_path):
+  config = _config()
+  _run(config, tmp_path, _LateHostOne)
+  row = _metrics(tmp_path)[-1]
+  assert (row["samples_host_0"], row["samples_host_1"]) == (12, 0)
+  (state, _), _ = checkpointed_state(config, tmp_path)
+  # Exactly host 0's three micro-batches: host 1's zero Δ carried no weight.
+  theta, update, _ = _hand_step(config, [3, 0])
+  np.testing.assert_allclose(np.asarray(state.params) - theta, update, rtol=1e-4, atol=1e-7)
+
+
+def test_lora_collaboration_trains_adapters_only_and_resumes_exactly_mid_epoch(tmp_path,
+                                                                            monkeypatch):
+  config = _config(rounds=4, checkpoint_every=2)
+  config.lora.rank, config.lora.targets = 2, ("attn", "mlp")
+  r, whole = _run(config, tmp_path / "whole")
+  frozen = jax.tree.map(np.asarray, r.frozen)
+  (end, _), _ = checkpointed_state(config, tmp_path / "whole")
+  assert end.params.shape == (r.model.param_count,) and r.model.frozen_count > 0
+  # The base after four optimizer steps: bit for bit what was loaded.
+  fresh = train.build(config)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), fresh.frozen, frozen)
+  assert whole["trainable_params"] == r.model.param_count
+
+  # A crash in the middle of epoch 3 (after the checkpoint of epoch 2): the restart redoes
+  # epoch 3 from the checkpointed data position and ends where the whole run did.
+  calls = {"n": 0}
+  done = collab.VirtualProgress.done
+
+  def crash(self, host):
+    calls["n"] += 1
+    if calls["n"] == 2 * 5 + 2:  # epoch 3's second micro-batch (five a epoch)
+      raise RuntimeError("host lost")
+    done(self, host)
+
+  monkeypatch.setattr(collab.VirtualProgress, "done", crash)
+  with pytest.raises(RuntimeError, match="host lost"):
+    _run(config, tmp_path / "cut")
+  monkeypatch.setattr(collab.VirtualProgress, "done", done)
+  assert json.loads((tmp_path / "cut" / collab.PROGRESS_FILE).read_text().splitlines()[-1]
+                    )["epoch"] == 2
+  _, resumed = _run(config, tmp_path / "cut")
+  (cut, _), _ = checkpointed_state(config, tmp_path / "cut")
+  np.testing.assert_array_equal(np.asarray(cut.params), np.asarray(end.params))
+  assert resumed["eval_loss"] == whole["eval_loss"]
+
+
+class _Store:
+  """The coordination service's key-value calls, in memory, shared by threads."""
+
+  def __init__(self):
+    self.values, self.cond = {}, threading.Condition()
+
+  def key_value_increment(self, key, by):
+    with self.cond:
+      self.values[key] = int(self.values.get(key, 0)) + by
+      self.cond.notify_all()
+      return self.values[key]
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    with self.cond:
+      assert allow_overwrite or key not in self.values, key
+      self.values[key] = value
+      self.cond.notify_all()
+
+  def key_value_dir_get(self, prefix):
+    with self.cond:
+      return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
+
+  def blocking_key_value_get(self, key, timeout_in_ms):
+    with self.cond:
+      if not self.cond.wait_for(lambda: key in self.values, timeout_in_ms / 1000):
+        raise RuntimeError(f"DEADLINE_EXCEEDED: {key}")
+      return self.values[key]
+
+  def key_value_delete(self, prefix):
+    with self.cond:
+      for k in [k for k in self.values if k.startswith(prefix)]:
+        del self.values[k]
+
+
+def test_store_progress_counts_across_peers_and_gives_a_late_one_weight_zero():
+  store = _Store()
+  peers = [collab.StoreProgress(16, samples, q, 2, timeout_s=5, client=store)
+           for q, samples in enumerate((8, 2))]
+  for p in peers:
+    p.begin(1)
+  # Peer 1 takes one micro-batch, then peer 0 fills the target while peer 1 is busy.
+  assert peers[1].next_host() == 0
+  peers[1].done(0)
+  while peers[0].next_host() is not None:
+    peers[0].done(0)
+  assert peers[0].micro == 2 and peers[1].next_host() is None
+  assert peers[0].live() == [16, 2]
+  results = {}
+  threads = [threading.Thread(target=lambda q=q: results.update(
+      {q: peers[q].agree([(1.0 * q, 0.5)])})) for q in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert results[0] == results[1]
+  assert [s.samples for s in results[0]] == [16, 2]
+
+  # Epoch 2: peer 1 arrives when the batch is already full: it takes nothing, weight 0.
+  for p in peers:
+    p.begin(2)
+  while peers[0].next_host() is not None:
+    peers[0].done(0)
+  assert peers[1].next_host() is None
+  threads = [threading.Thread(target=lambda q=q: results.update(
+      {q: peers[q].agree([(0.0, 0.0)])})) for q in range(2)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert [s.samples for s in results[1]] == [16, 0]
+  assert not any(k.startswith("lowcomm/collab/1/") for k in store.values)  # cleaned up
+
+
+def test_a_silent_peer_times_out_with_a_clear_error():
+  store = _Store()
+  peer = collab.StoreProgress(8, 8, 0, 2, timeout_s=0.2, client=store)
+  peer.begin(1)
+  peer.done(0)
+  with pytest.raises(collab.CollabTimeout, match="peer 1 did not report epoch 1.*wait_timeout_s"):
+    peer.agree([(0.0, 0.0)])
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("algorithm", "diloco", "algorithm='diloco'.*use --config.algorithm=ddp"),
+    ("collab.target_batch_size", -1, "collab.target_batch_size=-1: must be >= 0"),
+    ("collab.wait_timeout_s", 0.0, "collab.wait_timeout_s=0.0: must be > 0"),
+    ("aggregate.rule", "median", "aggregate.rule='median': an epoch weighs workers")])
+def test_bad_collab_fields_are_refused_by_name(field, value, message):
+  config = _config()
+  node, *rest = field.split(".")
+  if rest:
+    config[node][rest[0]] = value
+  else:
+    config[node] = value
+  with pytest.raises(ConfigError, match=message):
+    validate(config, num_devices=8)
+
+
+def test_the_monitor_reports_epochs_rates_and_eta_and_writes_tensorboard(tmp_path):
+  import sys
+  sys.path.insert(0, str(REPO / "launch"))
+  import monitor as monitor_lib
+  from lowcomm_jax.metrics import EventWriter
+  rows = tmp_path / collab.PROGRESS_FILE
+  rows.write_text(
+      json.dumps({"epoch": 1, "live": True, "time": 0, "samples": [8, 2], "target": 32}) + "\n"
+      + json.dumps({"epoch": 1, "rounds": 5, "time": 1, "epoch_seconds": 2.0,
+                    "samples": [32, 8], "seconds": [1.5, 1.9], "train_loss": 2.5,
+                    "target": 32}) + "\n" + '{"epoch": 2, "ro')  # a row being written
+  writer = EventWriter(tmp_path / "monitor")
+  mon = monitor_lib.Monitor(tmp_path, writer)
+  lines = mon.poll()
+  assert lines[0] == "epoch 1: 10/32 samples (peer 0: 8, peer 1: 2)"
+  assert lines[1].startswith("epoch 1/5  loss 2.5000  20.0 samples/s (peer 0: 16.0, "
+                             "peer 1: 4.0)  2.00 s/epoch  ETA 0:08")
+  assert mon.poll() == []  # the half-written row waits
+  with rows.open("a") as f:
+    f.write('unds": 5, "time": 2, "epoch_seconds": 1.0, "samples": [30, 10], "seconds": '
+            '[1, 1], "train_loss": 2.0, "target": 32}\n')
+  assert mon.poll()[0].startswith("epoch 2/5  loss 2.0000  40.0 samples/s")
+  writer.close()
+  assert list((tmp_path / "monitor").glob("events.out.tfevents.*"))
