@@ -205,15 +205,18 @@ class Run:
 
 
 def _loss_fn(graphdef, model_cfg: GPTConfig, plan: SyncPlan | None, mesh,
-             lora_scale: float | None = None):
+             lora_scale: float | None = None, narrow: bool = False):
   """(params, windows, key, frozen) -> loss: the NNX model, or its tensor-parallel form under
   `plan` over `mesh`'s 'model' axis (no dropout there; validation requires model.dropout =
-  0). With `lora_scale`, `params` are LoRA adapters on the frozen base `frozen`."""
+  0). With `lora_scale`, `params` are LoRA adapters on the frozen base `frozen`, which a
+  `narrow` tier (model_cfg.d_ff hidden units) cuts to its width first."""
   if plan is not None:
     return lambda params, windows, key, frozen: tp_loss(params, windows, model_cfg, plan, mesh)
 
   def loss_fn(params, windows, key, frozen):
     if lora_scale is not None:  # W + scale·A·B in float32; untargeted leaves as stored
+      if narrow:
+        frozen = slice_tier(frozen, model_cfg.d_ff)
       params = lora.merge(frozen, params, scale=lora_scale, dtype=jnp.float32)
     return next_token_loss(nnx.merge(graphdef, params), windows, dropout_key=key)
   return loss_fn
@@ -289,7 +292,8 @@ def build(config: ml_collections.ConfigDict) -> Run:
 
   def loss_of(d_ff, on_mesh):
     return _loss_fn(graphdef_of(d_ff), dataclasses.replace(model_cfg, d_ff=d_ff), plan, on_mesh,
-                    lora_scale=lo.alpha / lo.rank if lo.rank > 0 else None)
+                    lora_scale=lo.alpha / lo.rank if lo.rank > 0 else None,
+                    narrow=d_ff != model_cfg.d_ff)
 
   # Each host's inner schedule spans its own number of steps (rounds x its H).
   inner_txs = [optimizers.inner_optimizer(c.optimizer, c.rounds * h.inner_steps) for h in hosts]

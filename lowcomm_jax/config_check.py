@@ -140,7 +140,7 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   check(c.aggregate.weighting in ("uniform", "tokens"), "aggregate.weighting",
         "use 'uniform' or 'tokens'")
   _check_robust(c, check)
-  _check_lora(c, check, problems, num_processes)
+  _check_lora(c, check, problems)
   _check_collab(c, check, problems)
   _check_adversaries(c, check)
   check(c.keep_checkpoints >= 2, "keep_checkpoints",
@@ -262,7 +262,7 @@ def _check_adversaries(c: ml_collections.ConfigDict, check) -> None:
           "attacks are applied in synchronous syncs; use ddp or a synchronous DiLoCo variant")
 
 
-def _check_lora(c, check, problems: list, num_processes: int) -> None:
+def _check_lora(c, check, problems: list) -> None:
   lo = c.lora
   check(lo.rank >= 0, "lora.rank", "must be >= 0 (0: no LoRA)")
   if lo.rank == 0:
@@ -275,8 +275,6 @@ def _check_lora(c, check, problems: list, num_processes: int) -> None:
   # Not built yet with LoRA: say so before any work, rather than train something else.
   for ok, field, why in (
       (c.model.tp.size == 1, "model.tp.size", "tensor parallelism shards full weights"),
-      (all(float(row.tier) == 1.0 for row in c.hosts), "hosts",
-       "MatFormer tiers slice the FFN by leaf name; adapters have their own"),
       (c.aggregate.signal != "probe_loss", "aggregate.signal",
        "the probe scores proposals without the frozen base"),
       (not c.sim.enabled, "sim.enabled", "the simulator is not wired for a frozen base")):

@@ -103,6 +103,7 @@ def main(argv):
   import jax
   from lowcomm_jax import train
   from lowcomm_jax.checkpoint import CheckpointMismatch
+  from lowcomm_jax.collab import CollabTimeout
   from lowcomm_jax.data import DataError
   from lowcomm_jax.run_files import TrainingDiverged
   from lowcomm_jax.workdir import WorkdirError
@@ -115,7 +116,7 @@ def main(argv):
   try:
     summary = run(_CONFIG.value, workdir)
   except (ConfigError, DataError, CheckpointMismatch, ResumeRefused, WorkdirError,
-          TrainingDiverged) as e:
+          TrainingDiverged, CollabTimeout) as e:
     print(f"lowcomm_jax: error: {e}", file=sys.stderr)
     sys.exit(2)
   if jax.process_index() != 0:

@@ -27,7 +27,9 @@ class RunFiles:
     self.config = config
     self.workdir = pathlib.Path(workdir)
     # A workdir holds one run: a changed config is refused before any work.
-    self.config_changes = run_identity.changes(self.workdir, config)
+    # A LoRA run's base (hashed once): its adapters resume on no other.
+    self.base = run_identity.base_of(config)
+    self.config_changes = run_identity.changes(self.workdir, config, self.base)
     self.summary_path = self.workdir / "summary.json"
     self.ckpt: Checkpointer | None = None
     self.logger: MetricsLogger | None = None
@@ -59,7 +61,7 @@ class RunFiles:
       self.logger.note(step, {"event": "resume", "round": resumed_at,
                               "changed": self.config_changes}, supersede_later_rows=True)
     return run_identity.write(self.workdir, self.config, resumed_at=resumed_at,
-                              changed=self.config_changes)
+                              changed=self.config_changes, base=self.base)
 
   def diverged(self, what: str, unit: str = "round") -> TrainingDiverged:
     """The error for non-finite training at `what`, once saves in flight are done."""
@@ -82,6 +84,8 @@ class RunFiles:
 
   def write_summary(self, summary: dict, resumes: list, *, write_files: bool) -> dict:
     summary["config_changes"] = resumes
+    if self.base is not None:
+      summary["base"] = self.base
     if write_files:
       self.summary_path.write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -6,8 +6,13 @@ may change, because none of them changes the trajectory; the distributed fields 
 since a restart may land on other nodes. Any other change is refused before any work, unless
 the user names it in `resume_allow`; allowed changes are recorded in config.json (under
 `resumes`), in metrics.jsonl and in summary.json.
+
+A LoRA run's adapters belong to one frozen base, recorded as `base` (`base_of`): the
+SHA-256 of `model.init_from`'s file, or the seed that drew a random base. A resume on
+another base (a file replaced at the same path, a seed allowed to change) is refused.
 """
 
+import hashlib
 import json
 import os
 import pathlib
@@ -76,6 +81,21 @@ def _stored(workdir: pathlib.Path) -> dict | None:
                         "config check, or pass another --workdir") from None
 
 
+def base_of(config: ml_collections.ConfigDict) -> dict | None:
+  """The frozen base a LoRA run's adapters are trained on, or None without LoRA."""
+  if config.lora.rank <= 0:
+    return None
+  if not config.model.init_from:
+    return {"seeded": config.model.name, "seed": config.seed}
+  from lowcomm_jax.model.pretrained import file_of
+  file = file_of(config.model.init_from)
+  digest = hashlib.sha256()
+  with file.open("rb") as f:
+    while chunk := f.read(1 << 23):
+      digest.update(chunk)
+  return {"file": str(file), "sha256": digest.hexdigest()}
+
+
 def _has_checkpoint(workdir: pathlib.Path) -> bool:
   ckpts = workdir / "checkpoints"
   return ckpts.is_dir() and any(p.name.isdigit() for p in ckpts.iterdir())
@@ -85,7 +105,8 @@ def _fixed(field: str) -> bool:
   return field in FIXED or field.startswith(FIXED_PREFIXES)
 
 
-def changes(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> dict[str, list]:
+def changes(workdir: pathlib.Path, config: ml_collections.ConfigDict,
+            base: dict | None = None) -> dict[str, list]:
   """Compares `config` with the one stored in `workdir`; raises ResumeRefused listing every
   change not allowed, else returns {field: [old, new]} for the changes to record.
 
@@ -102,6 +123,12 @@ def changes(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> dict[st
           if k in old and json.dumps(old[k]) != json.dumps(new[k])}
   if not _has_checkpoint(workdir):
     return {k: v for k, v in diff.items() if k not in RESUMABLE}
+  if stored.get("base") is not None and stored["base"] != base:
+    raise ResumeRefused(
+        f"{workdir}'s LoRA adapters belong to another base model ({json.dumps(stored['base'])}; "
+        f"this config's is {json.dumps(base)}): resume with the base they were trained on "
+        "(model.init_from's file, or the seed of a random base), or start a new run with "
+        "another --workdir")
   allowed = allowed_fields(config)
   unknown = sorted(allowed - set(new))
   if unknown:
@@ -125,13 +152,14 @@ def changes(workdir: pathlib.Path, config: ml_collections.ConfigDict) -> dict[st
 
 
 def write(workdir: pathlib.Path, config: ml_collections.ConfigDict, *,
-          resumed_at: int | None = None, changed: dict | None = None) -> list[dict]:
+          resumed_at: int | None = None, changed: dict | None = None,
+          base: dict | None = None) -> list[dict]:
   """Stores the config in force and the command line; a resume with recorded changes is
   appended to `resumes` (the first config is kept as `first_config`). Returns `resumes`
   (for summary.json)."""
   path = pathlib.Path(workdir) / FILE
   stored = _stored(pathlib.Path(workdir)) or {}
-  record = {"config": to_json(config), "command": list(sys.argv),
+  record = {"config": to_json(config), "command": list(sys.argv), "base": base,
             "first_config": stored.get("first_config", stored.get("config", to_json(config))),
             "resumes": stored.get("resumes", [])}
   if resumed_at is not None and changed:

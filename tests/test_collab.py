@@ -272,3 +272,14 @@ def test_the_monitor_reports_epochs_rates_and_eta_and_writes_tensorboard(tmp_pat
   assert mon.poll()[0].startswith("epoch 2/5  loss 2.0000  40.0 samples/s")
   writer.close()
   assert list((tmp_path / "monitor").glob("events.out.tfevents.*"))
+
+
+def test_a_codec_compresses_the_averaged_adapters(tmp_path):
+  config = _config(rounds=2)
+  config.lora.rank = 2
+  dense = train.run(config, tmp_path / "dense")
+  config.compress.codec = "int8"
+  int8 = train.run(config, tmp_path / "int8")
+  assert int8["compression_ratio"] == pytest.approx(4.0, rel=0.05)
+  assert int8["bytes_sent"] < dense["bytes_sent"] / 3
+  assert int8["eval_loss"] == pytest.approx(dense["eval_loss"], rel=1e-3)

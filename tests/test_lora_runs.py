@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import checkpointed_state, load_config
+from conftest import checkpointed_state, load_config, train_rounds
 from lowcomm_jax import train
 from lowcomm_jax.config_check import ConfigError
 from lowcomm_jax.export import export_merged
@@ -89,3 +89,25 @@ def test_adapters_train_on_a_bfloat16_base_and_under_ddp(overrides):
 def test_bad_lora_configs_name_the_field(overrides, message):
   with pytest.raises(ConfigError, match=message):
     train.build(_config(**overrides))
+
+
+def test_lora_adapters_train_on_matformer_tiers():
+  from lowcomm_jax.hosts import host
+  config = _config(**{"lora.targets": ("mlp",), "optimizer.warmup_steps": 0, "model.name":
+                      "tiny_llama"})
+  config.hosts = [host(0.5), host(0.5)]  # both narrow: half of every FFN's hidden units
+  r = train.build(config)
+  d_ff, m = r.model.cfg.d_ff, r.topology.hosts[0].hidden
+  assert m == d_ff // 2
+  with r.partitioner():
+    _, state, _, metrics = train_rounds(config, 2)
+  assert np.isfinite(float(metrics["train_loss"]))
+  mlp = r.model.layout.unravel(state.params)["blocks"][0]["mlp"]
+  # The hidden units the tier trains moved; the others no worker trained stay at B = 0 / A_0.
+  for name in ("fc_kernel", "gate_kernel"):
+    b = np.asarray(mlp[name]["b"])
+    assert np.abs(b[:, :m]).max() > 0 and not np.any(b[:, m:])
+  start = r.model.layout.unravel(r.state_spec.initial_params())["blocks"][0]["mlp"]
+  a = np.asarray(mlp["proj_kernel"]["a"])
+  np.testing.assert_array_equal(a[m:], np.asarray(start["proj_kernel"]["a"])[m:])
+  assert not np.array_equal(a[:m], np.asarray(start["proj_kernel"]["a"])[:m])

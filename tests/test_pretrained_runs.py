@@ -53,3 +53,32 @@ def test_bad_pretrained_configs_name_the_field(tiny_gguf, overrides, message):
     overrides = {**overrides, "model.init_from": str(tiny_gguf[0])}
   with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
     train.build(load_config("smoke", **overrides))
+
+
+def test_lora_adapters_resume_only_on_the_base_they_were_trained_on(tiny_gguf, tmp_path):
+  from lowcomm_jax.run_identity import ResumeRefused
+  path, params = tiny_gguf
+  base = tmp_path / "base.gguf"
+  base.write_bytes(path.read_bytes())
+  config = load_config("smoke", **{"model.init_from": str(base), "algorithm": "diloco",
+                                   "lora.rank": 2, "rounds": 2, "checkpoint_every": 1})
+  train.run(config, tmp_path / "run", stop_after_rounds=1)
+  recorded = json.loads((tmp_path / "run" / "config.json").read_text())["base"]
+  import hashlib
+  assert recorded == {"file": str(base), "sha256": hashlib.sha256(base.read_bytes()).hexdigest()}
+  # Another file at the same path: the adapters would land on other weights.
+  cfg = get_preset("tiny_llama", vocab_size=256)
+  _, other = _random_model(cfg, seed=1)
+  _write_gguf(base, _llama_to_hf(other, cfg), cfg)
+  with pytest.raises(ResumeRefused, match="belong to another base model"):
+    train.run(config, tmp_path / "run")
+  base.write_bytes(path.read_bytes())  # the original back: the run resumes and finishes
+  assert train.run(config, tmp_path / "run")["base"] == recorded
+
+  # A random base is drawn from the seed: resume_allow=seed would swap it under the adapters.
+  seeded = load_config("smoke", **{"algorithm": "diloco", "lora.rank": 2, "rounds": 2,
+                                   "checkpoint_every": 1})
+  train.run(seeded, tmp_path / "seeded", stop_after_rounds=1)
+  seeded.seed, seeded.resume_allow = 7, "seed"
+  with pytest.raises(ResumeRefused, match="belong to another base model"):
+    train.run(seeded, tmp_path / "seeded")

@@ -58,11 +58,16 @@ class NestedMLP(nnx.Module):
 # full shapes, so tier-shaped pseudo-gradients are zero-padded back and weighted by a mask.
 
 _HIDDEN_AXIS = {"gate_kernel": 1, "fc_kernel": 1, "fc_bias": 0, "proj_kernel": 0}
+# LoRA adapters of FFN kernels (model/lora.py: kernel -> {"a": [in, r], "b": [r, out]}): the
+# hidden axis is B's columns for fc and gate, A's rows for proj.
+_ADAPTER_HIDDEN_AXIS = {("gate_kernel", "b"): 1, ("fc_kernel", "b"): 1, ("proj_kernel", "a"): 0}
 
 
 def _hidden_axis(path) -> int | None:
-  name = getattr(path[-1], "key", None)
-  return _HIDDEN_AXIS.get(name)
+  names = tuple(getattr(k, "key", None) for k in path[-2:])
+  if names[-1] in ("a", "b"):
+    return _ADAPTER_HIDDEN_AXIS.get(names)
+  return _HIDDEN_AXIS.get(names[-1])
 
 
 def slice_tier(params, m: int):

@@ -41,7 +41,8 @@ class Pretrained:
   source: str  # what was read, for checkpoints and summaries ("gguf:<file>" etc.)
 
 
-def _file_of(path) -> pathlib.Path:
+def file_of(path) -> pathlib.Path:
+  """The weights file `model.init_from` names (a folder's model.safetensors), checked."""
   p = pathlib.Path(path).expanduser()
   if p.is_dir():
     p = p / "model.safetensors"
@@ -55,7 +56,7 @@ def _file_of(path) -> pathlib.Path:
 
 def source_of(path: str | pathlib.Path) -> str:
   """What a run records as its model: the format and the file ("gguf:<path>")."""
-  p = _file_of(path)
+  p = file_of(path)
   return f"{p.suffix[1:]}:{p}"
 
 
@@ -73,7 +74,7 @@ def architecture_of(model_config) -> GPTConfig | None:
 def load(path: str | pathlib.Path) -> Pretrained:
   """The architecture and weights of the checkpoint at `path` (.gguf, .safetensors, or a
   folder holding model.safetensors and config.json)."""
-  p = _file_of(path)
+  p = file_of(path)
   return _from_gguf(p) if p.suffix == ".gguf" else _from_safetensors(p)
 
 
@@ -93,7 +94,7 @@ def check_shapes(start: Pretrained, abstract_params) -> None:
 
 def read_config(path: str | pathlib.Path) -> GPTConfig:
   """Only the architecture, from metadata (no tensor is read or dequantized)."""
-  p = _file_of(path)
+  p = file_of(path)
   if p.suffix == ".gguf":
     _, reader = _gguf_reader(p)
     return _gguf_config(p, reader, {t.name: t for t in reader.tensors})
