@@ -4,7 +4,8 @@ all, loss and ETA, printed and written to TensorBoard.
   python launch/monitor.py --workdir=DIR [--interval=1]
 
 It reads the rows process 0 appends to DIR/collab.jsonl (lowcomm_jax/collab.py): one per
-finished epoch, and within an epoch one a second with every peer's samples so far. It joins
+finished epoch, within an epoch one a second with every peer's samples so far, and one
+where a restart resumed (the epochs after that checkpoint are redone and appear again). It joins
 no collective and holds no device, so it can start before the peers, restart at any time,
 and run on any machine that sees DIR. TensorBoard events go to DIR/monitor. It stops once
 DIR/summary.json exists (the run finished) and every row is read, or on SIGTERM / Ctrl-C.
@@ -48,7 +49,11 @@ class Monitor:
         row = json.loads(raw)
       except json.JSONDecodeError:  # a row cut short by a crash, ended by the restart
         continue
-      lines.append(self.live(row) if row.get("live") else self.epoch(row))
+      if "resumed_at" in row:  # a restart: later epochs are redone, the ETA starts over
+        self.epoch_seconds = []
+        lines.append(f"resumed from the checkpoint of epoch {row['resumed_at']}")
+      else:
+        lines.append(self.live(row) if row.get("live") else self.epoch(row))
     return lines
 
   def live(self, row: dict) -> str:

@@ -349,10 +349,11 @@ def build(config: ml_collections.ConfigDict) -> Run:
   frozen = ()
   if lo.rank > 0:  # adapters start at B = 0: exactly the base
     initial_params = jax.jit(lambda: layout.ravel(param_tree()))
-    # Straight from host memory to every device (no staging copy on device 0).
-    frozen = jax.device_put(jax.tree.map(lambda x: np.asarray(x).astype(lo.base_dtype),
-                                         _model_weights(c, model_tree)),
-                            mesh_lib.replicated(mesh))
+    # Straight from host memory to every device (no staging copy on device 0); each process
+    # places its own copy (train.run checks the processes' bases are the same file).
+    frozen = mesh_lib.replicated_from_host(
+        jax.tree.map(lambda x: np.asarray(x).astype(lo.base_dtype),
+                     _model_weights(c, model_tree)), mesh)
   elif not c.model.init_from:
     initial_params = jax.jit(lambda: layout.ravel(param_tree()))
   else:  # read when asked (init_run), not held for the whole run

@@ -19,19 +19,22 @@ Who steps when:
   micro-batch takes 1/speed_i (`VirtualProgress`), under the same rule. It is deterministic,
   so a resumed run equals the uninterrupted one.
 
-A late peer, one that finished no micro-batch before the target was reached (it was still
-compiling, loading its base or evaluating), joins the average with weight 0 and takes the
-same step: it stays in sync and holds no one up. A peer cannot fall further behind than
-that: every epoch ends in one collective that all peers enter, so the slowest peer delays an
-epoch by at most its one running micro-batch (give a slow GPU a smaller `batch_size`). A
-peer that stops answering holds the epoch until `collab.wait_timeout_s` (or JAX's heartbeat)
-takes the run down; a restart resumes from the last checkpoint.
+A late peer, one that arrives after the target was reached (it was still loading its base
+or compiling its programs, which `open` does before the first epoch), computes nothing for
+that epoch: it joins the average with weight 0 and takes the same step, so it stays in
+sync, and the others wait for its arrival but not for a micro-batch of its. A peer cannot
+fall further behind than that: every epoch ends in one collective that all peers enter, so
+the slowest peer delays an epoch by at most its one running micro-batch (give a slow GPU a
+smaller `batch_size`). A peer that stops answering holds the epoch until
+`collab.wait_timeout_s` (or JAX's heartbeat) takes the run down; a restart resumes from the
+last checkpoint.
 
 Checkpoints are written at epoch ends. A run stopped mid-epoch loses that epoch's partial
 sums and redoes the epoch from the checkpointed data position.
 """
 
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -44,11 +47,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lowcomm_jax import run_loop, steps, train
+from lowcomm_jax.rounds import _worker_ids
 from lowcomm_jax.metrics import JsonlWriter, announce_compile
 from lowcomm_jax.parallel import mesh as mesh_lib
 
 PROGRESS_FILE = "collab.jsonl"  # process 0's rows for the monitor (launch/monitor.py)
 LIVE_EVERY_S = 1.0  # how often process 0 writes a row within an epoch
+# Each driver's keys get their own prefix: a second run in the same jax.distributed session
+# (every process creates its drivers in the same order) must not read the first one's.
+_INVOCATIONS = itertools.count()
 
 
 class CollabTimeout(RuntimeError):
@@ -112,13 +119,14 @@ class StoreProgress:
   messages beside the run's collectives, never through them."""
 
   def __init__(self, target: int, samples: int, host: int, num_hosts: int, timeout_s: float,
-               client=None):
+               client=None, run: int = 0):
     self.target, self.samples, self.host, self.num_hosts = target, samples, host, num_hosts
     self.timeout_ms = int(timeout_s * 1000)
     self.client = client or _client()
+    self.root = f"lowcomm/collab/{run}/"
 
   def begin(self, epoch: int) -> None:
-    self.epoch, self.prefix = epoch, f"lowcomm/collab/{epoch}/"
+    self.epoch, self.prefix = epoch, f"{self.root}{epoch}/"
     self.micro, self.closed = 0, False
 
   def next_host(self) -> int | None:
@@ -146,7 +154,9 @@ class StoreProgress:
     for q in range(self.num_hosts):
       try:
         value = self.client.blocking_key_value_get(f"{self.prefix}final/{q}", self.timeout_ms)
-      except Exception as e:  # jax raises its runtime's error type: DEADLINE_EXCEEDED
+      except Exception as e:  # jax raises its runtime's error type
+        if "DEADLINE_EXCEEDED" not in str(e):
+          raise
         raise CollabTimeout(
             f"peer {q} did not report epoch {self.epoch}'s samples within "
             f"{self.timeout_ms / 1000:.0f} s ({str(e).splitlines()[0]}); it is stuck or gone. "
@@ -154,7 +164,7 @@ class StoreProgress:
             "resumes from its last checkpoint") from e
       out.append(HostEpoch(*json.loads(value)))
     if self.host == 0 and self.epoch > 1:  # every peer is past the previous epoch's keys
-      self.client.key_value_delete(f"lowcomm/collab/{self.epoch - 1}/")
+      self.client.key_value_delete(f"{self.root}{self.epoch - 1}/")
     return out
 
 
@@ -166,7 +176,7 @@ def make_progress(r):
   if jax.process_count() > 1:
     host = topo.local_hosts[0]
     return StoreProgress(c.collab.target_batch_size, samples[host], host, len(topo.hosts),
-                         c.collab.wait_timeout_s)
+                         c.collab.wait_timeout_s, run=next(_INVOCATIONS))
   return VirtualProgress(c.collab.target_batch_size, samples, speeds)
 
 
@@ -187,8 +197,7 @@ class CollabDriver(train.RoundDriver):
     self.stretch = ([fastest / (topo.hosts[i].speed or 1.0) for i in topo.local_hosts]
                     if jax.process_count() > 1 else [1.0] * len(topo.local_hosts))
     per_worker = mesh_lib.per_worker(topo.local_mesh)
-    self.ids = [jax.device_put(np.asarray(topo.hosts[i].worker_ids, np.int32), per_worker)
-                for i in topo.local_hosts]
+    self.ids = [_worker_ids(r, i) for i in topo.local_hosts]
     self.batch_sharding = NamedSharding(topo.local_mesh, P("replica", "data"))
     self.mean = jax.jit(lambda acc, n: acc / jnp.maximum(n, 1.0)[:, None],
                         out_shardings=per_worker)
@@ -196,9 +205,31 @@ class CollabDriver(train.RoundDriver):
 
   def open(self, files, latest):
     out = super().open(files, latest)
-    if out is None and self.writes_files:
+    if out is not None:
+      return out
+    if self.writes_files:
       self.live = JsonlWriter(pathlib.Path(files.workdir) / PROGRESS_FILE)
-    return out
+      if latest is not None:  # rows of epochs after the checkpoint are redone from here
+        self.live.write({"resumed_at": latest, "time": time.time()})
+    self._compile_micro_batches()
+    return None
+
+  def _compile_micro_batches(self) -> None:
+    """Each host's micro-batch program, compiled (and run once on zeros) before the first
+    epoch: a peer that compiles slowly arrives late and joins that epoch with weight 0,
+    rather than counting a micro-batch it has not started."""
+    r, topo = self.r, self.r.topology
+    view = mesh_lib.local_view(r.local_input(self.state), topo.local_mesh)
+    with jax.set_mesh(topo.local_mesh):
+      for k, i in enumerate(topo.local_hosts):
+        host = topo.hosts[i]
+        g = len(host.worker_ids)
+        acc = jax.device_put(np.zeros((g, r.model.layout.size), np.float32),
+                             mesh_lib.per_worker(topo.local_mesh))
+        batch = jax.device_put(np.zeros((g, host.batch_size, self.c.data.seq_len + 1), np.int32),
+                               self.batch_sharding)
+        announce_compile(self.fns.accumulate[k], f"host {i}'s micro-batch")
+        jax.block_until_ready(self.fns.accumulate[k](view, acc, batch, self.ids[k], np.int32(0)))
 
   def advance(self, due) -> run_loop.Mark | None:
     if self.round >= self.end:
@@ -229,7 +260,6 @@ class CollabDriver(train.RoundDriver):
       while (k := progress.next_host()) is not None:
         host = topo.hosts[local[k]]
         batch = jax.device_put(r.data.streams[k].next_round(1)[:, 0], self.batch_sharding)
-        announce_compile(fns.accumulate[k], f"host {host.index}'s micro-batch")
         t0 = time.perf_counter()
         accs[k], losses = fns.accumulate[k](view, accs[k], batch, self.ids[k],
                                             np.int32(micro[k]))
@@ -264,17 +294,17 @@ class CollabDriver(train.RoundDriver):
         n = jax.device_put(worker_samples[ids], per_worker)
         deltas.append(self.mean(accs[k], n))
         losses.append(loss_sums[k] / np.maximum(worker_samples[ids], 1.0))
-    cat = lambda xs: jnp.concatenate(xs) if len(xs) > 1 else xs[0]
     with jax.set_mesh(local_mesh):
-      deltas_local = cat(deltas)
+      deltas_local = jnp.concatenate(deltas)
       losses_local = jax.device_put(np.concatenate(losses).astype(np.float32), per_worker)
     R = c.num_workers
     deltas_R = mesh_lib.to_global(deltas_local, topo.mesh, R)
     losses_R = mesh_lib.to_global(losses_local, topo.mesh, R)
-    rep = mesh_lib.replicated(topo.mesh)
-    # The weights: samples × seq_len, the same numbers on every process (agreed above).
-    signals = steps.Signals(r.replicated_input(topo.hidden_per_worker),
-                            jax.device_put(worker_samples * c.data.seq_len, rep), losses_R)
+    # The weights: samples × seq_len, the same numbers on every process (agreed above, so
+    # each process places its own copy: no all-gather to check them).
+    signals = steps.Signals(
+        r.replicated_input(topo.hidden_per_worker),
+        mesh_lib.replicated_from_host(worker_samples * c.data.seq_len, topo.mesh), losses_R)
     announce_compile(self.fns.syncs[0], "the epoch's optimizer step")
     with jax.set_mesh(topo.mesh):
       self.state, metrics = self.fns.syncs[0](self.state, deltas_R, signals,
@@ -286,6 +316,7 @@ class CollabDriver(train.RoundDriver):
              "train_loss": sum(s.loss_sum for s in shares) / max(total, 1)}
     for i, s in enumerate(shares):
       self.sched.compute_seconds[i] += s.seconds
+      self.sched.idle_seconds[i] += max(wall - s.seconds, 0.0)  # waiting for the others
       extra.update({f"samples_host_{i}": s.samples, f"compute_s_host_{i}": s.seconds})
     if self.live is not None:
       self.live.write({"epoch": epoch, "rounds": c.rounds, "time": time.time(),

@@ -296,6 +296,8 @@ def _check_collab(c, check, problems: list) -> None:
         "take one optimizer step per epoch; use --config.algorithm=ddp" + off)
   check(not c.sim.enabled, "sim.enabled", "the simulator keeps its own clock; set "
         "--config.sim.enabled=False" + off)
+  check(c.data.batch_mode != "same", "data.batch_mode", "peers reading the same windows "
+        "would count the same samples toward the target; use 'different'" + off)
   check(c.aggregate.rule == "mean" and c.aggregate.signal == "none" and c.aggregate.bucket <= 1,
         "aggregate.rule", "an epoch weighs workers by their samples; use the mean with "
         "aggregate.signal='none' and aggregate.bucket=0" + off)

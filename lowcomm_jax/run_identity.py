@@ -27,7 +27,8 @@ FILE = "config.json"
 RESUMABLE = ("rounds", "eval_every", "checkpoint_every", "keep_checkpoints", "log_every",
              "overlap_sync", "resume_allow", "distributed.coordinator_address",
              "distributed.coordinator_bind_address", "distributed.process_id",
-             "distributed.heartbeat_timeout_s", "distributed.join_timeout_s")
+             "distributed.heartbeat_timeout_s", "distributed.join_timeout_s",
+             "collab.wait_timeout_s")
 # Changes a checkpoint cannot continue under (its shapes, H schedule or plan): never allowed.
 FIXED = ("algorithm", "num_workers", "inner_steps", "hosts", "outer.dylu",
          "distributed.num_processes", "data.seq_len", "data.tokenizer", "data.batch_mode",
@@ -123,12 +124,6 @@ def changes(workdir: pathlib.Path, config: ml_collections.ConfigDict,
           if k in old and json.dumps(old[k]) != json.dumps(new[k])}
   if not _has_checkpoint(workdir):
     return {k: v for k, v in diff.items() if k not in RESUMABLE}
-  if stored.get("base") is not None and stored["base"] != base:
-    raise ResumeRefused(
-        f"{workdir}'s LoRA adapters belong to another base model ({json.dumps(stored['base'])}; "
-        f"this config's is {json.dumps(base)}): resume with the base they were trained on "
-        "(model.init_from's file, or the seed of a random base), or start a new run with "
-        "another --workdir")
   allowed = allowed_fields(config)
   unknown = sorted(allowed - set(new))
   if unknown:
@@ -148,6 +143,12 @@ def changes(workdir: pathlib.Path, config: ml_collections.ConfigDict,
            f"--config.resume_allow={','.join(changeable)}" if changeable else "")
     raise ResumeRefused(f"{workdir} holds a run of another config ({listed}). Either start "
                         f"a new run with another --workdir{way}")
+  if stored.get("base") is not None and stored["base"] != base:
+    raise ResumeRefused(
+        f"{workdir}'s LoRA adapters belong to another base model ({json.dumps(stored['base'])}; "
+        f"this config's is {json.dumps(base)}): resume with the base they were trained on "
+        "(model.init_from's file, or the seed of a random base), or start a new run with "
+        "another --workdir")
   return {k: v for k, v in diff.items() if k in allowed}
 
 

@@ -49,6 +49,8 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   """
   t_start = time.time()
   files = RunFiles(config, workdir)  # refuses a changed config before any work
+  if files.base is not None and jax.process_count() > 1:
+    _check_same_base(files.base)
   r = build(config)
   if config.collab.target_batch_size > 0:  # epochs of a target batch (collab.py)
     from lowcomm_jax.collab import CollabDriver
@@ -57,6 +59,19 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
     driver = RoundDriver(r, stop_after_rounds)
   with r.partitioner():  # tensor-parallel programs compile under GSPMD (model/tp.py)
     return run_loop.run(driver, files, t_start=t_start)
+
+
+def _check_same_base(base: dict) -> None:
+  """Every process of a LoRA run loads its own copy of the frozen base (nothing sends it):
+  they must be the same file, compared by SHA-256 (32 bytes gathered)."""
+  digest = np.frombuffer(bytes.fromhex(base["sha256"]), np.uint8) if "sha256" in base else (
+      np.asarray([base["seed"]], np.int64).view(np.uint8))
+  gathered = np.asarray(multihost_utils.process_allgather(digest))
+  if not (gathered == gathered[0]).all():
+    differ = [p for p in range(len(gathered)) if not (gathered[p] == gathered[0]).all()]
+    raise config_check.ConfigError([
+        f"model.init_from={base.get('file')!r}: process(es) {differ} hold another file than "
+        "process 0 (their SHA-256 differ); give every peer the same base model"])
 
 
 class RoundDriver:

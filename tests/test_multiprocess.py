@@ -200,9 +200,13 @@ def test_collaborative_lora_peers_and_their_monitor(tmp_path):
   rows = [json.loads(l) for l in (tmp_path / "collab.jsonl").read_text().splitlines()]
   epochs = [row for row in rows if not row.get("live")]
   assert [row["epoch"] for row in epochs] == [1, 2, 3, 4]
-  for row in epochs:  # the target reached, each peer in whole micro-batches of its own size
-    assert sum(row["samples"]) >= 32 and row["samples"][0] % 8 == 0 and row["samples"][1] % 2 == 0
-    assert sum(row["samples"]) < 32 + 8 + 2  # at most one running micro-batch per peer over
+  for row in epochs:  # the target reached, overshot by at most one running micro-batch a peer:
+    # at most 30 (even) before the increment that reached it, + 8 (or 2), + the other's running
+    assert 32 <= sum(row["samples"]) <= 30 + 8 + 2
+  # Both peers contributed, the slower one (a quarter of the samples per micro-batch, at half
+  # the speed) fewer samples.
+  per_peer = np.sum([row["samples"] for row in epochs], axis=0)
+  assert 0 < per_peer[1] < per_peer[0], per_peer
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["tokens"] == 32 * sum(sum(row["samples"]) for row in epochs)
   assert 0 < summary["trainable_params"] < summary["param_count"]

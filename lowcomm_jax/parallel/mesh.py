@@ -44,6 +44,18 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
+def replicated_from_host(tree, mesh: Mesh):
+  """Host arrays every process holds alike, as replicated arrays on `mesh`, each process
+  filling its own devices. (`jax.device_put` would first all-gather every process's copy
+  to check they are equal: a whole frozen base over the network.)"""
+  sharding = replicated(mesh)
+
+  def place(x):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+  return jax.tree.map(place, tree)
+
+
 def per_worker(mesh: Mesh) -> NamedSharding:
   """Leading axis = workers, split over 'replica'; the rest replicated."""
   return NamedSharding(mesh, P("replica"))
