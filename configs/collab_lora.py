@@ -2,8 +2,9 @@
 
 Peer 0 (say an A100) takes micro-batches of 8 sequences, peer 1 (a T4, half as fast) of 2;
 together they fill a target batch of 32 samples, then the sample-weighted mean gradient of
-the LoRA adapters takes one LAMB step (an epoch; lowcomm_jax/collab.py). Only the adapters
-cross the network.
+the LoRA adapters takes one AdamW step (an epoch; lowcomm_jax/collab.py). Only the adapters
+cross the network. (LAMB, the large-batch optimizer, barely moves LoRA's zero-initialized B:
+its trust ratio scales B's step by B's own norm; BENCHMARKS.md measures it.)
 
 One process runs both peers on a virtual clock (speeds order their turns); with
 `python launch/local.py --num_processes 2 --monitor -- --config=configs/collab_lora.py`
@@ -36,7 +37,7 @@ def get_config():
   c.lora.rank = 4
   c.lora.alpha = 8.0
   c.lora.targets = ("attn", "mlp")
-  c.optimizer.name = "lamb"
-  c.optimizer.lr = 3e-3
+  c.optimizer.name = "adamw"
+  c.optimizer.lr = 1e-3
   c.optimizer.warmup_steps = 3
   return c
