@@ -328,6 +328,13 @@ class CollabDriver(train.RoundDriver):
                   [s.samples for s in shares], micro)
     return metrics, extra
 
+  def summary(self, eval_loss: float, scalars: dict, wall: float) -> dict:
+    out = super().summary(eval_loss, scalars, wall)
+    out["collab"] = {"target_batch_size": self.c.collab.target_batch_size,
+                     "epochs": self.c.rounds,
+                     "samples": self.sched.tokens // self.c.data.seq_len}
+    return out
+
   def close(self) -> None:
     if self.live is not None:
       self.live.close()

@@ -94,6 +94,7 @@ def test_unequal_peers_average_weighted_by_samples(tmp_path, hosts):
   row = _metrics(tmp_path)[-1]
   assert (row["samples_host_0"], row["samples_host_1"], row["samples"]) == (12, 4, 16)
   assert summary["tokens"] == 16 * config.data.seq_len
+  assert summary["collab"] == {"target_batch_size": 12, "epochs": 1, "samples": 16}
   (state, _), _ = checkpointed_state(config, tmp_path)
   theta, update, plain = _hand_step(config, [3, 2])
   np.testing.assert_allclose(np.asarray(state.params) - theta, update, rtol=1e-4, atol=1e-7)
