@@ -49,7 +49,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   """
   t_start = time.time()
   files = RunFiles(config, workdir)  # refuses a changed config before any work
-  if files.base is not None and jax.process_count() > 1:
+  if files.base is not None and "sha256" in files.base and jax.process_count() > 1:
     _check_same_base(files.base)
   r = build(config)
   if config.collab.target_batch_size > 0:  # epochs of a target batch (collab.py)
@@ -64,8 +64,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
 def _check_same_base(base: dict) -> None:
   """Every process of a LoRA run loads its own copy of the frozen base (nothing sends it):
   they must be the same file, compared by SHA-256 (32 bytes gathered)."""
-  digest = np.frombuffer(bytes.fromhex(base["sha256"]), np.uint8) if "sha256" in base else (
-      np.asarray([base["seed"]], np.int64).view(np.uint8))
+  digest = np.frombuffer(bytes.fromhex(base["sha256"]), np.uint8)
   gathered = np.asarray(multihost_utils.process_allgather(digest))
   if not (gathered == gathered[0]).all():
     differ = [p for p in range(len(gathered)) if not (gathered[p] == gathered[0]).all()]
