@@ -19,10 +19,11 @@ from lowcomm_jax import algorithms, config_check, memory, optimizers, steps
 from lowcomm_jax.data import (WorkerStreams, eval_windows, open_corpus, other_corpus,
                               probe_windows)
 from lowcomm_jax.hosts import HostSpec, host_table
-from lowcomm_jax.model import GPT, GPTConfig, count_params, get_preset, next_token_loss
+from lowcomm_jax.model import GPT, GPTConfig, count_params, get_preset
 from lowcomm_jax.model import lora, pretrained
 from lowcomm_jax.model.matformer import slice_tier
-from lowcomm_jax.model.tp import SyncPlan, count_all_reduces, partitioner, tp_loss
+from lowcomm_jax.model.objective import loss_fn_of
+from lowcomm_jax.model.tp import SyncPlan, count_all_reduces, partitioner
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
 from lowcomm_jax.parallel.flat import ParamLayout
 
@@ -204,34 +205,6 @@ class Run:
                               jax.eval_shape(f, params)) for f in self.programs.init_workers)
 
 
-def _loss_fn(graphdef, model_cfg: GPTConfig, plan: SyncPlan | None, mesh,
-             lora_scale: float | None = None, narrow: bool = False):
-  """(params, windows, key, frozen) -> loss: the NNX model, or its tensor-parallel form under
-  `plan` over `mesh`'s 'model' axis (no dropout there; validation requires model.dropout =
-  0). With `lora_scale`, `params` are LoRA adapters on the frozen base `frozen`, which a
-  `narrow` tier (model_cfg.d_ff hidden units) cuts to its width first."""
-  if plan is not None:
-    return lambda params, windows, key, frozen: tp_loss(params, windows, model_cfg, plan, mesh)
-
-  def loss_fn(params, windows, key, frozen):
-    if lora_scale is not None:  # W + scale·A·B in float32; untargeted leaves as stored
-      if narrow:
-        frozen = slice_tier(frozen, model_cfg.d_ff)
-      params = lora.merge(frozen, params, scale=lora_scale, dtype=jnp.float32)
-    return next_token_loss(nnx.merge(graphdef, params), windows, dropout_key=key)
-  return loss_fn
-
-
-def _model_weights(c: ml_collections.ConfigDict, model_tree: Callable[[], dict]):
-  """The model's own weights: `model.init_from`'s (checked against the model's shapes), or
-  the seeded random init."""
-  if not c.model.init_from:
-    return jax.jit(model_tree)()
-  start = pretrained.load(c.model.init_from)
-  pretrained.check_shapes(start, jax.eval_shape(model_tree))
-  return start.params
-
-
 def build(config: ml_collections.ConfigDict) -> Run:
   """Validates the config, loads data, builds the model and the step functions (no compute)."""
   nproc = jax.process_count()
@@ -291,7 +264,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
           if tp.size > 1 else None)
 
   def loss_of(d_ff, on_mesh):
-    return _loss_fn(graphdef_of(d_ff), dataclasses.replace(model_cfg, d_ff=d_ff), plan, on_mesh,
+    return loss_fn_of(graphdef_of(d_ff), dataclasses.replace(model_cfg, d_ff=d_ff), plan, on_mesh,
                     lora_scale=lo.alpha / lo.rank if lo.rank > 0 else None,
                     narrow=d_ff != model_cfg.d_ff)
 
@@ -312,7 +285,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
                               vocab_size=window_vocab)
       step = optimizers.probe_step(c, algorithm.local_steps)
       # The plain model (no TP plan): the probe runs inside the sync, replicated over 'model'.
-      probe_loss = _loss_fn(graphdef, model_cfg, None, mesh)
+      probe_loss = loss_fn_of(graphdef, model_cfg, None, mesh)
       probes = [steps.make_probe(probe_loss, layout, p, windows, step) for p in fragments]
     rules = [optimizers.robust_rule(c, rule, probe) for rule, probe in zip(rules, probes)]
   segments = algorithm.segments(c, c.inner_steps)
@@ -346,19 +319,18 @@ def build(config: ml_collections.ConfigDict) -> Run:
     return steps.init_state(flat_params, seed=c.seed, layout=layout,
                             aggregators=aggregators, rules=rules, num_workers=c.num_workers)
 
-  frozen = ()
-  if lo.rank > 0:  # adapters start at B = 0: exactly the base
+  if lo.rank > 0 or not c.model.init_from:  # seeded (LoRA: adapters with B = 0, the base)
     initial_params = jax.jit(lambda: layout.ravel(param_tree()))
+  else:  # read when asked (init_run), not held for the whole run
+    def initial_params():
+      return layout.ravel(pretrained.weights_or_init(c.model.init_from, model_tree))
+  frozen = ()
+  if lo.rank > 0:
     # Straight from host memory to every device (no staging copy on device 0); each process
     # places its own copy (train.run checks the processes' bases are the same file).
     frozen = mesh_lib.replicated_from_host(
         jax.tree.map(lambda x: np.asarray(x).astype(lo.base_dtype),
-                     _model_weights(c, model_tree)), mesh)
-  elif not c.model.init_from:
-    initial_params = jax.jit(lambda: layout.ravel(param_tree()))
-  else:  # read when asked (init_run), not held for the whole run
-    def initial_params():
-      return layout.ravel(_model_weights(c, model_tree))
+                     pretrained.weights_or_init(c.model.init_from, model_tree)), mesh)
   abstract_state = jax.eval_shape(init_fn, jax.ShapeDtypeStruct((layout.size,), jnp.float32))
   per_worker_outer = abstract_state.outer.per_worker
   tier_bytes = {}

@@ -36,7 +36,6 @@ sums and redoes the epoch from the checkpointed data position.
 import dataclasses
 import itertools
 import json
-import logging
 import math
 import pathlib
 import time
@@ -203,6 +202,12 @@ class CollabDriver(train.RoundDriver):
                         out_shardings=per_worker)
     self.live = None
 
+  def _zero_sums(self, host: int) -> jax.Array:
+    """A host's fresh gradient sums [G, N], split over its replica devices."""
+    g = len(self.r.topology.hosts[host].worker_ids)
+    return jax.device_put(np.zeros((g, self.r.model.layout.size), np.float32),
+                          mesh_lib.per_worker(self.r.topology.local_mesh))
+
   def open(self, files, latest):
     out = super().open(files, latest)
     if out is not None:
@@ -223,13 +228,12 @@ class CollabDriver(train.RoundDriver):
     with jax.set_mesh(topo.local_mesh):
       for k, i in enumerate(topo.local_hosts):
         host = topo.hosts[i]
-        g = len(host.worker_ids)
-        acc = jax.device_put(np.zeros((g, r.model.layout.size), np.float32),
-                             mesh_lib.per_worker(topo.local_mesh))
-        batch = jax.device_put(np.zeros((g, host.batch_size, self.c.data.seq_len + 1), np.int32),
-                               self.batch_sharding)
+        batch = jax.device_put(
+            np.zeros((len(host.worker_ids), host.batch_size, self.c.data.seq_len + 1), np.int32),
+            self.batch_sharding)
         announce_compile(self.fns.accumulate[k], f"host {i}'s micro-batch")
-        jax.block_until_ready(self.fns.accumulate[k](view, acc, batch, self.ids[k], np.int32(0)))
+        jax.block_until_ready(self.fns.accumulate[k](view, self._zero_sums(i), batch,
+                                                     self.ids[k], np.int32(0)))
 
   def advance(self, due) -> run_loop.Mark | None:
     if self.round >= self.end:
@@ -244,13 +248,11 @@ class CollabDriver(train.RoundDriver):
   def _epoch(self, epoch: int, mark_due: run_loop.Due):
     r, topo, progress = self.r, self.r.topology, self.progress
     fns = self.fns
-    n_params = r.model.layout.size
     local = topo.local_hosts
     start = time.perf_counter()
     view = mesh_lib.local_view(r.local_input(self.state), topo.local_mesh)
     with jax.set_mesh(topo.local_mesh):
-      accs = [jax.device_put(np.zeros((len(topo.hosts[i].worker_ids), n_params), np.float32),
-                             mesh_lib.per_worker(topo.local_mesh)) for i in local]
+      accs = [self._zero_sums(i) for i in local]
     loss_sums = [np.zeros(len(topo.hosts[i].worker_ids)) for i in local]
     seconds = [0.0] * len(local)
     micro = [0] * len(local)
@@ -277,10 +279,9 @@ class CollabDriver(train.RoundDriver):
           self.live.write({"epoch": epoch, "live": True, "time": time.time(),
                            "samples": progress.live(), "target": self.c.collab.target_batch_size})
     shares = progress.agree([(float(ls.sum()), s) for ls, s in zip(loss_sums, seconds)])
-    return self._step(epoch, mark_due, shares, accs, loss_sums, micro,
-                      time.perf_counter() - start)
+    return self._step(epoch, mark_due, shares, accs, loss_sums, time.perf_counter() - start)
 
-  def _step(self, epoch, mark_due, shares: list[HostEpoch], accs, loss_sums, micro, wall):
+  def _step(self, epoch, mark_due, shares: list[HostEpoch], accs, loss_sums, wall):
     """The epoch's sample-weighted average and its one optimizer step (the sync)."""
     r, topo, c = self.r, self.r.topology, self.c
     local_mesh, per_worker = topo.local_mesh, mesh_lib.per_worker(topo.local_mesh)
@@ -324,8 +325,6 @@ class CollabDriver(train.RoundDriver):
                        "seconds": [s.seconds for s in shares],
                        "train_loss": extra["train_loss"],
                        "target": c.collab.target_batch_size})
-    logging.debug("epoch %d: samples per host %s, micro-batches here %s", epoch,
-                  [s.samples for s in shares], micro)
     return metrics, extra
 
   def summary(self, eval_loss: float, scalars: dict, wall: float) -> dict:

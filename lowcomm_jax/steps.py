@@ -93,6 +93,14 @@ def _mix_fragment(own, global_, layout: ParamLayout, fragment: int, alpha: float
   return layout.treedef.unflatten(mixed)
 
 
+def _gradient_at(grad_fn, global_params, hidden: int, narrow: bool, batch, key, frozen):
+  """(loss, ∇L at θ, zero-padded to full width) on one batch, for a worker training the
+  first `hidden` FFN units: DDP's contribution and a collaborative micro-batch."""
+  params = slice_tier(global_params, hidden) if narrow else global_params
+  loss, grads = grad_fn(params, batch, key, frozen)
+  return loss, (pad_tier(grads, global_params) if narrow else grads)
+
+
 def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformation,
                        hidden: int, d_ff: int, layout: ParamLayout, segment: Segment,
                        index: int, count: int, alpha: float, local_steps: bool,
@@ -124,10 +132,8 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
              frozen):
     global_params = layout.unravel(global_flat)
     if not local_steps:  # DDP: the gradient at θ is the contribution
-      params = slice_tier(global_params, hidden) if narrow else global_params
-      loss, grads = grad_fn(params, batches[0], key, frozen)
-      delta = pad_tier(grads, global_params) if narrow else grads
-      return layout.fragment_slice(layout.ravel(delta), sync), (), loss[None]
+      loss, grads = _gradient_at(grad_fn, global_params, hidden, narrow, batches[0], key, frozen)
+      return layout.fragment_slice(layout.ravel(grads), sync), (), loss[None]
     s = batches.shape[0]
     step_keys = jax.random.split(key, s * count)[index * s:(index + 1) * s]
     if worker_rule is not None:
@@ -201,10 +207,8 @@ def make_accumulate(loss_fn: LossFn, *, hidden: int, d_ff: int, layout: ParamLay
   narrow = hidden != d_ff
 
   def worker(global_flat, acc, batch, key, frozen):
-    global_params = layout.unravel(global_flat)
-    params = slice_tier(global_params, hidden) if narrow else global_params
-    loss, grads = grad_fn(params, batch, key, frozen)
-    grads = pad_tier(grads, global_params) if narrow else grads
+    loss, grads = _gradient_at(grad_fn, layout.unravel(global_flat), hidden, narrow, batch, key,
+                               frozen)
     return acc + batch.shape[0] * layout.ravel(grads), loss
 
   def accumulate(state: TrainState, acc_GxN, batches_GxBxL1, worker_ids_G, micro, *,

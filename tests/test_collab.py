@@ -131,7 +131,8 @@ def test_lora_collaboration_trains_adapters_only_and_resumes_exactly_mid_epoch(t
   frozen = jax.tree.map(np.asarray, r.frozen)
   (end, _), _ = checkpointed_state(config, tmp_path / "whole")
   assert end.params.shape == (r.model.param_count,) and r.model.frozen_count > 0
-  # The base after four optimizer steps: bit for bit what was loaded.
+  # The base after four optimizer steps: bit for bit what was loaded (and still readable: a
+  # program that donated it, as accelerators do with their inputs, would have deleted it).
   fresh = train.build(config)
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), fresh.frozen, frozen)
   assert whole["trainable_params"] == r.model.param_count

@@ -78,6 +78,16 @@ def load(path: str | pathlib.Path) -> Pretrained:
   return _from_gguf(p) if p.suffix == ".gguf" else _from_safetensors(p)
 
 
+def weights_or_init(init_from: str, model_tree):
+  """The model's own weights: `init_from`'s (checked against the shapes `model_tree`, the
+  seeded init, would give), or, without a file, the seeded init itself."""
+  if not init_from:
+    return jax.jit(model_tree)()
+  start = load(init_from)
+  check_shapes(start, jax.eval_shape(model_tree))
+  return start.params
+
+
 def check_shapes(start: Pretrained, abstract_params) -> None:
   """Refuses, naming the first tensor that differs, weights that do not fit the model."""
   got = dict(jax.tree_util.tree_flatten_with_path(start.params)[0])
