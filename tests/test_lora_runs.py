@@ -59,6 +59,14 @@ def test_only_adapters_train_cross_the_network_and_fill_checkpoints(tmp_path):
     np.testing.assert_allclose(x, np.asarray(y), rtol=1e-6, atol=1e-7)
   qkv = back.params["blocks"][0]["attn"]["qkv"]["kernel"]
   assert not np.array_equal(qkv, frozen_before["blocks"][0]["attn"]["qkv"]["kernel"])
+  # The exported model, loaded as a plain (non-LoRA) run's start, has the trained run's
+  # loss on the same evaluation windows: the export merged at the scale training used.
+  exported = train.build(load_config("smoke", algorithm="diloco",
+                                     **{"model.init_from": str(tmp_path / "merged")}))
+  with exported.partitioner():
+    loss = float(train.jitted_steps(exported).eval(exported.state_spec.initial_params(),
+                                                   exported.data.eval_windows))
+  assert loss == pytest.approx(summary["eval_loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("overrides", [{"lora.base_dtype": "bfloat16"},

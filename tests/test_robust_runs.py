@@ -13,7 +13,7 @@ from lowcomm_jax import config_check, optimizers, train
 
 
 def _config(**overrides):
-  return load_config("smoke", num_workers=4, **overrides)
+  return load_config("smoke", **{"num_workers": 4, **overrides})
 
 
 def test_uniform_weights_equal_the_plain_mean_exactly():
@@ -138,3 +138,81 @@ def test_robust_rules_combine_decoded_payloads_of_a_codec():
 def test_bad_robust_configs_name_the_field(overrides, message):
   with pytest.raises(config_check.ConfigError, match=message):
     config_check.validate(_config(**overrides), num_devices=8)
+
+
+
+def _rounds_with_their_deltas(config, rounds=1):
+  """θ after each round (θ_0 first) and the workers' Δ [W, N] each round's sync received,
+  recorded from the runner's own sync."""
+  r = train.build(config)
+  fns = train.jitted_steps(r)
+  received, sync = [], fns.syncs[0]
+
+  def recording_sync(state, deltas_R, signals, metrics=True):
+    received.append(np.asarray(deltas_R))
+    return sync(state, deltas_R, signals, metrics=metrics)
+
+  fns.syncs[0] = recording_sync
+  with r.partitioner():
+    state, workers = train.init_run(r, fns)
+    thetas = [np.asarray(state.params)]
+    for _ in range(rounds):
+      batches = [s.next_round(h.inner_steps) for s, h in zip(r.data.streams, r.topology.hosts)]
+      state, workers, _, _ = train.train_round(r, fns, state, workers, batches,
+                                               [h.inner_steps for h in r.topology.hosts])
+      thetas.append(np.asarray(state.params))
+  return thetas, received
+
+
+# Six workers, a plain outer step (lr 1, no momentum: θ_1 = θ_0 − the combined Δ), through
+# optimizers.robust_rule's wiring of the config.
+SIX = {"num_workers": 6, "outer.lr": 1.0, "outer.momentum": 0.0}
+
+
+@pytest.mark.parametrize("trim", [1, 2])
+def test_the_runner_trims_aggregate_trim_values_per_side(trim):
+  (theta0, theta1), (deltas,) = _rounds_with_their_deltas(
+      _config(**SIX, **{"aggregate.rule": "trimmed_mean", "aggregate.trim": trim}))
+  assert deltas.shape[0] == 6
+  expect = np.sort(deltas, axis=0)[trim:6 - trim].mean(axis=0)
+  np.testing.assert_allclose(theta0 - theta1, expect, rtol=1e-4, atol=1e-6)
+
+
+def _pairings(workers):
+  if not workers:
+    yield []
+    return
+  for other in workers[1:]:
+    for tail in _pairings([w for w in workers[1:] if w != other]):
+      yield [(workers[0], other)] + tail
+
+
+def test_the_runner_takes_the_median_of_shuffled_buckets():
+  (theta0, theta1), (deltas,) = _rounds_with_their_deltas(
+      _config(**SIX, **{"aggregate.rule": "median", "aggregate.bucket": 2}))
+  # Whatever the shuffle: exactly one of the 15 ways of pairing six workers gives the update.
+  close = lambda x: np.allclose(theta0 - theta1, x, rtol=1e-4, atol=1e-6)
+  matches = [p for p in _pairings(list(range(6)))
+             if close(np.median([deltas[list(pair)].mean(0) for pair in p], axis=0))]
+  assert len(matches) == 1, matches
+  assert not close(np.median(deltas, axis=0))
+
+
+def test_the_runner_weighs_workers_by_the_cosine_signal():
+  from lowcomm_jax.aggregate import robust_combine
+  fields = {"aggregate.signal": "cosine", "aggregate.warmup_rounds": 1,
+            "aggregate.temperature": 0.5, "aggregate.noise_sigmas": 0.0}
+  config = _config(**SIX, **fields)
+  thetas, received = _rounds_with_their_deltas(config, rounds=3)
+  # The same combination replayed on the recorded Δ, step by step.
+  a = config.aggregate
+  combine = robust_combine(rule="mean", signal="cosine", num_workers=6,
+                           temperature=a.temperature, floor=a.floor, weight_ema=a.weight_ema,
+                           warmup_rounds=a.warmup_rounds, signal_ema=a.signal_ema,
+                           noise_sigmas=a.noise_sigmas)
+  state = combine.init(jax.numpy.zeros(thetas[0].shape))
+  for k, deltas in enumerate(received):
+    out, state = combine.update(jax.numpy.asarray(deltas), state, round_index=k)
+    np.testing.assert_allclose(thetas[k] - thetas[k + 1], out, rtol=1e-4, atol=1e-6)
+  weights = np.asarray(state.signals.weights)
+  assert weights.std() > 1e-3, weights  # past the warm-up the cosines set unequal weights

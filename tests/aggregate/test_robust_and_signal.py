@@ -124,3 +124,63 @@ def test_noise_aware_standardization_by_hand():
   plain = signal.weights_from(sig, s.weights, temperature=1.0, floor=0.0, weight_ema=0.0,
                               warm=jnp.asarray(True), noise=noise, noise_sigmas=0.0)
   np.testing.assert_allclose(plain, np.exp([1, -1]) / np.exp([1, -1]).sum(), rtol=1e-5)
+
+
+def test_trimmed_mean_drops_trim_values_per_side_and_median_averages_the_middle_pair():
+  # Six workers (even): the median is the mean of the 3rd and 4th values, not either one;
+  # trim 2 keeps the middle two, trim 1 the middle four.
+  x = {"v": np.asarray([[5.0, -1.0], [1.0, 7.0], [100.0, 2.0], [3.0, 3.0], [-50.0, 0.0],
+                        [2.0, 30.0]], np.float32)}
+  # column 0 sorted: -50 1 2 3 5 100; column 1: -1 0 2 3 7 30
+  np.testing.assert_allclose(robust.median(x)["v"], [2.5, 2.5])
+  np.testing.assert_allclose(robust.trimmed_mean(x, 1)["v"], [11 / 4, 12 / 4])
+  np.testing.assert_allclose(robust.trimmed_mean(x, 2)["v"], [5 / 2, 5 / 2])
+  np.testing.assert_allclose(robust.trimmed_mean(x, 0)["v"], x["v"].mean(0), rtol=1e-6)
+
+
+def _stacked(seed, workers=6, n=40):
+  return jax.random.normal(jax.random.key(seed), (workers, n))
+
+
+@pytest.mark.parametrize("trim", [1, 2])
+def test_robust_combine_trims_as_configured(trim):
+  u = _stacked(0)
+  combine = robust.robust_combine(rule="trimmed_mean", signal="none", num_workers=6, trim=trim)
+  out, state = combine.update(u, combine.init(u[0]))
+  expect = np.sort(np.asarray(u), axis=0)[trim:6 - trim].mean(axis=0)
+  np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-7)
+  np.testing.assert_array_equal(state.center, out)  # the next round's centre
+
+
+def test_robust_combine_with_buckets_takes_the_median_of_bucket_means():
+  u = np.asarray(_stacked(1))
+  combine = robust.robust_combine(rule="median", signal="none", num_workers=6, bucket=2, seed=5)
+  out, _ = combine.update(jnp.asarray(u), combine.init(u[0]), round_index=3)
+  # The shuffle is the run's (seed, round): the same pairing by hand.
+  order = np.asarray(jax.random.permutation(jax.random.fold_in(jax.random.key(5), 3), 6))
+  pairs = [u[order[i:i + 2]].mean(0) for i in (0, 2, 4)]
+  np.testing.assert_allclose(out, np.median(pairs, axis=0), rtol=1e-5, atol=1e-7)
+  assert not np.allclose(out, np.median(u, axis=0), atol=1e-3)  # buckets changed the answer
+  # Another round shuffles otherwise.
+  other, _ = combine.update(jnp.asarray(u), combine.init(u[0]), round_index=4)
+  assert not np.allclose(other, out)
+
+
+def test_robust_combine_weighs_workers_by_their_cosine_to_the_previous_aggregate():
+  # Round 1 sets the centre (cosines 0: no previous aggregate). In round 2 worker 0 points
+  # along it, worker 1 across it and worker 2 against it.
+  combine = robust.robust_combine(rule="mean", signal="cosine", num_workers=3, warmup_rounds=1,
+                                  temperature=1.0, floor=0.0, weight_ema=0.0, signal_ema=0.5,
+                                  noise_sigmas=0.0)
+  first = jnp.asarray([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]])
+  out1, state = combine.update(first, combine.init(first[0]))
+  np.testing.assert_allclose(out1, [1.0, 0.0])
+  np.testing.assert_allclose(state.signals.weights, [1 / 3] * 3)
+  second = jnp.asarray([[2.0, 0.0], [0.0, 3.0], [-1.0, 0.0]])
+  out2, state = combine.update(second, state)
+  # Cosines (1, 0, -1); the EMA's first round set them to 0: 0.5·0 + 0.5·cos.
+  np.testing.assert_allclose(state.signals.cosine, [0.5, 0.0, -0.5], atol=1e-7)
+  z = np.asarray([0.5, 0.0, -0.5]) / np.std([0.5, 0.0, -0.5])
+  w = np.exp(z) / np.exp(z).sum()
+  np.testing.assert_allclose(state.signals.weights, w, rtol=1e-5)
+  np.testing.assert_allclose(out2, w @ np.asarray(second), rtol=1e-5)
