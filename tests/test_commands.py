@@ -257,23 +257,47 @@ def test_command_runs_as_written(where, command, monkeypatch):
     check_simple(words, env if words[0] != "export" else exported, created, monkeypatch)
 
 
-@pytest.mark.parametrize("command", [
+def _usage_error():
+  from lowcomm_jax.command_line import UsageError
+  return UsageError
+
+
+def _config_error():
+  from lowcomm_jax.config_check import ConfigError
+  return ConfigError
+
+
+# Each bad command is rejected for its own reason: the expected error's type and message.
+REJECTED = [
     # The old CPU hint of configs/async_hetero.py: seq_len 128 > the tiny model's block 64.
-    "python -m lowcomm_jax.main --config=configs/async_hetero.py --config.model.name=tiny "
-    "--config.data.tokenizer=byte",
-    "python -m lowcomm_jax.main --config=configs/smoke.py --config.no_such_field=1",
-    "python -m lowcomm_jax.main --config=configs/smoke.py --no_such_flag=1",
-    "python -m lowcomm_jax.main --config=configs/smoke.py extra_argument",
-    "XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m lowcomm_jax.main "
-    "--config=configs/tp_sweep.py:grouped_k3",  # 4 tensor-parallel shards on 2 devices
-    "python bench/tp_plans.py no_such_mode",
-    "python -m lowcomm_jax.report",  # needs workdirs
-    "python launch/local.py --num_processes 4 -- --config=configs/smoke.py --config.rounds=0",
-    'pip install -e ".[no_such_extra]"',
-    "tensorboard --no_such_flag",
-    "sbatch launch/no_such_script.sbatch",
-    "no_such_program --help",
-])
-def test_the_checks_reject_bad_commands(command, monkeypatch):
-  with pytest.raises((Exception, SystemExit, pytest.fail.Exception)):
+    ("python -m lowcomm_jax.main --config=configs/async_hetero.py --config.model.name=tiny "
+     "--config.data.tokenizer=byte", _config_error, r"data\.seq_len=128: must be in \[1, 64\]"),
+    ("python -m lowcomm_jax.main --config=configs/smoke.py --config.no_such_field=1",
+     _usage_error, "no config field 'no_such_field'"),
+    ("python -m lowcomm_jax.main --config=configs/smoke.py --no_such_flag=1",
+     lambda: flags.UnrecognizedFlagError, "Unknown command line flag 'no_such_flag'"),
+    ("python -m lowcomm_jax.main --config=configs/smoke.py extra_argument",
+     lambda: AssertionError, r"main takes flags only; unexpected \['extra_argument'\]"),
+    ("XLA_FLAGS=--xla_force_host_platform_device_count=2 python -m lowcomm_jax.main "
+     "--config=configs/tp_sweep.py:grouped_k3",  # 4 tensor-parallel shards on 2 devices
+     _config_error, "tp.size=4: only 2 devices are visible"),
+    ("python bench/tp_plans.py no_such_mode", lambda: pytest.fail.Exception,
+     "tp_plans.py no_such_mode: its parser rejected the arguments"),
+    ("python -m lowcomm_jax.report", lambda: pytest.fail.Exception,  # needs workdirs
+     "lowcomm_jax.report: its parser rejected the arguments"),
+    ("python launch/local.py --num_processes 4 -- --config=configs/smoke.py --config.rounds=0",
+     _config_error, r"rounds=0: need at least one outer round(.|\n)*not divisible by the 4 processes"),
+    ('pip install -e ".[no_such_extra]"', lambda: AssertionError,
+     "pyproject.toml has no extra {'no_such_extra'}"),
+    ("tensorboard --no_such_flag", lambda: SystemExit, "^2$"),  # its argparse: exit 2
+    ("sbatch launch/no_such_script.sbatch", lambda: AssertionError,
+     "sbatch: no file launch/no_such_script.sbatch"),
+    ("no_such_program --help", lambda: pytest.fail.Exception,
+     "no check for the program 'no_such_program'"),
+]
+
+
+@pytest.mark.parametrize("command,error,message", REJECTED, ids=[c for c, _, _ in REJECTED])
+def test_the_checks_reject_bad_commands(command, error, message, monkeypatch):
+  with pytest.raises(error(), match=message):
     test_command_runs_as_written("test", command, monkeypatch)
