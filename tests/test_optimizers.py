@@ -228,3 +228,58 @@ def test_bad_optimizer_fields_are_named(overrides, field):
   from lowcomm_jax import config_check
   with pytest.raises(config_check.ConfigError, match=field):
     config_check.validate(load_config("smoke", **overrides), num_devices=8)
+
+
+def test_each_optimizer_name_picks_its_optimizer():
+  # One step from a fresh state, constant lr, by hand for each method (matrix "w" decays,
+  # bias "b" does not). A few gradients of 1e-8 separate AdamW (ε 1e-8: 1e-8/(1e-8 + ε) =
+  # ½), LAMB (ε 1e-6) and Lion (sign: 1).
+  rng = np.random.default_rng(0)
+  p = {"w": rng.normal(size=(8, 16)).astype(np.float32), "b": rng.normal(size=16).astype(np.float32)}
+  g = {"w": rng.normal(size=(8, 16)).astype(np.float32), "b": rng.normal(size=16).astype(np.float32)}
+  g["w"][0, :4] = 1e-8
+  lr, wd = 0.1, 0.1
+  decay = {"w": wd * p["w"], "b": 0 * p["b"]}
+  rms = lambda x: np.sqrt(np.mean(x ** 2))
+  trust = lambda u, k: np.linalg.norm(p[k]) / np.linalg.norm(u)
+  adam_dir = lambda eps: {k: g[k] / (np.abs(g[k]) + eps) + decay[k] for k in p}
+  lamb = adam_dir(1e-6)
+  lars = {k: g[k] + decay[k] for k in p}
+  expected = {
+      "sgd": {k: -lr * g[k] for k in p},
+      "adamw": {k: -lr * v for k, v in adam_dir(1e-8).items()},
+      "lion": {k: -lr * (np.sign(g[k]) + decay[k]) for k in p},
+      "lamb": {k: -lr * trust(lamb[k], k) * lamb[k] for k in p},
+      # LARS' trust coefficient 1e-3, on matrices only.
+      "lars": {"w": -lr * 1e-3 * trust(lars["w"], "w") * lars["w"], "b": -lr * lars["b"]},
+      # Adafactor's first second-moment estimate is g² itself (unfactored below 128 rows):
+      # sign(g), scaled by the parameter's RMS, plus the lr-scaled decay.
+      "adafactor": {k: -lr * (max(1e-3, rms(p[k])) * np.sign(g[k]) + decay[k]) for k in p},
+  }
+  updates = {}
+  for name in optimizers.INNER:
+    tx = optimizers.inner_optimizer(_opt(name=name, lr=lr, warmup_steps=0, min_lr_ratio=1.0,
+                                         weight_decay=wd, grad_clip=0.0), 10)
+    updates[name], _ = tx.update(g, tx.init(p), p)
+  for name, expect in expected.items():
+    for k in p:
+      np.testing.assert_allclose(updates[name][k], expect[k], rtol=2e-4, atol=1e-7,
+                                 err_msg=f"{name}: {k}")
+  # Muon: the matrix's update less its decay is the orthogonalized gradient (a flat
+  # spectrum; the raw gradient's is not), the bias gets an Adam step without decay.
+  ortho = np.asarray(updates["muon"]["w"]) / -lr - decay["w"]
+  singular = np.linalg.svd(ortho, compute_uv=False)
+  raw = np.linalg.svd(g["w"], compute_uv=False)
+  # Newton-Schulz with Muon's coefficients lands them in about [0.68, 1.13], times the
+  # shape factor sqrt(16 / 8).
+  assert (singular > 0.6 * 2 ** 0.5).all() and (singular < 1.2 * 2 ** 0.5).all(), singular
+  assert raw.max() / raw.min() > 3, raw
+  # Its AdamW part is Nesterov's (NAdam): the first step's m̂ is (1 + b1(1 − b1)/(1 − b1²))·g.
+  nadam = 1 + 0.9 * 0.1 / (1 - 0.9 ** 2)
+  np.testing.assert_allclose(updates["muon"]["b"],
+                             -lr * nadam * g["b"] / (np.abs(g["b"]) + 1e-8), rtol=2e-4)
+  # Seven names, seven different steps.
+  flat = {n: np.concatenate([np.ravel(u[k]) for k in p]) for n, u in updates.items()}
+  for a in flat:
+    for b in flat:
+      assert a == b or not np.allclose(flat[a], flat[b], rtol=1e-3), (a, b)
