@@ -69,3 +69,20 @@ def checkpointed_state(config, workdir):
       r.abstract_workers())
   ckpt.close()
   return (state, workers), data
+
+
+def assert_simulation_resumes_exactly(config, whole_dir, whole_summary, split_dir,
+                                      stop_after_checkpoints: int = 1):
+  """`config` simulated again in `split_dir`, stopped after that many checkpoints and
+  resumed: the same summary (clock, bytes, losses, per-worker records) and the same final
+  model, bit for bit, as the uninterrupted run in `whole_dir`."""
+  from lowcomm_jax import simulate
+  stopped = simulate.run(config, split_dir, stop_after_checkpoints=stop_after_checkpoints)
+  assert stopped["stopped_at"] == stop_after_checkpoints, stopped
+  resumed = simulate.run(config, split_dir)
+  for key in ("eval_loss", "train_loss", "virtual_seconds", "mean_staleness", "mean_drift",
+              "total_inner_steps", "bytes_sent", "workers"):
+    assert resumed[key] == whole_summary[key], key
+  import numpy as np
+  np.testing.assert_array_equal(np.asarray(simulate.final_global_params(config, split_dir)),
+                                np.asarray(simulate.final_global_params(config, whole_dir)))

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 
 import toy_problem as toy
-from conftest import load_config, train_rounds
+from conftest import assert_simulation_resumes_exactly, load_config, train_rounds
 from lowcomm_jax import outer, simulate
 
 LR, BETA = toy.LR, toy.BETA
@@ -93,6 +93,8 @@ def test_the_simulator_equals_the_runner_and_hides_each_transfer_behind_the_next
   _, state, _, _ = train_rounds(runner, 3)
   np.testing.assert_array_equal(np.asarray(simulate.final_global_params(config, tmp_path / "osd")),
                                 np.asarray(state.params))
+  # Stopped after round 1 with its transfer in flight, resumed: the same simulation.
+  assert_simulation_resumes_exactly(config, tmp_path / "osd", summary, tmp_path / "split")
   # DiLoCo: every round is compute then its transfer, R·(c + T). One-step-delay: the
   # transfers run behind the next rounds' compute, so only what they exceed it by (and the
   # last one) shows: R·max(c, T) + min(c, T)... at most R·c + R·T, and here much less.

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import toy_problem as toy
-from conftest import checkpointed_state, load_config, train_rounds
+from conftest import (assert_simulation_resumes_exactly, checkpointed_state, load_config,
+                      train_rounds)
 from lowcomm_jax import config_check, simulate, train
 
 ALPHA, MOMENTUM = 0.2, 0.5
@@ -43,11 +44,14 @@ def test_the_simulator_equals_the_runner(tmp_path):
   config = load_config("smoke", **common, **{"sim.enabled": True, "eval_every": 3,
                                              "checkpoint_every": 1,
                                              "sim.heterogeneity": "very"})
-  summary = simulate.run(config, tmp_path)
+  summary = simulate.run(config, tmp_path / "whole")
   assert summary["total_inner_steps"] == 3 * 4 * 2
   _, state, _, _ = train_rounds(load_config("smoke", **common, **{"mesh.replica": 1}), 3)
-  np.testing.assert_array_equal(np.asarray(simulate.final_global_params(config, tmp_path)),
-                                np.asarray(state.params))
+  np.testing.assert_array_equal(
+      np.asarray(simulate.final_global_params(config, tmp_path / "whole")),
+      np.asarray(state.params))
+  # Stopped after round 1 with its average in flight, resumed: the same simulation.
+  assert_simulation_resumes_exactly(config, tmp_path / "whole", summary, tmp_path / "split")
 
 
 def test_resume_with_an_average_in_flight_is_exact(tmp_path, smoke_config):
