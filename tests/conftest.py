@@ -17,6 +17,7 @@ os.environ.setdefault("LOWCOMM_CACHE_DIR", tempfile.mkdtemp(prefix="lowcomm_cach
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="lowcomm_jax_cache_"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
@@ -58,6 +59,38 @@ def train_rounds(config, rounds: int):
   return r, state, workers, metrics
 
 
+def record_sync_inputs(fns) -> list:
+  """Wraps each of `fns`' sync programs (train.jitted_steps) so that every call first appends
+  the workers' Δ it received ([W, N], NumPy) to the returned list."""
+  received = []
+
+  def recording(sync):
+    def call(state, deltas_R, signals, metrics=True):
+      received.append(np.asarray(deltas_R))
+      return sync(state, deltas_R, signals, metrics=metrics)
+    return call
+
+  fns.syncs[:] = [recording(sync) for sync in fns.syncs]
+  return received
+
+
+def rounds_with_their_deltas(config, rounds: int = 1):
+  """θ after each round (θ_0 first), and the workers' Δ [W, N] each sync received."""
+  from lowcomm_jax import train
+  r = train.build(config)
+  fns = train.jitted_steps(r)
+  received = record_sync_inputs(fns)
+  with r.partitioner():
+    state, workers = train.init_run(r, fns)
+    thetas = [np.asarray(state.params)]
+    for _ in range(rounds):
+      batches = [s.next_round(h.inner_steps) for s, h in zip(r.data.streams, r.topology.hosts)]
+      state, workers, _, _ = train.train_round(r, fns, state, workers, batches,
+                                               [h.inner_steps for h in r.topology.hosts])
+      thetas.append(np.asarray(state.params))
+  return thetas, received
+
+
 def checkpointed_state(config, workdir):
   """((global state, worker states), data-stream states) of the workdir's latest checkpoint."""
   from lowcomm_jax import train
@@ -83,6 +116,5 @@ def assert_simulation_resumes_exactly(config, whole_dir, whole_summary, split_di
   for key in ("eval_loss", "train_loss", "virtual_seconds", "mean_staleness", "mean_drift",
               "total_inner_steps", "bytes_sent", "workers"):
     assert resumed[key] == whole_summary[key], key
-  import numpy as np
   np.testing.assert_array_equal(np.asarray(simulate.final_global_params(config, split_dir)),
                                 np.asarray(simulate.final_global_params(config, whole_dir)))

@@ -15,8 +15,10 @@ import pytest
 from lowcomm_jax import compress, train
 from lowcomm_jax.aggregate import compressed_mean
 from lowcomm_jax.hosts import host
+from lowcomm_jax.model.matformer import tier_mask
+from lowcomm_jax.rounds import jitted_steps
 
-from conftest import load_config
+from conftest import checkpointed_state, load_config, record_sync_inputs
 
 TIERED = [host(tier=1.0), host(tier=0.5)]
 # Tiers with every codec under DiLoCo (the main job); DDP's sync is the same aggregator, so
@@ -32,9 +34,14 @@ RATIO = {"none": (1, 1), "int8": (3.5, 4), "fp8": (3.5, 4), "int4": (6.5, 8),
 
 
 def _config(codec, algorithm, tiers):
+  # One plain outer step on the decoded mean ĝ: θ_1 = θ_0 − ĝ (DiLoCo: lr 1, no momentum),
+  # θ_0 − lr·ĝ (DDP: SGD at its peak lr), θ_0 − lr·sign(ĝ) (DeMo's sign descent, no decay).
+  step = ({"outer.lr": 1.0, "outer.momentum": 0.0} if algorithm == "diloco" else
+          {"optimizer.name": "sgd", "optimizer.warmup_steps": 0, "optimizer.grad_clip": 0.0,
+           "optimizer.weight_decay": 0.0})
   c = load_config("smoke", algorithm=algorithm, rounds=1, eval_batches=1,
                   checkpoint_every=0, log_every=1, inner_steps=1 if algorithm == "ddp" else 2,
-                  **{"compress.codec": codec, "data.seq_len": 16, "data.batch_size": 2})
+                  **{"compress.codec": codec, "data.seq_len": 16, "data.batch_size": 2, **step})
   if tiers:
     c.hosts = TIERED
   return c
@@ -48,11 +55,19 @@ def _dense_tree():
 
 @pytest.mark.parametrize("codec,algorithm,tiers", CASES,
                          ids=[f"{c}-{a}-{'tiers' if t else 'flat'}" for c, a, t in CASES])
-def test_codec_trains_end_to_end(tmp_path, codec, algorithm, tiers):
+def test_codec_trains_end_to_end(tmp_path, monkeypatch, codec, algorithm, tiers):
   config = _config(codec, algorithm, tiers)
+  received = []  # the workers' Δ the run's sync received
+
+  def recording(r, **kwargs):
+    fns = jitted_steps(r, **kwargs)
+    received.append(record_sync_inputs(fns))
+    return fns
+  monkeypatch.setattr(train, "jitted_steps", recording)
   summary = train.run(config, tmp_path)
   assert math.isfinite(summary["eval_loss"]) and math.isfinite(summary["train_loss"])
   assert summary["codec"] == codec
+  _check_the_decoded_step(config, tmp_path, received[0][0])
 
   dense = summary["params"] * 4  # fp32
   made = compress.make_codec(config.compress, lr=config.optimizer.lr)
@@ -68,6 +83,46 @@ def test_codec_trains_end_to_end(tmp_path, codec, algorithm, tiers):
   assert last["bytes_sent"] == summary["bytes_sent"]
   assert math.isfinite(last["eval_loss"])
 
+
+def _check_the_decoded_step(config, workdir, deltas):
+  """θ_1 (the run's checkpoint) against θ_0 and the step on the workers' Δ each encoded and
+  decoded by the codec on its own, with the key the sender had (round 0, worker w), averaged
+  over the senders (with tiers: each FFN unit over the workers whose tier trains it)."""
+  r = train.build(config)
+  theta0 = np.asarray(r.state_spec.initial_params())
+  (state, _), _ = checkpointed_state(config, workdir)
+  layout = r.model.layout
+  made = compress.make_codec(config.compress, lr=config.optimizer.lr)
+  round_key = jax.random.fold_in(jax.random.key(config.seed), 0)
+  decoded = []
+  for w, delta in enumerate(deltas):
+    tree = layout.unravel(jnp.asarray(delta))
+    if made is not None:
+      tree, _ = jax.jit(made.roundtrip)(tree, made.init(tree), jax.random.fold_in(round_key, w))
+    decoded.append(np.asarray(layout.ravel(tree), np.float64))
+  hidden = [h.hidden for h in r.topology.hosts for _ in h.worker_ids]
+  masks = [np.asarray(layout.ravel(jax.tree.map(
+      lambda m, x: jnp.broadcast_to(m, x.shape), tier_mask(layout.abstract, m), layout.abstract)))
+      for m in hidden]
+  mean = sum(a * d for a, d in zip(masks, decoded)) / np.maximum(sum(masks), 1)
+  # What float32 round-off of the sums can reach: a little of the terms' size (a mean of
+  # nearly cancelling values is relatively far less exact than its terms).
+  terms = sum(a * np.abs(d) for a, d in zip(masks, decoded)) / np.maximum(sum(masks), 1)
+  lr = 1.0 if config.algorithm == "diloco" else config.optimizer.lr
+  if config.compress.codec == "demo":  # a sign: compared where round-off cannot flip it
+    step, clear = lr * np.sign(mean), np.abs(mean) > 1e-5 * terms
+  else:
+    step, clear = lr * mean, np.ones(mean.shape, bool)
+  theta1 = np.asarray(state.params)
+  # Up to float32 round-off: of θ_0 − step (an ulp of θ) and of the sums.
+  error = np.where(clear, np.abs(theta1 - (theta0 - step)), 0.0)
+  bound = 2 * np.spacing(np.maximum(np.abs(theta0), np.abs(theta1))) + 1e-5 * lr * terms
+  worst = int(np.argmax(error - bound))
+  assert error[worst] <= bound[worst], (worst, theta0[worst], theta1[worst], step[worst])
+  assert clear.mean() > 0.99
+  # A lossy codec's values are not the workers' own: the check above saw the codec's.
+  plain = sum(a * d for a, d in zip(masks, deltas)) / np.maximum(sum(masks), 1)
+  assert (made is None) == np.allclose(mean, plain, rtol=1e-6, atol=0)
 
 @pytest.mark.parametrize("codec", compress.CODECS[1:])
 def test_compressed_mean_is_unmapped_given_the_global_round(codec):

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import checkpointed_state, load_config, train_rounds
+from conftest import checkpointed_state, load_config, rounds_with_their_deltas, train_rounds
 from lowcomm_jax import config_check, optimizers, train
 
 
@@ -141,29 +141,6 @@ def test_bad_robust_configs_name_the_field(overrides, message):
 
 
 
-def _rounds_with_their_deltas(config, rounds=1):
-  """θ after each round (θ_0 first) and the workers' Δ [W, N] each round's sync received,
-  recorded from the runner's own sync."""
-  r = train.build(config)
-  fns = train.jitted_steps(r)
-  received, sync = [], fns.syncs[0]
-
-  def recording_sync(state, deltas_R, signals, metrics=True):
-    received.append(np.asarray(deltas_R))
-    return sync(state, deltas_R, signals, metrics=metrics)
-
-  fns.syncs[0] = recording_sync
-  with r.partitioner():
-    state, workers = train.init_run(r, fns)
-    thetas = [np.asarray(state.params)]
-    for _ in range(rounds):
-      batches = [s.next_round(h.inner_steps) for s, h in zip(r.data.streams, r.topology.hosts)]
-      state, workers, _, _ = train.train_round(r, fns, state, workers, batches,
-                                               [h.inner_steps for h in r.topology.hosts])
-      thetas.append(np.asarray(state.params))
-  return thetas, received
-
-
 # Six workers, a plain outer step (lr 1, no momentum: θ_1 = θ_0 − the combined Δ), through
 # optimizers.robust_rule's wiring of the config.
 SIX = {"num_workers": 6, "outer.lr": 1.0, "outer.momentum": 0.0}
@@ -171,7 +148,7 @@ SIX = {"num_workers": 6, "outer.lr": 1.0, "outer.momentum": 0.0}
 
 @pytest.mark.parametrize("trim", [1, 2])
 def test_the_runner_trims_aggregate_trim_values_per_side(trim):
-  (theta0, theta1), (deltas,) = _rounds_with_their_deltas(
+  (theta0, theta1), (deltas,) = rounds_with_their_deltas(
       _config(**SIX, **{"aggregate.rule": "trimmed_mean", "aggregate.trim": trim}))
   assert deltas.shape[0] == 6
   expect = np.sort(deltas, axis=0)[trim:6 - trim].mean(axis=0)
@@ -188,7 +165,7 @@ def _pairings(workers):
 
 
 def test_the_runner_takes_the_median_of_shuffled_buckets():
-  (theta0, theta1), (deltas,) = _rounds_with_their_deltas(
+  (theta0, theta1), (deltas,) = rounds_with_their_deltas(
       _config(**SIX, **{"aggregate.rule": "median", "aggregate.bucket": 2}))
   # Whatever the shuffle: exactly one of the 15 ways of pairing six workers gives the update.
   close = lambda x: np.allclose(theta0 - theta1, x, rtol=1e-4, atol=1e-6)
@@ -203,7 +180,7 @@ def test_the_runner_weighs_workers_by_the_cosine_signal():
   fields = {"aggregate.signal": "cosine", "aggregate.warmup_rounds": 1,
             "aggregate.temperature": 0.5, "aggregate.noise_sigmas": 0.0}
   config = _config(**SIX, **fields)
-  thetas, received = _rounds_with_their_deltas(config, rounds=3)
+  thetas, received = rounds_with_their_deltas(config, rounds=3)
   # The same combination replayed on the recorded Δ, step by step.
   a = config.aggregate
   combine = robust_combine(rule="mean", signal="cosine", num_workers=6,
