@@ -4,6 +4,7 @@ import os
 import pathlib
 import runpy
 import tempfile
+from typing import NamedTuple
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -43,13 +44,16 @@ def smoke_config():
   return lambda **overrides: load_config("smoke", **overrides)
 
 
-def train_rounds(config, rounds: int):
+def train_rounds(config, rounds: int, *, record: list | None = None):
   """Builds `config` and trains `rounds` rounds the way train.run does, without the files.
+  `record`: a list to append each sync call to (`record_syncs`).
 
   Returns (run, global state, this process's worker states, last round's metrics)."""
   from lowcomm_jax import train
   r = train.build(config)
   fns = train.jitted_steps(r)
+  if record is not None:
+    record_syncs(fns, record)
   with r.partitioner():
     state, workers = train.init_run(r, fns)
     for _ in range(rounds):
@@ -59,36 +63,28 @@ def train_rounds(config, rounds: int):
   return r, state, workers, metrics
 
 
-def record_sync_inputs(fns) -> list:
-  """Wraps each of `fns`' sync programs (train.jitted_steps) so that every call first appends
-  the workers' Δ it received ([W, N], NumPy) to the returned list."""
-  received = []
+class SyncCall(NamedTuple):
+  """One call of a sync program, in NumPy: θ before, the workers' Δ [W, N], θ after."""
+  theta: np.ndarray
+  deltas: np.ndarray
+  new_theta: np.ndarray
+
+
+def record_syncs(fns, calls: list | None = None) -> list[SyncCall]:
+  """Wraps each of `fns`' sync programs (train.jitted_steps) so that every call appends a
+  `SyncCall` to `calls` (a new list by default), which it returns."""
+  calls = [] if calls is None else calls
 
   def recording(sync):
     def call(state, deltas_R, signals, metrics=True):
-      received.append(np.asarray(deltas_R))
-      return sync(state, deltas_R, signals, metrics=metrics)
+      theta, deltas = np.asarray(state.params), np.asarray(deltas_R)
+      state, out = sync(state, deltas_R, signals, metrics=metrics)
+      calls.append(SyncCall(theta, deltas, np.asarray(state.params)))
+      return state, out
     return call
 
   fns.syncs[:] = [recording(sync) for sync in fns.syncs]
-  return received
-
-
-def rounds_with_their_deltas(config, rounds: int = 1):
-  """θ after each round (θ_0 first), and the workers' Δ [W, N] each sync received."""
-  from lowcomm_jax import train
-  r = train.build(config)
-  fns = train.jitted_steps(r)
-  received = record_sync_inputs(fns)
-  with r.partitioner():
-    state, workers = train.init_run(r, fns)
-    thetas = [np.asarray(state.params)]
-    for _ in range(rounds):
-      batches = [s.next_round(h.inner_steps) for s, h in zip(r.data.streams, r.topology.hosts)]
-      state, workers, _, _ = train.train_round(r, fns, state, workers, batches,
-                                               [h.inner_steps for h in r.topology.hosts])
-      thetas.append(np.asarray(state.params))
-  return thetas, received
+  return calls
 
 
 def checkpointed_state(config, workdir):

@@ -18,7 +18,7 @@ from lowcomm_jax.hosts import host
 from lowcomm_jax.model.matformer import tier_mask
 from lowcomm_jax.rounds import jitted_steps
 
-from conftest import checkpointed_state, load_config, record_sync_inputs
+from conftest import load_config, record_syncs
 
 TIERED = [host(tier=1.0), host(tier=0.5)]
 # Tiers with every codec under DiLoCo (the main job); DDP's sync is the same aggregator, so
@@ -57,18 +57,19 @@ def _dense_tree():
                          ids=[f"{c}-{a}-{'tiers' if t else 'flat'}" for c, a, t in CASES])
 def test_codec_trains_end_to_end(tmp_path, monkeypatch, codec, algorithm, tiers):
   config = _config(codec, algorithm, tiers)
-  received = []  # the workers' Δ the run's sync received
+  built, calls = [], []  # the run train.run built, and its sync's calls
 
   def recording(r, **kwargs):
+    built.append(r)
     fns = jitted_steps(r, **kwargs)
-    received.append(record_sync_inputs(fns))
+    record_syncs(fns, calls)
     return fns
   monkeypatch.setattr(train, "jitted_steps", recording)
   summary = train.run(config, tmp_path)
   assert math.isfinite(summary["eval_loss"]) and math.isfinite(summary["train_loss"])
   assert summary["codec"] == codec
-  _check_the_decoded_step(config, tmp_path, received[0][0])
-
+  (call,) = calls
+  _check_the_decoded_step(built[0], call)
   dense = summary["params"] * 4  # fp32
   made = compress.make_codec(config.compress, lr=config.optimizer.lr)
   # Per worker per round: an all-gather of the packed payload, or the plain mean's all-reduce.
@@ -84,26 +85,25 @@ def test_codec_trains_end_to_end(tmp_path, monkeypatch, codec, algorithm, tiers)
   assert math.isfinite(last["eval_loss"])
 
 
-def _check_the_decoded_step(config, workdir, deltas):
-  """θ_1 (the run's checkpoint) against θ_0 and the step on the workers' Δ each encoded and
-  decoded by the codec on its own, with the key the sender had (round 0, worker w), averaged
-  over the senders (with tiers: each FFN unit over the workers whose tier trains it)."""
-  r = train.build(config)
-  theta0 = np.asarray(r.state_spec.initial_params())
-  (state, _), _ = checkpointed_state(config, workdir)
-  layout = r.model.layout
+def _check_the_decoded_step(r, call):
+  """θ_1 against θ_0 and the step on the workers' Δ each encoded and decoded by the codec on
+  its own, with the key the sender had (round 0, worker w), averaged over the senders (with
+  tiers: each FFN unit over the workers whose tier trains it)."""
+  config, layout = r.config, r.model.layout
+  theta0, deltas, theta1 = call
   made = compress.make_codec(config.compress, lr=config.optimizer.lr)
   round_key = jax.random.fold_in(jax.random.key(config.seed), 0)
-  decoded = []
-  for w, delta in enumerate(deltas):
-    tree = layout.unravel(jnp.asarray(delta))
-    if made is not None:
-      tree, _ = jax.jit(made.roundtrip)(tree, made.init(tree), jax.random.fold_in(round_key, w))
-    decoded.append(np.asarray(layout.ravel(tree), np.float64))
+  keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(round_key, jnp.arange(len(deltas)))
+
+  def roundtrip(delta, key):
+    tree = layout.unravel(delta)
+    return layout.ravel(made.roundtrip(tree, made.init(tree), key)[0])
+  decoded = (np.asarray(jax.jit(jax.vmap(roundtrip))(deltas, keys), np.float64)
+             if made is not None else deltas.astype(np.float64))
   hidden = [h.hidden for h in r.topology.hosts for _ in h.worker_ids]
-  masks = [np.asarray(layout.ravel(jax.tree.map(
-      lambda m, x: jnp.broadcast_to(m, x.shape), tier_mask(layout.abstract, m), layout.abstract)))
-      for m in hidden]
+  masks = [np.asarray(layout.ravel(jax.tree.map(lambda a, x: np.broadcast_to(a, x.shape),
+                                                tier_mask(layout.abstract, m), layout.abstract)))
+           for m in hidden]
   mean = sum(a * d for a, d in zip(masks, decoded)) / np.maximum(sum(masks), 1)
   # What float32 round-off of the sums can reach: a little of the terms' size (a mean of
   # nearly cancelling values is relatively far less exact than its terms).
@@ -113,7 +113,6 @@ def _check_the_decoded_step(config, workdir, deltas):
     step, clear = lr * np.sign(mean), np.abs(mean) > 1e-5 * terms
   else:
     step, clear = lr * mean, np.ones(mean.shape, bool)
-  theta1 = np.asarray(state.params)
   # Up to float32 round-off: of θ_0 − step (an ulp of θ) and of the sums.
   error = np.where(clear, np.abs(theta1 - (theta0 - step)), 0.0)
   bound = 2 * np.spacing(np.maximum(np.abs(theta0), np.abs(theta1))) + 1e-5 * lr * terms
@@ -123,6 +122,7 @@ def _check_the_decoded_step(config, workdir, deltas):
   # A lossy codec's values are not the workers' own: the check above saw the codec's.
   plain = sum(a * d for a, d in zip(masks, deltas)) / np.maximum(sum(masks), 1)
   assert (made is None) == np.allclose(mean, plain, rtol=1e-6, atol=0)
+
 
 @pytest.mark.parametrize("codec", compress.CODECS[1:])
 def test_compressed_mean_is_unmapped_given_the_global_round(codec):

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import checkpointed_state, load_config, rounds_with_their_deltas, train_rounds
+from conftest import checkpointed_state, load_config, train_rounds
 from lowcomm_jax import config_check, optimizers, train
 
 
@@ -141,6 +141,12 @@ def test_bad_robust_configs_name_the_field(overrides, message):
 
 
 
+def _recorded(config, rounds=1):
+  calls = []
+  train_rounds(config, rounds, record=calls)
+  return calls
+
+
 # Six workers, a plain outer step (lr 1, no momentum: θ_1 = θ_0 − the combined Δ), through
 # optimizers.robust_rule's wiring of the config.
 SIX = {"num_workers": 6, "outer.lr": 1.0, "outer.momentum": 0.0}
@@ -148,7 +154,7 @@ SIX = {"num_workers": 6, "outer.lr": 1.0, "outer.momentum": 0.0}
 
 @pytest.mark.parametrize("trim", [1, 2])
 def test_the_runner_trims_aggregate_trim_values_per_side(trim):
-  (theta0, theta1), (deltas,) = rounds_with_their_deltas(
+  (theta0, deltas, theta1), = _recorded(
       _config(**SIX, **{"aggregate.rule": "trimmed_mean", "aggregate.trim": trim}))
   assert deltas.shape[0] == 6
   expect = np.sort(deltas, axis=0)[trim:6 - trim].mean(axis=0)
@@ -165,7 +171,7 @@ def _pairings(workers):
 
 
 def test_the_runner_takes_the_median_of_shuffled_buckets():
-  (theta0, theta1), (deltas,) = rounds_with_their_deltas(
+  (theta0, deltas, theta1), = _recorded(
       _config(**SIX, **{"aggregate.rule": "median", "aggregate.bucket": 2}))
   # Whatever the shuffle: exactly one of the 15 ways of pairing six workers gives the update.
   close = lambda x: np.allclose(theta0 - theta1, x, rtol=1e-4, atol=1e-6)
@@ -180,16 +186,16 @@ def test_the_runner_weighs_workers_by_the_cosine_signal():
   fields = {"aggregate.signal": "cosine", "aggregate.warmup_rounds": 1,
             "aggregate.temperature": 0.5, "aggregate.noise_sigmas": 0.0}
   config = _config(**SIX, **fields)
-  thetas, received = rounds_with_their_deltas(config, rounds=3)
+  calls = _recorded(config, rounds=3)
   # The same combination replayed on the recorded Δ, step by step.
   a = config.aggregate
   combine = robust_combine(rule="mean", signal="cosine", num_workers=6,
                            temperature=a.temperature, floor=a.floor, weight_ema=a.weight_ema,
                            warmup_rounds=a.warmup_rounds, signal_ema=a.signal_ema,
                            noise_sigmas=a.noise_sigmas)
-  state = combine.init(jax.numpy.zeros(thetas[0].shape))
-  for k, deltas in enumerate(received):
+  state = combine.init(jax.numpy.zeros(calls[0].theta.shape))
+  for k, (theta, deltas, new_theta) in enumerate(calls):
     out, state = combine.update(jax.numpy.asarray(deltas), state, round_index=k)
-    np.testing.assert_allclose(thetas[k] - thetas[k + 1], out, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(theta - new_theta, out, rtol=1e-4, atol=1e-6)
   weights = np.asarray(state.signals.weights)
   assert weights.std() > 1e-3, weights  # past the warm-up the cosines set unequal weights
