@@ -6,6 +6,7 @@ programs and runs them.
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -205,6 +206,13 @@ class Run:
                               jax.eval_shape(f, params)) for f in self.programs.init_workers)
 
 
+@functools.lru_cache(maxsize=32)
+def _graphdef(model_cfg: GPTConfig) -> nnx.GraphDef:
+  """The model's NNX graph (structure only, immutable): built once per config and process,
+  as a run asks for it per host, per program and per tier."""
+  return nnx.split(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0))), nnx.Param)[0]
+
+
 def build(config: ml_collections.ConfigDict) -> Run:
   """Validates the config, loads data, builds the model and the step functions (no compute)."""
   nproc = jax.process_count()
@@ -241,8 +249,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
     mesh = local_mesh = mesh_lib.make_mesh(replica, c.mesh.data, c.model.tp.size)
 
   def graphdef_of(d_ff):
-    tier_cfg = dataclasses.replace(model_cfg, d_ff=d_ff)
-    return nnx.split(nnx.eval_shape(lambda: GPT(tier_cfg, rngs=nnx.Rngs(0))), nnx.Param)[0]
+    return _graphdef(dataclasses.replace(model_cfg, d_ff=d_ff))
 
   graphdef = graphdef_of(model_cfg.d_ff)
 

@@ -54,9 +54,9 @@ def test_a_process_that_never_starts_is_named_within_the_join_timeout():
       f"lowcomm_jax: error: process 1 of 2 did not join 127.0.0.1:{port} within "
       "distributed.join_timeout_s=5; start it with the same coordinator_address and "
       "num_processes, or raise join_timeout_s")
-  # A 5 s join timeout plus start-up (slow on a loaded machine); JAX alone: 300 s of
-  # silence, then "another task died".
-  assert elapsed < 60, elapsed
+  # A 5 s join timeout plus start-up (import and backend: up to ~30 s beside another
+  # CPU-heavy job); JAX alone: 300 s of silence, then "another task died".
+  assert elapsed < 120, elapsed
 
 
 def test_a_process_whose_coordinator_never_starts_says_so():

@@ -115,7 +115,9 @@ def test_a_killed_process_stops_the_run_and_a_restart_resumes_it(tmp_path):
     if re.match(r"\[launcher\] process 1: pid (\d+)", line):
       relaunched_at = time.time()
       break
-  assert relaunched_at is not None and relaunched_at - killed_at < 10, "no prompt restart"
+  # Noticed from the exit code, not the 60 s heartbeat: well under it even beside another
+  # CPU-heavy job (stopping the survivor and starting both again takes seconds).
+  assert relaunched_at is not None and relaunched_at - killed_at < 30, "no prompt restart"
   # Read on with the same iterator: lines it has buffered already would be lost to
   # communicate().
   rest = ""
@@ -148,7 +150,7 @@ def test_without_restarts_a_killed_process_fails_the_launcher_quickly(tmp_path):
   os.kill(pid, signal.SIGKILL)
   _, err = proc.communicate(timeout=60)
   assert proc.returncode == 1
-  assert time.time() - killed_at < 10  # well within the 60 s heartbeat timeout
+  assert time.time() - killed_at < 30  # from the exit code: well within the 60 s heartbeat
   assert "process 0 exited with code -9" in err and "Its last lines" in err
 
 

@@ -2,6 +2,7 @@
 and save, in which order, for a driver that reads late (the runner) and one that reads at
 the mark (the simulator); a non-finite reading stops before the save; stopping early."""
 
+import dataclasses
 import json
 import math
 import time
@@ -136,3 +137,40 @@ def test_a_driver_whose_open_fails_is_closed(tmp_path, smoke_config):
   with pytest.raises(RuntimeError):
     run_loop.run(driver, _files(smoke_config, tmp_path), t_start=time.time())
   assert driver.events == [("close",)]
+
+
+@pytest.mark.parametrize("reads_late", [True, False])
+def test_training_speed_leaves_out_evaluation_and_saving(tmp_path, smoke_config, monkeypatch,
+                                                         reads_late):
+  # A clock that moves only when the driver works: 1 s of training per round (10 steps),
+  # 50 s per evaluation, 20 s per save. Every row's speed is then 10 steps/s, rounds that
+  # evaluate and save included. (bench/pause_timing.py measures it with the real runner.)
+  now = [100.0]
+  monkeypatch.setattr(run_loop, "time", type("Clock", (), {
+      "perf_counter": staticmethod(lambda: now[0]), "time": staticmethod(lambda: now[0])}))
+
+  class Clocked(ScriptedDriver):
+    ready = {}
+
+    def advance(self, due):
+      mark = super().advance(due)
+      if mark is not None:
+        now[0] += 1.0
+        self.ready[mark.index] = now[0]  # its results are ready when its compute ends
+      return mark
+
+    def read(self, mark):
+      return dataclasses.replace(super().read(mark), ready_time=self.ready[mark])
+
+    def evaluate(self):
+      now[0] += 50.0
+      return super().evaluate()
+
+    def save(self, ckpt, mark, *, last, wall):
+      now[0] += 20.0
+      super().save(ckpt, mark, last=last, wall=wall)
+
+  run_loop.run(Clocked(6, reads_late=reads_late), _files(smoke_config, tmp_path), t_start=100.0)
+  rows = [r for r in _rows(tmp_path) if "train_loss" in r]
+  assert [r["step"] for r in rows] == [20, 30, 40, 60]
+  assert [r["steps_per_second"] for r in rows] == [pytest.approx(10.0)] * 4
