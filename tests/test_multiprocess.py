@@ -215,3 +215,30 @@ def test_collaborative_lora_peers_and_their_monitor(tmp_path):
   # Only the adapters' averaged gradient crosses the network: at most a ring all-reduce's 2x.
   assert 0 < summary["bytes_sent"] <= 2 * 4 * summary["trainable_params"] * 4
   assert list((tmp_path / "monitor").glob("events.out.tfevents.*"))
+  # The same epochs in one process, its virtual clock giving each peer the micro-batches it
+  # reached across processes: the same model (up to the order of the sums).
+  from conftest import load_config
+  from lowcomm_jax import collab, run_loop
+  from lowcomm_jax.run_files import RunFiles
+  reached = {row["epoch"]: row["samples"] for row in epochs}
+
+  class Replay(collab.VirtualProgress):
+    def begin(self, epoch):
+      super().begin(epoch)
+      self.quota = [n // s for n, s in zip(reached[epoch], self.samples)]
+
+    def next_host(self):
+      return next((i for i, m in enumerate(self.micro) if m < self.quota[i]), None)
+
+  config = load_config("collab_lora", rounds=4, eval_every=0, checkpoint_every=4,
+                       **{"data.seq_len": 32})
+  r = train.build(config)
+  progress = Replay(config.collab.target_batch_size,
+                    [len(h.worker_ids) * h.batch_size for h in r.topology.hosts],
+                    [h.speed for h in r.topology.hosts])
+  one = run_loop.run(collab.CollabDriver(r, None, progress=progress),
+                     RunFiles(config, tmp_path / "one"), t_start=time.time())
+  assert one["tokens"] == summary["tokens"] and one["bytes_sent"] == summary["bytes_sent"]
+  np.testing.assert_allclose(one["eval_loss"], summary["eval_loss"], rtol=1e-5)
+  np.testing.assert_allclose(_final_params(config, tmp_path / "one"),
+                             _final_params(config, tmp_path), rtol=1e-5, atol=5e-6)
