@@ -73,7 +73,7 @@ RESUMED = [("diloco", {"compress.codec": "topk"}),
 def test_a_compressed_run_resumes_exactly(tmp_path, smoke_config, algorithm, extra):
   import numpy as np
   from conftest import checkpointed_state
-  config = smoke_config(algorithm=algorithm, rounds=3, checkpoint_every=1, **extra)
+  config = smoke_config(algorithm=algorithm, rounds=2, checkpoint_every=1, **extra)
   straight = train.run(config, tmp_path / "straight")
   assert train.run(config, tmp_path / "resumed", stop_after_rounds=1) == {"stopped_at_round": 1}
   resumed = train.run(config, tmp_path / "resumed")

@@ -62,7 +62,13 @@ class LeafCodec:
 
 
 class TreeCodec:
-  """A codec for parameter trees: `make_leaf(shape)` per tensor, optional error feedback."""
+  """A codec for parameter trees: `make_leaf(shape)` per tensor, optional error feedback.
+
+  Leaves of one shape share a leaf codec and are coded together, stacked and vmapped: a
+  program holds one copy of each shape's codec, not one per leaf (a 12-layer model has 12
+  of every block tensor), which keeps tracing and compiling short. Leaf i's key is still
+  fold_in(key, i), so the result is the per-leaf one. The payload is a list with one dict
+  per shape (arrays stacked over that shape's leaves): the same wire bytes."""
 
   def __init__(self, name: str, make_leaf: Callable[[tuple], LeafCodec], *,
                error_feedback: bool = False, beta: float = 1.0, scale: float = 1.0):
@@ -73,18 +79,39 @@ class TreeCodec:
     self.scale = scale
     self._cache = {}
 
+  def _leaf(self, shape: tuple) -> LeafCodec:
+    if shape not in self._cache:
+      self._cache[shape] = self.make_leaf(shape)
+    return self._cache[shape]
+
   def leaves(self, like) -> list[LeafCodec]:
-    out = []
-    for x in jax.tree.leaves(like):
-      shape = tuple(x.shape)
-      if shape not in self._cache:
-        self._cache[shape] = self.make_leaf(shape)
-      out.append(self._cache[shape])
-    return out
+    """The leaf codec of each leaf of `like`."""
+    return [self._leaf(tuple(x.shape)) for x in jax.tree.leaves(like)]
+
+  def groups(self, like) -> list[tuple[LeafCodec, list[int]]]:
+    """(the leaf codec, the indices of the leaves it codes) per distinct leaf shape, in the
+    order of first appearance."""
+    order: dict[tuple, list[int]] = {}
+    for i, x in enumerate(jax.tree.leaves(like)):
+      order.setdefault(tuple(x.shape), []).append(i)
+    return [(self._leaf(shape), idx) for shape, idx in order.items()]
 
   @staticmethod
-  def _keys(key, n: int):
-    return [jax.random.fold_in(key, i) for i in range(n)]
+  def _keys(key, idx: list[int]):
+    """Leaf i's key fold_in(key, i), stacked over the leaves `idx`."""
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, jnp.asarray(idx, jnp.uint32))
+
+  @staticmethod
+  def _stack(xs, idx):
+    return jnp.stack([xs[i] for i in idx])
+
+  @staticmethod
+  def _scatter(like, groups, stacked_per_group):
+    out = [None] * len(jax.tree.leaves(like))
+    for (_, idx), stacked in zip(groups, stacked_per_group):
+      for j, i in enumerate(idx):
+        out[i] = stacked[j]
+    return jax.tree.unflatten(jax.tree.structure(like), out)
 
   def init(self, like):
     """Per-worker state: the error-feedback buffer (zeros), or nothing."""
@@ -93,36 +120,49 @@ class TreeCodec:
     return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), like)
 
   def encode(self, tree, state, key):
-    """(payload: list of per-leaf dicts, new state)."""
+    """(payload: list of per-shape dicts, new state)."""
     xs, treedef = jax.tree.flatten(tree)
-    codecs, keys = self.leaves(tree), self._keys(key, len(xs))
     if self.error_feedback:
       errors = treedef.flatten_up_to(state)
       xs = [self.beta * e + self.scale * x.astype(jnp.float32) for e, x in zip(errors, xs)]
     else:
       xs = [self.scale * x.astype(jnp.float32) for x in xs]
-    payload, new_errors = [], []
-    for codec, x, k in zip(codecs, xs, keys):
-      p, sent = codec.encode(x, k)
+    payload, new_errors = [], [None] * len(xs)
+    for codec, idx in self.groups(tree):
+      stacked = self._stack(xs, idx)
+      p, sent = jax.vmap(codec.encode)(stacked, self._keys(key, idx))
       payload.append(p)
-      new_errors.append(x - sent)
+      for j, i in enumerate(idx):
+        new_errors[i] = xs[i] - sent[j]
     state = jax.tree.unflatten(treedef, new_errors) if self.error_feedback else ()
     return payload, state
 
   def decode(self, payload, like, key):
-    codecs = self.leaves(like)
-    keys = self._keys(key, len(codecs))
-    return jax.tree.unflatten(jax.tree.structure(like),
-                              [c.decode(p, k) for c, p, k in zip(codecs, payload, keys)])
+    groups = self.groups(like)
+    return self._scatter(like, groups, [jax.vmap(codec.decode)(p, self._keys(key, idx))
+                                        for (codec, idx), p in zip(groups, payload)])
 
   def _over_senders(self, method: str, payloads_R, like, keys_R, *per_leaf_trees):
-    codecs = self.leaves(like)
-    leaf_keys = [jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_R, i)
-                 for i in range(len(codecs))]
+    """`method` of each leaf codec over the R senders ([R, leaves, ...] payloads), vmapped
+    over the leaves of a shape. Per-leaf extra trees ([R, ...] weights, each broadcastable
+    to its leaf) are brought to a shape common to the group's leaves, then stacked alike."""
+    groups = self.groups(like)
     extra = [jax.tree.structure(like).flatten_up_to(t) for t in per_leaf_trees]
-    return jax.tree.unflatten(jax.tree.structure(like),
-                              [getattr(c, method)(p, k, *(e[i] for e in extra))
-                               for i, (c, p, k) in enumerate(zip(codecs, payloads_R, leaf_keys))])
+    out = []
+    for (codec, idx), payloads in zip(groups, payloads_R):
+      keys = jax.vmap(lambda i: jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys_R, i))(
+          jnp.asarray(idx, jnp.uint32))  # [leaves, R]
+      ndim = 1 + len(codec.shape)  # [R, *shape]
+      stacked_extra = []
+      for leaves in extra:
+        # [R, *s] with s broadcastable to the leaf: leading 1s after R, then one shape
+        ws = [jnp.reshape(leaves[i], leaves[i].shape[:1] + (1,) * (ndim - leaves[i].ndim)
+                          + leaves[i].shape[1:]) for i in idx]
+        common = jnp.broadcast_shapes(*(w.shape for w in ws))
+        stacked_extra.append(jnp.stack([jnp.broadcast_to(w, common) for w in ws]))
+      out.append(jax.vmap(getattr(codec, method), in_axes=(1, 0) + (0,) * len(extra))(
+          payloads, keys, *stacked_extra))
+    return self._scatter(like, groups, out)
 
   def average(self, payloads_R, like, keys_R):
     """Mean over the R senders of their decoded payloads ([R, ...] payload leaves)."""
