@@ -140,7 +140,6 @@ def test_bad_robust_configs_name_the_field(overrides, message):
     config_check.validate(_config(**overrides), num_devices=8)
 
 
-
 def _recorded(config, rounds=1):
   calls = []
   train_rounds(config, rounds, record=calls)
