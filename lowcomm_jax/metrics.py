@@ -144,7 +144,8 @@ class ReadyClock:
     self._pending = queue.SimpleQueue()
     self._times = {}
     self._recorded = threading.Condition()
-    threading.Thread(target=self._watch, name="ready-clock", daemon=True).start()
+    self._watcher = threading.Thread(target=self._watch, name="ready-clock", daemon=True)
+    self._watcher.start()
 
   def watch(self, key, tree) -> None:
     self._pending.put((key, tree))
@@ -156,7 +157,11 @@ class ReadyClock:
       return self._times.pop(key)
 
   def close(self) -> None:
+    """Stops the watcher once the results it waits for are ready. Joined, not left to die
+    with the interpreter: a daemon thread killed inside XLA's wait aborts the process
+    (exit -6 instead of the run's own error code)."""
     self._pending.put(None)
+    self._watcher.join()
 
   def _watch(self) -> None:
     while (item := self._pending.get()) is not None:

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, load_config
+from conftest import REPO, load_config, xla_flags
 from lowcomm_jax import checkpoint, train
 from lowcomm_jax.checkpoint import Checkpointer, CheckpointMismatch, abstract_with_shardings
 
@@ -274,7 +274,7 @@ def test_workdir_that_is_a_file_or_read_only_is_one_line(tmp_path, monkeypatch):
 def test_cli_reports_a_workdir_that_is_a_file_in_one_line(tmp_path):
   a_file = tmp_path / "a_file"
   a_file.write_text("")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(1))
   proc = subprocess.run([sys.executable, "-m", "lowcomm_jax.main", "--config=configs/smoke.py",
                          f"--workdir={a_file}"], cwd=REPO, env=env, capture_output=True,
                         text=True, timeout=300)

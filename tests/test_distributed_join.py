@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, xla_flags
 from lowcomm_jax.parallel import distributed, roll_call
 
 
@@ -24,8 +24,8 @@ def _free_port() -> int:
 
 def _env(port: int, num: int, pid: int) -> dict:
   env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-             JAX_NUM_PROCESSES=str(num), JAX_PROCESS_ID=str(pid), JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+             JAX_NUM_PROCESSES=str(num), JAX_PROCESS_ID=str(pid), JAX_PLATFORMS="cpu",
+             XLA_FLAGS=xla_flags())  # one device per process
   return env
 
 

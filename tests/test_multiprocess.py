@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, xla_flags
 from lowcomm_jax import train
 from lowcomm_jax.checkpoint import Checkpointer, abstract_with_shardings
 
@@ -22,7 +22,7 @@ SMOKE = ["--config=configs/smoke.py", "--config.rounds=3", "--config.checkpoint_
 
 def _launch(*args):
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the launcher gives each process its own device count
+  env["XLA_FLAGS"] = xla_flags()  # the launcher gives each process its own device count
   return subprocess.Popen([sys.executable, "launch/local.py", *args], cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

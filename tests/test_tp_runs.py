@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, xla_flags
 from lowcomm_jax import config_check, train
 
 
 def _run(workdir, *overrides):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(4))
   proc = subprocess.run([sys.executable, "-m", "lowcomm_jax.main", "--config=configs/smoke.py",
                          f"--workdir={workdir}", *overrides], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=300)

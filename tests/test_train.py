@@ -9,12 +9,12 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, checkpointed_state as _checkpointed_state
+from conftest import REPO, checkpointed_state as _checkpointed_state, xla_flags
 from lowcomm_jax import config_check, train
 
 
 def _main(*args, cwd=REPO):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(1))
   return subprocess.run([sys.executable, "-m", "lowcomm_jax.main", *args], cwd=cwd, env=env,
                         capture_output=True, text=True, timeout=300)
 
@@ -89,7 +89,7 @@ def test_divergence_stops_with_the_last_good_checkpoint_intact(tmp_path, smoke_c
   # The CLI says the same in one line and exits 2, without a traceback.
   proc = _main("--config=configs/smoke.py", f"--workdir={tmp_path}", "--config.rounds=4",
                "--config.outer.lr=1e30", "--config.resume_allow=outer.lr")
-  assert proc.returncode == 2
+  assert proc.returncode == 2, proc.stderr[-3000:]
   assert "non-finite training at round 3" in proc.stderr and "Traceback" not in proc.stderr
 
 
