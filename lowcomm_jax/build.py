@@ -81,6 +81,9 @@ class Programs:
   eval: Callable[[jax.Array, jax.Array], jax.Array]  # (flat θ, windows) -> loss
   # per local host, collaborative runs only (collab.py): steps.make_accumulate
   accumulate: list[Callable] = dataclasses.field(default_factory=list)
+  # a held sync + the next round's local steps (steps.make_overlapped): run where the
+  # algorithm has a delayed sync and rounds.can_overlap allows it
+  overlapped: Callable | None = None
 
 
 @dataclasses.dataclass
@@ -116,11 +119,8 @@ class Run:
     return self._placed[key]
 
   def local_input(self, state: steps.TrainState) -> steps.TrainState:
-    """What a local program reads of the global state: θ and the round key, and the outer
-    rules' (replicated) state where the algorithm's workers start from it (eager updates);
-    never the per-worker outer state."""
-    return state._replace(outer=steps.OuterState((), state.outer.per_fragment)
-                          if self.local_reads_rules else ())
+    """What a local program reads of the global state (steps.local_input)."""
+    return steps.local_input(state, self.local_reads_rules)
 
   def tokens(self, inner_steps: int, host: int = 0) -> int:
     """Tokens in `inner_steps` inner steps of workers of host `host` (the one way both
@@ -417,7 +417,9 @@ def build(config: ml_collections.ConfigDict) -> Run:
                 for i in local_hosts] if collab else []
   programs = Programs(local=local_programs, syncs=syncs, init_workers=init_workers,
                       eval=steps.make_eval_step(loss_of(model_cfg.d_ff, mesh), layout),
-                      accumulate=accumulate)
+                      accumulate=accumulate,
+                      overlapped=steps.make_overlapped(syncs[0], local_programs[0][0],
+                                                       reads_rules=worker_rule is not None))
   programs, init_fn, initial_params = _same_programs_as_before(
       _programs_key(c, model_cfg, windows), (programs, init_fn, initial_params))
   run = Run(config=c, algorithm=algorithm, topology=topology, model=model, data=data,

@@ -204,17 +204,10 @@ def jitted_overlapped(r: Run, *, donate: bool | None = None):
   """
   if donate is None:
     donate = jax.default_backend() != "cpu"
-  sync, local = r.programs.syncs[0], r.programs.local[0][0]
-
-  def overlapped(state, deltas_R, signals, workers, batches, ids, metrics, frozen):
-    state, sync_metrics = sync(state, deltas_R, signals, metrics=metrics)
-    delta, workers, losses_RxS = local(r.local_input(state), workers, batches, ids,
-                                       frozen=frozen)
-    return state, sync_metrics, delta, workers, losses_RxS.mean(axis=1)
-
   per_worker = mesh_lib.per_worker(r.topology.mesh)
   return Bound(
-      jax.jit(overlapped, static_argnames="metrics", donate_argnums=(0, 1, 3) if donate else (),
+      jax.jit(r.programs.overlapped, static_argnames="metrics",
+              donate_argnums=(0, 1, 3) if donate else (),
               out_shardings=(r.state_spec.shardings, mesh_lib.replicated(r.topology.mesh),
                              per_worker, per_worker, per_worker)),
       r.frozen)

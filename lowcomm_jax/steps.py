@@ -352,6 +352,25 @@ def _replace(parts: tuple, i: int, value) -> tuple:
   return parts[:i] + (value,) + parts[i + 1:]
 
 
+def local_input(state: TrainState, reads_rules: bool) -> TrainState:
+  """What a local program reads of the global state: θ and the round key, and the outer
+  rules' (replicated) state where the algorithm's workers start from it (`reads_rules`:
+  eager updates); never the per-worker outer state."""
+  return state._replace(outer=OuterState((), state.outer.per_fragment) if reads_rules else ())
+
+
+def make_overlapped(sync, local, *, reads_rules: bool):
+  """`overlapped(state, held Δ_R, held signals, workers_R, batches_R, ids_R, metrics, frozen)`
+  -> (state, the held sync's metrics, Δ_R, workers_R, mean train loss_R): a held sync and
+  the next round's local steps in one program (rounds.jitted_overlapped jits it)."""
+  def overlapped(state, deltas_R, signals, workers, batches, ids, metrics, frozen):
+    state, sync_metrics = sync(state, deltas_R, signals, metrics=metrics)
+    delta, workers, losses_RxS = local(local_input(state, reads_rules), workers, batches, ids,
+                                       frozen=frozen)
+    return state, sync_metrics, delta, workers, losses_RxS.mean(axis=1)
+  return overlapped
+
+
 def make_eval_step(loss_fn: LossFn, layout: ParamLayout):
   """`eval_step(flat params, windows[N, B, L+1]) -> mean loss` over N fixed batches."""
 

@@ -1,4 +1,5 @@
-"""Test set-up: 8 forced host devices, offline data from ../shared/data, a private cache."""
+"""Test set-up: 8 forced host devices compiling fast, offline data from ../shared/data, a
+private cache."""
 
 import os
 import pathlib
