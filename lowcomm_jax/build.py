@@ -4,11 +4,9 @@
 programs and runs them.
 """
 
-import collections
 import contextlib
 import dataclasses
 import functools
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +16,7 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from lowcomm_jax import algorithms, config_check, memory, optimizers, steps
+from lowcomm_jax import algorithms, config_check, memory, optimizers, program_cache, steps
 from lowcomm_jax.data import (WorkerStreams, eval_windows, open_corpus, other_corpus,
                               probe_windows)
 from lowcomm_jax.hosts import HostSpec, host_table
@@ -215,36 +213,6 @@ def _graphdef(model_cfg: GPTConfig) -> nnx.GraphDef:
   return nnx.split(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0))), nnx.Param)[0]
 
 
-# The pure functions of the last runs built in this process, by everything they depend on
-# (`_programs_key`). A process that builds the same run again (a restart or a resume in the
-# same process, a simulation beside the runner, a test's second run) gets the same function
-# objects back, and with them JAX's traces and compiled programs: tracing the local program
-# of even a tiny model takes seconds.
-_PROGRAMS: collections.OrderedDict = collections.OrderedDict()
-_PROGRAMS_KEPT = 8
-
-
-def _programs_key(config: ml_collections.ConfigDict, model_cfg: GPTConfig, constants) -> tuple:
-  """What a run's programs are functions of: the config, the model it resolved (a checkpoint
-  read from model.init_from), the data arrays compiled into them, and the devices."""
-  digest = hashlib.sha256()
-  for x in jax.tree.leaves(constants):
-    digest.update(np.ascontiguousarray(x).tobytes())
-  return (config.to_json_best_effort(sort_keys=True), model_cfg, digest.hexdigest(),
-          jax.process_index(), jax.process_count(), tuple(d.id for d in jax.devices()))
-
-
-def _same_programs_as_before(key: tuple, made: tuple) -> tuple:
-  """`made` (programs, state init, initial θ), or the ones built before under `key`."""
-  if key in _PROGRAMS:
-    _PROGRAMS.move_to_end(key)
-    return _PROGRAMS[key]
-  _PROGRAMS[key] = made
-  if len(_PROGRAMS) > _PROGRAMS_KEPT:
-    _PROGRAMS.popitem(last=False)
-  return made
-
-
 def build(config: ml_collections.ConfigDict) -> Run:
   """Validates the config, loads data, builds the model and the step functions (no compute)."""
   nproc = jax.process_count()
@@ -420,8 +388,8 @@ def build(config: ml_collections.ConfigDict) -> Run:
                       accumulate=accumulate,
                       overlapped=steps.make_overlapped(syncs[0], local_programs[0][0],
                                                        reads_rules=worker_rule is not None))
-  programs, init_fn, initial_params = _same_programs_as_before(
-      _programs_key(c, model_cfg, windows), (programs, init_fn, initial_params))
+  programs, init_fn, initial_params = program_cache.same_as_before(
+      program_cache.key(c, model_cfg, windows), (programs, init_fn, initial_params))
   run = Run(config=c, algorithm=algorithm, topology=topology, model=model, data=data,
             state_spec=StateSpec(init=init_fn, initial_params=initial_params,
                                  abstract=abstract_state,
