@@ -37,8 +37,8 @@ def test_only_adapters_train_cross_the_network_and_fill_checkpoints(tmp_path):
     assert compiled.memory_analysis().argument_size_in_bytes > frozen_bytes
     # B = 0: the first model is the base itself.
     plain = train.build(load_config("smoke", algorithm="diloco"))
-    plain_state, _ = train.init_run(plain, train.jitted_steps(plain))
-    plain_loss = float(jax.jit(plain.programs.eval)(plain_state.params, plain.data.eval_windows))
+    plain_loss = float(jax.jit(plain.programs.eval)(plain.state_spec.initial_params(),
+                                                    plain.data.eval_windows))
   assert start_loss == pytest.approx(plain_loss, rel=1e-6)
   summary = train.run(config, tmp_path / "run")
   assert summary["trainable_params"] == r.model.param_count == 2048

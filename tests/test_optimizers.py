@@ -175,7 +175,7 @@ def _tiny_params_and_loss():
 def test_each_inner_optimizer_trains(name, lr):
   params, loss = _tiny_params_and_loss()
   tx = optimizers.inner_optimizer(_opt(name=name, lr=lr, warmup_steps=0), 20)
-  state = tx.init(params)
+  state = jax.jit(tx.init)(params)  # (op by op, each of its ops would compile on its own)
 
   @jax.jit
   def step(p, s):
@@ -187,7 +187,8 @@ def test_each_inner_optimizer_trains(name, lr):
     params, state, value = step(params, state)
     first = value if first is None else first
   # From ln 64 = 4.16 towards ln 8 = 2.08 (tokens uniform over 8 values).
-  assert float(loss(params)) < float(first) - 0.5, (name, float(first), float(loss(params)))
+  last = float(jax.jit(loss)(params))
+  assert last < float(first) - 0.5, (name, float(first), last)
 
 
 def test_muon_orthogonalizes_hidden_matrices_and_leaves_the_rest_to_adamw():
@@ -203,8 +204,8 @@ def test_muon_orthogonalizes_hidden_matrices_and_leaves_the_rest_to_adamw():
   # singular values near one, times lr and the shape factor); AdamW's is lr·sign-like.
   tx = optimizers.inner_optimizer(_opt(name="muon", lr=1.0, warmup_steps=0,
                                        weight_decay=0.0, grad_clip=0.0, min_lr_ratio=1.0), 10)
-  grads = jax.grad(loss)(params)
-  updates, _ = tx.update(grads, tx.init(params), params)
+  grads = jax.jit(jax.grad(loss))(params)
+  updates, _ = jax.jit(lambda g, p: tx.update(g, tx.init(p), p))(grads, params)
   u = np.asarray(updates["blocks"][0]["mlp"]["proj_kernel"])  # [128, 32]
   singular = np.linalg.svd(u, compute_uv=False)
   raw = np.linalg.svd(np.asarray(grads["blocks"][0]["mlp"]["proj_kernel"]), compute_uv=False)
@@ -260,7 +261,7 @@ def test_each_optimizer_name_picks_its_optimizer():
   for name in optimizers.INNER:
     tx = optimizers.inner_optimizer(_opt(name=name, lr=lr, warmup_steps=0, min_lr_ratio=1.0,
                                          weight_decay=wd, grad_clip=0.0), 10)
-    updates[name], _ = tx.update(g, tx.init(p), p)
+    updates[name], _ = jax.jit(lambda g, p, tx=tx: tx.update(g, tx.init(p), p))(g, p)
   for name, expect in expected.items():
     for k in p:
       np.testing.assert_allclose(updates[name][k], expect[k], rtol=2e-4, atol=1e-7,
