@@ -3,6 +3,7 @@ depend on: the same run built again gets the same functions back."""
 
 import collections
 import hashlib
+import weakref
 
 import jax
 import ml_collections
@@ -38,3 +39,15 @@ def same_as_before(run_key: tuple, made: tuple) -> tuple:
   if len(_CACHE) > _KEPT:
     _CACHE.popitem(last=False)
   return made
+
+
+# What counting a sync's bytes found (ledger.count_bytes traces the sync anew each time), by
+# the sync function: a cached program moves the same bytes every time its run is built.
+_COUNTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def counted(program, count):
+  """count(program), once per program function in this process."""
+  if program not in _COUNTED:
+    _COUNTED[program] = count(program)
+  return _COUNTED[program]

@@ -18,3 +18,17 @@ def test_the_same_run_built_again_gets_the_same_programs_and_a_changed_one_new_o
                   {"compress.codec": "int8"}):
     other = train.build(smoke_config(**changed))
     assert all(a is not b for a, b in zip(_functions(other), _functions(first))), changed
+
+
+def test_a_rebuilt_run_counts_its_sync_bytes_once(smoke_config, monkeypatch):
+  from lowcomm_jax.parallel import ledger
+  calls = []
+  real = ledger.count_bytes
+  monkeypatch.setattr(ledger, "count_bytes", lambda *a, **k: calls.append(1) or real(*a, **k))
+  config = smoke_config(**{"compress.codec": "int4", "seed": 7})  # built nowhere else
+  first = train.build(config).sync_bytes()
+  assert len(calls) == 1 and first[0].sent > 0
+  assert train.build(config).sync_bytes() == first and len(calls) == 1
+  # Another codec: another program, counted anew, other bytes.
+  int8 = train.build(smoke_config(**{"compress.codec": "int8", "seed": 7})).sync_bytes()
+  assert len(calls) == 2 and int8[0].sent > first[0].sent

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import checkpointed_state, train_rounds
+from conftest import checkpointed_state, load_config, train_rounds
 from lowcomm_jax import algorithms, config_check, optimizers, outer, steps, train
 from lowcomm_jax.parallel import mesh as mesh_lib
 from lowcomm_jax.parallel.flat import ParamLayout
@@ -17,8 +17,13 @@ def _streaming(smoke_config, **overrides):
   return smoke_config(algorithm="streaming", **overrides)
 
 
+# DiLoCo's run beside streaming's: two workers on one replica device (the same reduction
+# order as streaming's one-fragment run), H = 4.
+DILOCO = {"num_workers": 2, "inner_steps": 4, "mesh.replica": 1}
+
+
 def test_one_fragment_without_overlap_or_mix_is_diloco_exactly(smoke_config):
-  common = {"num_workers": 2, "inner_steps": 4, "mesh.replica": 1}
+  common = DILOCO
   _, s_diloco, w_diloco, m_diloco = train_rounds(smoke_config(**common), 3)
   _, s_stream, w_stream, m_stream = train_rounds(_streaming(
       smoke_config, **common, **{"streaming.fragments": 1, "streaming.overlap_steps": 0,
@@ -141,33 +146,44 @@ def test_fragment_layouts_cover_every_block_once(smoke_config):
                jax.tree.map(lambda x: x + 1.0, tree))
 
 
-def test_each_fragment_syncs_once_per_round_and_peak_bytes_shrink(smoke_config, tmp_path):
-  config = _streaming(smoke_config, num_workers=2, inner_steps=4, rounds=2,
-                      **{"streaming.fragments": 2, "streaming.overlap_steps": 1})
+def _in_flight_config(smoke_config):
+  """Two fragments, τ = 1, α = 0.5, a checkpoint every round: the last fragment's update,
+  sent at the end of a round, lands one step into the next; a checkpoint between the two
+  holds it in flight (θ updated, θ_w not yet mixed)."""
+  return _streaming(smoke_config, num_workers=2, inner_steps=4, rounds=2, checkpoint_every=1,
+                    **{"streaming.fragments": 2, "streaming.overlap_steps": 1,
+                       "streaming.mix": 0.5})
+
+
+@pytest.fixture(scope="module")
+def in_flight_run(tmp_path_factory):
+  """(config, summary, workdir) of `_in_flight_config` trained uninterrupted (read only)."""
+  config = _in_flight_config(lambda **o: load_config("smoke", **o))
+  workdir = tmp_path_factory.mktemp("in_flight") / "straight"
+  return config, train.run(config, workdir), workdir
+
+
+def test_each_fragment_syncs_once_per_round_and_peak_bytes_shrink(smoke_config, in_flight_run):
+  config, summary, _ = in_flight_run
   r = train.build(config)
   assert [s.sync for s in r.segments(4)] == [0, 1]  # one sync per fragment per H steps
   sent = [b.sent for b in r.sync_bytes()]
   fragment_bytes = [4 * (end - start) for start, end in r.model.layout.bounds]
   assert sent == fragment_bytes and sum(sent) == r.model.param_bytes
-  summary = train.run(config, tmp_path / "run")
   assert summary["bytes_sent"] == 2 * r.model.param_bytes  # = DiLoCo's: the whole model per round
   assert summary["bytes_sent_peak_sync"] == max(fragment_bytes) < r.model.param_bytes
-  diloco = train.build(smoke_config(num_workers=2, inner_steps=4, rounds=2))
+  diloco = train.build(smoke_config(**DILOCO))  # (built already beside streaming's one fragment)
   assert [b.sent for b in diloco.sync_bytes()] == [r.model.param_bytes]  # DiLoCo: all at once
 
 
-def test_resume_mid_cycle_with_an_update_in_flight_is_exact(smoke_config, tmp_path):
+def test_resume_mid_cycle_with_an_update_in_flight_is_exact(tmp_path, in_flight_run):
   # τ = 1: the last fragment's update, sent at the end of a round, lands one step into the
   # next; a checkpoint between the two holds it in flight (θ updated, θ_w not yet mixed).
-  config = _streaming(smoke_config, num_workers=2, inner_steps=4, rounds=2,
-                      checkpoint_every=1, **{"streaming.fragments": 2,
-                                             "streaming.overlap_steps": 1,
-                                             "streaming.mix": 0.5})
-  straight = train.run(config, tmp_path / "straight")
+  config, straight, straight_dir = in_flight_run
   assert train.run(config, tmp_path / "resumed", stop_after_rounds=1) == {"stopped_at_round": 1}
   resumed = train.run(config, tmp_path / "resumed")
   assert resumed["eval_loss"] == straight["eval_loss"]
-  jax.tree.map(np.testing.assert_array_equal, checkpointed_state(config, tmp_path / "straight"),
+  jax.tree.map(np.testing.assert_array_equal, checkpointed_state(config, straight_dir),
                checkpointed_state(config, tmp_path / "resumed"))
 
 
@@ -192,14 +208,19 @@ def test_streaming_fields_without_streaming_are_refused(smoke_config):
 
 
 
+def _codec_tiers_config(smoke_config):
+  """Tiers 1.0 and 0.5, the 4-bit codec, τ = 1 and α = 0.5."""
+  from lowcomm_jax.hosts import host
+  return _streaming(smoke_config, hosts=[host(1.0), host(0.5)], num_workers=2,
+                    inner_steps=4, rounds=2, eval_every=2, checkpoint_every=2,
+                    **{"compress.codec": "int4", "streaming.overlap_steps": 1,
+                       "streaming.mix": 0.5})
+
+
 def test_a_codec_compresses_each_fragment_with_tiers(smoke_config, tmp_path):
   """4-bit, as in the paper, with its error-feedback buffers per fragment and worker."""
-  codec = "int4"
   from lowcomm_jax import compress
-  from lowcomm_jax.hosts import host
-  config = _streaming(smoke_config, hosts=[host(1.0), host(0.5)], num_workers=2,
-                      inner_steps=4, rounds=2, eval_every=2, checkpoint_every=2,
-                      **{"compress.codec": codec, "streaming.overlap_steps": 1})
+  config = _codec_tiers_config(smoke_config)
   r = train.build(config)
   codec_ = compress.make_codec(config.compress, lr=config.optimizer.lr)
   per_fragment = [codec_.payload_bytes(r.model.layout.fragment(p).abstract) for p in range(2)]
@@ -212,10 +233,10 @@ def test_a_codec_compresses_each_fragment_with_tiers(smoke_config, tmp_path):
 
 def test_a_narrow_tier_keeps_its_untrained_units_at_the_global_value(smoke_config):
   """With α > 0 a landing fragment mixes only what the tier trains: the hidden units it does
-  not train follow θ exactly, so their Δ, which a codec would send, stays zero."""
-  from lowcomm_jax.hosts import host
-  config = _streaming(smoke_config, hosts=[host(1.0), host(0.5)], num_workers=2,
-                      inner_steps=4, **{"streaming.overlap_steps": 1, "streaming.mix": 0.5})
+  not train follow θ exactly, so their Δ, which a codec would send, stays zero. (The local
+  programs hold no codec: the codec test's run, built once.)"""
+  config = _codec_tiers_config(smoke_config)
+  assert config.streaming.overlap_steps == 1 and config.streaming.mix == 0.5
   r, state, workers, _ = train_rounds(config, 1)
   theta = r.model.layout.unravel(state.params)["blocks"][0]["mlp"]
   narrow = r.model.layout.unravel(workers[1].params[0])["blocks"][0]["mlp"]  # landed, not synced
@@ -232,10 +253,13 @@ def test_fragments_of_a_real_model(smoke_config):
                                                        "data.seq_len": 32,
                                                        "streaming.fragments": 4})
   r = train.build(config)
-  flat = jnp.arange(r.model.layout.size, dtype=jnp.float32)
-  tree = r.model.layout.unravel(flat)
+  layout = r.model.layout
+  flat = jnp.arange(layout.size, dtype=jnp.float32)
+  # One jitted program for the views (eagerly each of small12's ~200 slices compiles alone).
+  tree, parts = jax.jit(lambda f: (layout.unravel(f), [
+      layout.fragment(p).unravel(layout.fragment_slice(f, p)) for p in range(4)]))(flat)
   for p in range(4):
-    part = r.model.layout.fragment(p).unravel(r.model.layout.fragment_slice(flat, p))
+    part = parts[p]
     blocks = sorted(part.get("blocks", {}))
     assert blocks == [i for i in range(12) if i % 4 == p]
     for i in blocks:
