@@ -20,6 +20,13 @@ TREE = {"w": jnp.asarray(RNG.standard_normal((130, 96)), jnp.float32),
         "b": jnp.asarray(RNG.standard_normal((67,)), jnp.float32)}
 
 
+def _decoded(codec, mine, codec_state, key):
+  """decode(encode(mine)) with the sender's error buffer and key, as one program (op by op
+  each of the codec's ops would compile on its own)."""
+  return jax.jit(lambda x, e, k: codec.decode(codec.encode(x, e, k)[0], x, k))(
+      mine, codec_state, key)
+
+
 def _codec(name, **overrides):
   cfg = ml_collections.ConfigDict(dict(
       codec=name, error_feedback=True, beta=0.9, quant_block=0, stochastic_rounding=True,
@@ -86,8 +93,7 @@ def test_compressed_mean_over_four_devices_is_the_mean_of_the_decoded_payloads(n
   for w in range(R):
     mine = jax.tree.map(lambda x: x[w], updates)
     key = jax.random.fold_in(round_key, w)
-    payload, _ = codec.encode(mine, jax.tree.map(lambda x: x[w], state.codec_state), key)
-    decoded.append(codec.decode(payload, mine, key))
+    decoded.append(_decoded(codec, mine, jax.tree.map(lambda x: x[w], state.codec_state), key))
   if name == "demo" and overrides.get("mean_over_senders"):
     # Averaging each coefficient over its senders is not the mean of the decoded tensors:
     # compare in the DCT domain, where it is the per-coefficient mean over senders.
@@ -131,7 +137,7 @@ def test_ledger_counts_exactly_the_packed_payload(name):
   state = jax.tree.map(lambda x: jnp.broadcast_to(x, (R,) + x.shape), tx.init(TREE))
   counted = ledger.count_bytes(jax.vmap(tx.update, axis_name="replica"), updates, state)
   payload = codec.payload_bytes(TREE)
-  produced, _ = codec.encode(TREE, codec.init(TREE), jax.random.key(0))
+  produced = jax.jit(lambda t: codec.encode(t, codec.init(t), jax.random.key(0))[0])(TREE)
   assert payload == sum(x.nbytes for x in jax.tree.leaves(produced))
   assert counted == ledger.CommBytes(sent=payload, received=(R - 1) * payload)
   assert payload < ledger.tree_bytes(TREE) / 2
@@ -139,7 +145,7 @@ def test_ledger_counts_exactly_the_packed_payload(name):
 
 def test_roundtrip_without_a_collective():
   codec = _codec("int8")
-  out, state = codec.roundtrip(TREE, codec.init(TREE), jax.random.key(0))
+  out, state = jax.jit(lambda t: codec.roundtrip(t, codec.init(t), jax.random.key(0)))(TREE)
   jax.tree.map(lambda o, x, e: np.testing.assert_allclose(o + e, x, atol=1e-5), out, TREE, state)
 
 
@@ -155,15 +161,16 @@ def test_tier_weights_apply_after_decoding_so_the_wide_worker_is_not_diluted(nam
   weights = {"w": jnp.stack([jnp.ones_like(mask), mask])}
   totals = {"w": weights["w"].sum(0)}
   state = jax.tree.map(lambda x: jnp.broadcast_to(x, (2,) + x.shape), tx.init(w))
-  mean, _ = jax.vmap(lambda u, s: tx.update(u, s, sender_weights=weights, weight_totals=totals),
-                     axis_name="replica")(updates, state)
+  mean, _ = jax.jit(jax.vmap(
+      lambda u, s: tx.update(u, s, sender_weights=weights, weight_totals=totals),
+      axis_name="replica"))(updates, state)
   round_key = jax.random.fold_in(jax.random.key(0), 0)
   decoded = []
   for i in range(2):
     key = jax.random.fold_in(round_key, i)
     mine = {"w": updates["w"][i]}
-    payload, _ = codec.encode(mine, jax.tree.map(lambda x: x[i], state.codec_state), key)
-    decoded.append(codec.decode(payload, mine, key)["w"])
+    decoded.append(_decoded(codec, mine, jax.tree.map(lambda x: x[i], state.codec_state),
+                            key)["w"])
   expected = (decoded[0] + mask * decoded[1]) / (1 + mask)
   np.testing.assert_allclose(mean["w"][0], expected, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(mean["w"][0][:, 40:], decoded[0][:, 40:], rtol=1e-6, atol=1e-6)
