@@ -56,15 +56,22 @@ def test_one_worker_is_diloco(smoke_config):
   np.testing.assert_allclose(eager.params, diloco.params, rtol=0, atol=2e-5)
 
 
+def _config():
+  """Four heterogeneous simulated workers; the runner (train_rounds, train.run) is handed the
+  same config on the simulator's layout (one replica device): it reads no sim.* field, and
+  the config built again gets the same programs back (program_cache). A checkpoint every
+  round: no sync is held for the next round's program, so train.run runs train_rounds'
+  programs."""
+  return load_config("smoke", algorithm="eager", rounds=3, inner_steps=2, num_workers=4,
+                     **{"sim.enabled": True, "eval_every": 3, "checkpoint_every": 1,
+                        "sim.heterogeneity": "very", "mesh.replica": 1})
+
+
 def test_the_simulator_equals_the_runner(tmp_path):
-  config = load_config("smoke", algorithm="eager", rounds=3, inner_steps=2, num_workers=4,
-                       **{"sim.enabled": True, "eval_every": 3, "checkpoint_every": 1,
-                          "sim.heterogeneity": "very"})
+  config = _config()
   summary = simulate.run(config, tmp_path / "whole")
   assert summary["algorithm"] == "eager" and summary["total_inner_steps"] == 3 * 4 * 2
-  runner = load_config("smoke", algorithm="eager", num_workers=4, rounds=3, inner_steps=2,
-                       **{"mesh.replica": 1})
-  _, state, _, _ = train_rounds(runner, 3)
+  _, state, _, _ = train_rounds(config, 3)
   np.testing.assert_array_equal(
       np.asarray(simulate.final_global_params(config, tmp_path / "whole")),
       np.asarray(state.params))
@@ -72,15 +79,14 @@ def test_the_simulator_equals_the_runner(tmp_path):
   assert_simulation_resumes_exactly(config, tmp_path / "whole", summary, tmp_path / "split")
 
 
-def test_resume_with_an_average_in_flight_is_exact(tmp_path, smoke_config):
-  config = smoke_config(algorithm="eager", num_workers=2, inner_steps=2, rounds=4,
-                       checkpoint_every=2)
-  train.run(config, tmp_path / "straight")
+def test_resume_with_an_average_in_flight_is_exact(tmp_path):
+  config = _config()
+  _, state, workers, _ = train_rounds(config, 3)  # uninterrupted
   assert train.run(config, tmp_path / "resumed", stop_after_rounds=2) == {"stopped_at_round": 2}
   train.run(config, tmp_path / "resumed")
-  a, _ = checkpointed_state(config, tmp_path / "straight")
-  b, _ = checkpointed_state(config, tmp_path / "resumed")
-  jax.tree.map(np.testing.assert_array_equal, a, b)  # θ, outer state, worker memories
+  resumed, _ = checkpointed_state(config, tmp_path / "resumed")
+  # θ, outer state, worker memories
+  jax.tree.map(np.testing.assert_array_equal, (state, workers), resumed)
 
 
 @pytest.mark.parametrize("overrides,field", [

@@ -65,32 +65,36 @@ def test_three_rounds_follow_the_hand_computed_trajectory():
   np.testing.assert_array_equal(got[0], toy.THETA0)  # round 1 applies nothing
 
 
-def test_the_runner_after_two_rounds_is_diloco_after_one(smoke_config):
-  common = {"num_workers": 2, "inner_steps": 3, "mesh.replica": 1}
-  r, osd, _, _ = train_rounds(smoke_config(algorithm="one_step_delay", **common), 2)
-  _, diloco, _, _ = train_rounds(smoke_config(**common), 1)
+def _config(algorithm):
+  """The simulations' config (below), four equal workers on a slow link; the runner
+  (train_rounds) is handed it too, on the simulator's layout (one replica device): it reads
+  no sim.* field, and the config built again gets the same programs back (program_cache)."""
+  # A link slow enough that one ring all-reduce of the model takes about a round's compute.
+  return load_config("smoke", algorithm=algorithm, rounds=3, inner_steps=2, num_workers=4,
+                     **{"sim.enabled": True, "eval_every": 3, "checkpoint_every": 1,
+                        "sim.speeds": (1.0, 1.0, 1.0, 1.0), "sim.jitter": 0.0,
+                        "sim.step_seconds": 1.0, "sim.network.intra_gbps": 0.002,
+                        "mesh.replica": 1})
+
+
+def test_the_runner_after_two_rounds_is_diloco_after_one():
+  r, osd, _, _ = train_rounds(_config("one_step_delay"), 2)
+  _, diloco, _, _ = train_rounds(_config("diloco"), 1)
   # θ^2 = θ^1 + rule(Δ̄^1) with θ^1 = θ^0: DiLoCo's first outer step, bit for bit.
   np.testing.assert_array_equal(osd.params, diloco.params)
   assert r.algorithm.keeps_worker_params(r.config) is False  # θ_w ← θ every round
 
 
-def _sim(algorithm, workdir, **overrides):
-  config = load_config("smoke", algorithm=algorithm, rounds=3, inner_steps=2, num_workers=4,
-                       **{"sim.enabled": True, "eval_every": 3, "checkpoint_every": 1,
-                          "sim.speeds": (1.0, 1.0, 1.0, 1.0), "sim.jitter": 0.0,
-                          "sim.step_seconds": 1.0, **overrides})
+def _sim(algorithm, workdir):
+  config = _config(algorithm)
   return config, simulate.run(config, workdir)
 
 
 def test_the_simulator_equals_the_runner_and_hides_each_transfer_behind_the_next_round(
     tmp_path):
-  # A link slow enough that one ring all-reduce of the model takes about a round's compute.
-  slow = {"sim.network.intra_gbps": 0.002}
-  config, summary = _sim("one_step_delay", tmp_path / "osd", **slow)
-  _, diloco = _sim("diloco", tmp_path / "diloco", **slow)
-  runner = load_config("smoke", algorithm="one_step_delay", num_workers=4, rounds=3,
-                       inner_steps=2, **{"mesh.replica": 1})
-  _, state, _, _ = train_rounds(runner, 3)
+  config, summary = _sim("one_step_delay", tmp_path / "osd")
+  _, diloco = _sim("diloco", tmp_path / "diloco")
+  _, state, _, _ = train_rounds(config, 3)
   np.testing.assert_array_equal(np.asarray(simulate.final_global_params(config, tmp_path / "osd")),
                                 np.asarray(state.params))
   # Stopped after round 1 with its transfer in flight, resumed: the same simulation.

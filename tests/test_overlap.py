@@ -38,15 +38,23 @@ def test_three_periods_follow_the_hand_computed_trajectory():
   np.testing.assert_array_equal(got[0], toy.THETA0)  # nothing arrived at the first sync
 
 
+def _config():
+  """Four heterogeneous simulated workers; the runner (train_rounds, train.run) is handed the
+  same config on the simulator's layout (one replica device): it reads no sim.* field, and
+  the config built again gets the same programs back (program_cache). A checkpoint every
+  round: no sync is held for the next round's program, so train.run runs train_rounds'
+  programs."""
+  return load_config("smoke", algorithm="overlap", rounds=3, inner_steps=2, num_workers=4,
+                     **{"overlap.anchor_momentum": MOMENTUM, "sim.enabled": True,
+                        "eval_every": 3, "checkpoint_every": 1, "sim.heterogeneity": "very",
+                        "mesh.replica": 1})
+
+
 def test_the_simulator_equals_the_runner(tmp_path):
-  common = {"algorithm": "overlap", "rounds": 3, "inner_steps": 2, "num_workers": 4,
-            "overlap.anchor_momentum": MOMENTUM}
-  config = load_config("smoke", **common, **{"sim.enabled": True, "eval_every": 3,
-                                             "checkpoint_every": 1,
-                                             "sim.heterogeneity": "very"})
+  config = _config()
   summary = simulate.run(config, tmp_path / "whole")
   assert summary["total_inner_steps"] == 3 * 4 * 2
-  _, state, _, _ = train_rounds(load_config("smoke", **common, **{"mesh.replica": 1}), 3)
+  _, state, _, _ = train_rounds(config, 3)
   np.testing.assert_array_equal(
       np.asarray(simulate.final_global_params(config, tmp_path / "whole")),
       np.asarray(state.params))
@@ -54,15 +62,14 @@ def test_the_simulator_equals_the_runner(tmp_path):
   assert_simulation_resumes_exactly(config, tmp_path / "whole", summary, tmp_path / "split")
 
 
-def test_resume_with_an_average_in_flight_is_exact(tmp_path, smoke_config):
-  config = smoke_config(algorithm="overlap", num_workers=2, inner_steps=2, rounds=4,
-                        checkpoint_every=2, **{"overlap.anchor_momentum": MOMENTUM})
-  train.run(config, tmp_path / "straight")
+def test_resume_with_an_average_in_flight_is_exact(tmp_path):
+  config = _config()
+  _, state, workers, _ = train_rounds(config, 3)  # uninterrupted
   assert train.run(config, tmp_path / "resumed", stop_after_rounds=2) == {"stopped_at_round": 2}
   train.run(config, tmp_path / "resumed")
-  a, _ = checkpointed_state(config, tmp_path / "straight")
-  b, _ = checkpointed_state(config, tmp_path / "resumed")
-  jax.tree.map(np.testing.assert_array_equal, a, b)  # anchor, its state, workers' models
+  resumed, _ = checkpointed_state(config, tmp_path / "resumed")
+  # anchor, its state, workers' models
+  jax.tree.map(np.testing.assert_array_equal, (state, workers), resumed)
 
 
 @pytest.mark.parametrize("field,value", [("overlap.alpha", 0.0), ("overlap.alpha", 1.5),

@@ -20,16 +20,31 @@ def _sim_config(**overrides):
   return load_config("smoke", **{**base, **overrides})
 
 
+# A simulation compared with the runner (train_rounds) hands the runner its own config, on
+# the simulator's layout (one replica device, as simulate._one_device sets): the runner
+# reads no sim.* field, and a config built again in the same process gets the same programs
+# back (program_cache) instead of a build of its own.
+ONE_DEVICE = {"mesh.replica": 1}
+
+
+def _async_dn_config(**overrides):
+  """Asynchronous, noisy and compressed; the resume and divergence tests share it (and with
+  it its programs)."""
+  return _sim_config(**{"algorithm": "async_dn", "rounds": 3, "sim.heterogeneity": "moderate",
+                        "sim.jitter": 0.2, "sim.straggler_prob": 0.3,
+                        "sim.network.regions": 2, "compress.codec": "int8", **overrides})
+
+
 def test_synchronous_diloco_in_the_simulator_equals_the_real_runner(tmp_path):
-  config = _sim_config(rounds=3, **{"sim.heterogeneity": "very", "sim.network.regions": 2})
+  config = _sim_config(rounds=3, **{"sim.heterogeneity": "very", "sim.network.regions": 2,
+                                    **ONE_DEVICE})
   summary = simulate.run(config, tmp_path)
   sim_params = simulate.final_global_params(config, tmp_path)
   # Bit for bit: the simulator runs the runner's own jitted local round and outer step,
   # with the workers vmapped on one device. The runner must use the same layout
   # (mesh.replica=1): on 4 replica devices its mean is a cross-device all-reduce, summed in
   # another order, and round-off (~1e-6 after 3 rounds of AdamW) separates the two.
-  runner = load_config("smoke", num_workers=4, rounds=3, inner_steps=2, **{"mesh.replica": 1})
-  _, state, _, _ = train_rounds(runner, 3)
+  _, state, _, _ = train_rounds(config, 3)
   np.testing.assert_array_equal(np.asarray(sim_params), np.asarray(state.params))
   # Bytes: every round each worker sends its dense Δ once; no server sends anything.
   param_bytes = 4 * summary["params"]
@@ -51,10 +66,7 @@ def test_synchronous_diloco_in_the_simulator_equals_the_real_runner(tmp_path):
 def test_simulation_resumed_from_a_checkpoint_equals_an_uninterrupted_one(tmp_path):
   # Asynchronous, noisy and compressed: the clock, the queue, in-flight contributions,
   # pulled snapshots, server and codec states all have to come back.
-  config = _sim_config(**{"algorithm": "async_dn", "rounds": 3,
-                          "sim.heterogeneity": "moderate", "sim.jitter": 0.2,
-                          "sim.straggler_prob": 0.3, "sim.network.regions": 2,
-                          "compress.codec": "int8"})
+  config = _async_dn_config()
   whole = simulate.run(config, tmp_path / "whole")
   stopped = simulate.run(config, tmp_path / "split", stop_after_checkpoints=2)
   assert stopped["stopped_at"] == 2
@@ -70,9 +82,14 @@ def test_simulation_resumed_from_a_checkpoint_equals_an_uninterrupted_one(tmp_pa
   assert simulate.run(config, tmp_path / "whole") == whole
 
 
+def _plain_async_config():
+  """The plain-async and lr-schedule tests share it (and with it its programs)."""
+  return _sim_config(**{"algorithm": "async", "sim.heterogeneity": "very",
+                        "checkpoint_every": 0})
+
+
 def test_plain_async_trains_end_to_end_and_counts_its_bytes(tmp_path):
-  config = _sim_config(**{"algorithm": "async", "sim.heterogeneity": "moderate",
-                          "checkpoint_every": 0})
+  config = _plain_async_config()
   summary = simulate.run(config, tmp_path)
   # The budget is W·rounds·H = 32 inner steps, in 16 jobs of H = 2 applied one at a time.
   assert summary["total_inner_steps"] == 32 and summary["contributions"] == 16
@@ -86,6 +103,39 @@ def test_plain_async_trains_end_to_end_and_counts_its_bytes(tmp_path):
   assert summary["bytes_sent"] == 16 * param_bytes // 4  # per worker
   assert summary["server_bytes_sent"] == 16 * param_bytes
   assert summary["bytes_sent_ddp_equivalent"] == param_bytes * 32 // 4
+
+
+def test_asynchronous_inner_lr_schedules_follow_the_runs_clock(tmp_path, monkeypatch):
+  """Each async job's schedule starts at the inner steps per worker of the jobs started at
+  earlier virtual instants (jobs that start together share one lr): no worker runs past the
+  schedule's end, though the fastest takes more steps than rounds·H of its own (its own
+  count would have overrun the cosine)."""
+  seen = {}
+  real = simulate.SimBackend.flush
+
+  def flush(self, next_batches):
+    seen["backend"] = self
+    starts = [(j.id, j.start, self.job_lr_step[j.id]) for j in self._queued]
+    real(self, next_batches)
+    seen.setdefault("starts", []).extend(starts)
+  monkeypatch.setattr(simulate.SimBackend, "flush", flush)
+  config = _plain_async_config()
+  simulate.run(config, tmp_path)
+  W, H, budget = 4, 2, 4 * 2
+  starts = sorted(seen["starts"])  # by job id: start order
+  lr_steps = [step for _, _, step in starts]
+  assert lr_steps == sorted(lr_steps) and lr_steps[:W] == [0] * W  # all start at t = 0
+  times = [t for _, t, _ in starts]
+  # Every job has H = 2: the steps of the jobs started strictly before, per worker.
+  assert lr_steps == [sum(u < t for u in times) * H // W for t in times]
+  assert max(lr_steps) > budget // 2  # the clock moves through the run
+  backend = seen["backend"]
+  own_steps = np.asarray(backend.workers.steps)
+  counts = [np.asarray(s.count) for s in jax.tree.leaves(
+      backend.workers.opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+      if isinstance(s, optax.ScaleByScheduleState)]
+  assert own_steps.max() > budget + H  # the fastest worker's own clock would overrun
+  assert counts and all(c.max() <= budget + H for c in counts)
 
 
 def test_halos_trains_and_logs_virtual_time(tmp_path, monkeypatch):
@@ -117,19 +167,19 @@ def test_halos_trains_and_logs_virtual_time(tmp_path, monkeypatch):
 
 
 def test_divergence_keeps_the_last_good_checkpoint_and_a_changed_plan_is_refused(tmp_path):
-  config = _sim_config(algorithm="async_dn")
+  config = _async_dn_config()
   assert simulate.run(config, tmp_path, stop_after_checkpoints=1)["stopped_at"] == 1
   good = simulate.final_global_params(config, tmp_path)
-  exploding = _sim_config(**{"algorithm": "async_dn", "outer.lr": 1e30,  # resumes, blows up
-                             "resume_allow": "outer.lr"})
+  exploding = _async_dn_config(**{"outer.lr": 1e30,  # resumes, blows up
+                                  "resume_allow": "outer.lr"})
   with pytest.raises(simulate.TrainingDiverged, match="non-finite training at virtual t=.*"
                      "last good checkpoint \\(round-equivalent 1\\)"):
     simulate.run(exploding, tmp_path)
   after = simulate.final_global_params(config, tmp_path)
   jax.tree.map(np.testing.assert_array_equal, good, after)
   # Continuing it as another simulation (other speeds) is refused, naming both plans.
-  other = _sim_config(**{"algorithm": "async_dn", "sim.heterogeneity": "very",
-                         "resume_allow": "outer.lr,sim.heterogeneity"})
+  other = _async_dn_config(**{"sim.heterogeneity": "very",
+                              "resume_allow": "outer.lr,sim.heterogeneity"})
   with pytest.raises(ResumeRefused, match="resume_allow names sim.heterogeneity"):
     simulate.run(other, tmp_path)
   # Without config.json (a workdir from before it existed) the checkpoint's plan check does.
@@ -159,7 +209,7 @@ def test_streaming_in_the_simulator_equals_the_real_runner(tmp_path):
   """Same programs, same order: the simulator only decides when each segment runs."""
   streaming = {"algorithm": "streaming", "inner_steps": 4, "streaming.fragments": 2,
                "streaming.overlap_steps": 1, "streaming.mix": 0.5}
-  config = _sim_config(rounds=2, **streaming, **{"sim.heterogeneity": "very"})
+  config = _sim_config(rounds=2, **streaming, **{"sim.heterogeneity": "very", **ONE_DEVICE})
   summary = simulate.run(config, tmp_path / "whole")
   sim_params = simulate.final_global_params(config, tmp_path / "whole")
   # Stopped after round 1's checkpoint, with round 2's first fragment in flight.
@@ -171,8 +221,7 @@ def test_streaming_in_the_simulator_equals_the_real_runner(tmp_path):
   assert summary["mean_drift"] > 0
   split_params = simulate.final_global_params(config, tmp_path / "split")
   np.testing.assert_array_equal(np.asarray(split_params), np.asarray(sim_params))
-  runner = load_config("smoke", num_workers=4, rounds=2, **streaming, **{"mesh.replica": 1})
-  _, state, _, _ = train_rounds(runner, 2)
+  _, state, _, _ = train_rounds(config, 2)
   np.testing.assert_array_equal(np.asarray(sim_params), np.asarray(state.params))
   # Each round every worker sends the whole model once, one fragment at a time.
   assert summary["bytes_sent"] == 2 * 4 * summary["params"]
@@ -181,63 +230,34 @@ def test_streaming_in_the_simulator_equals_the_real_runner(tmp_path):
   assert 0 < summary["bytes_sent_peak_sync"] < 4 * summary["params"]
 
 
+SLOW = {"sim.network.intra_gbps": 0.002}  # the gradient's ring takes longer than the step
+
+
+def _diloco_one_step_config(**overrides):
+  """DiLoCo of one inner step a round on a slow link; the donation and DDP tests share it."""
+  return _sim_config(rounds=3, inner_steps=1, **SLOW, **overrides)
+
+
 def test_the_simulator_never_donates_what_its_servers_keep(tmp_path, monkeypatch):
   """On accelerators the runner donates its state to the jitted sync; the simulator must not
   (it reuses the run's key and keeps snapshots). Forcing the runner's accelerator default
   on CPU, where donation is honored too, shows it."""
   from lowcomm_jax import rounds
   monkeypatch.setattr(rounds.jax, "default_backend", lambda: "gpu")
-  summary = simulate.run(_sim_config(rounds=2, checkpoint_every=0), tmp_path)
-  assert summary["total_inner_steps"] == 2 * 4 * 2
+  summary = simulate.run(_diloco_one_step_config(), tmp_path)  # the DDP test's DiLoCo
+  assert summary["total_inner_steps"] == 3 * 4 * 1
 
 
 def test_ddp_in_the_simulator_equals_the_runner_and_pays_a_ring_every_step(tmp_path):
-  slow = {"sim.network.intra_gbps": 0.002}  # the gradient's ring takes longer than the step
-  config = _sim_config(algorithm="ddp", rounds=3, inner_steps=1, **slow)
+  config = _diloco_one_step_config(algorithm="ddp", **ONE_DEVICE)
   summary = simulate.run(config, tmp_path / "ddp")
-  runner = load_config("smoke", algorithm="ddp", num_workers=4, rounds=3, inner_steps=1,
-                       **{"mesh.replica": 1})
-  _, state, _, _ = train_rounds(runner, 3)
+  _, state, _, _ = train_rounds(config, 3)
   np.testing.assert_array_equal(
       np.asarray(simulate.final_global_params(config, tmp_path / "ddp")),
       np.asarray(state.params))
   # Every step each worker sends its dense gradient once, and the step waits for its ring:
   # the virtual time of a DiLoCo round of one step, every step.
   assert summary["bytes_sent"] == 3 * 4 * summary["params"]
-  diloco = simulate.run(_sim_config(rounds=3, inner_steps=1, **slow), tmp_path / "diloco")
+  diloco = simulate.run(_diloco_one_step_config(), tmp_path / "diloco")
   assert summary["virtual_seconds"] == diloco["virtual_seconds"]
   assert summary["virtual_seconds"] > 2 * 3 * 0.1  # communication dominates here
-
-
-def test_asynchronous_inner_lr_schedules_follow_the_runs_clock(tmp_path, monkeypatch):
-  """Each async job's schedule starts at the inner steps per worker of the jobs started at
-  earlier virtual instants (jobs that start together share one lr): no worker runs past the
-  schedule's end, though the fastest takes more steps than rounds·H of its own (its own
-  count would have overrun the cosine)."""
-  seen = {}
-  real = simulate.SimBackend.flush
-
-  def flush(self, next_batches):
-    seen["backend"] = self
-    starts = [(j.id, j.start, self.job_lr_step[j.id]) for j in self._queued]
-    real(self, next_batches)
-    seen.setdefault("starts", []).extend(starts)
-  monkeypatch.setattr(simulate.SimBackend, "flush", flush)
-  config = _sim_config(**{"algorithm": "async_dn", "sim.heterogeneity": "very", "rounds": 6,
-                          "checkpoint_every": 0, "eval_every": 0})
-  simulate.run(config, tmp_path)
-  W, H, budget = 4, 2, 6 * 2
-  starts = sorted(seen["starts"])  # by job id: start order
-  lr_steps = [step for _, _, step in starts]
-  assert lr_steps == sorted(lr_steps) and lr_steps[:W] == [0] * W  # all start at t = 0
-  times = [t for _, t, _ in starts]
-  # Every job has H = 2: the steps of the jobs started strictly before, per worker.
-  assert lr_steps == [sum(u < t for u in times) * H // W for t in times]
-  assert max(lr_steps) > budget // 2  # the clock moves through the run
-  backend = seen["backend"]
-  own_steps = np.asarray(backend.workers.steps)
-  counts = [np.asarray(s.count) for s in jax.tree.leaves(
-      backend.workers.opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
-      if isinstance(s, optax.ScaleByScheduleState)]
-  assert own_steps.max() > budget + H  # the fastest worker's own clock would overrun
-  assert counts and all(c.max() <= budget + H for c in counts)

@@ -49,10 +49,8 @@ def test_main_writes_tensorboard_jsonl_checkpoint_and_summary(tmp_path):
   assert steps == [2, 4, 6, 8, 10, 12]
 
 
-# one_step_delay with a codec: error buffers and the average in flight are resumed state.
-# It runs separate programs (overlap_sync=False): a round that saves syncs at once, so no
-# held sync crosses a checkpoint, and the overlapped program trains bit for bit as these
-# (tests/test_overlap_program.py); compiling it too would double this test's time.
+# one_step_delay with a codec: error buffers and the average in flight are resumed state,
+# and rounds 2 and 4 run the overlapped program (round 1's and 3's syncs held into them).
 @pytest.mark.parametrize("algorithm,codec", [("diloco", "none"), ("ddp", "none"),
                                              ("one_step_delay", "sparseloco")])
 def test_resume_mid_run_is_bit_identical_to_an_uninterrupted_run(tmp_path, smoke_config,
@@ -60,7 +58,7 @@ def test_resume_mid_run_is_bit_identical_to_an_uninterrupted_run(tmp_path, smoke
   # With a codec the per-worker error-feedback buffers are part of the resumed state.
   config = smoke_config(algorithm=algorithm, rounds=4, checkpoint_every=2, **{
       "model.dropout": 0.1, "inner_steps": 1 if algorithm == "ddp" else 2,
-      "compress.codec": codec, "overlap_sync": False})
+      "compress.codec": codec})
   train.run(config, tmp_path / "straight")
   stopped = train.run(config, tmp_path / "resumed", stop_after_rounds=2)
   assert stopped == {"stopped_at_round": 2}
