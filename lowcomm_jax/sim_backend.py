@@ -19,6 +19,7 @@ import optax
 
 from lowcomm_jax import compress, optimizers, outer, steps
 from lowcomm_jax.build import Programs, Run
+from lowcomm_jax.parallel import mesh as mesh_lib
 from lowcomm_jax.sim import GLOBAL, Job, Plan
 
 
@@ -59,6 +60,10 @@ class SimBackend:
     self.rules = r.algorithm.server_rules(c, plan)
     # The runner's own jitted programs (rounds.jitted_steps): one per segment of a round.
     self.local_programs, self.syncs = programs.local[0], programs.syncs
+    # Batches and worker ids placed as the runner places them (rounds._round): a program
+    # traced and compiled for one serves the other in the same process.
+    self._batches_on = mesh_lib.round_batches(r.topology.local_mesh)
+    self._ids_on = mesh_lib.per_worker(r.topology.local_mesh)
     self.local_round = self.local_programs[0]
     self.codec = compress.make_codec(c.compress, lr=c.optimizer.lr) if self.rules else None
     self._apply = {name: jax.jit(self._make_apply(rule)) for name, rule in self.rules.items()}
@@ -159,7 +164,8 @@ class SimBackend:
         workers = workers._replace(
             opt_state=optimizers.at_schedule_step(workers.opt_state, lr_steps))
       deltas, opt_state, losses = self.local_programs[segment](
-          view, workers, next_batches(ids, steps_), ids)
+          view, workers, jax.device_put(next_batches(ids, steps_), self._batches_on),
+          jax.device_put(ids, self._ids_on))
       self.workers = opt_state if everyone else _put(self.workers, ids, opt_state)
       if self._roundtrip is not None:  # what the server receives is the decoded payload
         # Not the local round's per-worker keys (those split into step keys): fold in a tag.
