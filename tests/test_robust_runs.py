@@ -34,14 +34,21 @@ def test_uniform_weights_give_the_gathered_mean_bit_exactly():
   from lowcomm_jax.aggregate import robust_combine
   stacked = jax.random.normal(jax.random.key(0), (4, 1000))
   combine = robust_combine(rule="mean", signal="loss_ema", num_workers=4, warmup_rounds=3)
-  out, state = combine.update(stacked, combine.init(stacked[0]),
-                              worker_losses=jax.numpy.asarray([1.0, 2.0, 3.0, 4.0]))
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(stacked.mean(axis=0)))
+
+  @jax.jit  # one program, as in the runner's sync (op by op, each op would compile alone)
+  def combined_and_mean(stacked, losses):
+    return combine.update(stacked, combine.init(stacked[0]), worker_losses=losses), \
+        stacked.mean(axis=0)
+
+  (out, state), mean = combined_and_mean(stacked, jax.numpy.asarray([1.0, 2.0, 3.0, 4.0]))
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(mean))
   np.testing.assert_array_equal(np.asarray(state.signals.weights), [0.25] * 4)
 
 
 def test_signal_weighted_centered_clipping_trains_reports_and_resumes_exactly(tmp_path):
-  config = _config(rounds=5, checkpoint_every=2, log_every=1,
+  # Three rounds (the other 4-worker runs' schedule: their local program, compiled once):
+  # weighted from round 2 on, checkpointed after round 2, round 3 resumed from it.
+  config = _config(rounds=3, checkpoint_every=2, log_every=1,
                    **{"aggregate.rule": "centered_clip", "aggregate.signal": "loss_ema",
                       "aggregate.warmup_rounds": 1, "aggregate.temperature": 0.1})
   straight = train.run(config, tmp_path / "straight")
@@ -105,20 +112,24 @@ def test_robust_rules_combine_decoded_payloads_of_a_codec():
   # the sum), and the ledger counts the same payloads: the codec's bytes, all-gathered.
   # One round: later rounds' Δ differ by round-off, which can flip an int8 rounding.
   codec = {"compress.codec": "int8"}
-  r_mean, mean, _, _ = train_rounds(_config(**codec), 1)
+  # The clean run's three rounds (below), its first sync recorded: θ after round 1.
+  syncs = []
+  r_mean, clean_state, _, _ = train_rounds(_config(**codec), 3, record=syncs)
   r_gather, gathered, _, _ = train_rounds(
       _config(**codec, **{"aggregate.signal": "loss_ema", "aggregate.warmup_rounds": 5}), 1)
-  np.testing.assert_allclose(np.asarray(gathered.params), np.asarray(mean.params), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(gathered.params), syncs[0].new_theta, atol=1e-6)
   assert r_gather.outer_bytes() == r_mean.outer_bytes()
   # A x100 attacker through the codec: the median stays within 5% of the clean run (that
   # the mean does not is test_adversaries' case without a codec).
-  def eval_loss(config):
-    r, state, _, _ = train_rounds(config, 3)
-    with jax.set_mesh(r.topology.mesh):
-      return float(jax.jit(r.programs.eval)(state.params, r.data.eval_windows))
-  clean = eval_loss(_config(**codec))
-  attacked = eval_loss(_config(**codec, **{"attack.workers": (1,), "attack.scale": 100.0,
-                                          "aggregate.rule": "median"}))
+  r_attacked, attacked_state, _, _ = train_rounds(
+      _config(**codec, **{"attack.workers": (1,), "attack.scale": 100.0,
+                          "aggregate.rule": "median"}), 3)
+  # Both models through one eval program (the same model and eval windows in both runs).
+  np.testing.assert_array_equal(r_attacked.data.eval_windows, r_mean.data.eval_windows)
+  with jax.set_mesh(r_mean.topology.mesh):
+    eval_loss = jax.jit(r_mean.programs.eval)
+    clean = float(eval_loss(clean_state.params, r_mean.data.eval_windows))
+    attacked = float(eval_loss(attacked_state.params, r_mean.data.eval_windows))
   assert attacked < clean * 1.05, (attacked, clean)
 
 
@@ -193,8 +204,10 @@ def test_the_runner_weighs_workers_by_the_cosine_signal():
                            warmup_rounds=a.warmup_rounds, signal_ema=a.signal_ema,
                            noise_sigmas=a.noise_sigmas)
   state = combine.init(jax.numpy.zeros(calls[0].theta.shape))
+  # One program per round (op by op, each op of the combination would compile alone).
+  update = jax.jit(lambda deltas, state, k: combine.update(deltas, state, round_index=k))
   for k, (theta, deltas, new_theta) in enumerate(calls):
-    out, state = combine.update(jax.numpy.asarray(deltas), state, round_index=k)
+    out, state = update(jax.numpy.asarray(deltas), state, k)
     np.testing.assert_allclose(theta - new_theta, out, rtol=1e-4, atol=1e-6)
   weights = np.asarray(state.signals.weights)
   assert weights.std() > 1e-3, weights  # past the warm-up the cosines set unequal weights

@@ -7,6 +7,7 @@ import numpy as np
 
 from conftest import train_rounds
 from lowcomm_jax import train
+from lowcomm_jax.checkpoint import abstract_with_shardings
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
 
 
@@ -23,13 +24,21 @@ def test_diloco_h1_sgd_outer_lr1_equals_ddp_with_sgd(smoke_config):
                              rtol=1e-5)
   # ...and training moved the parameters (the equivalence is not between two no-ops).
   init = jax.jit(r_ddp.state_spec.init)(r_ddp.state_spec.initial_params())
-  embedding = lambda s: r_ddp.model.layout.unravel(s.params)["wte"]["embedding"]
-  assert not np.allclose(embedding(init), embedding(s_ddp))
+  # One program (unravelled op by op, every leaf's slice would compile on its own).
+  embedding = jax.jit(lambda flat: r_ddp.model.layout.unravel(flat)["wte"]["embedding"])
+  assert not np.allclose(embedding(init.params), embedding(s_ddp.params))
+
+
+def _four_on_four(smoke_config, **overrides):
+  """Four workers on four replica devices: the run test_workers_split..., the HLO test's
+  DiLoCo case, the NaN test and the runner-state test share (built once in this process)."""
+  return smoke_config(num_workers=4, **{"mesh.replica": 4}, **overrides)
 
 
 def test_workers_split_over_devices_match_workers_vmapped_on_one(smoke_config):
   assert jax.device_count() >= 4
-  config = lambda replica: smoke_config(num_workers=4, **{"mesh.replica": replica})
+  config = lambda replica: (_four_on_four(smoke_config) if replica == 4 else
+                            smoke_config(num_workers=4, **{"mesh.replica": replica}))
   r4, s4, w4, m4 = train_rounds(config(4), 2)
   r1, s1, _, m1 = train_rounds(config(1), 2)
   assert dict(r4.topology.mesh.shape)["replica"] == 4
@@ -58,9 +67,9 @@ def _all_reduced_elements(hlo: str) -> int:
 
 def test_inner_steps_communicate_nothing_and_the_outer_step_moves_the_params_once(
     smoke_config):
-  for algorithm, h in (("diloco", 3), ("ddp", 1)):
-    config = smoke_config(algorithm=algorithm, inner_steps=h, num_workers=4,
-                          **{"mesh.replica": 4})
+  # DiLoCo at the smoke config's H = 2 (> 1 step: the run the tests above built); DDP at 1.
+  for algorithm, h in (("diloco", 2), ("ddp", 1)):
+    config = _four_on_four(smoke_config, algorithm=algorithm, inner_steps=h)
     r = train.build(config)
     nbytes = r.model.param_bytes
     assert r.outer_bytes() == ledger.CommBytes(sent=nbytes, received=nbytes)
@@ -71,12 +80,14 @@ def test_inner_steps_communicate_nothing_and_the_outer_step_moves_the_params_onc
     opt = r.abstract_workers()[0]
     ids = jax.ShapeDtypeStruct((4,), np.int32, sharding=mesh_lib.per_worker(r.topology.mesh))
     deltas, signals = r.abstract_sync_inputs(0)
+    # The global state as the runner passes it (placed: its shardings), and of it what a
+    # local program reads: the programs the runner compiled (for DiLoCo, by the tests above).
+    state = abstract_with_shardings(r.state_spec.abstract, r.state_spec.shardings)
     with jax.set_mesh(r.topology.mesh):
-      local_hlo = local_fns[0][0].lower(r.state_spec.abstract, opt, batches,
+      local_hlo = local_fns[0][0].lower(r.local_input(state), opt, batches,
                                         ids).compile().as_text()
-      outer_hlo = finish_fn.lower(r.state_spec.abstract, deltas, signals).compile().as_text()
-      quiet_hlo = finish_fn.lower(r.state_spec.abstract, deltas, signals,
-                                  metrics=False).compile().as_text()
+      outer_hlo = finish_fn.lower(state, deltas, signals).compile().as_text()
+      quiet_hlo = finish_fn.lower(state, deltas, signals, metrics=False).compile().as_text()
     assert _all_reduced_elements(local_hlo) == 0  # H inner steps: no communication
     # The outer mean moves every parameter once (plus a few scalars for the metrics).
     moved = _all_reduced_elements(outer_hlo)
@@ -91,7 +102,7 @@ def test_inner_steps_communicate_nothing_and_the_outer_step_moves_the_params_onc
 
 
 def test_a_workers_nan_loss_is_reported_as_its_own(smoke_config):
-  r = train.build(smoke_config(num_workers=4, **{"mesh.replica": 4}))
+  r = train.build(_four_on_four(smoke_config))
   fns = train.jitted_steps(r)
   state, _ = train.init_run(r, fns)
   deltas, signals = r.abstract_sync_inputs(0)
@@ -104,24 +115,29 @@ def test_a_workers_nan_loss_is_reported_as_its_own(smoke_config):
 
 
 def test_runner_keeps_inner_adam_state_and_outer_momentum_across_rounds(smoke_config):
-  config = smoke_config(num_workers=2, inner_steps=3, **{"outer.lr": 0.5, "outer.momentum": 0.9})
+  # The four-worker run above (AdamW inner, H = 2; outer Nesterov, lr 0.7, momentum 0.9).
+  config = _four_on_four(smoke_config)
+  h, lr, m = config.inner_steps, config.outer.lr, config.outer.momentum
+  assert h > 1 and config.optimizer.name == "adamw" and config.outer.nesterov
+  assert lr != 1.0 and m > 0
   r = train.build(config)
   fns = train.jitted_steps(r)
   state, workers = train.init_run(r, fns)
   history = [state]
   for _ in range(3):
     state, workers, _, _ = train.train_round(r, fns, state, workers,
-                                             [r.data.streams[0].next_round(3)], [3])
+                                             [r.data.streams[0].next_round(h)], [h])
     history.append(state)
   # Every worker's AdamW has taken rounds * H steps: its state was never reset.
   counts = [x for x in jax.tree.leaves(workers) if x.dtype == np.int32]
-  assert counts and all(np.all(c == 3 * 3) for c in counts)
+  assert counts and all(np.all(c == 3 * h) for c in counts)
   # Nesterov: θ_r+1 - θ_r = -lr (Δ̄_r + m·trace_r) with trace_r = Δ̄_r + m·trace_r-1.
   # Recover Δ̄_r from the parameters and check the carried trace against it.
-  lr, m = 0.5, 0.9
-  view = r.model.layout.unravel  # θ and the outer momentum are flat
-  traces = [view(s.outer.per_fragment[0][0].trace)["wte"]["embedding"] for s in history]
-  thetas = [view(s.params)["wte"]["embedding"] for s in history]
+  # θ and the outer momentum are flat: one program views their embedding (op by op, every
+  # leaf's slice would compile on its own).
+  view = jax.jit(lambda flat: r.model.layout.unravel(flat)["wte"]["embedding"])
+  traces = [np.asarray(view(s.outer.per_fragment[0][0].trace)) for s in history]
+  thetas = [np.asarray(view(s.params)) for s in history]
   for t in (1, 2, 3):
     delta = -(thetas[t] - thetas[t - 1]) / lr - m * traces[t]
     np.testing.assert_allclose(traces[t], delta + m * traces[t - 1], atol=2e-5)
