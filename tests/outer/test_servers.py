@@ -14,6 +14,7 @@ import numpy as np
 
 from conftest import load_config
 from lowcomm_jax import algorithms, steps
+from lowcomm_jax.parallel import mesh as mesh_lib
 from lowcomm_jax.sim import GLOBAL, Job, Network, Plan, SpeedModel
 from lowcomm_jax.sim_backend import SimBackend
 
@@ -38,8 +39,11 @@ def _backend(algorithm, workers=2, regions=(0, 0), **overrides):
                                     worker_regions=regions, intra_gbps=1.0,
                                     intra_latency_s=0.0, inter_gbps=1.0, inter_latency_s=0.0),
               delta_bytes=12, param_bytes=12, compressed=False)
+  # The simulator's layout: its virtual workers vmapped on one device.
+  topology = types.SimpleNamespace(local_mesh=mesh_lib.make_mesh(1))
   run = types.SimpleNamespace(config=config, algorithm=algorithms.get(algorithm),
-                              local_input=lambda state: state._replace(outer=()))
+                              local_input=lambda state: state._replace(outer=()),
+                              topology=topology)
   state = steps.TrainState(jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(0)),
                            jnp.asarray(THETA0), ())
   programs = types.SimpleNamespace(local=[[_local_round]], syncs=[None])
