@@ -57,6 +57,17 @@ def load_config(name: str, **overrides):
                     overrides)
 
 
+def sim_and_runner_config(algorithm: str, **overrides):
+  """Four simulated workers, 3 rounds of H = 2, a checkpoint every round, on the simulator's
+  layout (one replica device). The runner (train_rounds, train.run) is handed the same
+  config: it reads no sim.* field, and a config built again gets the same programs back
+  (program_cache). With a checkpoint every round no sync is held for the next round's
+  program, so train.run runs train_rounds' programs."""
+  return load_config("smoke", algorithm=algorithm, rounds=3, inner_steps=2, num_workers=4,
+                     **{"sim.enabled": True, "eval_every": 3, "checkpoint_every": 1,
+                        "mesh.replica": 1, **overrides})
+
+
 @pytest.fixture
 def smoke_config():
   return lambda **overrides: load_config("smoke", **overrides)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import toy_problem as toy
-from conftest import (assert_simulation_resumes_exactly, checkpointed_state, load_config,
-                      train_rounds)
+from conftest import (assert_simulation_resumes_exactly, checkpointed_state,
+                      sim_and_runner_config, train_rounds)
 from lowcomm_jax import config_check, simulate, train
 from lowcomm_jax.hosts import host
 
@@ -57,14 +57,8 @@ def test_one_worker_is_diloco(smoke_config):
 
 
 def _config():
-  """Four heterogeneous simulated workers; the runner (train_rounds, train.run) is handed the
-  same config on the simulator's layout (one replica device): it reads no sim.* field, and
-  the config built again gets the same programs back (program_cache). A checkpoint every
-  round: no sync is held for the next round's program, so train.run runs train_rounds'
-  programs."""
-  return load_config("smoke", algorithm="eager", rounds=3, inner_steps=2, num_workers=4,
-                     **{"sim.enabled": True, "eval_every": 3, "checkpoint_every": 1,
-                        "sim.heterogeneity": "very", "mesh.replica": 1})
+  """Four workers of very unequal speeds (conftest.sim_and_runner_config)."""
+  return sim_and_runner_config("eager", **{"sim.heterogeneity": "very"})
 
 
 def test_the_simulator_equals_the_runner(tmp_path):

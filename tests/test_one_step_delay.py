@@ -7,7 +7,8 @@ import numpy as np
 import optax
 
 import toy_problem as toy
-from conftest import assert_simulation_resumes_exactly, load_config, train_rounds
+from conftest import (assert_simulation_resumes_exactly, sim_and_runner_config,
+                      train_rounds)
 from lowcomm_jax import outer, simulate
 
 LR, BETA = toy.LR, toy.BETA
@@ -66,15 +67,12 @@ def test_three_rounds_follow_the_hand_computed_trajectory():
 
 
 def _config(algorithm):
-  """The simulations' config (below), four equal workers on a slow link; the runner
-  (train_rounds) is handed it too, on the simulator's layout (one replica device): it reads
-  no sim.* field, and the config built again gets the same programs back (program_cache)."""
-  # A link slow enough that one ring all-reduce of the model takes about a round's compute.
-  return load_config("smoke", algorithm=algorithm, rounds=3, inner_steps=2, num_workers=4,
-                     **{"sim.enabled": True, "eval_every": 3, "checkpoint_every": 1,
-                        "sim.speeds": (1.0, 1.0, 1.0, 1.0), "sim.jitter": 0.0,
-                        "sim.step_seconds": 1.0, "sim.network.intra_gbps": 0.002,
-                        "mesh.replica": 1})
+  """The simulations' config (below), also the runner's (conftest.sim_and_runner_config):
+  four equal workers on a link slow enough that one ring all-reduce of the model takes
+  about a round's compute."""
+  return sim_and_runner_config(algorithm, **{"sim.speeds": (1.0, 1.0, 1.0, 1.0),
+                                             "sim.jitter": 0.0, "sim.step_seconds": 1.0,
+                                             "sim.network.intra_gbps": 0.002})
 
 
 def test_the_runner_after_two_rounds_is_diloco_after_one():
