@@ -214,6 +214,27 @@ def _graphdef(model_cfg: GPTConfig) -> nnx.GraphDef:
   return nnx.split(nnx.eval_shape(lambda: GPT(model_cfg, rngs=nnx.Rngs(0))), nnx.Param)[0]
 
 
+def _model_tree(model_cfg: GPTConfig, seed: int):
+  """() -> the model's seeded initial parameter tree."""
+  def model_tree():
+    return nnx.to_pure_dict(nnx.state(GPT(model_cfg, rngs=nnx.Rngs(params=seed)), nnx.Param))
+  return model_tree
+
+
+def _adapter_tree(model_tree, seed: int, rank: int, targets: tuple[str, ...]):
+  """() -> LoRA adapters (B = 0) on the tree `model_tree` makes."""
+  def param_tree():
+    # A's draws: the run's seed folded with "LoRA" in ASCII, apart from the model's init
+    return lora.init_adapters(jax.random.fold_in(jax.random.key(seed), 0x4C6F5241),
+                              model_tree(), rank=rank, targets=targets)
+  return param_tree
+
+
+def _flat_init(param_tree, layout: ParamLayout):
+  """The jitted () -> flat θ_0 of `param_tree`."""
+  return jax.jit(lambda: layout.ravel(param_tree()))
+
+
 def build(config: ml_collections.ConfigDict) -> Run:
   """Validates the config, loads data, builds the model and the step functions (no compute)."""
   nproc = jax.process_count()
@@ -254,17 +275,13 @@ def build(config: ml_collections.ConfigDict) -> Run:
 
   graphdef = graphdef_of(model_cfg.d_ff)
 
-  def model_tree():
-    return nnx.to_pure_dict(nnx.state(GPT(model_cfg, rngs=nnx.Rngs(params=c.seed)), nnx.Param))
-
+  # Each piece below is made once per process for equal arguments (program_cache.shared):
+  # runs that differ elsewhere (codec, outer rule, aggregation) share its trace and program.
+  model_tree = program_cache.shared(_model_tree, model_cfg, c.seed)
   lo = c.lora
-  if lo.rank > 0:  # θ: the adapters alone; the model's weights stay frozen (Run.frozen)
-    def param_tree():
-      # A's draws: the run's seed folded with "LoRA" in ASCII, apart from the model's init
-      return lora.init_adapters(jax.random.fold_in(jax.random.key(c.seed), 0x4C6F5241),
-                                model_tree(), rank=lo.rank, targets=tuple(lo.targets))
-  else:
-    param_tree = model_tree
+  # θ: the adapters alone with LoRA; the model's weights stay frozen (Run.frozen)
+  param_tree = (program_cache.shared(_adapter_tree, model_tree, c.seed, lo.rank,
+                                     tuple(lo.targets)) if lo.rank > 0 else model_tree)
   abstract_params = jax.eval_shape(param_tree)
   layout = ParamLayout.of(abstract_params, algorithm.leaf_fragments(c, abstract_params))
   tp = c.model.tp
@@ -272,12 +289,15 @@ def build(config: ml_collections.ConfigDict) -> Run:
           if tp.size > 1 else None)
 
   def loss_of(d_ff, on_mesh):
-    return loss_fn_of(graphdef_of(d_ff), dataclasses.replace(model_cfg, d_ff=d_ff), plan, on_mesh,
-                    lora_scale=lo.alpha / lo.rank if lo.rank > 0 else None,
-                    narrow=d_ff != model_cfg.d_ff)
+    return program_cache.shared(
+        loss_fn_of, graphdef_of(d_ff), dataclasses.replace(model_cfg, d_ff=d_ff), plan,
+        on_mesh, lora_scale=lo.alpha / lo.rank if lo.rank > 0 else None,
+        narrow=d_ff != model_cfg.d_ff)
 
   # Each host's inner schedule spans its own number of steps (rounds x its H).
-  inner_txs = [optimizers.inner_optimizer(c.optimizer, c.rounds * h.inner_steps) for h in hosts]
+  optimizer = ml_collections.FrozenConfigDict(c.optimizer)
+  inner_txs = [program_cache.shared(optimizers.inner_optimizer, optimizer,
+                                    c.rounds * h.inner_steps) for h in hosts]
   # A collaborative epoch weighs each worker's mean gradient by its samples.
   collab = c.collab.target_batch_size > 0
   nested = collab or optimizers.needs_nested_mean(c, hosts, model_cfg.d_ff)
@@ -310,18 +330,20 @@ def build(config: ml_collections.ConfigDict) -> Run:
   keeps_params = algorithm.keeps_worker_params(c)
   worker_rule = algorithm.worker_rule(c)
   local_programs = [
-      [steps.make_local_segment(loss_of(hosts[i].hidden, local_mesh), inner_tx=inner_txs[i],
-                                hidden=hosts[i].hidden, d_ff=model_cfg.d_ff, layout=layout,
-                                segment=s, index=k, count=len(segments), alpha=alpha,
-                                local_steps=algorithm.local_steps, keeps_params=keeps_params,
-                                worker_rule=worker_rule)
+      [program_cache.shared(
+          steps.make_local_segment, loss_of(hosts[i].hidden, local_mesh),
+          inner_tx=inner_txs[i], hidden=hosts[i].hidden, d_ff=model_cfg.d_ff, layout=layout,
+          segment=s, index=k, count=len(segments), alpha=alpha,
+          local_steps=algorithm.local_steps, keeps_params=keeps_params,
+          worker_rule=worker_rule)
        for k, s in enumerate(segments)]
       for i in local_hosts]
   init_workers = [
-      (lambda p, h=hosts[i], tx=inner_txs[i]: steps.init_workers(
-          p, workers=len(h.worker_ids), hidden=h.hidden, d_ff=model_cfg.d_ff, layout=layout,
-          inner_tx=tx, local_steps=algorithm.local_steps, keeps_params=keeps_params,
-          worker_rule=worker_rule))
+      program_cache.shared(
+          functools.partial, steps.init_workers, workers=len(hosts[i].worker_ids),
+          hidden=hosts[i].hidden, d_ff=model_cfg.d_ff, layout=layout, inner_tx=inner_txs[i],
+          local_steps=algorithm.local_steps, keeps_params=keeps_params,
+          worker_rule=worker_rule)
       for i in local_hosts]
 
   def init_fn(flat_params):
@@ -329,7 +351,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
                             aggregators=aggregators, rules=rules, num_workers=c.num_workers)
 
   if lo.rank > 0 or not c.model.init_from:  # seeded (LoRA: adapters with B = 0, the base)
-    initial_params = jax.jit(lambda: layout.ravel(param_tree()))
+    initial_params = program_cache.shared(_flat_init, param_tree, layout)
   else:  # read when asked (init_run), not held for the whole run
     def initial_params():
       return layout.ravel(pretrained.weights_or_init(c.model.init_from, model_tree))
@@ -380,12 +402,14 @@ def build(config: ml_collections.ConfigDict) -> Run:
       eval_windows=eval_windows(corpus.val, seq_len=c.data.seq_len,
                                 batch_size=c.data.batch_size, num_batches=c.eval_batches,
                                 seed=c.seed, vocab_size=window_vocab))
-  accumulate = [steps.make_accumulate(loss_of(hosts[i].hidden, local_mesh),
-                                      hidden=hosts[i].hidden, d_ff=model_cfg.d_ff,
-                                      layout=layout)
+  accumulate = [program_cache.shared(steps.make_accumulate,
+                                     loss_of(hosts[i].hidden, local_mesh),
+                                     hidden=hosts[i].hidden, d_ff=model_cfg.d_ff,
+                                     layout=layout)
                 for i in local_hosts] if collab else []
   programs = Programs(local=local_programs, syncs=syncs, init_workers=init_workers,
-                      eval=steps.make_eval_step(loss_of(model_cfg.d_ff, mesh), layout),
+                      eval=program_cache.shared(steps.make_eval_step,
+                                                loss_of(model_cfg.d_ff, mesh), layout),
                       accumulate=accumulate,
                       overlapped=steps.make_overlapped(syncs[0], local_programs[0][0],
                                                        reads_rules=worker_rule is not None))

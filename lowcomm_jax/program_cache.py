@@ -41,6 +41,33 @@ def same_as_before(run_key: tuple, made: tuple) -> tuple:
   return made
 
 
+# Pieces of programs (loss functions, optimizers, local and evaluation programs) by their
+# arguments. Runs whose configs differ only where a piece does not look (the codec, the
+# outer rule, the number of rounds for the evaluation) get the same piece back, and with it
+# JAX's trace and compiled program. Every argument is compared by value (or is itself a
+# shared piece), so a piece is never reused where anything it reads differs.
+_SHARED: collections.OrderedDict = collections.OrderedDict()
+_SHARED_KEPT = 64
+
+
+def shared(make, *args, **kwargs):
+  """make(*args, **kwargs), made once per process for equal arguments (all hashable)."""
+  piece_key = (make, args, tuple(sorted(kwargs.items())))
+  if piece_key in _SHARED:
+    _SHARED.move_to_end(piece_key)
+    return _SHARED[piece_key]
+  made = _SHARED[piece_key] = make(*args, **kwargs)
+  if len(_SHARED) > _SHARED_KEPT:
+    _SHARED.popitem(last=False)
+  return made
+
+
+def clear() -> None:
+  """Forgets every run's programs and pieces: the next build traces and compiles anew."""
+  _CACHE.clear()
+  _SHARED.clear()
+
+
 # What counting a sync's bytes found (ledger.count_bytes traces the sync anew each time), by
 # the sync function: a cached program moves the same bytes every time its run is built.
 _COUNTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -1,11 +1,14 @@
 """build.build: a run built again in the same process reuses its program functions (and with
-them JAX's traces and executables); anything the programs depend on gives new ones."""
+them JAX's traces and executables); a program is built anew exactly when something it reads
+changed."""
 
 from lowcomm_jax import train
 
 
 def _functions(r):
-  return (r.programs.local[0][0], r.programs.syncs[0], r.programs.eval, r.state_spec.init)
+  return {"local": r.programs.local[0][0], "sync": r.programs.syncs[0], "eval": r.programs.eval,
+          "init_workers": r.programs.init_workers[0], "state": r.state_spec.init,
+          "initial_params": r.state_spec.initial_params}
 
 
 def test_the_same_run_built_again_gets_the_same_programs_and_a_changed_one_new_ones(
@@ -14,10 +17,17 @@ def test_the_same_run_built_again_gets_the_same_programs_and_a_changed_one_new_o
   again = train.build(smoke_config())
   assert _functions(again) == _functions(first)
   assert again.data.streams[0] is not first.data.streams[0]  # data streams are never shared
-  for changed in ({"outer.lr": 0.5}, {"rounds": 4}, {"data.seq_len": 16},
-                  {"compress.codec": "int8"}):
-    other = train.build(smoke_config(**changed))
-    assert all(a is not b for a, b in zip(_functions(other), _functions(first))), changed
+  # What each change reaches: the outer rule and the codec only the sync and the global
+  # state; the number of rounds the inner schedule (the local programs and the workers'
+  # optimizer state); the seed the initial parameters; the model everything.
+  for changed, new in [({"outer.lr": 0.5}, {"sync", "state"}),
+                       ({"compress.codec": "int8"}, {"sync", "state"}),
+                       ({"rounds": 4}, {"local", "init_workers", "sync", "state"}),
+                       ({"seed": 3}, {"sync", "state", "initial_params"}),
+                       ({"optimizer.lr": 1e-3}, {"local", "init_workers", "sync", "state"}),
+                       ({"model.name": "small"}, set(_functions(first)))]:
+    other = _functions(train.build(smoke_config(**changed)))
+    assert {k for k, f in other.items() if f is not _functions(first)[k]} == new, changed
 
 
 def test_a_rebuilt_run_counts_its_sync_bytes_once(smoke_config, monkeypatch):

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from lowcomm_jax import metrics, train
+from lowcomm_jax import metrics, program_cache, train
 
 
 def _rows(workdir):
@@ -19,6 +19,7 @@ def _rows(workdir):
 
 def test_resume_appends_only_new_rows_tensorboard_holds_scalars_console_shows_progress(
     tmp_path, smoke_config, caplog):
+  program_cache.clear()  # programs of this model another test compiled would not announce
   config = smoke_config(rounds=4, checkpoint_every=2, eval_every=2)
   with caplog.at_level(logging.INFO):
     train.run(config, tmp_path, stop_after_rounds=2)

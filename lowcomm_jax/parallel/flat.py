@@ -61,6 +61,9 @@ class ParamLayout:
     return cls(abstract, treedef, tuple(x.shape for x in leaves), tuple(offsets), sum(sizes),
                fragment, tuple(bounds))
 
+  def __hash__(self):  # `abstract` (a dict) follows from treedef, shapes and dtype
+    return hash((self.treedef, self.shapes, self.offsets, self.leaf_fragment, self.bounds))
+
   @property
   def num_fragments(self) -> int:
     return max(len(self.bounds), 1)
