@@ -17,10 +17,12 @@ def test_the_same_run_built_again_gets_the_same_programs_and_a_changed_one_new_o
   again = train.build(smoke_config())
   assert _functions(again) == _functions(first)
   assert again.data.streams[0] is not first.data.streams[0]  # data streams are never shared
-  # What each change reaches: the outer rule and the codec only the sync and the global
-  # state; the number of rounds the inner schedule (the local programs and the workers'
-  # optimizer state); the seed the initial parameters; the model everything.
+  # What each change reaches. Any change: the sync and the state init (cached by the whole
+  # config). The outer rule, the codec and a shape (seq_len: the same functions trace again
+  # for it) nothing else; the number of rounds the inner schedule (the local programs and
+  # the workers' optimizer state); the seed the initial parameters; the model everything.
   for changed, new in [({"outer.lr": 0.5}, {"sync", "state"}),
+                       ({"data.seq_len": 16}, {"sync", "state"}),
                        ({"compress.codec": "int8"}, {"sync", "state"}),
                        ({"rounds": 4}, {"local", "init_workers", "sync", "state"}),
                        ({"seed": 3}, {"sync", "state", "initial_params"}),
