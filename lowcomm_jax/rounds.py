@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowcomm_jax import steps
-from lowcomm_jax.build import Programs, Run
+from lowcomm_jax.run_spec import Programs, Run
 from lowcomm_jax.metrics import announce_compile
 from lowcomm_jax.parallel import mesh as mesh_lib
 

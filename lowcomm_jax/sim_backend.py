@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from lowcomm_jax import compress, optimizers, outer, steps
-from lowcomm_jax.build import Programs, Run
+from lowcomm_jax.run_spec import Programs, Run
 from lowcomm_jax.parallel import mesh as mesh_lib
 from lowcomm_jax.sim import GLOBAL, Job, Plan
 

@@ -24,7 +24,8 @@ import numpy as np
 import optax
 
 from lowcomm_jax import compress, config_check, run_loop
-from lowcomm_jax.build import Run, build
+from lowcomm_jax.build import build
+from lowcomm_jax.run_spec import Run
 from lowcomm_jax.rounds import init_run, jitted_steps
 from lowcomm_jax.checkpoint import Checkpointer, CheckpointMismatch
 from lowcomm_jax.metrics import announce_compile

@@ -17,7 +17,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from lowcomm_jax import config_check, run_loop
-from lowcomm_jax.build import Run, build
+from lowcomm_jax.build import build
+from lowcomm_jax.run_spec import Run
 from lowcomm_jax.rounds import (can_overlap, held_round, init_run, jitted_overlapped,
                                 jitted_steps, overlapped_round, run_held, train_round)
 from lowcomm_jax.checkpoint import CheckpointMismatch, abstract_with_shardings

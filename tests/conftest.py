@@ -116,11 +116,13 @@ def record_syncs(fns, calls: list | None = None) -> list[SyncCall]:
   return calls
 
 
-def checkpointed_state(config, workdir):
-  """((global state, worker states), data-stream states) of the workdir's latest checkpoint."""
+def checkpointed_state(config, workdir, run=None):
+  """((global state, worker states), data-stream states) of the workdir's latest checkpoint,
+  restored to the shapes of `run` (default: `config` built; pass the run where building it
+  again costs, as a LoRA build initializing its frozen base)."""
   from lowcomm_jax import train
   from lowcomm_jax.checkpoint import Checkpointer, abstract_with_shardings
-  r = train.build(config)
+  r = run if run is not None else train.build(config)
   ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=2)
   state, _, workers, data = ckpt.restore(
       ckpt.latest_round(), abstract_with_shardings(r.state_spec.abstract, r.state_spec.shardings),

@@ -1,6 +1,7 @@
 """Collaborative epochs (lowcomm_jax/collab.py): unequal peers fill a target batch, the
 sample-weighted mean gradient takes one optimizer step."""
 
+import functools
 import json
 import pathlib
 import threading
@@ -13,7 +14,6 @@ from flax import nnx
 
 from conftest import checkpointed_state, load_config
 from lowcomm_jax import collab, run_loop, train
-from lowcomm_jax.checkpoint import Checkpointer, abstract_with_shardings
 from lowcomm_jax.config_check import ConfigError, validate
 from lowcomm_jax.hosts import host
 from lowcomm_jax.model import next_token_loss
@@ -50,23 +50,14 @@ def _run(config, workdir, progress_cls=None):
   return r, summary
 
 
-_FLAT_GRADS = {}
-
-
-def _flat_grad(config, r):
+@functools.cache
+def _flat_grad(graphdef, layout):
   """(flat θ, batch) -> the flat gradient of the batch's loss at θ: unravel, grad, ravel in
   one program (op by op, every leaf's slice and reshape would compile on its own), made once
-  per config in this process (its tests share it)."""
-  key = config.to_json_best_effort(sort_keys=True)
-  if key not in _FLAT_GRADS:
-    layout, graphdef = r.model.layout, r.model.graphdef
-
-    def loss(p, batch):
-      return next_token_loss(nnx.merge(graphdef, p), batch)
-
-    _FLAT_GRADS[key] = jax.jit(
-        lambda theta, batch: layout.ravel(jax.grad(loss)(layout.unravel(theta), batch)))
-  return _FLAT_GRADS[key]
+  per model in this process (its tests share it)."""
+  def loss(p, batch):
+    return next_token_loss(nnx.merge(graphdef, p), batch)
+  return jax.jit(lambda theta, batch: layout.ravel(jax.grad(loss)(layout.unravel(theta), batch)))
 
 
 def _hand_step(config, micro_batches_per_host):
@@ -75,7 +66,7 @@ def _hand_step(config, micro_batches_per_host):
   the hosts' mean gradients), times -lr."""
   r = train.build(config)
   theta = r.state_spec.initial_params()
-  grad = _flat_grad(config, r)
+  grad = _flat_grad(r.model.graphdef, r.model.layout)
   sums, counts = [], []  # per worker
   for stream, count in zip(r.data.streams, micro_batches_per_host):
     total = np.zeros((len(stream.worker_ids),) + theta.shape, np.float64)
@@ -138,18 +129,6 @@ def test_a_late_peer_joins_with_weight_zero(tmp_path):
   np.testing.assert_allclose(np.asarray(state.params) - theta, update, rtol=1e-4, atol=1e-7)
 
 
-def _checkpointed_state(r, workdir):
-  """The global state of the workdir's latest checkpoint, restored to the shapes of the built
-  run `r` (conftest.checkpointed_state without building the run again: a LoRA build
-  initializes its frozen base)."""
-  ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=2)
-  state, _, _, _ = ckpt.restore(
-      ckpt.latest_round(), abstract_with_shardings(r.state_spec.abstract, r.state_spec.shardings),
-      r.abstract_workers())
-  ckpt.close()
-  return state
-
-
 def _lora_config():
   """Rank-2 adapters on attention and MLP, four epochs (the LoRA tests share its run)."""
   config = _config(rounds=4, checkpoint_every=2)
@@ -162,7 +141,7 @@ def test_lora_collaboration_trains_adapters_only_and_resumes_exactly_mid_epoch(t
   config = _lora_config()
   r, whole = _run(config, tmp_path / "whole")
   frozen = jax.tree.map(np.asarray, r.frozen)
-  end = _checkpointed_state(r, tmp_path / "whole")
+  (end, _), _ = checkpointed_state(config, tmp_path / "whole", run=r)
   assert end.params.shape == (r.model.param_count,) and r.model.frozen_count > 0
   # The base after four optimizer steps: bit for bit what was loaded (and still readable: a
   # program that donated it, as accelerators do with their inputs, would have deleted it).
@@ -188,7 +167,7 @@ def test_lora_collaboration_trains_adapters_only_and_resumes_exactly_mid_epoch(t
   assert json.loads((tmp_path / "cut" / collab.PROGRESS_FILE).read_text().splitlines()[-1]
                     )["epoch"] == 2
   _, resumed = _run(config, tmp_path / "cut")
-  cut = _checkpointed_state(fresh, tmp_path / "cut")
+  (cut, _), _ = checkpointed_state(config, tmp_path / "cut", run=fresh)
   np.testing.assert_array_equal(np.asarray(cut.params), np.asarray(end.params))
   assert resumed["eval_loss"] == whole["eval_loss"]
 

@@ -11,6 +11,12 @@ from lowcomm_jax.checkpoint import abstract_with_shardings
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
 
 
+def _embedding(layout):
+  """flat θ -> its token embedding, as one program (op by op, every leaf's slice would
+  compile on its own)."""
+  return jax.jit(lambda flat: layout.unravel(flat)["wte"]["embedding"])
+
+
 def test_diloco_h1_sgd_outer_lr1_equals_ddp_with_sgd(smoke_config):
   common = {"inner_steps": 1, "optimizer.name": "sgd", "optimizer.lr": 0.5,
             "optimizer.grad_clip": 0.0, "num_workers": 4}
@@ -24,8 +30,7 @@ def test_diloco_h1_sgd_outer_lr1_equals_ddp_with_sgd(smoke_config):
                              rtol=1e-5)
   # ...and training moved the parameters (the equivalence is not between two no-ops).
   init = jax.jit(r_ddp.state_spec.init)(r_ddp.state_spec.initial_params())
-  # One program (unravelled op by op, every leaf's slice would compile on its own).
-  embedding = jax.jit(lambda flat: r_ddp.model.layout.unravel(flat)["wte"]["embedding"])
+  embedding = _embedding(r_ddp.model.layout)
   assert not np.allclose(embedding(init.params), embedding(s_ddp.params))
 
 
@@ -133,9 +138,7 @@ def test_runner_keeps_inner_adam_state_and_outer_momentum_across_rounds(smoke_co
   assert counts and all(np.all(c == 3 * h) for c in counts)
   # Nesterov: θ_r+1 - θ_r = -lr (Δ̄_r + m·trace_r) with trace_r = Δ̄_r + m·trace_r-1.
   # Recover Δ̄_r from the parameters and check the carried trace against it.
-  # θ and the outer momentum are flat: one program views their embedding (op by op, every
-  # leaf's slice would compile on its own).
-  view = jax.jit(lambda flat: r.model.layout.unravel(flat)["wte"]["embedding"])
+  view = _embedding(r.model.layout)  # θ and the outer momentum are flat
   traces = [np.asarray(view(s.outer.per_fragment[0][0].trace)) for s in history]
   thetas = [np.asarray(view(s.params)) for s in history]
   for t in (1, 2, 3):
