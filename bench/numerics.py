@@ -4,9 +4,10 @@
     python bench/numerics.py --out after.json --compare before.json
 
 Each case is the real command line (`python -m lowcomm_jax.main`) in its own process, on 8
-virtual CPU devices (the device count decides the mesh), some shortened by overrides. The final eval losses are compared exactly
-(bit for bit: JSON floats round-trip); `--tolerance` allows a relative difference where a
-summation order had to change (say why in BUILD_NOTES.md).
+virtual CPU devices (the device count decides the mesh), some shortened by overrides. The
+final eval losses are compared exactly (bit for bit: JSON floats round-trip), and so are
+the bytes each run sent; `--tolerance` allows a relative difference where a summation
+order had to change (say why in BUILD_NOTES.md).
 """
 
 import argparse
@@ -34,16 +35,34 @@ CASES = {
     "sim_async": ["configs/sim_sweep.py:async,moderate", *SIM_SHORT],
     "sim_async_dn": ["configs/sim_sweep.py:async_dn_dylu,moderate", *SIM_SHORT],
     "sim_halos": ["configs/sim_geo.py:halos", *SIM_SHORT],
+    # Every codec on the smoke run (DeMo under DDP, its only algorithm), a sparsifier
+    # without error feedback, DeMo's 1-bit signs and a lossy codec under MatFormer tiers.
+    **{f"smoke_{codec}": ["configs/smoke.py", f"--config.compress.codec={codec}"]
+       for codec in ("int8", "fp8", "int4", "topk", "randomk", "sparseloco")},
+    "smoke_int8_stochastic": ["configs/smoke.py", "--config.compress.codec=int8",
+                              "--config.compress.stochastic_rounding=True"],
+    "smoke_topk_no_feedback": ["configs/smoke.py", "--config.compress.codec=topk",
+                               "--config.compress.error_feedback=False"],
+    "smoke_ddp_demo": ["configs/smoke.py", "--config.algorithm=ddp", "--config.inner_steps=1",
+                       "--config.compress.codec=demo"],
+    "smoke_ddp_demo_signs": ["configs/smoke.py", "--config.algorithm=ddp",
+                             "--config.inner_steps=1", "--config.compress.codec=demo",
+                             "--config.compress.value_bits=1"],
+    "hetero_int4_short": ["configs/diloco_hetero.py", "--config.compress.codec=int4",
+                          "--config.model.name=tiny", "--config.rounds=4",
+                          "--config.data.seq_len=32", "--config.eval_every=4",
+                          "--config.checkpoint_every=4"],
 }
 
 
-def run_case(args: list[str], workdir: pathlib.Path) -> float:
+def run_case(args: list[str], workdir: pathlib.Path) -> tuple[float, int]:
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
   cmd = [sys.executable, "-m", "lowcomm_jax.main", f"--config={args[0]}", *args[1:],
          f"--workdir={workdir}"]
   subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL,
                  stderr=subprocess.PIPE)
-  return json.loads((workdir / "summary.json").read_text())["eval_loss"]
+  summary = json.loads((workdir / "summary.json").read_text())
+  return summary["eval_loss"], summary["bytes_sent"]
 
 
 def main() -> None:
@@ -61,9 +80,9 @@ def main() -> None:
       if a.only and name not in a.only:
         continue
       t0 = time.perf_counter()
-      results[name] = run_case(args, pathlib.Path(tmp) / name)
-      print(f"{name:26s} eval_loss {results[name]!r:22s} {time.perf_counter() - t0:6.1f}s",
-            flush=True)
+      results[name], results[f"{name}.bytes_sent"] = run_case(args, pathlib.Path(tmp) / name)
+      print(f"{name:26s} eval_loss {results[name]!r:22s} bytes "
+            f"{results[f'{name}.bytes_sent']:>12d} {time.perf_counter() - t0:6.1f}s", flush=True)
   pathlib.Path(a.out).write_text(json.dumps(results, indent=2) + "\n")
   if a.compare:
     before = json.loads(pathlib.Path(a.compare).read_text())
