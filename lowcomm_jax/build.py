@@ -118,33 +118,28 @@ def build(config: ml_collections.ConfigDict) -> Run:
   optimizer = ml_collections.FrozenConfigDict(c.optimizer)
   inner_txs = [program_cache.shared(optimizers.inner_optimizer, optimizer,
                                     c.rounds * h.inner_steps) for h in hosts]
-  # A collaborative epoch weighs each worker's mean gradient by its samples.
+  sync = algorithm.sync(c, hosts, model_cfg.d_ff)  # codec, aggregation, robust rule, attack
   collab = c.collab.target_batch_size > 0
-  nested = collab or optimizers.needs_nested_mean(c, hosts, model_cfg.d_ff)
   fragments = range(layout.num_fragments)
   # Each fragment has its own aggregator (a codec's error buffers) and outer rule state.
-  aggregators = [optimizers.aggregator(c, layout.fragment(p), nested=nested) for p in fragments]
+  aggregators = [sync.aggregator(layout.fragment(p)) for p in fragments]
   rules = [algorithm.outer_rule(c, inner_txs[0], layout.fragment(p)) for p in fragments]
   windows = None  # data compiled into the programs (the probe batch)
-  if optimizers.robust_combination(c):  # the all-gathered Δ are combined before the rule
-    probes = [None] * layout.num_fragments
-    if c.aggregate.signal == "probe_loss":  # every receiver scores each worker's proposal
-      windows = probe_windows(corpus.train, seq_len=c.data.seq_len,
-                              batch_size=c.aggregate.probe_batch_size, seed=c.seed,
-                              vocab_size=window_vocab)
-      step = optimizers.probe_step(c, algorithm.local_steps)
-      # The plain model (no TP plan): the probe runs inside the sync, replicated over 'model'.
-      probe_loss = loss_fn_of(graphdef, model_cfg, None, mesh)
-      probes = [steps.make_probe(probe_loss, layout, p, windows, step) for p in fragments]
-    rules = [optimizers.robust_rule(c, rule, probe) for rule, probe in zip(rules, probes)]
+  probes = [None] * layout.num_fragments
+  if sync.robust and c.aggregate.signal == "probe_loss":  # each receiver scores every proposal
+    windows = probe_windows(corpus.train, seq_len=c.data.seq_len,
+                            batch_size=c.aggregate.probe_batch_size, seed=c.seed,
+                            vocab_size=window_vocab)
+    step = sync.probe_step(algorithm.local_steps)
+    # The plain model (no TP plan): the probe runs inside the sync, replicated over 'model'.
+    probe_loss = loss_fn_of(graphdef, model_cfg, None, mesh)
+    probes = [steps.make_probe(probe_loss, layout, p, windows, step) for p in fragments]
+  rules = [sync.outer(rule, probe) for rule, probe in zip(rules, probes)]
   segments = algorithm.segments(c, c.inner_steps)
-  attack = steps.make_attack(tuple(c.attack.workers), c.attack.kind, c.attack.scale,
-                             c.num_workers)
-  syncs = [steps.make_sync(aggregators[s.sync], rules[s.sync], nested=nested,
-                           weigh_tokens=collab or c.aggregate.weighting == "tokens",
-                           layout=layout,
-                           fragment=s.sync, count=len(segments), last=k == len(segments) - 1,
-                           attack=attack)
+  syncs = [steps.make_sync(aggregators[s.sync], rules[s.sync], nested=sync.nested,
+                           weigh_tokens=sync.weigh_tokens, layout=layout, fragment=s.sync,
+                           count=len(segments), last=k == len(segments) - 1,
+                           attack=sync.attack)
            for k, s in enumerate(segments)]
   alpha = algorithm.mix(c)
   keeps_params = algorithm.keeps_worker_params(c)
@@ -239,7 +234,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
             state_spec=StateSpec(init=init_fn, initial_params=initial_params,
                                  abstract=abstract_state,
                                  shardings=state_shardings),
-            programs=programs, local_reads_rules=worker_rule is not None,
+            programs=programs, sync=sync, local_reads_rules=worker_rule is not None,
             partitioner=lambda: partitioner(plan), frozen=frozen)
   # Nothing but a LoRA base is allocated yet: refuse in seconds, not at RESOURCE_EXHAUSTED.
   memory.check(run)

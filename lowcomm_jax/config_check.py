@@ -8,8 +8,7 @@ import runpy
 
 import ml_collections
 
-from lowcomm_jax import algorithms, config_doc, optimizers, run_identity
-from lowcomm_jax.compress import CODECS
+from lowcomm_jax import algorithms, compress, config_doc, optimizers, run_identity
 from lowcomm_jax.compress.sparse import kept_per_chunk
 from lowcomm_jax.data.tokenizers import TOKENIZER_VOCAB, is_tokenizer_file
 from lowcomm_jax.model.matformer import hidden_units
@@ -19,6 +18,11 @@ from lowcomm_jax.model.tp import SYNC_PLANS, SyncPlan, plan_problems
 from lowcomm_jax.sim.speeds import HETEROGENEITY
 
 ALGORITHMS = algorithms.NAMES
+
+
+def _names_with(declares) -> list[str]:
+  """The algorithms whose declarations satisfy `declares(algorithm)`."""
+  return [a.name for a in algorithms.REGISTRY.values() if declares(a)]
 
 
 class ConfigError(ValueError):
@@ -59,7 +63,7 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   check(c.seed >= 0, "seed", "must be >= 0 (random streams derive from it)")
   problems.extend(distributed_problems(c))
 
-  _check_compress(c, check)
+  _check_compress(c, check, problems)
   _check_sim(c, check, problems, num_processes)
 
   # Mesh: workers must spread evenly over replica devices, within the devices present.
@@ -257,9 +261,10 @@ def _check_adversaries(c: ml_collections.ConfigDict, check) -> None:
         f"give worker ids in [0, {c.num_workers})")
   check(c.attack.kind in ("scale", "sign_flip", "random"), "attack.kind",
         "use 'scale', 'sign_flip' or 'random'")
-  if attackers:
-    check(c.algorithm not in ("async", "async_dn", "halos"), "attack.workers",
-          "attacks are applied in synchronous syncs; use ddp or a synchronous DiLoCo variant")
+  if attackers and c.algorithm in ALGORITHMS:
+    check(algorithms.get(c.algorithm).synchronous, "attack.workers",
+          "attacks are applied in synchronous syncs; use one of "
+          f"{_names_with(lambda a: a.synchronous)}")
 
 
 def _check_lora(c, check, problems: list) -> None:
@@ -292,8 +297,11 @@ def _check_collab(c, check, problems: list) -> None:
   if co.target_batch_size <= 0:
     return
   off = " (or set --config.collab.target_batch_size=0)"
-  check(c.algorithm == "ddp", "algorithm", "collaborative epochs average gradients at θ and "
-        "take one optimizer step per epoch; use --config.algorithm=ddp" + off)
+  if c.algorithm in ALGORITHMS:
+    gradients = _names_with(lambda a: not a.local_steps and not a.simulated_only)
+    check(not algorithms.get(c.algorithm).local_steps, "algorithm",
+          "collaborative epochs average gradients at θ and take one optimizer step per epoch; "
+          f"use --config.algorithm={' or '.join(gradients)}" + off)
   check(not c.sim.enabled, "sim.enabled", "the simulator keeps its own clock; set "
         "--config.sim.enabled=False" + off)
   check(c.data.batch_mode != "same", "data.batch_mode", "peers reading the same windows "
@@ -327,53 +335,57 @@ def _check_robust(c: ml_collections.ConfigDict, check) -> None:
           f"must be >= 0 and leave a value: 2·trim < {groups} (workers, or buckets)")
   if a.rule == "mean" and a.signal == "none" and a.bucket <= 1:
     return  # the plain mean: nothing below applies
-  check(c.compress.codec != "demo", "aggregate.rule",
-        "DeMo's payloads are averaged by its own rule (sign descent of the mean); use "
-        "another codec, or aggregate.rule=mean with aggregate.signal=none")
+  codec = compress.spec(c.compress.codec) if c.compress.codec in compress.names() else None
+  check(codec is None or not codec.sign_descent, "aggregate.rule",
+        f"{c.compress.codec}'s payloads are averaged by its own rule (sign descent of the "
+        "mean); use another codec, or aggregate.rule=mean with aggregate.signal=none")
   check(a.weighting == "uniform" and all(float(h.tier) >= 1.0 for h in c.hosts),
         "aggregate.rule", "robust rules and signal weights need full-width workers of equal "
         "weight (no MatFormer tiers, aggregate.weighting=uniform)")
-  check(c.algorithm not in ("eager", "async", "async_dn", "halos"), "aggregate.rule",
-        f"{c.algorithm} combines contributions its own way (eager: equal weights; "
-        "asynchronous: one at a time); use ddp or a synchronous DiLoCo variant")
+  if c.algorithm in ALGORITHMS:
+    check(algorithms.get(c.algorithm).robust_aggregation, "aggregate.rule",
+          f"{c.algorithm} combines contributions its own way; use one of "
+          f"{_names_with(lambda a: a.robust_aggregation)}")
 
 
-def _check_compress(c: ml_collections.ConfigDict, check) -> None:
+def _check_compress(c: ml_collections.ConfigDict, check, problems: list[str]) -> None:
+  """compress.*: the fields every codec shares, then what the chosen codec declares."""
   z = c.compress
-  check(z.codec in CODECS, "compress.codec", f"use one of {CODECS}")
+  check(z.codec in compress.names(), "compress.codec", f"use one of {compress.names()}")
   check(z.beta == -1.0 or 0.0 < z.beta <= 1.0, "compress.beta",
         "the error-buffer decay must be in (0, 1], or -1 for the codec's default")
   check(z.quant_block >= 0, "compress.quant_block", "use 0 (per row) or a positive block size")
   check(0.0 < z.density <= 1.0, "compress.density", "must be in (0, 1]")
   check(z.chunk >= 0, "compress.chunk", "use 0 (per tensor, topk only) or a positive side")
   check(z.k >= 0, "compress.k", "entries per chunk: >= 1, or 0 for the codec's default")
-  if z.codec in ("sparseloco", "demo"):
+  tiered = c.aggregate.weighting == "tokens" or any(float(h.tier) < 1.0 for h in c.hosts)
+  if z.mean_over_senders:
+    check(not tiered, "compress.mean_over_senders",
+          "averaging over senders replaces the tier/token weights; set it False with "
+          "MatFormer tiers < 1 or aggregate.weighting=tokens")
+  codec = compress.spec(z.codec) if z.codec in compress.names() else None
+  if codec is None:
+    return
+  if codec.chunked:
     check(z.chunk >= 2, "compress.chunk", f"{z.codec} is chunked; use e.g. 64")
+  if codec.always_error_feedback:
     check(z.error_feedback, "compress.error_feedback",
           f"{z.codec} always keeps its error buffer; leave it True (or pick another codec)")
-  if z.codec in ("topk", "sparseloco", "demo") and z.chunk > 0 and z.k > 0:
+  if codec.reads_k and z.chunk > 0 and z.k > 0:
     # Codecs cap k at half a chunk silently (beyond that the indices cost more than the
     # dense chunk): a larger k would not send what it says.
     most = kept_per_chunk(z.chunk * z.chunk, z.chunk * z.chunk)  # the codecs' own cap
     check(z.k <= most, "compress.k",
           f"a {z.chunk}x{z.chunk} chunk sends at most half its entries ({most}); lower k "
           "or raise compress.chunk")
-  if z.codec == "topk" and z.chunk == 0:
-    check(z.k == 0, "compress.k", "topk with chunk=0 keeps compress.density of each tensor; "
-          "set k=0 (or a chunk side to send k per chunk)")
-  if z.codec == "topk":
-    check(z.value_bits in (2, 32), "compress.value_bits", "topk sends 32-bit or 2-bit values")
-  if z.codec == "demo":
-    check(z.value_bits in (1, 32), "compress.value_bits",
-          "demo sends 32-bit values or 1-bit signs (value_bits=1)")
-  tiered = c.aggregate.weighting == "tokens" or any(float(h.tier) < 1.0 for h in c.hosts)
-  if z.mean_over_senders:
-    check(not tiered, "compress.mean_over_senders",
-          "averaging over senders replaces the tier/token weights; set it False with "
-          "MatFormer tiers < 1 or aggregate.weighting=tokens")
-  if z.codec == "fp8":
-    check(not z.stochastic_rounding, "compress.stochastic_rounding",
-          "stochastic rounding is implemented for int8/int4 only; set it False for fp8")
+  if codec.value_bits:
+    check(z.value_bits in codec.value_bits, "compress.value_bits",
+          f"{z.codec} sends values of {' or '.join(map(str, codec.value_bits))} bits")
+  if z.stochastic_rounding:
+    rounding = [s.name for s in compress.REGISTRY.values() if s.stochastic_rounding]
+    check(codec.stochastic_rounding, "compress.stochastic_rounding",
+          f"{z.codec} has no stochastic rounding (only {', '.join(rounding)}); set it False")
+  problems.extend(codec.problems(z))  # its own fields and limits
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,13 +1,11 @@
-"""The optax transforms a run uses, built from its config: inner (per worker) and outer."""
+"""The optimizers a run uses, built from its config: each worker's inner optimizer and
+DeMo's sign descent (how workers' Δ are combined is sync.py's)."""
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
 from optax import contrib as optax_contrib
-
-from lowcomm_jax import aggregate, compress
-from lowcomm_jax.parallel.flat import ParamLayout, tree_view
 
 
 def inner_schedule(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
@@ -88,68 +86,6 @@ def inner_optimizer(opt: ml_collections.ConfigDict, total_steps: int) -> optax.G
   if opt.grad_clip > 0:
     tx = optax.chain(optax.clip_by_global_norm(opt.grad_clip), tx)
   return tx
-
-
-def needs_nested_mean(config: ml_collections.ConfigDict, hosts, d_ff: int) -> bool:
-  """Plain mean unless some worker trains a narrower FFN or workers are weighted by tokens."""
-  return config.aggregate.weighting == "tokens" or any(h.hidden != d_ff for h in hosts)
-
-
-def robust_combination(config: ml_collections.ConfigDict) -> bool:
-  """Whether the sync combines all-gathered updates by a robust rule or signal weights
-  (aggregate/robust.py) instead of the plain mean's all-reduce."""
-  a = config.aggregate
-  return a.rule != "mean" or a.signal != "none" or a.bucket > 1
-
-
-def robust_rule(config: ml_collections.ConfigDict, rule: optax.GradientTransformation,
-                probe=None) -> optax.GradientTransformationExtraArgs:
-  """The outer `rule` after the robust combination of the all-gathered updates. The
-  combination's state (previous aggregate, signal EMAs, weights) is the same on every
-  worker, so it lives with the outer rule's, once per fragment, and is checkpointed there.
-  Works on the flat Δ: norms and coordinates are the tree's."""
-  a = config.aggregate
-  return aggregate.combine_then(aggregate.robust_combine(
-      rule=a.rule, signal=a.signal, num_workers=config.num_workers, trim=a.trim,
-      clip_iters=a.clip_iters, clip_tau=a.clip_tau, bucket=a.bucket,
-      temperature=a.temperature, floor=a.floor, weight_ema=a.weight_ema,
-      warmup_rounds=a.warmup_rounds, signal_ema=a.signal_ema, seed=config.seed,
-      noise_sigmas=a.noise_sigmas, probe=probe), rule)
-
-
-def probe_step(config: ml_collections.ConfigDict, local_steps: bool) -> float:
-  """How far along each worker's update the `probe_loss` signal evaluates its proposal:
-  `aggregate.probe_step`, or by default the whole Δ for algorithms with local steps (θ − Δ_w
-  is the worker's own model) and one SGD step at the inner lr for DDP (Δ is a gradient)."""
-  if config.aggregate.probe_step > 0:
-    return float(config.aggregate.probe_step)
-  return 1.0 if local_steps else float(config.optimizer.lr)
-
-
-def aggregator(config: ml_collections.ConfigDict, layout: ParamLayout, *, nested: bool = False
-               ) -> optax.GradientTransformationExtraArgs:
-  """How the workers' Δ of one fragment (flat, `layout` is the fragment's) become one update:
-  the sync's only communication.
-
-  A robust rule or signal weights (`aggregate.rule`, `aggregate.signal`) all-gather the
-  updates (with a codec: the payloads, decoded per sender), which `robust_rule` combines.
-  With a codec (`compress.codec`) it is the compressed mean (encode, all-gather payloads,
-  decode); else `nested` picks the tier-aware weighted mean (aggregate/nested.py) over the
-  plain one (the compressed mean takes the same tier weights). The plain mean runs on the
-  flat buffer as is; codecs (per tensor) and the nested mean (tier masks per FFN leaf) see
-  the tree. What follows it, the outer rule, is the algorithm's (algorithms/).
-  """
-  codec = compress.make_codec(config.compress, lr=config.optimizer.lr)
-  if robust_combination(config):  # combined in the outer rule: `robust_rule`
-    if codec is not None:
-      return tree_view(aggregate.compressed_gather(codec, "replica", seed=config.seed), layout,
-                       stacked=True)
-    return aggregate.gather_all("replica")
-  if codec is not None:
-    return tree_view(aggregate.compressed_mean(codec, "replica", seed=config.seed), layout)
-  if nested:
-    return tree_view(aggregate.nested_mean("replica"), layout)
-  return optax.with_extra_args_support(aggregate.replica_mean("replica"))
 
 
 def sign_descent(opt: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:

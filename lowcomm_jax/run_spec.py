@@ -21,6 +21,7 @@ from lowcomm_jax.model import GPTConfig
 from lowcomm_jax.model.tp import SyncPlan, count_all_reduces
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
 from lowcomm_jax.parallel.flat import ParamLayout
+from lowcomm_jax.sync import Sync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,7 @@ class Run:
   data: RunData
   state_spec: StateSpec  # (the state itself is the drivers': steps.TrainState)
   programs: Programs
+  sync: Sync  # how the workers' Δ become the update (its codec, aggregation, attack)
   # Local programs also read the outer rules' state (the algorithm has a worker rule).
   local_reads_rules: bool = False
   # Enter around compiling and running the run's programs (model/tp.py: GSPMD under TP).

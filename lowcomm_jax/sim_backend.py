@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowcomm_jax import compress, optimizers, outer, steps
+from lowcomm_jax import optimizers, outer, steps
 from lowcomm_jax.run_spec import Programs, Run
 from lowcomm_jax.parallel import mesh as mesh_lib
 from lowcomm_jax.sim import GLOBAL, Job, Plan
@@ -65,7 +65,7 @@ class SimBackend:
     self._batches_on = mesh_lib.round_batches(r.topology.local_mesh)
     self._ids_on = mesh_lib.per_worker(r.topology.local_mesh)
     self.local_round = self.local_programs[0]
-    self.codec = compress.make_codec(c.compress, lr=c.optimizer.lr) if self.rules else None
+    self.codec = r.sync.codec if self.rules else None  # asynchronous: per contribution
     self._apply = {name: jax.jit(self._make_apply(rule)) for name, rule in self.rules.items()}
     self._roundtrip = (jax.jit(jax.vmap(self._make_roundtrip(r.model.layout))) if self.codec
                        else None)

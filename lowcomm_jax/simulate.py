@@ -23,7 +23,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from lowcomm_jax import compress, config_check, run_loop
+from lowcomm_jax import config_check, run_loop
 from lowcomm_jax.build import build
 from lowcomm_jax.run_spec import Run
 from lowcomm_jax.rounds import init_run, jitted_steps
@@ -50,15 +50,14 @@ def make_plan(c: ml_collections.ConfigDict, r: Run) -> Plan:
       intra_gbps=n.intra_gbps, intra_latency_s=n.intra_latency_s,
       inter_gbps=n.inter_gbps_matrix or n.inter_gbps,
       inter_latency_s=n.inter_latency_matrix or n.inter_latency_s, bytes_scale=n.bytes_scale)
-  codec = compress.make_codec(c.compress, lr=c.optimizer.lr)
   params = r.model.layout.abstract
-  wire = lambda tree: codec.payload_bytes(tree) if codec else ledger.tree_bytes(tree)
+  wire = r.sync.payload_bytes
   first = r.segments(c.inner_steps)[0]
   return Plan(inner_steps=inner, rounds=c.rounds,
               total_steps=c.num_workers * c.rounds * c.inner_steps, speeds=speeds,
               network=network,
               delta_bytes=wire(params),
-              param_bytes=ledger.tree_bytes(params), compressed=codec is not None,
+              param_bytes=ledger.tree_bytes(params), compressed=r.sync.codec is not None,
               server_region=n.server_region, sync_every=c.outer.halos.sync_every,
               merge_alpha=c.outer.halos.merge_alpha,
               fragment_bytes=tuple(wire(r.model.layout.fragment(p).abstract)

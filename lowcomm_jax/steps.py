@@ -28,7 +28,6 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from lowcomm_jax.aggregate.robust import CombinedState
@@ -222,32 +221,6 @@ def make_accumulate(loss_fn: LossFn, *, hidden: int, d_ff: int, layout: ParamLay
   return accumulate
 
 
-def make_attack(workers, kind: str, scale: float, num_workers: int):
-  """`attack(Δ[R, N], key) -> Δ'`: the listed workers' updates replaced (tests and
-  benchmarks of robust aggregation): 'scale' multiplies them by `scale`, 'sign_flip'
-  negates them, 'random' sends a random direction of the same norm. None without workers."""
-  if not workers:
-    return None
-  bad = np.zeros((num_workers,), bool)
-  bad[list(workers)] = True
-
-  def attack(deltas_RxN, key):
-    if kind == "scale":
-      sent = deltas_RxN * scale
-    elif kind == "sign_flip":
-      sent = -deltas_RxN
-    elif kind == "random":
-      noise = jax.random.normal(key, deltas_RxN.shape, deltas_RxN.dtype)
-      norms = jnp.linalg.norm(deltas_RxN, axis=1) / jnp.maximum(
-          jnp.linalg.norm(noise, axis=1), 1e-12)
-      sent = noise * norms[:, None]
-    else:
-      raise ValueError(f"unknown attack.kind {kind!r}")
-    return jnp.where(jnp.asarray(bad)[:, None], sent, deltas_RxN)
-
-  return attack
-
-
 def make_sync(aggregator: optax.GradientTransformationExtraArgs,
               rule: optax.GradientTransformation, *, nested: bool, weigh_tokens: bool,
               layout: ParamLayout, fragment: int, count: int, last: bool,
@@ -290,7 +263,7 @@ def make_sync(aggregator: optax.GradientTransformationExtraArgs,
     return optax.apply_updates(params, updates), agg_state, rule_state
 
   def sync(state: TrainState, deltas_R, signals: Signals, metrics: bool = True):
-    if attack is not None:  # adversaries replace what they send (make_attack)
+    if attack is not None:  # adversaries replace what they send (aggregate.make_attack)
       deltas_R = attack(deltas_R, jax.random.fold_in(round_key(state), 0xA77AC + fragment))
     weight_R = (signals.tokens if weigh_tokens
                 else jnp.ones(signals.tokens.shape, jnp.float32))

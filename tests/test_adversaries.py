@@ -8,7 +8,7 @@ import pytest
 from conftest import load_config, train_rounds
 from lowcomm_jax import config_check
 from lowcomm_jax.data import WorkerStreams
-from lowcomm_jax.steps import make_attack
+from lowcomm_jax.aggregate import make_attack
 
 TOKENS = (np.arange(200_000) * 7 % 251).astype(np.uint16)
 

@@ -148,3 +148,20 @@ def test_memory_estimate_counts_adamw_states_and_codec_buffers(smoke_config):
   assert buffers <= parts["codec_buffers"] < buffers + 1024
   assert parts["deltas"] == per_device * params
   assert parts["round_temporaries"] > per_device * 2 * params  # θ copy, gradient, activations
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    # Asked of the algorithm's declarations (synchronous, local_steps, robust_aggregation),
+    # never of its name: each message names the algorithms that do qualify.
+    ({"algorithm": "async", "sim.enabled": True, "attack.workers": (1,)},
+     "attack.workers=(1,): attacks are applied in synchronous syncs; use one of ['ddp', "
+     "'diloco', 'streaming', 'one_step_delay', 'eager', 'overlap']"),
+    ({"collab.target_batch_size": 32, "data.batch_mode": "different"},
+     "algorithm='diloco': collaborative epochs average gradients at θ and take one optimizer "
+     "step per epoch; use --config.algorithm=ddp (or set --config.collab.target_batch_size=0)"),
+    ({"algorithm": "halos", "sim.enabled": True, "aggregate.rule": "median"},
+     "aggregate.rule='median': halos combines contributions its own way; use one of ['ddp', "
+     "'diloco', 'streaming', 'one_step_delay', 'overlap']"),
+])
+def test_what_an_algorithm_declares_decides_what_it_may_be_combined_with(overrides, expected):
+  assert expected in _problems(load_config("smoke", **overrides))

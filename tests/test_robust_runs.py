@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import checkpointed_state, load_config, train_rounds
-from lowcomm_jax import config_check, optimizers, train
+from lowcomm_jax import config_check, sync, train
 
 
 def _config(**overrides):
@@ -17,11 +17,11 @@ def _config(**overrides):
 
 
 def test_uniform_weights_equal_the_plain_mean_exactly():
-  assert not optimizers.robust_combination(_config())  # default: the all-reduce mean
+  assert not sync.robust_combination(_config())  # default: the all-reduce mean
   _, plain, _, _ = train_rounds(_config(), 3)
   # Signal weights still warming up are uniform: the gathered mean is the all-reduced one.
   warming = _config(**{"aggregate.signal": "loss_ema", "aggregate.warmup_rounds": 5})
-  assert optimizers.robust_combination(warming)
+  assert sync.robust_combination(warming)
   _, robust, _, metrics = train_rounds(warming, 3)
   # Equal up to the order of the sum: an all-reduce across the 4 replica devices adds in
   # another order than the mean of the gathered stack (4e-7 apart after 3 rounds).
@@ -138,7 +138,7 @@ def test_robust_rules_combine_decoded_payloads_of_a_codec():
     ({"aggregate.signal": "vibes"}, "aggregate.signal"),
     ({"aggregate.rule": "trimmed_mean", "aggregate.trim": 2}, "aggregate.trim"),
     ({"aggregate.rule": "median", "compress.codec": "demo", "algorithm": "ddp",
-      "inner_steps": 1}, "DeMo"),
+      "inner_steps": 1}, "demo's payloads are averaged by its own rule"),
     ({"aggregate.signal": "cosine", "algorithm": "eager"}, "eager combines"),
     ({"aggregate.rule": "median", "aggregate.weighting": "tokens"}, "equal weight"),
     ({"aggregate.floor": 1.5}, "aggregate.floor"),
@@ -158,7 +158,7 @@ def _recorded(config, rounds=1):
 
 
 # Six workers, a plain outer step (lr 1, no momentum: θ_1 = θ_0 − the combined Δ), through
-# optimizers.robust_rule's wiring of the config.
+# the sync's wiring of the config (Sync.outer).
 SIX = {"num_workers": 6, "outer.lr": 1.0, "outer.momentum": 0.0}
 
 

@@ -62,7 +62,8 @@ def _toy_run(config, rounds):
   def loss_fn(params, target_2x2, key, frozen):
     return sum(0.5 * jnp.sum((params["blocks"][b]["w"] - target_2x2[b]) ** 2) for b in (0, 1))
 
-  aggregators = [optimizers.aggregator(config, layout.fragment(p)) for p in range(2)]
+  aggregate = algorithm.sync(config, hosts=(), d_ff=1)  # no tiers: the plain mean
+  aggregators = [aggregate.aggregator(layout.fragment(p)) for p in range(2)]
   rules = [outer.diloco_outer(EPS, 0.0) for _ in range(2)]
   local = [jax.jit(steps.make_local_segment(
       loss_fn, inner_tx=inner_tx, hidden=1, d_ff=1, layout=layout, segment=s, index=k,

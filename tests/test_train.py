@@ -139,7 +139,8 @@ BAD_CONFIGS = [
     ({"compress.codec": "zip"}, "compress.codec='zip': use one of"),
     ({"compress.codec": "demo", "compress.value_bits": 2}, "compress.value_bits=2: demo sends"),
     ({"compress.density": 0.0}, "compress.density=0.0: must be in (0, 1]"),
-    ({"compress.codec": "demo"}, "algorithm='diloco': compress.codec=demo is DeMo"),
+    ({"compress.codec": "demo"}, "algorithm='diloco': compress.codec=demo is a per-step "
+                                 "optimizer"),
     ({"compress.mean_over_senders": True, "aggregate.weighting": "tokens"},
      "compress.mean_over_senders=True: averaging over senders replaces"),
     ({"compress.codec": "fp8", "compress.stochastic_rounding": True},

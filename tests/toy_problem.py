@@ -33,7 +33,7 @@ def run(algorithm_name: str, rounds: int, **overrides):
   layout = ParamLayout.of(tree)
   inner_tx = optimizers.inner_optimizer(config.optimizer, 1000)
   loss_fn = lambda params, target, key, frozen: 0.5 * jnp.sum((params["w"] - target) ** 2)
-  aggregator = optimizers.aggregator(config, layout.fragment(0))
+  aggregator = algorithm.sync(config, hosts=(), d_ff=1).aggregator(layout.fragment(0))
   rule = algorithm.outer_rule(config, inner_tx, layout.fragment(0))
   worker_rule = algorithm.worker_rule(config)
   keeps = algorithm.keeps_worker_params(config)

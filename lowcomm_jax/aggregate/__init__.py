@@ -1,5 +1,6 @@
 """How workers' decoded contributions combine: optax transforms over the replica axis."""
 
+from lowcomm_jax.aggregate.attack import make_attack
 from lowcomm_jax.aggregate.compressed import (CompressedMeanState, compressed_gather,
                                               compressed_mean)
 from lowcomm_jax.aggregate.mean import replica_mean

@@ -18,6 +18,8 @@ class AsyncLocalSGD(DiLoCo):
   name = "async"
   summary = "asynchronous Local-SGD: outer Nesterov applied per arrival (simulator)"
   simulated_only = True
+  synchronous = False
+  robust_aggregation = False  # one contribution at a time
 
   def problems(self, c):
     return simulator_only(c, self.name) + super().problems(c)

@@ -19,6 +19,8 @@ import jax
 import ml_collections
 import optax
 
+from lowcomm_jax.sync import Sync
+
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
@@ -57,6 +59,12 @@ class Algorithm:
   name = ""
   summary = ""  # one line: what it does (configs/base.py, --help texts, errors)
   simulated_only = False  # runs in the simulator only (asynchronous servers)
+  # Rounds end in a sync every worker joins (attacks and robust rules act there); False:
+  # parameter servers take one contribution at a time.
+  synchronous = True
+  # Its sync may gather the workers' Δ and combine them by a robust rule or signal weights
+  # (aggregate/robust.py); False where contributions are combined its own way.
+  robust_aggregation = True
   local_steps = True  # False: the local program is one gradient at θ (DDP)
   config_section = None  # its own config fields (c.<section>.*), if any
   # The sync's new θ (and what local programs read of the outer state) does not depend on
@@ -87,6 +95,12 @@ class Algorithm:
     segments = self.segments(c, c.inner_steps)
     return self.local_steps and not (len(segments) == 1 and segments[0].mix_at == 0
                                      and self.mix(c) == 0.0)
+
+  def sync(self, c: ml_collections.ConfigDict, hosts, d_ff: int) -> Sync:
+    """How the workers' Δ become each fragment's update (sync.py): built once per run, asked
+    by the runner's programs, the simulator's plan and its servers. The default chooses from
+    the config (aggregate.*, compress.*, attack.*)."""
+    return Sync(c, hosts, d_ff)
 
   def outer_rule(self, c: ml_collections.ConfigDict, inner_tx: optax.GradientTransformation,
                  layout) -> optax.GradientTransformation:

@@ -9,7 +9,7 @@ over the virtual links (all-gather of DeMo's payloads), which is what a WAN does
 
 import optax
 
-from lowcomm_jax import optimizers
+from lowcomm_jax import compress, optimizers
 from lowcomm_jax.algorithms.base import Algorithm, field_problem
 from lowcomm_jax.parallel.flat import tree_view
 
@@ -34,7 +34,8 @@ class DDP(Algorithm):
     return out
 
   def outer_rule(self, c, inner_tx, layout) -> optax.GradientTransformation:
-    if c.compress.codec == "demo":
+    codec = compress.spec(c.compress.codec)
+    if codec is not None and codec.sign_descent:  # DeMo: the decoded mean's sign
       return tree_view(optimizers.sign_descent(c.optimizer, c.rounds), layout)
     return tree_view(inner_tx, layout)
 

@@ -11,16 +11,17 @@ In the simulator the rounds wait for the slowest worker plus one ring all-reduce
 
 import optax
 
-from lowcomm_jax import outer
+from lowcomm_jax import compress, outer
 from lowcomm_jax.algorithms.base import Algorithm, field_problem
 
 
 def codec_problems(c) -> list[str]:
-  """DeMo is a per-step optimizer (sign descent on decoded momentum): DDP's only."""
-  if c.compress.codec == "demo":
-    return [field_problem(c, "algorithm", "compress.codec=demo is DeMo/DisTrO's per-step "
+  """A sign-descent codec (DeMo) is a per-step optimizer: DDP's only."""
+  codec = compress.spec(c.compress.codec) if c.compress.codec in compress.names() else None
+  if codec is not None and codec.sign_descent:
+    return [field_problem(c, "algorithm", f"compress.codec={codec.name} is a per-step "
                           "optimizer (sign descent on the decoded momentum); use "
-                          "--config.algorithm=ddp, or another codec for diloco")]
+                          f"--config.algorithm=ddp, or another codec for {c.algorithm}")]
   return []
 
 

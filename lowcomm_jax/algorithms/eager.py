@@ -60,6 +60,7 @@ class Eager(OneStepDelay):
   name = "eager"
   summary = ("one-step-delay DiLoCo whose workers start each round from a tentative outer "
              "step with their own fresh pseudo-gradient in the last average")
+  robust_aggregation = False  # equal weights: each worker's proxy assumes its share
 
   def problems(self, c):
     out = super().problems(c)

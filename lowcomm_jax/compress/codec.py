@@ -10,12 +10,8 @@ A `LeafCodec` compresses one tensor of a fixed shape:
 
 `key` is the sender's round key: random codecs draw from it and receivers regenerate the same
 draws (random-k sends no indices). `TreeCodec` applies leaf codecs to every leaf of a tree
-and owns the only state codecs have: the error-feedback buffer e (per worker),
-
-    a = β·e + scale·x;   payload = encode(a);   e ← a − sent
-
-β = 1 is classic error feedback, β < 1 SparseLoCo's decayed buffer; DeMo's momentum
-Δ = βΔ + lr·g is the same recurrence with scale = lr.
+and has no state; the only state codecs have, the error-feedback buffer, is composed on top
+of it (error_feedback.py).
 """
 
 import math
@@ -61,8 +57,31 @@ class LeafCodec:
     return total
 
 
-class TreeCodec:
-  """A codec for parameter trees: `make_leaf(shape)` per tensor, optional error feedback.
+class Codec:
+  """What the aggregators, the simulator and the ledger call: a codec for parameter trees.
+
+      init(like) -> state                       per worker (an error buffer, or ())
+      encode(tree, state, key) -> (payload, state)
+      decode(payload, like, key) -> tree
+      average / decode_sum / weighted_sum (payloads[R], like, keys[R], ...) -> tree
+  """
+  name = ""
+
+  def roundtrip(self, tree, state, key):
+    """decode(encode(tree)) without a collective (simulator, asynchronous updates)."""
+    payload, state = self.encode(tree, state, key)
+    return self.decode(payload, tree, key), state
+
+  def payload_bytes(self, like) -> int:
+    """Exact wire bytes of one worker's payload for trees shaped like `like`."""
+    abstract = jax.eval_shape(
+        lambda t: self.encode(t, self.init(t), jax.random.key(0))[0], like)
+    return tree_bytes(abstract)
+
+
+class TreeCodec(Codec):
+  """`make_leaf(shape)`'s codec on every tensor of a tree; no state (compose
+  `error_feedback.ErrorFeedback` for a buffer).
 
   Leaves of one shape share a leaf codec and are coded together, stacked and vmapped: a
   program holds one copy of each shape's codec, not one per leaf (a 12-layer model has 12
@@ -70,23 +89,13 @@ class TreeCodec:
   fold_in(key, i), so the result is the per-leaf one. The payload is a list with one dict
   per shape (arrays stacked over that shape's leaves): the same wire bytes."""
 
-  def __init__(self, name: str, make_leaf: Callable[[tuple], LeafCodec], *,
-               error_feedback: bool = False, beta: float = 1.0, scale: float = 1.0):
+  def __init__(self, name: str, make_leaf: Callable[[tuple], LeafCodec]):
     self.name = name
     self.make_leaf = make_leaf
-    self.error_feedback = error_feedback
-    self.beta = beta
-    self.scale = scale
-    self._cache = {}
-
-  def _leaf(self, shape: tuple) -> LeafCodec:
-    if shape not in self._cache:
-      self._cache[shape] = self.make_leaf(shape)
-    return self._cache[shape]
 
   def leaves(self, like) -> list[LeafCodec]:
     """The leaf codec of each leaf of `like`."""
-    return [self._leaf(tuple(x.shape)) for x in jax.tree.leaves(like)]
+    return [self.make_leaf(tuple(x.shape)) for x in jax.tree.leaves(like)]
 
   def groups(self, like) -> list[tuple[LeafCodec, list[int]]]:
     """(the leaf codec, the indices of the leaves it codes) per distinct leaf shape, in the
@@ -94,7 +103,7 @@ class TreeCodec:
     order: dict[tuple, list[int]] = {}
     for i, x in enumerate(jax.tree.leaves(like)):
       order.setdefault(tuple(x.shape), []).append(i)
-    return [(self._leaf(shape), idx) for shape, idx in order.items()]
+    return [(self.make_leaf(shape), idx) for shape, idx in order.items()]
 
   @staticmethod
   def _keys(key, idx: list[int]):
@@ -114,28 +123,22 @@ class TreeCodec:
     return jax.tree.unflatten(jax.tree.structure(like), out)
 
   def init(self, like):
-    """Per-worker state: the error-feedback buffer (zeros), or nothing."""
-    if not self.error_feedback:
-      return ()
-    return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), like)
+    return ()
+
+  def send(self, tree, key):
+    """(payload: list of per-shape dicts, what the receivers will decode: a tree like
+    `tree` in fp32)."""
+    xs = [x.astype(jnp.float32) for x in jax.tree.leaves(tree)]
+    groups = self.groups(tree)
+    payload, sent = [], []
+    for codec, idx in groups:
+      p, s = jax.vmap(codec.encode)(self._stack(xs, idx), self._keys(key, idx))
+      payload.append(p)
+      sent.append(s)
+    return payload, self._scatter(tree, groups, sent)
 
   def encode(self, tree, state, key):
-    """(payload: list of per-shape dicts, new state)."""
-    xs, treedef = jax.tree.flatten(tree)
-    if self.error_feedback:
-      errors = treedef.flatten_up_to(state)
-      xs = [self.beta * e + self.scale * x.astype(jnp.float32) for e, x in zip(errors, xs)]
-    else:
-      xs = [self.scale * x.astype(jnp.float32) for x in xs]
-    payload, new_errors = [], [None] * len(xs)
-    for codec, idx in self.groups(tree):
-      stacked = self._stack(xs, idx)
-      p, sent = jax.vmap(codec.encode)(stacked, self._keys(key, idx))
-      payload.append(p)
-      for j, i in enumerate(idx):
-        new_errors[i] = xs[i] - sent[j]
-    state = jax.tree.unflatten(treedef, new_errors) if self.error_feedback else ()
-    return payload, state
+    return self.send(tree, key)[0], state
 
   def decode(self, payload, like, key):
     groups = self.groups(like)
@@ -175,17 +178,6 @@ class TreeCodec:
   def weighted_sum(self, payloads_R, like, keys_R, weights_R):
     """Σ_w a_w ⊙ decode(payload_w): `weights_R` a tree like `like` of [R, ...] weights."""
     return self._over_senders("weighted_sum", payloads_R, like, keys_R, weights_R)
-
-  def roundtrip(self, tree, state, key):
-    """decode(encode(tree)) without a collective (simulator, asynchronous updates)."""
-    payload, state = self.encode(tree, state, key)
-    return self.decode(payload, tree, key), state
-
-  def payload_bytes(self, like) -> int:
-    """Exact wire bytes of one worker's payload for trees shaped like `like`."""
-    abstract = jax.eval_shape(
-        lambda t: self.encode(t, self.init(t), jax.random.key(0))[0], like)
-    return tree_bytes(abstract)
 
 
 class Identity(LeafCodec):

@@ -25,6 +25,7 @@ from lowcomm_jax.compress.codec import LeafCodec
 from lowcomm_jax.compress.packing import index_dtype, pack_bits, unpack_bits
 from lowcomm_jax.compress.quantize import valid_count, valid_mask
 from lowcomm_jax.compress.sparse import kept_per_chunk
+from lowcomm_jax.compress.spec import CodecSpec
 
 
 HIGHEST = jax.lax.Precision.HIGHEST  # full fp32 matmuls (not TF32/bf16 passes on GPUs)
@@ -114,3 +115,11 @@ class DCTTopK(LeafCodec):
     denominator = jnp.maximum(count, 1.0) if self.mean_over_senders else R
     return self.from_coefficients(total / denominator)
 
+
+
+DEMO = CodecSpec(
+    "demo", "DeMo/DisTrO: momentum (beta, scale lr), chunked DCT, top-k per chunk, sign descent",
+    lambda z, k: lambda shape: DCTTopK(shape, chunk=z.chunk, k=k, sign_only=z.value_bits == 1,
+                                       mean_over_senders=z.mean_over_senders),
+    default_beta=0.999, default_k=32, always_error_feedback=True, scale_by_lr=True,
+    chunked=True, reads_k=True, value_bits=(32, 1), sign_descent=True)

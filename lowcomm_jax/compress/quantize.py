@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from lowcomm_jax.compress.codec import LeafCodec
 from lowcomm_jax.compress.packing import pack_bits, unpack_bits
+from lowcomm_jax.compress.spec import CodecSpec
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -124,3 +125,15 @@ def fp8_bound(x, scale):
   """The analytic per-entry error bound of `Fp8` for entries x with group scale `scale`."""
   return 2.0 ** -4 * jnp.abs(x) + 2.0 ** -10 * scale
 
+
+
+def _uniform(bits: int):
+  return lambda z, k: lambda shape: Uniform(shape, bits, z.quant_block, z.stochastic_rounding)
+
+
+INT8 = CodecSpec("int8", "uniform int8, one fp32 scale per row (or per quant_block entries)",
+                 _uniform(8), stochastic_rounding=True)
+INT4 = CodecSpec("int4", "uniform 4-bit (levels -7..7), two per byte, row/block scaled",
+                 _uniform(4), stochastic_rounding=True)
+FP8 = CodecSpec("fp8", "float8 e4m3, row/block scaled",
+                lambda z, k: lambda shape: Fp8(shape, z.quant_block))

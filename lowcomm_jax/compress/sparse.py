@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from lowcomm_jax.compress.chunks import Chunks, chunks_for
 from lowcomm_jax.compress.codec import LeafCodec
 from lowcomm_jax.compress.packing import index_dtype, pack_bits, unpack_bits
+from lowcomm_jax.compress.spec import CodecSpec
 from lowcomm_jax.compress.quantize import (two_bit_decode, two_bit_values, valid_count,
                                            valid_mask)
 
@@ -111,3 +112,25 @@ def topk_codec(shape, *, density: float, chunk: int, k: int, value_bits: int = 3
 def randomk_codec(shape, *, density: float) -> RandomK:
   n = math.prod(shape)
   return RandomK(shape, max(1, min(n, math.ceil(density * n))))
+
+
+def _topk_problems(z) -> list[str]:
+  if z.chunk == 0 and z.k != 0:
+    return [f"compress.k={z.k}: topk with chunk=0 keeps compress.density of each tensor; set "
+            "k=0 (or a chunk side to send k per chunk)"]
+  return []
+
+
+TOPK = CodecSpec(
+    "topk", "k largest per tensor (density) or per chunk x chunk block (k)",
+    lambda z, k: lambda shape: topk_codec(shape, density=z.density, chunk=z.chunk, k=k,
+                                          value_bits=z.value_bits),
+    reads_k=True, value_bits=(32, 2), problems=_topk_problems)
+RANDOMK = CodecSpec(
+    "randomk", "density of the entries at positions from a shared seed (values only)",
+    lambda z, k: lambda shape: randomk_codec(shape, density=z.density))
+SPARSELOCO = CodecSpec(
+    "sparseloco", "decayed error buffer, chunked top-k, 2-bit values (64 of 4096 per chunk)",
+    lambda z, k: lambda shape: topk_codec(shape, density=1.0, chunk=z.chunk, k=k,
+                                          value_bits=2),
+    default_beta=0.95, always_error_feedback=True, chunked=True, reads_k=True)

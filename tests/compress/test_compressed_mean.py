@@ -97,7 +97,7 @@ def test_compressed_mean_over_four_devices_is_the_mean_of_the_decoded_payloads(n
   if name == "demo" and overrides.get("mean_over_senders"):
     # Averaging each coefficient over its senders is not the mean of the decoded tensors:
     # compare in the DCT domain, where it is the per-coefficient mean over senders.
-    leaf = dict(zip(sorted(TREE), codec.leaves(TREE)))["w"]
+    leaf = dict(zip(sorted(TREE), codec.codec.leaves(TREE)))["w"]  # inside its buffer
     coefficients = np.stack([leaf.to_coefficients(d["w"]) for d in decoded])
     got = np.asarray(leaf.to_coefficients(mean["w"][0]))
     sent = np.abs(coefficients) > 1e-3  # selected coefficients; the rest are round-off

@@ -9,7 +9,7 @@ import pytest
 import scipy.fft
 
 from lowcomm_jax.aggregate import compressed_mean
-from lowcomm_jax.compress import DCTTopK, TreeCodec, dct_matrix
+from lowcomm_jax.compress import DCTTopK, TreeCodec, dct_matrix, error_feedback
 from lowcomm_jax.optimizers import sign_descent
 
 RNG = np.random.default_rng(0)
@@ -72,9 +72,10 @@ def test_demo_step_on_two_workers_matches_the_numpy_reference(over_senders, sign
   lr, beta, k, wd = 0.01, 0.9, 6, 0.1
   params = {"w": RNG.standard_normal((16, 32)).astype(np.float32),
             "b": RNG.standard_normal((24,)).astype(np.float32)}
-  codec = TreeCodec("demo", lambda s: DCTTopK(s, chunk=64, k=k, sign_only=sign_only,
-                                              mean_over_senders=over_senders),
-                    error_feedback=True, beta=beta, scale=lr)
+  codec = error_feedback(TreeCodec("demo", lambda s: DCTTopK(s, chunk=64, k=k,
+                                                             sign_only=sign_only,
+                                                             mean_over_senders=over_senders)),
+                         beta=beta, scale=lr)
   opt = ml_collections.ConfigDict(dict(lr=lr, warmup_steps=0, decay_steps=0, min_lr_ratio=1.0,
                                        weight_decay=wd))
   tx = optax.chain(compressed_mean(codec), sign_descent(opt, total_steps=10))

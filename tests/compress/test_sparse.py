@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lowcomm_jax.compress import TreeCodec, randomk_codec, topk_codec
+from lowcomm_jax.compress import TreeCodec, error_feedback, randomk_codec, topk_codec
 from lowcomm_jax.compress.chunks import chunks_for
 
 RNG = np.random.default_rng(0)
@@ -59,7 +59,7 @@ def test_error_feedback_sum_sent_plus_residual_equals_sum_of_inputs(name):
   make = {"topk": lambda s: topk_codec(s, density=0.02, chunk=0, k=0),
           "randomk": lambda s: randomk_codec(s, density=0.02),
           "sparseloco": lambda s: topk_codec(s, density=1.0, chunk=64, k=16, value_bits=2)}[name]
-  codec = TreeCodec(name, make, error_feedback=True, beta=1.0)
+  codec = error_feedback(TreeCodec(name, make), beta=1.0)
   tree = {"w": X, "b": X[0]}
   state = codec.init(tree)
   total_in = jax.tree.map(jnp.zeros_like, tree)

@@ -41,9 +41,10 @@ def _backend(algorithm, workers=2, regions=(0, 0), **overrides):
               delta_bytes=12, param_bytes=12, compressed=False)
   # The simulator's layout: its virtual workers vmapped on one device.
   topology = types.SimpleNamespace(local_mesh=mesh_lib.make_mesh(1))
-  run = types.SimpleNamespace(config=config, algorithm=algorithms.get(algorithm),
+  algo = algorithms.get(algorithm)
+  run = types.SimpleNamespace(config=config, algorithm=algo,
                               local_input=lambda state: state._replace(outer=()),
-                              topology=topology)
+                              topology=topology, sync=algo.sync(config, hosts=(), d_ff=1))
   state = steps.TrainState(jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(0)),
                            jnp.asarray(THETA0), ())
   programs = types.SimpleNamespace(local=[[_local_round]], syncs=[None])
