@@ -63,7 +63,7 @@ def main():
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from lowcomm_jax import outer, train
+  from lowcomm_jax import outer, round_driver, train
 
   n = jax.process_count()
   config.num_workers = n
@@ -83,7 +83,7 @@ def main():
                                                          inner_steps, timed=True)
     jax.block_until_ready(metrics)
     total = time.perf_counter() - t0
-    every = train._all_hosts(compute)  # noqa: SLF001 - the runner's own gather
+    every = round_driver._all_hosts(compute)  # noqa: SLF001 - the runner's own gather
     idle = max(every) - compute[0]  # waiting for the slowest host inside the outer step
     splits.append({"compute": compute[0], "idle": idle, "outer": total - compute[0] - idle})
   splits = splits[1:]  # the first round compiles

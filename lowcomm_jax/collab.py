@@ -45,8 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from lowcomm_jax import run_loop, steps, train
-from lowcomm_jax.rounds import _worker_ids
+from lowcomm_jax import run_loop, steps
+from lowcomm_jax.round_driver import RoundDriver
+from lowcomm_jax.rounds import worker_ids
 from lowcomm_jax.metrics import JsonlWriter, announce_compile
 from lowcomm_jax.parallel import mesh as mesh_lib
 
@@ -179,7 +180,7 @@ def make_progress(r):
   return VirtualProgress(c.collab.target_batch_size, samples, speeds)
 
 
-class CollabDriver(train.RoundDriver):
+class CollabDriver(RoundDriver):
   """The runner's driver for collaborative epochs: a mark per epoch."""
 
   unit = "epoch"
@@ -196,7 +197,7 @@ class CollabDriver(train.RoundDriver):
     self.stretch = ([fastest / (topo.hosts[i].speed or 1.0) for i in topo.local_hosts]
                     if jax.process_count() > 1 else [1.0] * len(topo.local_hosts))
     per_worker = mesh_lib.per_worker(topo.local_mesh)
-    self.ids = [_worker_ids(r, i) for i in topo.local_hosts]
+    self.ids = [worker_ids(r, i) for i in topo.local_hosts]
     self.batch_sharding = NamedSharding(topo.local_mesh, P("replica", "data"))
     self.mean = jax.jit(lambda acc, n: acc / jnp.maximum(n, 1.0)[:, None],
                         out_shardings=per_worker)

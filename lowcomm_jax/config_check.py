@@ -10,10 +10,12 @@ import ml_collections
 
 from lowcomm_jax import algorithms, compress, config_doc, optimizers, run_identity
 from lowcomm_jax.compress.sparse import kept_per_chunk
+from lowcomm_jax.config_error import ConfigError  # noqa: F401 - raised by validate, re-exported
 from lowcomm_jax.data.tokenizers import TOKENIZER_VOCAB, is_tokenizer_file
 from lowcomm_jax.model.matformer import hidden_units
 from lowcomm_jax.model import pretrained
 from lowcomm_jax.model.presets import PRESETS
+from lowcomm_jax.parallel import distributed
 from lowcomm_jax.model.tp import SYNC_PLANS, SyncPlan, plan_problems
 from lowcomm_jax.sim.speeds import HETEROGENEITY
 
@@ -23,14 +25,6 @@ ALGORITHMS = algorithms.NAMES
 def _names_with(declares) -> list[str]:
   """The algorithms whose declarations satisfy `declares(algorithm)`."""
   return [a.name for a in algorithms.REGISTRY.values() if declares(a)]
-
-
-class ConfigError(ValueError):
-  """A config that cannot run. `str()` lists each bad field with how to fix it."""
-
-  def __init__(self, problems: list[str]):
-    self.problems = problems
-    super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: int = 1,
@@ -61,7 +55,7 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
     check(c[field] >= 0, field, "must be >= 0 (0: only at the end)")
   check(c.eval_batches >= 1, "eval_batches", "need at least one validation batch")
   check(c.seed >= 0, "seed", "must be >= 0 (random streams derive from it)")
-  problems.extend(distributed_problems(c))
+  problems.extend(distributed.problems(c))
 
   _check_compress(c, check, problems)
   _check_sim(c, check, problems, num_processes)
@@ -408,45 +402,6 @@ def _changed_from_base(node: ml_collections.ConfigDict, prefix: str,
   skip = {f"{prefix}.{k}" for k in keep}
   return [f"{k}={v!r}" for k, v in mine.items()
           if k not in skip and k in theirs and v != theirs[k]]
-
-
-def _host_port(value: str) -> tuple[str, int] | None:
-  """('host', port) of 'host:port' ('[v6]:port' too), or None when it is not that."""
-  host, sep, port = value.rpartition(":")
-  if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-    return None
-  return host.strip("[]"), int(port)
-
-
-def distributed_problems(c: ml_collections.ConfigDict,
-                         environ: dict | None = None) -> list[str]:
-  """The `distributed.*` fields' problems; checked again before joining (nothing has
-  validated the config then)."""
-  env = os.environ if environ is None else environ
-  d = c.distributed
-  problems = []
-  if d.num_processes < 0:
-    problems.append(f"distributed.num_processes={d.num_processes}: must be >= 0 "
-                    "(0: from the environment)")
-  if d.process_id < -1 or (d.num_processes > 0 and d.process_id >= d.num_processes):
-    problems.append(f"distributed.process_id={d.process_id}: must be in "
-                    f"[0, {max(d.num_processes, 1)}) or -1 (from the environment)")
-  for field in ("coordinator_address", "coordinator_bind_address"):
-    if d[field] and _host_port(d[field]) is None:
-      problems.append(f"distributed.{field}={d[field]!r}: use 'host:port' (e.g. "
-                      "'10.0.0.1:1234'; '[::1]:1234' for IPv6), or '' "
-                      + ("for the environment's" if field == "coordinator_address"
-                         else "to bind to the coordinator_address host"))
-  if (d.num_processes > 1 and not d.coordinator_address
-      and not env.get("JAX_COORDINATOR_ADDRESS") and int(env.get("SLURM_NTASKS", "1")) <= 1):
-    problems.append(f"distributed.num_processes={d.num_processes}: no coordinator to join "
-                    "(the run would silently stay single-process); set "
-                    "--config.distributed.coordinator_address=HOST:PORT of process 0 (or "
-                    "JAX_COORDINATOR_ADDRESS, or launch under SLURM / launch/local.py)")
-  for field in ("heartbeat_timeout_s", "join_timeout_s"):
-    if d[field] < 1:
-      problems.append(f"distributed.{field}={d[field]}: must be >= 1 second")
-  return problems
 
 
 def _numbers(values) -> bool:

@@ -12,6 +12,8 @@ multi-process run, process p runs host p; in a single process, every host runs l
 """
 
 import dataclasses
+import math
+from collections.abc import Sequence
 
 import ml_collections
 
@@ -50,3 +52,25 @@ def host(tier: float, workers: int = 1, batch_size: int = 0, inner_steps: int = 
   """A host-table row for config files: `c.hosts = [host(1.0), host(0.25), ...]`."""
   return ml_collections.ConfigDict({"tier": tier, "workers": workers, "batch_size": batch_size,
                                     "inner_steps": inner_steps, "speed": speed})
+
+
+def dylu_inner_steps(base_inner_steps: int, speeds: Sequence[float]) -> list[int]:
+  """Dynamic Local Updates (synchronous form): faster workers take more inner steps per
+  round. Each H is scaled by the speed (steps per second, any common unit) relative to the
+  fastest, so all finish a round at about the same time instead of the fast ones idling at
+  the barrier: H_w = max(1, ceil(H · speed_w / max_v speed_v))."""
+  if not speeds or min(speeds) <= 0:
+    raise ValueError(f"speeds must be positive, got {list(speeds)}")
+  fastest = max(speeds)
+  # Round before ceil so float noise (e.g. 20 * 0.3/0.3 = 20.000000000000004) is not a step.
+  return [max(1, math.ceil(round(base_inner_steps * s / fastest, 9))) for s in speeds]
+
+
+def settle_inner_steps(config: ml_collections.ConfigDict, configured: Sequence[int],
+                       speeds: Sequence[float] | None = None) -> list[int]:
+  """The one place H is settled, per host (runner) or per simulated worker: DyLU's
+  (`outer.dylu`) from `speeds` when every one is known (> 0), else `configured` (the host
+  table's, or the config's inner_steps)."""
+  if config.outer.dylu and speeds and all(s > 0 for s in speeds):
+    return dylu_inner_steps(config.inner_steps, speeds)
+  return list(configured)

@@ -21,7 +21,7 @@ import os
 import jax
 import numpy as np
 
-from lowcomm_jax.config_check import ConfigError
+from lowcomm_jax.config_error import ConfigError
 from lowcomm_jax.parallel import ledger
 
 

@@ -133,7 +133,7 @@ def _round(r: Run, fns: Programs, state, workers, batches_per_host, inner_steps_
         announce_compile(fns.local[k][k_seg], f"the local program for host {i}")
         t0 = time.perf_counter()
         delta, workers[k], loss_GxS = fns.local[k][k_seg](view, workers[k], batches,
-                                                          _worker_ids(r, i))
+                                                          worker_ids(r, i))
         if timed:
           jax.block_until_ready(delta)
           compute[k] += time.perf_counter() - t0
@@ -164,7 +164,8 @@ def run_held(r: Run, fns: Programs, state: steps.TrainState, held: HeldSync):
     return fns.syncs[0](state, held.deltas_R, held.signals, metrics=held.metrics)
 
 
-def _worker_ids(r: Run, host: int) -> jax.Array:
+def worker_ids(r: Run, host: int) -> jax.Array:
+  """Host `host`'s worker ids, placed per worker on its local mesh (keys fold them in)."""
   return jax.device_put(np.asarray(r.topology.hosts[host].worker_ids, np.int32),
                         mesh_lib.per_worker(r.topology.local_mesh))
 
@@ -225,7 +226,7 @@ def overlapped_round(r: Run, fns: Programs, overlapped, state: steps.TrainState,
   batches = jax.device_put(batches, mesh_lib.round_batches(topo.local_mesh))
   batches_R = mesh_lib.to_global(batches, topo.mesh, R, mesh_lib.round_batches(topo.mesh).spec)
   workers_R = mesh_lib.to_global(workers[0], topo.mesh, R)
-  ids_R = mesh_lib.to_global(_worker_ids(r, host), topo.mesh, R)
+  ids_R = mesh_lib.to_global(worker_ids(r, host), topo.mesh, R)
   announce_compile(overlapped, "the overlapped round (held sync + local steps)")
   t0 = time.perf_counter()
   with jax.set_mesh(topo.mesh):

@@ -29,7 +29,7 @@ from lowcomm_jax.run_spec import Run
 from lowcomm_jax.rounds import init_run, jitted_steps
 from lowcomm_jax.checkpoint import Checkpointer, CheckpointMismatch
 from lowcomm_jax.metrics import announce_compile
-from lowcomm_jax.outer import dylu_inner_steps
+from lowcomm_jax.hosts import settle_inner_steps
 from lowcomm_jax.workdir import holds_lock
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
 from lowcomm_jax.sim import EventLoop, Network, Plan, SpeedModel
@@ -43,8 +43,7 @@ def make_plan(c: ml_collections.ConfigDict, r: Run) -> Plan:
       num_workers=c.num_workers, level=s.heterogeneity, explicit=tuple(s.speeds),
       step_seconds=s.step_seconds, jitter=s.jitter, straggler_prob=s.straggler_prob,
       straggler_slowdown=s.straggler_slowdown, seed=c.seed)
-  inner = (dylu_inner_steps(c.inner_steps, speeds.speeds) if c.outer.dylu
-           else [c.inner_steps] * c.num_workers)
+  inner = settle_inner_steps(c, [c.inner_steps] * c.num_workers, speeds.speeds)
   network = Network.build(
       num_workers=c.num_workers, regions=n.regions, worker_regions=tuple(n.worker_regions),
       intra_gbps=n.intra_gbps, intra_latency_s=n.intra_latency_s,

@@ -7,13 +7,14 @@ import pytest
 
 from conftest import load_config
 from lowcomm_jax import config_check, memory
+from lowcomm_jax.parallel import distributed
 from lowcomm_jax.config_check import ConfigError
 
 
 def _problems(config, environ=None, **kwargs) -> list[str]:
   kwargs.setdefault("num_devices", 8)
   if environ is not None:  # distributed checks read the environment; keep it controlled
-    return config_check.distributed_problems(config, environ)
+    return distributed.problems(config, environ)
   with pytest.raises(ConfigError) as e:
     config_check.validate(config, **kwargs)
   return e.value.problems
@@ -112,7 +113,7 @@ def test_ipv6_and_named_coordinators_are_accepted():
   for address in ("[::1]:1234", "node-7.cluster:61000", "127.0.0.1:1"):
     config = load_config("smoke", **{"distributed.coordinator_address": address,
                                      "distributed.coordinator_bind_address": address})
-    assert not config_check.distributed_problems(config, {}), address
+    assert not distributed.problems(config, {}), address
 
 
 def test_workers_that_cannot_fit_are_refused_before_allocating(monkeypatch, smoke_config):

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from lowcomm_jax import config_check, train
+from lowcomm_jax import config_check, round_driver, train
 from lowcomm_jax.checkpoint import Checkpointer, abstract_with_shardings
 from conftest import load_config, train_rounds
 from lowcomm_jax.hosts import host
@@ -137,7 +137,7 @@ def test_dylu_measures_speeds_in_round_two(tmp_path, monkeypatch):
   # Host timings are made up so the outcome is known: in round 1 (compiling) host 1 looks
   # 10x slower per step than host 0, from round 2 on 2.5x slower. DyLU must use round 2's:
   # H = [6, ceil(6 / 2.5)] = [6, 3] (round 1's would give [6, 1]; never measuring, [6, 6]).
-  real_round, rounds_run = train.train_round, []
+  real_round, rounds_run = round_driver.train_round, []
 
   def timed_round(r, fns, state, workers, batches, weights, *, timed=False, metrics=True):
     state, workers, metrics_, compute = real_round(r, fns, state, workers, batches, weights,
@@ -147,7 +147,7 @@ def test_dylu_measures_speeds_in_round_two(tmp_path, monkeypatch):
     if timed:
       compute = [s * b.shape[1] for s, b in zip(step_seconds, batches)]
     return state, workers, metrics_, compute
-  monkeypatch.setattr(train, "train_round", timed_round)
+  monkeypatch.setattr(round_driver, "train_round", timed_round)
   config = _compressed_config([host(1.0), host(0.25)])  # the compressed-tiers test's programs
   assert config.outer.dylu and config.rounds == 4 and config.inner_steps == 6
   summary = train.run(config, tmp_path)

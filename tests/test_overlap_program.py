@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import checkpointed_state, load_config, rerun_with_default_compile
-from lowcomm_jax import rounds, train
+from lowcomm_jax import round_driver, rounds, train
 from lowcomm_jax.hosts import host
 from lowcomm_jax.parallel import mesh as mesh_lib
 
@@ -57,7 +57,7 @@ def _compiled_round(algorithm: str, **overrides) -> str:
   placed = jax.device_put(batches[0], mesh_lib.round_batches(r.topology.mesh))
   with jax.set_mesh(r.topology.mesh):
     return rounds.jitted_overlapped(r).lower(
-        state, held.deltas_R, held.signals, workers[0], placed, rounds._worker_ids(r, 0),
+        state, held.deltas_R, held.signals, workers[0], placed, rounds.worker_ids(r, 0),
         metrics=True).compile().as_text()
 
 
@@ -95,8 +95,8 @@ def test_overlapped_runs_train_exactly_as_separate_programs(tmp_path, smoke_conf
   config = smoke_config(algorithm="one_step_delay", rounds=7, eval_every=3,
                         checkpoint_every=3, log_every=2)
   used = []
-  real = train.overlapped_round
-  monkeypatch.setattr(train, "overlapped_round",
+  real = round_driver.overlapped_round
+  monkeypatch.setattr(round_driver, "overlapped_round",
                       lambda *a, **k: used.append(1) or real(*a, **k))
   train.run(config, tmp_path / "overlapped")
   # Rounds 3 and 6 evaluate and save, 7 ends: their own syncs run at once. The others' are

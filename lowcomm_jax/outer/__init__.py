@@ -3,6 +3,5 @@
 from lowcomm_jax.outer.anchor import AnchorState, anchor_momentum
 from lowcomm_jax.outer.delayed_nesterov import DelayedNesterovState, delayed_nesterov
 from lowcomm_jax.outer.diloco import diloco_outer, pseudo_gradient
-from lowcomm_jax.outer.dylu import dylu_inner_steps
 from lowcomm_jax.outer.halos import merge_global
 from lowcomm_jax.outer.one_step_delay import OneStepDelayState, one_step_delay

@@ -20,6 +20,7 @@ import socket
 import jax
 import ml_collections
 
+from lowcomm_jax.config_error import ConfigError
 from lowcomm_jax.parallel.roll_call import DistributedError, roll_call, split_address
 
 __all__ = ["DistributedError", "initialize", "settings"]
@@ -84,16 +85,53 @@ def _own_address(address: str) -> str:
   return address
 
 
+def _host_port(value: str) -> tuple[str, int] | None:
+  """('host', port) of 'host:port' ('[v6]:port' too), or None when it is not that."""
+  host, sep, port = value.rpartition(":")
+  if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    return None
+  return host.strip("[]"), int(port)
+
+
+def problems(c: ml_collections.ConfigDict, environ: dict | None = None) -> list[str]:
+  """The `distributed.*` fields' problems (config_check.validate lists them too); checked
+  here before joining, where nothing has validated the config yet."""
+  env = os.environ if environ is None else environ
+  d = c.distributed
+  out = []
+  if d.num_processes < 0:
+    out.append(f"distributed.num_processes={d.num_processes}: must be >= 0 "
+               "(0: from the environment)")
+  if d.process_id < -1 or (d.num_processes > 0 and d.process_id >= d.num_processes):
+    out.append(f"distributed.process_id={d.process_id}: must be in "
+               f"[0, {max(d.num_processes, 1)}) or -1 (from the environment)")
+  for field in ("coordinator_address", "coordinator_bind_address"):
+    if d[field] and _host_port(d[field]) is None:
+      out.append(f"distributed.{field}={d[field]!r}: use 'host:port' (e.g. "
+                 "'10.0.0.1:1234'; '[::1]:1234' for IPv6), or '' "
+                 + ("for the environment's" if field == "coordinator_address"
+                    else "to bind to the coordinator_address host"))
+  if (d.num_processes > 1 and not d.coordinator_address
+      and not env.get("JAX_COORDINATOR_ADDRESS") and int(env.get("SLURM_NTASKS", "1")) <= 1):
+    out.append(f"distributed.num_processes={d.num_processes}: no coordinator to join "
+               "(the run would silently stay single-process); set "
+               "--config.distributed.coordinator_address=HOST:PORT of process 0 (or "
+               "JAX_COORDINATOR_ADDRESS, or launch under SLURM / launch/local.py)")
+  for field in ("heartbeat_timeout_s", "join_timeout_s"):
+    if d[field] < 1:
+      out.append(f"distributed.{field}={d[field]}: must be >= 1 second")
+  return out
+
+
 def initialize(config: ml_collections.ConfigDict) -> None:
   """Joins the run's processes (call before any other JAX use); no-op when single-process.
 
-  Raises config_check.ConfigError for bad `distributed.*` fields and DistributedError when
-  the processes do not all join within distributed.join_timeout_s.
+  Raises ConfigError for bad `distributed.*` fields and DistributedError when the processes
+  do not all join within distributed.join_timeout_s.
   """
-  from lowcomm_jax import config_check  # noqa: PLC0415 - light; keeps this module's imports small
-  problems = config_check.distributed_problems(config)
-  if problems:
-    raise config_check.ConfigError(problems)
+  found = problems(config)
+  if found:
+    raise ConfigError(found)
   args = settings(config)
   if args is None:
     return

@@ -4,7 +4,6 @@ composes with it."""
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
