@@ -15,8 +15,8 @@ from lowcomm_jax.data.tokenizers import TOKENIZER_VOCAB, is_tokenizer_file
 from lowcomm_jax.model.matformer import hidden_units
 from lowcomm_jax.model import pretrained
 from lowcomm_jax.model.presets import PRESETS
-from lowcomm_jax.parallel import distributed
 from lowcomm_jax.model.tp import SYNC_PLANS, SyncPlan, plan_problems
+from lowcomm_jax.parallel import distributed
 from lowcomm_jax.sim.speeds import HETEROGENEITY
 
 ALGORITHMS = algorithms.NAMES
@@ -329,7 +329,7 @@ def _check_robust(c: ml_collections.ConfigDict, check) -> None:
           f"must be >= 0 and leave a value: 2·trim < {groups} (workers, or buckets)")
   if a.rule == "mean" and a.signal == "none" and a.bucket <= 1:
     return  # the plain mean: nothing below applies
-  codec = compress.spec(c.compress.codec) if c.compress.codec in compress.names() else None
+  codec = compress.declared(c.compress.codec)
   check(codec is None or not codec.sign_descent, "aggregate.rule",
         f"{c.compress.codec}'s payloads are averaged by its own rule (sign descent of the "
         "mean); use another codec, or aggregate.rule=mean with aggregate.signal=none")
@@ -357,7 +357,7 @@ def _check_compress(c: ml_collections.ConfigDict, check, problems: list[str]) ->
     check(not tiered, "compress.mean_over_senders",
           "averaging over senders replaces the tier/token weights; set it False with "
           "MatFormer tiers < 1 or aggregate.weighting=tokens")
-  codec = compress.spec(z.codec) if z.codec in compress.names() else None
+  codec = compress.declared(z.codec)
   if codec is None:
     return
   if codec.chunked:

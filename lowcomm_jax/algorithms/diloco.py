@@ -17,7 +17,7 @@ from lowcomm_jax.algorithms.base import Algorithm, field_problem
 
 def codec_problems(c) -> list[str]:
   """A sign-descent codec (DeMo) is a per-step optimizer: DDP's only."""
-  codec = compress.spec(c.compress.codec) if c.compress.codec in compress.names() else None
+  codec = compress.declared(c.compress.codec)
   if codec is not None and codec.sign_descent:
     return [field_problem(c, "algorithm", f"compress.codec={codec.name} is a per-step "
                           "optimizer (sign descent on the decoded momentum); use "

@@ -37,6 +37,12 @@ def spec(name: str) -> CodecSpec | None:
   return REGISTRY[name]
 
 
+def declared(name: str) -> CodecSpec | None:
+  """The spec of codec `name`, or None for "none" and for a name nothing registered (the
+  config check names that one): what checks ask before a config is known to be valid."""
+  return REGISTRY.get(name)
+
+
 def make_codec(cfg: ml_collections.ConfigDict, *, lr: float = 1.0) -> Codec | None:
   """The codec for config section `compress` (None for 'none'). `lr` scales a momentum
   buffer's input (DeMo: the run's learning rate)."""
@@ -46,4 +52,4 @@ def make_codec(cfg: ml_collections.ConfigDict, *, lr: float = 1.0) -> Codec | No
 
 __all__ = ["CODECS", "Codec", "CodecSpec", "DCTTopK", "ErrorFeedback", "Fp8", "Identity",
            "LeafCodec", "REGISTRY", "RandomK", "TopK", "TreeCodec", "Uniform", "dct_matrix",
-           "error_feedback", "make_codec", "names", "randomk_codec", "spec", "topk_codec"]
+           "declared", "error_feedback", "make_codec", "names", "randomk_codec", "spec", "topk_codec"]
