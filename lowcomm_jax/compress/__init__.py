@@ -52,4 +52,5 @@ def make_codec(cfg: ml_collections.ConfigDict, *, lr: float = 1.0) -> Codec | No
 
 __all__ = ["CODECS", "Codec", "CodecSpec", "DCTTopK", "ErrorFeedback", "Fp8", "Identity",
            "LeafCodec", "REGISTRY", "RandomK", "TopK", "TreeCodec", "Uniform", "dct_matrix",
-           "declared", "error_feedback", "make_codec", "names", "randomk_codec", "spec", "topk_codec"]
+           "declared", "error_feedback", "make_codec", "names", "randomk_codec", "spec",
+           "topk_codec"]
