@@ -2,22 +2,20 @@
 
 import dataclasses
 import functools
-import math
 import os
 import runpy
 
 import ml_collections
 
 from lowcomm_jax import algorithms, compress, config_doc, optimizers, run_identity
-from lowcomm_jax.compress.sparse import kept_per_chunk
-from lowcomm_jax.config_error import ConfigError  # noqa: F401 - raised by validate, re-exported
+from lowcomm_jax.config_error import ConfigError, Problems  # noqa: F401 - ConfigError re-exported
 from lowcomm_jax.data.tokenizers import TOKENIZER_VOCAB, is_tokenizer_file
 from lowcomm_jax.model.matformer import hidden_units
 from lowcomm_jax.model import pretrained
 from lowcomm_jax.model.presets import PRESETS
 from lowcomm_jax.model.tp import SYNC_PLANS, SyncPlan, plan_problems
 from lowcomm_jax.parallel import distributed
-from lowcomm_jax.sim.speeds import HETEROGENEITY
+from lowcomm_jax.sim import checks as sim_checks
 
 ALGORITHMS = algorithms.NAMES
 
@@ -30,14 +28,8 @@ def _names_with(declares) -> list[str]:
 def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: int = 1,
              local_devices: int | None = None) -> None:
   """Raises ConfigError listing every bad field of `c` for this run's processes and devices."""
-  problems = []
-
-  def check(ok: bool, field: str, fix: str):
-    if not ok:
-      value = c
-      for part in field.split("."):
-        value = value[part]
-      problems.append(f"{field}={value!r}: {fix}")
+  problems = Problems(c)
+  check = problems.check
 
   check(c.algorithm in ALGORITHMS, "algorithm", f"use one of {ALGORITHMS}")
   check(c.num_workers >= 1, "num_workers", "need at least one worker")
@@ -57,7 +49,7 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   check(c.seed >= 0, "seed", "must be >= 0 (random streams derive from it)")
   problems.extend(distributed.problems(c))
 
-  _check_compress(c, check, problems)
+  problems.extend(compress.problems(c))
   _check_sim(c, check, problems, num_processes)
 
   # Mesh: workers must spread evenly over replica devices, within the devices present.
@@ -342,46 +334,6 @@ def _check_robust(c: ml_collections.ConfigDict, check) -> None:
           f"{_names_with(lambda a: a.robust_aggregation)}")
 
 
-def _check_compress(c: ml_collections.ConfigDict, check, problems: list[str]) -> None:
-  """compress.*: the fields every codec shares, then what the chosen codec declares."""
-  z = c.compress
-  check(z.codec in compress.names(), "compress.codec", f"use one of {compress.names()}")
-  check(z.beta == -1.0 or 0.0 < z.beta <= 1.0, "compress.beta",
-        "the error-buffer decay must be in (0, 1], or -1 for the codec's default")
-  check(z.quant_block >= 0, "compress.quant_block", "use 0 (per row) or a positive block size")
-  check(0.0 < z.density <= 1.0, "compress.density", "must be in (0, 1]")
-  check(z.chunk >= 0, "compress.chunk", "use 0 (per tensor, topk only) or a positive side")
-  check(z.k >= 0, "compress.k", "entries per chunk: >= 1, or 0 for the codec's default")
-  tiered = c.aggregate.weighting == "tokens" or any(float(h.tier) < 1.0 for h in c.hosts)
-  if z.mean_over_senders:
-    check(not tiered, "compress.mean_over_senders",
-          "averaging over senders replaces the tier/token weights; set it False with "
-          "MatFormer tiers < 1 or aggregate.weighting=tokens")
-  codec = compress.declared(z.codec)
-  if codec is None:
-    return
-  if codec.chunked:
-    check(z.chunk >= 2, "compress.chunk", f"{z.codec} is chunked; use e.g. 64")
-  if codec.always_error_feedback:
-    check(z.error_feedback, "compress.error_feedback",
-          f"{z.codec} always keeps its error buffer; leave it True (or pick another codec)")
-  if codec.reads_k and z.chunk > 0 and z.k > 0:
-    # Codecs cap k at half a chunk silently (beyond that the indices cost more than the
-    # dense chunk): a larger k would not send what it says.
-    most = kept_per_chunk(z.chunk * z.chunk, z.chunk * z.chunk)  # the codecs' own cap
-    check(z.k <= most, "compress.k",
-          f"a {z.chunk}x{z.chunk} chunk sends at most half its entries ({most}); lower k "
-          "or raise compress.chunk")
-  if codec.value_bits:
-    check(z.value_bits in codec.value_bits, "compress.value_bits",
-          f"{z.codec} sends values of {' or '.join(map(str, codec.value_bits))} bits")
-  if z.stochastic_rounding:
-    rounding = [s.name for s in compress.REGISTRY.values() if s.stochastic_rounding]
-    check(codec.stochastic_rounding, "compress.stochastic_rounding",
-          f"{z.codec} has no stochastic rounding (only {', '.join(rounding)}); set it False")
-  problems.extend(codec.problems(z))  # its own fields and limits
-
-
 @functools.lru_cache(maxsize=1)
 def _base_defaults() -> ml_collections.ConfigDict | None:
   """The defaults every config starts from (None in a non-editable install: checks that
@@ -404,61 +356,16 @@ def _changed_from_base(node: ml_collections.ConfigDict, prefix: str,
           if k not in skip and k in theirs and v != theirs[k]]
 
 
-def _numbers(values) -> bool:
-  return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-
-
 def _check_sim(c: ml_collections.ConfigDict, check, problems: list[str],
                num_processes: int) -> None:
-  s, n = c.sim, c.sim.network
+  s = c.sim
   if not s.enabled:
     changed = _changed_from_base(s, "sim")
     if changed:
       problems.append(f"{', '.join(changed)}: ignored unless sim.enabled=True; set "
                       "--config.sim.enabled=True or leave them at their defaults")
     return
-  check(num_processes == 1, "sim.enabled", "the simulator runs in one process; launch it "
-        "without jax.distributed")
-  check(not list(c.hosts), "hosts", "the simulator's workers are full width; describe them "
-        "with num_workers and sim.* (leave hosts empty)")
-  check(c.mesh.data == 1, "mesh.data", "simulated workers are vmapped on one device; use 1")
-  check(c.model.tp.size == 1, "model.tp.size", "simulated workers are vmapped on one device; "
-        "use 1")
-  check(s.heterogeneity in HETEROGENEITY, "sim.heterogeneity",
-        f"use one of {list(HETEROGENEITY)}")
-  check(c.aggregate.weighting == "uniform", "aggregate.weighting",
-        "the simulator weights workers uniformly; use 'uniform'")
-  speeds = list(s.speeds)
-  if speeds:
-    check(len(speeds) == c.num_workers and _numbers(speeds) and min(speeds) > 0, "sim.speeds",
-          f"give {c.num_workers} positive relative speeds (one per worker), or () to use "
-          "sim.heterogeneity")
-  check(0 < s.step_seconds < math.inf, "sim.step_seconds", "must be a finite number > 0")
-  check(0 < s.network.bytes_scale < math.inf, "sim.network.bytes_scale",
-        "must be a finite number > 0 (1: payloads travel at their real size)")
-  check(s.jitter >= 0, "sim.jitter", "must be >= 0")
-  check(0.0 <= s.straggler_prob <= 1.0, "sim.straggler_prob", "must be in [0, 1]")
-  check(s.straggler_slowdown >= 1.0, "sim.straggler_slowdown", "must be >= 1")
-  check(n.regions >= 1, "sim.network.regions", "need at least one region")
-  placed = list(n.worker_regions)
-  if placed:
-    check(len(placed) == c.num_workers and all(0 <= r < n.regions for r in placed),
-          "sim.network.worker_regions",
-          f"give one region in [0, {n.regions}) per worker ({c.num_workers}), or ()")
-  check(0 <= n.server_region < n.regions, "sim.network.server_region",
-        f"must be in [0, {n.regions})")
-  check(n.intra_gbps > 0, "sim.network.intra_gbps", "must be > 0")
-  check(n.intra_latency_s >= 0, "sim.network.intra_latency_s", "must be >= 0")
-  check(n.inter_gbps > 0, "sim.network.inter_gbps", "must be > 0")
-  check(n.inter_latency_s >= 0, "sim.network.inter_latency_s", "must be >= 0")
-  for field, positive in (("inter_gbps_matrix", True), ("inter_latency_matrix", False)):
-    if n[field]:
-      rows = [r if isinstance(r, (list, tuple)) else [r] for r in n[field]]
-      values = [v for r in rows for v in r]
-      ok = (len(rows) == n.regions and all(len(r) == n.regions for r in rows)
-            and _numbers(values) and all(v > 0 if positive else v >= 0 for v in values))
-      check(ok, f"sim.network.{field}", f"give {n.regions} rows of {n.regions} "
-            f"{'positive' if positive else 'non-negative'} numbers, or () for the scalar")
+  problems.extend(sim_checks.problems(c, num_processes))
   if c.data.batch_mode == "same":
     lockstep = c.algorithm in ALGORITHMS and not algorithms.get(c.algorithm).simulated_only
     check(lockstep and not c.outer.dylu, "data.batch_mode",

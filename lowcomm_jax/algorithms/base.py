@@ -19,6 +19,7 @@ import jax
 import ml_collections
 import optax
 
+from lowcomm_jax.config_error import field_problem  # noqa: F401 - the algorithms' form
 from lowcomm_jax.sync import Sync
 
 
@@ -121,11 +122,3 @@ class Algorithm:
                    plan) -> dict[str, optax.GradientTransformation]:
     """Asynchronous parameter servers' rules by server name; {}: synchronous."""
     return {}
-
-
-def field_problem(c: ml_collections.ConfigDict, field: str, fix: str) -> str:
-  """'field=value: fix', the form every config problem takes."""
-  value = c
-  for part in field.split("."):
-    value = value[part]
-  return f"{field}={value!r}: {fix}"

@@ -10,8 +10,10 @@ from lowcomm_jax.compress.codec import Codec, Identity, LeafCodec, TreeCodec
 from lowcomm_jax.compress.dct import DCTTopK, dct_matrix
 from lowcomm_jax.compress.error_feedback import ErrorFeedback, error_feedback
 from lowcomm_jax.compress.quantize import Fp8, Uniform
-from lowcomm_jax.compress.sparse import RandomK, TopK, randomk_codec, topk_codec
+from lowcomm_jax.compress.sparse import (RandomK, TopK, kept_per_chunk, randomk_codec,
+                                         topk_codec)
 from lowcomm_jax.compress.spec import CodecSpec
+from lowcomm_jax.config_error import Problems
 
 REGISTRY: dict[str, CodecSpec] = {s.name: s for s in (
     quantize.INT8, quantize.FP8, quantize.INT4,
@@ -50,7 +52,51 @@ def make_codec(cfg: ml_collections.ConfigDict, *, lr: float = 1.0) -> Codec | No
   return None if made is None else made.build(cfg, lr=lr)
 
 
+def problems(c: ml_collections.ConfigDict) -> list[str]:
+  """compress.*'s problems: the fields every codec shares, then what the chosen codec
+  declares (its spec's capabilities and its own checks)."""
+  out = Problems(c)
+  check = out.check
+  z = c.compress
+  check(z.codec in names(), "compress.codec", f"use one of {names()}")
+  check(z.beta == -1.0 or 0.0 < z.beta <= 1.0, "compress.beta",
+        "the error-buffer decay must be in (0, 1], or -1 for the codec's default")
+  check(z.quant_block >= 0, "compress.quant_block", "use 0 (per row) or a positive block size")
+  check(0.0 < z.density <= 1.0, "compress.density", "must be in (0, 1]")
+  check(z.chunk >= 0, "compress.chunk", "use 0 (per tensor, topk only) or a positive side")
+  check(z.k >= 0, "compress.k", "entries per chunk: >= 1, or 0 for the codec's default")
+  tiered = c.aggregate.weighting == "tokens" or any(float(h.tier) < 1.0 for h in c.hosts)
+  if z.mean_over_senders:
+    check(not tiered, "compress.mean_over_senders",
+          "averaging over senders replaces the tier/token weights; set it False with "
+          "MatFormer tiers < 1 or aggregate.weighting=tokens")
+  codec = declared(z.codec)
+  if codec is None:
+    return out
+  if codec.chunked:
+    check(z.chunk >= 2, "compress.chunk", f"{z.codec} is chunked; use e.g. 64")
+  if codec.always_error_feedback:
+    check(z.error_feedback, "compress.error_feedback",
+          f"{z.codec} always keeps its error buffer; leave it True (or pick another codec)")
+  if codec.reads_k and z.chunk > 0 and z.k > 0:
+    # Codecs cap k at half a chunk silently (beyond that the indices cost more than the
+    # dense chunk): a larger k would not send what it says.
+    most = kept_per_chunk(z.chunk * z.chunk, z.chunk * z.chunk)  # the codecs' own cap
+    check(z.k <= most, "compress.k",
+          f"a {z.chunk}x{z.chunk} chunk sends at most half its entries ({most}); lower k "
+          "or raise compress.chunk")
+  if codec.value_bits:
+    check(z.value_bits in codec.value_bits, "compress.value_bits",
+          f"{z.codec} sends values of {' or '.join(map(str, codec.value_bits))} bits")
+  if z.stochastic_rounding:
+    rounding = [s.name for s in REGISTRY.values() if s.stochastic_rounding]
+    check(codec.stochastic_rounding, "compress.stochastic_rounding",
+          f"{z.codec} has no stochastic rounding (only {', '.join(rounding)}); set it False")
+  out.extend(codec.problems(z))  # its own fields and limits
+  return out
+
+
 __all__ = ["CODECS", "Codec", "CodecSpec", "DCTTopK", "ErrorFeedback", "Fp8", "Identity",
            "LeafCodec", "REGISTRY", "RandomK", "TopK", "TreeCodec", "Uniform", "dct_matrix",
-           "declared", "error_feedback", "make_codec", "names", "randomk_codec", "spec",
-           "topk_codec"]
+           "declared", "error_feedback", "make_codec", "names", "problems", "randomk_codec",
+           "spec", "topk_codec"]
