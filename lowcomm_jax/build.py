@@ -139,7 +139,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
   syncs = [steps.make_sync(aggregators[s.sync], rules[s.sync], nested=sync.nested,
                            weigh_tokens=sync.weigh_tokens, layout=layout, fragment=s.sync,
                            count=len(segments), last=k == len(segments) - 1,
-                           attack=sync.attack)
+                           map_workers=sync.map_workers, attack=sync.attack)
            for k, s in enumerate(segments)]
   alpha = algorithm.mix(c)
   keeps_params = algorithm.keeps_worker_params(c)

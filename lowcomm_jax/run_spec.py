@@ -161,8 +161,9 @@ class Run:
     out = []
     for segment, sync in zip(self.segments(self.config.inner_steps), self.programs.syncs):
       deltas, signals = self.abstract_sync_inputs(segment.sync)
-      out.append(program_cache.counted(sync, lambda f: ledger.count_bytes(
-          f, self.state_spec.abstract, deltas, signals)))
+      with jax.set_mesh(self.topology.mesh):  # a per-device sync maps over its 'replica'
+        out.append(program_cache.counted(sync, lambda f: ledger.count_bytes(
+            f, self.state_spec.abstract, deltas, signals)))
     return out
 
   def outer_bytes(self) -> ledger.CommBytes:

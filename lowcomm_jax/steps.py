@@ -21,7 +21,9 @@ Workers are mapped with `jax.vmap(axis_name='replica', spmd_axis_name='replica')
 split over the mesh's replica devices, on which the aggregator's named-axis mean becomes an
 all-reduce. θ and the rule's state are unmapped (`out_axes=None`): vmap accepts them only
 if they derive from unmapped inputs and collectives' results, never from per-worker state
-(so a codec's round key comes from the global round, not its stacked counter).
+(so a codec's round key comes from the global round, not its stacked counter). A sync with
+a codec maps its workers per device instead (`map_workers`, parallel/workers.py), so each
+device encodes its own and only payloads cross devices.
 """
 
 from typing import Any, Callable, NamedTuple
@@ -34,6 +36,7 @@ from lowcomm_jax.aggregate.robust import CombinedState
 from lowcomm_jax.aggregate.signal import effective_workers
 from lowcomm_jax.algorithms import Segment
 from lowcomm_jax.model.matformer import pad_tier, slice_tier, tier_mask, unslice_tier
+from lowcomm_jax.parallel import workers
 from lowcomm_jax.parallel.flat import ParamLayout
 
 # (params, windows, key, frozen) -> loss. `frozen`: weights the loss reads but nothing trains
@@ -224,7 +227,7 @@ def make_accumulate(loss_fn: LossFn, *, hidden: int, d_ff: int, layout: ParamLay
 def make_sync(aggregator: optax.GradientTransformationExtraArgs,
               rule: optax.GradientTransformation, *, nested: bool, weigh_tokens: bool,
               layout: ParamLayout, fragment: int, count: int, last: bool,
-              axis_name: str = "replica", attack=None):
+              map_workers=None, attack=None):
   """`sync(state, Δ[R, N_p], signals, metrics) -> (state, metrics)`: fragment p's global
   program. Aggregates the workers' Δ of the fragment, applies its outer rule to θ_p and,
   in the round's `last` sync, advances the round.
@@ -234,6 +237,9 @@ def make_sync(aggregator: optax.GradientTransformationExtraArgs,
   signals; otherwise the aggregator is a plain mean. `round_index` passed to the aggregator
   is round·count + fragment (the global value every worker agrees on): it seeds the
   senders' keys of a compressed mean, whose receivers regenerate random draws from it.
+
+  `map_workers(fn, in_axes, out_axes)` maps one worker's part over the stacked workers
+  (`Sync.map_workers`; by default vmap over 'replica', whose axis the aggregator names).
 
   With `metrics` (static; the runner asks on rounds that log, evaluate or checkpoint) it
   also returns every worker's train loss and the parameter and update norms. Without, the
@@ -247,6 +253,9 @@ def make_sync(aggregator: optax.GradientTransformationExtraArgs,
     return jax.tree.map(lambda m: m * weight, tier_mask(part.abstract, hidden))
 
   rule = optax.with_extra_args_support(rule)
+  if map_workers is None:
+    def map_workers(fn, in_axes, out_axes):
+      return workers.map_workers(fn, in_axes, out_axes, per_device=False)
 
   def worker(params, agg_state, rule_state, delta, hidden, weight, all_weights, totals,
              round_index, losses_R, theta):
@@ -272,9 +281,8 @@ def make_sync(aggregator: optax.GradientTransformationExtraArgs,
     totals = jax.tree.map(lambda w: w.sum(0), all_weights) if nested else None
     params = layout.fragment_slice(state.params, fragment)
     outer = state.outer
-    new_part, agg_state, rule_state = jax.vmap(
-        worker, in_axes=(None, 0, None, 0, 0, 0, None, None, None, None, None),
-        out_axes=(None, 0, None), axis_name=axis_name, spmd_axis_name=axis_name)(
+    new_part, agg_state, rule_state = map_workers(
+        worker, (None, 0, None, 0, 0, 0, None, None, None, None, None), (None, 0, None))(
             params, outer.per_worker[fragment], outer.per_fragment[fragment], deltas_R,
             signals.hidden, weight_R, all_weights, totals, state.round * count + fragment,
             signals.loss, state.params)

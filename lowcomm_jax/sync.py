@@ -12,13 +12,17 @@ Today's choice, from the config:
 - else the nested (tier-masked, weighted) mean where some worker trains a narrower FFN or
   workers are weighted by tokens, and the plain all-reduce mean otherwise.
 Attacks (`attack.*`, tests and benchmarks) replace what the listed workers send first.
+
+With a codec the sync maps its workers per device (`per_device`, parallel/workers.py): each
+device encodes its own workers' Δ, and only their payloads cross devices. Left to XLA's
+partitioner, top-k, random-k and DeMo all-gathered the dense Δ, 100x the payload.
 """
 
 import ml_collections
 import optax
 
 from lowcomm_jax import aggregate, compress
-from lowcomm_jax.parallel import ledger
+from lowcomm_jax.parallel import ledger, workers
 from lowcomm_jax.parallel.flat import ParamLayout, tree_view
 
 
@@ -48,6 +52,9 @@ class Sync:
     # token counts), as token weighting does.
     self.weigh_tokens = c.collab.target_batch_size > 0 or c.aggregate.weighting == "tokens"
     self.robust = robust_combination(c)
+    self.per_device = self.codec is not None  # `map_workers`: encode where the Δ lives
+    axes = workers.PER_DEVICE if self.per_device else workers.REPLICA
+    self.axis_name = axes  # what the aggregator's collectives span
     self.attack = aggregate.make_attack(tuple(c.attack.workers), c.attack.kind,
                                         c.attack.scale, c.num_workers)
 
@@ -55,17 +62,22 @@ class Sync:
     """How the workers' Δ of one fragment (flat, `layout` is the fragment's) become one
     update: the sync's only communication. The plain mean runs on the flat buffer as is;
     codecs (per tensor) and the nested mean (tier masks per FFN leaf) see the tree."""
-    seed = self.config.seed
+    seed, axes = self.config.seed, self.axis_name
     if self.robust:  # combined ahead of the outer rule: `outer`
       if self.codec is not None:
-        return tree_view(aggregate.compressed_gather(self.codec, "replica", seed=seed), layout,
+        return tree_view(aggregate.compressed_gather(self.codec, axes, seed=seed), layout,
                          stacked=True)
-      return aggregate.gather_all("replica")
+      return aggregate.gather_all(axes)
     if self.codec is not None:
-      return tree_view(aggregate.compressed_mean(self.codec, "replica", seed=seed), layout)
+      return tree_view(aggregate.compressed_mean(self.codec, axes, seed=seed), layout)
     if self.nested:
-      return tree_view(aggregate.nested_mean("replica"), layout)
-    return optax.with_extra_args_support(aggregate.replica_mean("replica"))
+      return tree_view(aggregate.nested_mean(axes), layout)
+    return optax.with_extra_args_support(aggregate.replica_mean(axes))
+
+  def map_workers(self, fn, in_axes: tuple, out_axes: tuple):
+    """`fn` (one worker's part of the sync) over the stacked workers, so that the
+    aggregator's collectives span them all (parallel/workers.py)."""
+    return workers.map_workers(fn, in_axes, out_axes, per_device=self.per_device)
 
   def outer(self, rule: optax.GradientTransformation, probe=None
             ) -> optax.GradientTransformation:

@@ -3,6 +3,7 @@ private cache."""
 
 import os
 import pathlib
+import re
 import runpy
 import subprocess
 import sys
@@ -161,3 +162,19 @@ def rerun_with_default_compile(request) -> bool:
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
   return True
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "bf16": 2, "f16": 2, "s16": 2,
+                "u16": 2, "f32": 4, "s32": 4, "u32": 4}
+
+
+def all_gathered_bytes(hlo: str) -> int:
+  """Bytes of the results of a compiled program's all-gathers (tuples included): what every
+  device receives, its own share with it."""
+  total = 0
+  for line in hlo.splitlines():
+    m = re.search(r"= (\(.*?\)|\S+) all-gather(-start)?\(", line)
+    if m:
+      for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
+        total += _DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+  return total

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import all_gathered_bytes
 from lowcomm_jax import compress, train
 
 
@@ -60,6 +61,13 @@ def test_compressed_run_learns_and_reports_packed_bytes(tmp_path, smoke_config, 
   assert summary["compression_ratio"] > (20 if codec == "demo" else 3)
   assert lines[0]["compression_ratio"] == summary["compression_ratio"]
   assert summary["codec"] == codec
+  # And on the wire: the run's compiled sync all-gathers exactly the workers' payloads
+  # (each device encodes its own; left to XLA, DeMo's chunk top-k gathered dense Δ).
+  deltas, signals = r.abstract_sync_inputs(0)
+  with jax.set_mesh(r.topology.mesh):
+    hlo = jax.jit(r.programs.syncs[0], static_argnames="metrics").lower(
+        r.state_spec.abstract, deltas, signals, metrics=False).compile().as_text()
+  assert all_gathered_bytes(hlo) == config.num_workers * per_round
 
 
 # A codec's error buffers (per worker) come back with the checkpoint: DiLoCo with

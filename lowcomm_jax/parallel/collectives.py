@@ -30,10 +30,18 @@ def mean(tree, axis_name: str = "replica"):
   return _as_one_buffer(lambda x: jax.lax.pmean(x, axis_name), tree)
 
 
-def all_gather(tree, axis_name: str = "replica"):
-  """Every worker's `tree`, stacked on a new leading axis (an all-gather)."""
+def all_gather(tree, axis_name: str | tuple[str, ...] = "replica"):
+  """Every worker's `tree`, stacked on a new leading axis (an all-gather). Over several
+  axes (`parallel.workers.PER_DEVICE`: devices, then each device's workers) the workers are
+  stacked major axis first, the order `axis_index` numbers them in. (jax 0.10.2's
+  all_gather takes no tuple that mixes a vmap axis with a mesh axis: one gather per axis.)"""
   ledger.record("all_gather", tree, jax.lax.axis_size(axis_name))
-  return jax.lax.all_gather(tree, axis_name)
+  if isinstance(axis_name, str):
+    return jax.lax.all_gather(tree, axis_name)
+  for name in reversed(axis_name):  # minor first: [n_major, ..., n_minor, ...]
+    tree = jax.lax.all_gather(tree, name)
+  k = len(axis_name)
+  return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[k:]), tree)
 
 
 def sum(tree, axis_name: str = "replica"):  # noqa: A001 - mirrors lax.psum
