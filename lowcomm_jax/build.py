@@ -119,6 +119,9 @@ def build(config: ml_collections.ConfigDict) -> Run:
   inner_txs = [program_cache.shared(optimizers.inner_optimizer, optimizer,
                                     c.rounds * h.inner_steps) for h in hosts]
   sync = algorithm.sync(c, hosts, model_cfg.d_ff)  # codec, aggregation, robust rule, attack
+  placement = sync.placement_problems(mesh.shape["replica"])
+  if placement:  # before anything is compiled
+    raise config_check.ConfigError(placement)
   collab = c.collab.target_batch_size > 0
   fragments = range(layout.num_fragments)
   # Each fragment has its own aggregator (a codec's error buffers) and outer rule state.
@@ -139,11 +142,13 @@ def build(config: ml_collections.ConfigDict) -> Run:
   syncs = [steps.make_sync(aggregators[s.sync], rules[s.sync], nested=sync.nested,
                            weigh_tokens=sync.weigh_tokens, layout=layout, fragment=s.sync,
                            count=len(segments), last=k == len(segments) - 1,
-                           map_workers=sync.map_workers, attack=sync.attack)
+                           map_workers=sync.map_workers, consensus=sync.consensus,
+                           attack=sync.attack)
            for k, s in enumerate(segments)]
   alpha = algorithm.mix(c)
   keeps_params = algorithm.keeps_worker_params(c)
   worker_rule = algorithm.worker_rule(c)
+  reads_own = worker_rule is not None and worker_rule.reads_sync_state  # NoLoCo's φ_w
   local_programs = [
       [program_cache.shared(
           steps.make_local_segment, loss_of(hosts[i].hidden, local_mesh),
@@ -227,7 +232,8 @@ def build(config: ml_collections.ConfigDict) -> Run:
                                                 loss_of(model_cfg.d_ff, mesh), layout),
                       accumulate=accumulate,
                       overlapped=steps.make_overlapped(syncs[0], local_programs[0][0],
-                                                       reads_rules=worker_rule is not None))
+                                                       reads_rules=worker_rule is not None,
+                                                       reads_own=reads_own))
   programs, init_fn, initial_params = program_cache.same_as_before(
       program_cache.key(c, model_cfg, windows), (programs, init_fn, initial_params))
   run = Run(config=c, algorithm=algorithm, topology=topology, model=model, data=data,
@@ -235,6 +241,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
                                  abstract=abstract_state,
                                  shardings=state_shardings),
             programs=programs, sync=sync, local_reads_rules=worker_rule is not None,
+            local_reads_own=reads_own,
             partitioner=lambda: partitioner(plan), frozen=frozen)
   # Nothing but a LoRA base is allocated yet: refuse in seconds, not at RESOURCE_EXHAUSTED.
   memory.check(run)

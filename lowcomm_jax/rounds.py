@@ -119,7 +119,7 @@ def _round(r: Run, fns: Programs, state, workers, batches_per_host, inner_steps_
   compute = [0.0] * len(r.topology.local_hosts)
   round_metrics = {}
   for k_seg in range(count):
-    view = mesh_lib.local_view(r.local_input(state), r.topology.local_mesh)
+    view = r.local_view(state)
     if timed:  # the previous sync must not count as this segment's compute
       jax.block_until_ready(view)
     deltas = []
@@ -132,8 +132,8 @@ def _round(r: Run, fns: Programs, state, workers, batches_per_host, inner_steps_
         batches = jax.device_put(part, sharding)
         announce_compile(fns.local[k][k_seg], f"the local program for host {i}")
         t0 = time.perf_counter()
-        delta, workers[k], loss_GxS = fns.local[k][k_seg](view, workers[k], batches,
-                                                          worker_ids(r, i))
+        delta, workers[k], loss_GxS = fns.local[k][k_seg](r.host_view(view, k), workers[k],
+                                                          batches, worker_ids(r, i))
         if timed:
           jax.block_until_ready(delta)
           compute[k] += time.perf_counter() - t0

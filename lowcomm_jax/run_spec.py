@@ -5,6 +5,7 @@ drivers' questions (tokens, signals, bytes, shapes). Nothing here builds or comp
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -93,6 +94,7 @@ class Run:
   sync: Sync  # how the workers' Δ become the update (its codec, aggregation, attack)
   # Local programs also read the outer rules' state (the algorithm has a worker rule).
   local_reads_rules: bool = False
+  local_reads_own: bool = False  # local programs read their rows of the per-worker state
   # Enter around compiling and running the run's programs (model/tp.py: GSPMD under TP).
   partitioner: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
   # Weights every program reads and none trains (a LoRA run's base, replicated on the mesh);
@@ -114,7 +116,28 @@ class Run:
 
   def local_input(self, state: steps.TrainState) -> steps.TrainState:
     """What a local program reads of the global state (steps.local_input)."""
-    return steps.local_input(state, self.local_reads_rules)
+    return steps.local_input(state, self.local_reads_rules, self.local_reads_own)
+
+  def local_view(self, state: steps.TrainState) -> steps.TrainState:
+    """`local_input` on this process's mesh, without a copy: the replicated parts as they
+    are, the per-worker outer state (where read) as this process's rows."""
+    view = self.local_input(state)
+    mesh = self.topology.local_mesh
+    if not self.local_reads_own:
+      return mesh_lib.local_view(view, mesh)
+    own = mesh_lib.to_local(view.outer.per_worker, mesh)
+    view = mesh_lib.local_view(view._replace(outer=view.outer._replace(per_worker=())), mesh)
+    return view._replace(outer=view.outer._replace(per_worker=own))
+
+  def host_view(self, view: steps.TrainState, k: int) -> steps.TrainState:
+    """`local_view` for this process's k-th host: its workers' rows of the per-worker state."""
+    local = self.topology.local_hosts
+    if not self.local_reads_own or len(local) == 1:
+      return view
+    sizes = [len(self.topology.hosts[i].worker_ids) for i in local]
+    start = sum(sizes[:k])
+    rows = jax.tree.map(lambda x: x[start:start + sizes[k]], view.outer.per_worker)
+    return view._replace(outer=view.outer._replace(per_worker=rows))
 
   def tokens(self, inner_steps: int, host: int = 0) -> int:
     """Tokens in `inner_steps` inner steps of workers of host `host` (the one way both
@@ -157,13 +180,14 @@ class Run:
 
   def sync_bytes(self) -> list[ledger.CommBytes]:
     """Per-worker bytes of each sync of a round (one per segment), from tracing them
-    (nothing runs)."""
+    (nothing runs). Traced without metrics: a round's training traffic, not what rounds that
+    log add to evaluate (NoLoCo's consensus θ)."""
     out = []
     for segment, sync in zip(self.segments(self.config.inner_steps), self.programs.syncs):
       deltas, signals = self.abstract_sync_inputs(segment.sync)
       with jax.set_mesh(self.topology.mesh):  # a per-device sync maps over its 'replica'
         out.append(program_cache.counted(sync, lambda f: ledger.count_bytes(
-            f, self.state_spec.abstract, deltas, signals)))
+            functools.partial(f, metrics=False), self.state_spec.abstract, deltas, signals)))
     return out
 
   def outer_bytes(self) -> ledger.CommBytes:

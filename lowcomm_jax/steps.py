@@ -130,8 +130,8 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
       return (optax.apply_updates(local_params, updates), opt_state), loss
     return jax.lax.scan(inner_step, (params, opt_state), (batches, keys))
 
-  def worker(global_flat, round_, rule_state, own_flat, opt_state, steps, memory, batches, key,
-             frozen):
+  def worker(global_flat, round_, rule_state, sync_state, own_flat, opt_state, steps, memory,
+             batches, key, frozen):
     global_params = layout.unravel(global_flat)
     if not local_steps:  # DDP: the gradient at θ is the contribution
       loss, grads = _gradient_at(grad_fn, global_params, hidden, narrow, batches[0], key, frozen)
@@ -139,7 +139,7 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
     s = batches.shape[0]
     step_keys = jax.random.split(key, s * count)[index * s:(index + 1) * s]
     if worker_rule is not None:
-      start_flat = worker_rule.start(global_flat, rule_state, memory)
+      start_flat = worker_rule.start(global_flat, rule_state, memory, sync_state)
       (trained, opt_state), losses_s = inner_steps(layout.unravel(start_flat), opt_state,
                                                    batches, step_keys, frozen)
       delta, memory = worker_rule.finish(start_flat, layout.ravel(trained), memory)
@@ -183,15 +183,19 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
             *, frozen=()):
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(round_key(state), worker_ids_G)
     rule_state = state.outer.per_fragment[0] if worker_rule is not None else ()
+    # The host's own rows [G] of the sync's per-worker state (NoLoCo's φ_w).
+    reads_own = worker_rule is not None and worker_rule.reads_sync_state
+    sync_state = state.outer.per_worker[0] if reads_own else ()
     if not local_steps:
       own, opt_state, steps, memory = (), (), (), ()
-      in_axes = (None, None, None, None, None, None, None, 0, 0, None)
+      in_axes = (None, None, None, None, None, None, None, None, 0, 0, None)
     else:
       own, opt_state, steps, memory = workers
-      in_axes = (None, None, None, 0 if keeps_params else None, 0, 0, 0, 0, 0, None)
+      in_axes = (None, None, None, 0 if reads_own else None, 0 if keeps_params else None,
+                 0, 0, 0, 0, 0, None)
     delta, workers, losses = jax.vmap(
         worker, in_axes=in_axes, axis_name=axis_name, spmd_axis_name=axis_name)(
-            state.params, state.round, rule_state, own, opt_state, steps, memory,
+            state.params, state.round, rule_state, sync_state, own, opt_state, steps, memory,
             batches_GxSxBxL1, keys, frozen)
     return delta, workers, losses
 
@@ -227,7 +231,7 @@ def make_accumulate(loss_fn: LossFn, *, hidden: int, d_ff: int, layout: ParamLay
 def make_sync(aggregator: optax.GradientTransformationExtraArgs,
               rule: optax.GradientTransformation, *, nested: bool, weigh_tokens: bool,
               layout: ParamLayout, fragment: int, count: int, last: bool,
-              map_workers=None, attack=None):
+              map_workers=None, consensus=None, attack=None):
   """`sync(state, Δ[R, N_p], signals, metrics) -> (state, metrics)`: fragment p's global
   program. Aggregates the workers' Δ of the fragment, applies its outer rule to θ_p and,
   in the round's `last` sync, advances the round.
@@ -240,6 +244,9 @@ def make_sync(aggregator: optax.GradientTransformationExtraArgs,
 
   `map_workers(fn, in_axes, out_axes)` maps one worker's part over the stacked workers
   (`Sync.map_workers`; by default vmap over 'replica', whose axis the aggregator names).
+  With `consensus` (`Sync.consensus`: the workers keep their own outer weights in the
+  aggregator's state) θ_p is set from the new per-worker state on rounds with `metrics`
+  (the rounds that log, evaluate or checkpoint), and left as it was otherwise.
 
   With `metrics` (static; the runner asks on rounds that log, evaluate or checkpoint) it
   also returns every worker's train loss and the parameter and update norms. Without, the
@@ -286,6 +293,8 @@ def make_sync(aggregator: optax.GradientTransformationExtraArgs,
             params, outer.per_worker[fragment], outer.per_fragment[fragment], deltas_R,
             signals.hidden, weight_R, all_weights, totals, state.round * count + fragment,
             signals.loss, state.params)
+    if consensus is not None and metrics:
+      new_part = consensus(agg_state)
     new_params = layout.fragment_update(state.params, new_part, fragment)
     outer = OuterState(_replace(outer.per_worker, fragment, agg_state),
                        _replace(outer.per_fragment, fragment, rule_state))
@@ -333,20 +342,25 @@ def _replace(parts: tuple, i: int, value) -> tuple:
   return parts[:i] + (value,) + parts[i + 1:]
 
 
-def local_input(state: TrainState, reads_rules: bool) -> TrainState:
+def local_input(state: TrainState, reads_rules: bool, reads_own: bool = False) -> TrainState:
   """What a local program reads of the global state: θ and the round key, and the outer
   rules' (replicated) state where the algorithm's workers start from it (`reads_rules`:
-  eager updates); never the per-worker outer state."""
-  return state._replace(outer=OuterState((), state.outer.per_fragment) if reads_rules else ())
+  eager updates), and the per-worker outer state where they start from their own row of it
+  (`reads_own`: NoLoCo; every worker's here, the runner gives each host its rows)."""
+  if not (reads_rules or reads_own):
+    return state._replace(outer=())
+  return state._replace(outer=OuterState(state.outer.per_worker if reads_own else (),
+                                         state.outer.per_fragment))
 
 
-def make_overlapped(sync, local, *, reads_rules: bool):
+def make_overlapped(sync, local, *, reads_rules: bool, reads_own: bool = False):
   """`overlapped(state, held Δ_R, held signals, workers_R, batches_R, ids_R, metrics, frozen)`
   -> (state, the held sync's metrics, Δ_R, workers_R, mean train loss_R): a held sync and
   the next round's local steps in one program (rounds.jitted_overlapped jits it)."""
   def overlapped(state, deltas_R, signals, workers, batches, ids, metrics, frozen):
     state, sync_metrics = sync(state, deltas_R, signals, metrics=metrics)
-    delta, workers, losses_RxS = local(local_input(state, reads_rules), workers, batches, ids,
+    delta, workers, losses_RxS = local(local_input(state, reads_rules, reads_own), workers,
+                                       batches, ids,
                                        frozen=frozen)
     return state, sync_metrics, delta, workers, losses_RxS.mean(axis=1)
   return overlapped

@@ -42,6 +42,10 @@ def robust_combination(config: ml_collections.ConfigDict) -> bool:
 
 class Sync:
   """The config-driven sync of a run whose hosts train `d_ff`-wide models or narrower."""
+  # `consensus(per-worker state [R, ...]) -> θ_p`, for syncs whose workers keep their own
+  # outer weights in the aggregator's state (NoLoCo): θ on rounds that read it. None: the
+  # outer rule moves θ.
+  consensus = None
 
   def __init__(self, config: ml_collections.ConfigDict, hosts, d_ff: int):
     c = config
@@ -73,6 +77,11 @@ class Sync:
     if self.nested:
       return tree_view(aggregate.nested_mean(axes), layout)
     return optax.with_extra_args_support(aggregate.replica_mean(axes))
+
+  def placement_problems(self, replica_devices: int) -> list[str]:
+    """What stops this sync on `replica_devices` devices holding the workers, each
+    'field=value: fix'. The config-driven sync runs on any."""
+    return []
 
   def map_workers(self, fn, in_axes: tuple, out_axes: tuple):
     """`fn` (one worker's part of the sync) over the stacked workers, so that the

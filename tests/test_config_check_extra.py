@@ -156,7 +156,7 @@ def test_memory_estimate_counts_adamw_states_and_codec_buffers(smoke_config):
     # never of its name: each message names the algorithms that do qualify.
     ({"algorithm": "async", "sim.enabled": True, "attack.workers": (1,)},
      "attack.workers=(1,): attacks are applied in synchronous syncs; use one of ['ddp', "
-     "'diloco', 'streaming', 'one_step_delay', 'eager', 'overlap']"),
+     "'diloco', 'streaming', 'one_step_delay', 'eager', 'overlap', 'noloco']"),
     ({"collab.target_batch_size": 32, "data.batch_mode": "different"},
      "algorithm='diloco': collaborative epochs average gradients at θ and take one optimizer "
      "step per epoch; use --config.algorithm=ddp (or set --config.collab.target_batch_size=0)"),

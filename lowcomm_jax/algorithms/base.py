@@ -41,13 +41,16 @@ class Segment:
 
 class WorkerRule(Protocol):
   """Where a worker starts each round and what it sends, for algorithms whose workers do not
-  simply start from θ (eager updates). Flat vectors; `memory` is the worker's own state
-  (steps.WorkerState.memory), `rule_state` the fragment's outer rule state (replicated)."""
+  simply start from θ (eager updates, NoLoCo). Flat vectors; `memory` is the worker's own
+  state (steps.WorkerState.memory), `rule_state` the fragment's outer rule state
+  (replicated), `sync_state` the worker's own row of the sync's per-worker state where
+  `reads_sync_state` (NoLoCo's φ_w; () otherwise)."""
+  reads_sync_state: bool = False
 
   def init(self, flat_params: jax.Array) -> Any:
     """A fresh worker's memory."""
 
-  def start(self, flat_params: jax.Array, rule_state, memory) -> jax.Array:
+  def start(self, flat_params: jax.Array, rule_state, memory, sync_state) -> jax.Array:
     """The parameters the worker's round starts from."""
 
   def finish(self, start: jax.Array, trained: jax.Array, memory) -> tuple[jax.Array, Any]:

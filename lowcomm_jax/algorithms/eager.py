@@ -46,7 +46,9 @@ class EagerWorkers:
     zeros = optax.tree.zeros_like(flat_params)
     return EagerMemory(zeros, zeros)
 
-  def start(self, flat_params, rule_state, memory):
+  reads_sync_state = False
+
+  def start(self, flat_params, rule_state, memory, sync_state=()):
     proxy = rule_state.applied + (memory.last - memory.before) / self.num_workers
     updates, _ = self.rule.update(proxy, rule_state.rule, flat_params)  # tentative
     return optax.apply_updates(flat_params, updates)

@@ -48,3 +48,22 @@ def sum(tree, axis_name: str = "replica"):  # noqa: A001 - mirrors lax.psum
   """Sum of `tree` over all workers on `axis_name` (an all-reduce)."""
   ledger.record("all_reduce", tree, jax.lax.axis_size(axis_name))
   return _as_one_buffer(lambda x: jax.lax.psum(x, axis_name), tree)
+
+
+def permute(tree, axis_name: str | tuple[str, ...], pool, choice) -> object:
+  """Each worker's `tree` sent to one peer and one peer's received (a collective-permute),
+  by pairing `pool[choice]`: `pool` lists pairings, each (source, destination) worker
+  indices with every worker at most once on each side (fixed when the program compiles);
+  `choice` (traced, the same on every worker) picks this call's. A worker that receives
+  nothing gets zeros. Over `PER_DEVICE`'s two axes one of them must hold a single worker:
+  jax 0.10.2's ppermute takes no tuple that mixes a vmap axis with a mesh axis."""
+  ledger.record("permute", tree, jax.lax.axis_size(axis_name))  # once, whichever is chosen
+  if not isinstance(axis_name, str):
+    spread = [name for name in axis_name if jax.lax.axis_size(name) > 1]
+    if len(spread) > 1:
+      raise ValueError(f"a permute over {axis_name} needs one worker per device or every "
+                       "worker on one device")
+    axis_name = spread[0] if spread else axis_name[-1]
+  branches = [lambda x, pairs=tuple(pairs): jax.lax.ppermute(x, axis_name, pairs)
+              for pairs in pool]
+  return jax.lax.switch(choice, branches, tree) if len(branches) > 1 else branches[0](tree)

@@ -7,7 +7,8 @@ the count is per worker by construction.
 
 Accounting convention (the logical payload, independent of the collective's algorithm):
   * all-reduce (mean): a worker sends its payload once and receives the reduced payload once;
-  * all-gather: a worker sends its payload once and receives the other R-1 payloads.
+  * all-gather: a worker sends its payload once and receives the other R-1 payloads;
+  * permute: a worker sends its payload to one peer and receives one peer's.
 A ring all-reduce moves 2(R-1)/R times the payload per worker on the wire; that transport
 factor is a property of the fabric, reported separately where it matters.
 """
@@ -50,6 +51,8 @@ def record(kind: str, payload, group_size: int) -> None:
     log.append(CommBytes(sent=n, received=n))
   elif kind == "all_gather":
     log.append(CommBytes(sent=n, received=n * (group_size - 1)))
+  elif kind == "permute":  # to one peer, from one peer (gossip)
+    log.append(CommBytes(sent=n, received=n))
   else:
     raise ValueError(f"unknown collective kind {kind!r}")
 

@@ -1,0 +1,173 @@
+"""NoLoCo (Kolehmainen et al. 2025, "NoLoCo: No-all-reduce Low Communication Training Method
+for Large Models", arXiv 2506.10911): DiLoCo without the all-reduce. Every worker i keeps
+its own outer weights φ_i and momentum δ_i. After its H inner steps from φ_i it meets one
+random peer (a group G of 2, new every round). With Δ_j = φ_j − θ_j (its pseudo-gradient,
+θ_j its weights after the inner steps), α = outer.momentum and β = γ = outer.lr, each applies
+
+    δ_i ← α·δ_i − β·mean_{j∈G} Δ_j − γ·(φ_i − mean_{j∈G} φ_j)
+    φ_i ← φ_i + δ_i
+
+The last term pulls the replicas together: it is what keeps them aligned without a global
+average. Read from the authors' code (github.com/jkolehm/noloco, src/noloco/
+sparse_optimizer_c.py: groups from a random permutation per outer step, both means over the
+group, γ = β; it sends φ_j and Δ_j); the paper's html was read only to its abstract.
+Heavy-ball momentum as there, not DiLoCo's Nesterov. With γ = β the two means combine:
+β·mean Δ_j + β·(φ_i − mean φ_j) = β·(φ_i − mean θ_j), so the peers exchange θ_j alone,
+half the bytes (the same maths; the rounding of the sum differs).
+
+Here: φ_i and δ_i are the sync's per-worker state (checkpointed with it, split over the
+'replica' devices); workers start each round from their own φ_i (`NoLoCoWorkers`). The
+exchange is one collective-permute per round (θ_j to and from the peer), never an
+all-reduce: ledger.CommBytes(sent=N, received=N) per worker for N float32 parameters, as
+much as DiLoCo's all-reduce counts.
+Peers come from a pool of `POOL` random pairings drawn from the seed (a permute's pairs are
+fixed when the program compiles), one drawn per round from the round key. θ is the
+replicas' mean, computed only on rounds that log, evaluate or checkpoint (an all-reduce for
+evaluation, outside the ledger's training bytes); no worker reads it.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from lowcomm_jax import compress
+from lowcomm_jax.algorithms.base import Algorithm, field_problem
+from lowcomm_jax.parallel import collectives, workers
+from lowcomm_jax.sync import Sync
+
+GROUP = 2  # a worker and one random peer
+POOL = 8  # random pairings compiled into the sync; one is drawn per round
+
+
+class NoLoCoState(NamedTuple):
+  phi: jax.Array  # φ_i: this worker's outer weights (flat fragment)
+  momentum: jax.Array  # δ_i
+
+
+def pairings(num_workers: int, seed: int, pool: int = POOL) -> list[list[tuple[int, int]]]:
+  """`pool` random partitions of the workers into pairs, each as the (source, destination)
+  list of one permute that swaps every pair."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(pool):
+    order = [int(w) for w in rng.permutation(num_workers)]
+    pairs = []
+    for a, b in zip(order[0::2], order[1::2]):
+      pairs += [(a, b), (b, a)]
+    out.append(pairs)
+  return out
+
+
+def gossip(num_workers: int, lr: float, momentum: float, seed: int,
+           axis_name=workers.PER_DEVICE) -> optax.GradientTransformationExtraArgs:
+  """The per-worker outer step above, as an aggregator: `update(Δ_i, state_i, θ,
+  round_index=t)` returns (a zero update of θ, the worker's new (φ_i, δ_i))."""
+  pools = pairings(num_workers, seed)
+
+  def init_fn(params):
+    return NoLoCoState(params, jnp.zeros_like(params))
+
+  def update_fn(delta, state, params=None, *, round_index=None, **extra_args):
+    del extra_args
+    draw = jax.random.randint(jax.random.fold_in(jax.random.key(seed), round_index), (), 0,
+                              len(pools))
+    trained = state.phi - delta  # θ_i: where the worker's inner steps took it
+    pair_mean = (trained + collectives.permute(trained, axis_name, pools, draw)) / GROUP
+    step = momentum * state.momentum - lr * (state.phi - pair_mean)
+    # θ is not moved here (`Sync.consensus` sets it on rounds that read it); the zero derives
+    # from θ, not from per-worker state, so it leaves the map unmapped.
+    return jnp.zeros_like(params), NoLoCoState(state.phi + step, step)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class GossipSync(Sync):
+  """NoLoCo's sync: the gossip as the aggregator, each device mapping its own worker (a
+  permute's peers are devices), θ the replicas' mean when asked."""
+
+  def __init__(self, config, hosts, d_ff):
+    super().__init__(config, hosts, d_ff)
+    self.per_device = True
+
+  def aggregator(self, layout):
+    c = self.config
+    return gossip(c.num_workers, c.outer.lr, c.outer.momentum, c.seed)
+
+  def consensus(self, per_worker_state: NoLoCoState) -> jax.Array:
+    return per_worker_state.phi.mean(axis=0)
+
+  def placement_problems(self, replica_devices):
+    per_device = self.config.num_workers // replica_devices
+    if replica_devices > 1 and per_device > 1:  # collectives.permute: one axis or the other
+      return [field_problem(self.config, "num_workers", f"NoLoCo's peers swap models device "
+                            f"to device: {per_device} workers on each of {replica_devices} "
+                            "devices cannot; use one worker per device, or every worker on "
+                            "one device (--config.mesh.replica=1)")]
+    return []
+
+
+class NoLoCoWorkers:
+  """algorithms.base.WorkerRule: each worker starts from its own φ_i and sends its drift."""
+  reads_sync_state = True
+
+  def init(self, flat_params):
+    return ()
+
+  def start(self, flat_params, rule_state, memory, sync_state: NoLoCoState):
+    return sync_state.phi
+
+  def finish(self, start, trained, memory):
+    return start - trained, memory
+
+
+class NoLoCo(Algorithm):
+  name = "noloco"
+  summary = ("DiLoCo without the all-reduce: each worker keeps its own outer weights and "
+             "momentum and averages with one random peer per round")
+  robust_aggregation = False  # no gather: each worker sees one peer
+
+  def problems(self, c):
+    out = []
+    if c.num_workers < GROUP or c.num_workers % GROUP:
+      out.append(field_problem(c, "num_workers", f"NoLoCo pairs the workers: use an even "
+                               f"number >= {GROUP}"))
+    if any(row.get("tier", 1.0) != 1.0 for row in c.hosts):
+      out.append(field_problem(c, "hosts", "NoLoCo's peers average whole models; use "
+                               "full-width hosts (tier 1.0)"))
+    if compress.declared(c.compress.codec) is not None:
+      out.append(field_problem(c, "compress.codec", "NoLoCo sends its peer Δ and φ as they "
+                               "are; use 'none'"))
+    if c.aggregate.weighting != "uniform":
+      out.append(field_problem(c, "aggregate.weighting", "NoLoCo's pair mean is unweighted; "
+                               "use 'uniform'"))
+    if c.collab.target_batch_size > 0:
+      out.append(field_problem(c, "collab.target_batch_size", "collaborative epochs average "
+                               "over every peer; use 0 with NoLoCo"))
+    if c.model.tp.size != 1:
+      out.append(field_problem(c, "model.tp.size", "NoLoCo's per-device sync runs without "
+                               "tensor parallelism; use 1"))
+    if c.sim.enabled:
+      out.append(field_problem(c, "sim.enabled", "NoLoCo runs in the runner only so far; "
+                               "use False"))
+    if c.outer.dylu:
+      out.append(field_problem(c, "outer.dylu", "NoLoCo's rounds are lockstep pairs; use "
+                               "False"))
+    return out
+
+  def keeps_worker_params(self, c) -> bool:
+    return False  # φ_i lives in the sync's per-worker state
+
+  def sync(self, c, hosts, d_ff) -> Sync:
+    return GossipSync(c, hosts, d_ff)
+
+  def outer_rule(self, c, inner_tx, layout) -> optax.GradientTransformation:
+    return optax.identity()  # the step is the gossip's, per worker
+
+  def worker_rule(self, c) -> NoLoCoWorkers:
+    return NoLoCoWorkers()
+
+
+ALGORITHM = NoLoCo()
