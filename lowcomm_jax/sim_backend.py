@@ -60,6 +60,7 @@ class SimBackend:
     self.rules = r.algorithm.server_rules(c, plan)
     # The runner's own jitted programs (rounds.jitted_steps): one per segment of a round.
     self.local_programs, self.syncs = programs.local[0], programs.syncs
+    self._consensus = jax.jit(r.sync.consensus) if r.sync.consensus is not None else None
     # Batches and worker ids placed as the runner places them (rounds._round): a program
     # traced and compiled for one serves the other in the same process.
     self._batches_on = mesh_lib.round_batches(r.topology.local_mesh)
@@ -291,4 +292,9 @@ class SimBackend:
     self.codec_states = tree.get("codec", ())
 
   def global_params(self):
-    return self.servers[GLOBAL]["params"]
+    """θ: the global server's, or where the workers keep their own outer weights (NoLoCo)
+    their consensus, as the runner evaluates it."""
+    g = self.servers[GLOBAL]
+    if self.r.sync.consensus is None:
+      return g["params"]
+    return self._consensus(g["opt_state"].per_worker[0])

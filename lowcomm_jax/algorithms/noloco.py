@@ -23,7 +23,9 @@ much as DiLoCo's all-reduce counts.
 Peers come from a pool of `POOL` random pairings drawn from the seed (a permute's pairs are
 fixed when the program compiles), one drawn per round from the round key. θ is the
 replicas' mean, computed only on rounds that log, evaluate or checkpoint (an all-reduce for
-evaluation, outside the ledger's training bytes); no worker reads it.
+evaluation, outside the ledger's training bytes); no worker reads it. In the simulator a
+pair waits for its own slower member and their swap over the link between their regions,
+not for the slowest worker (sim/schedules.GossipRounds); the math is the runner's sync.
 """
 
 from typing import NamedTuple
@@ -61,6 +63,17 @@ def pairings(num_workers: int, seed: int, pool: int = POOL) -> list[list[tuple[i
   return out
 
 
+def drawn_pairing(seed: int, round_index, pool: int = POOL):
+  """Which of the pool's pairings round `round_index` uses (the same on every worker)."""
+  return jax.random.randint(jax.random.fold_in(jax.random.key(seed), round_index), (), 0, pool)
+
+
+def peers(num_workers: int, seed: int, round_index: int) -> list[int]:
+  """Each worker's peer in round `round_index` (the simulator's schedule asks)."""
+  pairs = pairings(num_workers, seed)[int(drawn_pairing(seed, round_index))]
+  return [dst for _, dst in sorted(pairs)]
+
+
 def gossip(num_workers: int, lr: float, momentum: float, seed: int,
            axis_name=workers.PER_DEVICE) -> optax.GradientTransformationExtraArgs:
   """The per-worker outer step above, as an aggregator: `update(Δ_i, state_i, θ,
@@ -72,8 +85,7 @@ def gossip(num_workers: int, lr: float, momentum: float, seed: int,
 
   def update_fn(delta, state, params=None, *, round_index=None, **extra_args):
     del extra_args
-    draw = jax.random.randint(jax.random.fold_in(jax.random.key(seed), round_index), (), 0,
-                              len(pools))
+    draw = drawn_pairing(seed, round_index, len(pools))
     trained = state.phi - delta  # θ_i: where the worker's inner steps took it
     pair_mean = (trained + collectives.permute(trained, axis_name, pools, draw)) / GROUP
     step = momentum * state.momentum - lr * (state.phi - pair_mean)
@@ -149,9 +161,6 @@ class NoLoCo(Algorithm):
     if c.model.tp.size != 1:
       out.append(field_problem(c, "model.tp.size", "NoLoCo's per-device sync runs without "
                                "tensor parallelism; use 1"))
-    if c.sim.enabled:
-      out.append(field_problem(c, "sim.enabled", "NoLoCo runs in the runner only so far; "
-                               "use False"))
     if c.outer.dylu:
       out.append(field_problem(c, "outer.dylu", "NoLoCo's rounds are lockstep pairs; use "
                                "False"))
@@ -168,6 +177,11 @@ class NoLoCo(Algorithm):
 
   def worker_rule(self, c) -> NoLoCoWorkers:
     return NoLoCoWorkers()
+
+  def schedule(self, plan, backend):
+    from lowcomm_jax.sim.schedules import GossipRounds
+    seed = backend.config.seed
+    return GossipRounds(plan, backend, lambda t: peers(plan.num_workers, seed, t))
 
 
 ALGORITHM = NoLoCo()

@@ -210,6 +210,47 @@ class SyncRounds(Schedule):
     return self.backend.version(GLOBAL)
 
 
+class GossipRounds(SyncRounds):
+  """Rounds without a global collective (NoLoCo): after its round-t job each worker swaps
+  `delta_bytes` with its round's peer (`peers(t)[w]`) over the link between their regions,
+  both ways at once, and starts round t+1 when the peer's message has arrived. A pair waits
+  for its own slower member only, not for the slowest worker. With r_w the time worker w
+  starts round t, c_w its compute and p its peer,
+
+      r'_w = max(r_w + c_w, r_p + c_p) + transfer(region_p → region_w, delta_bytes)
+
+  The math is the lockstep sync's (a pair's step reads only the pair's round-t state), run
+  when the round's last exchange is done; jobs carry their own start times."""
+
+  def __init__(self, plan: Plan, backend: Backend, peers):
+    Schedule.__init__(self, plan, backend)
+    self.peers = peers  # round -> [peer of each worker]
+    self.ready = [0.0] * plan.num_workers  # when each worker starts its next round
+
+  def _begin_round(self, loop: EventLoop) -> None:
+    p, net = self.plan, self.plan.network
+    t = self.backend.version(GLOBAL)
+    jobs = [self._new_job(loop, w, GLOBAL, p.inner_steps[w]) for w in range(p.num_workers)]
+    for job in jobs:
+      job.start = self.ready[job.worker]
+    finish = [self.ready[j.worker] + j.compute_seconds for j in jobs]
+    peer = self.peers(t)
+    if p.num_workers > 1:
+      self.acct.bytes_sent += p.num_workers * p.delta_bytes
+    region = net.worker_region
+    self.ready = [max(finish[w], finish[peer[w]])
+                  + net.transfer_seconds(region[peer[w]], region[w], p.delta_bytes)
+                  for w in range(p.num_workers)]
+    loop.schedule(max(self.ready), "round_end", jobs=[dataclasses.asdict(j) for j in jobs])
+
+  def state_dict(self) -> dict:
+    return {**super().state_dict(), "ready": self.ready}
+
+  def load_state(self, state: dict) -> None:
+    super().load_state(state)
+    self.ready = state["ready"]
+
+
 class StreamingRounds(SyncRounds):
   """Streaming DiLoCo: a round is P segments of H/P steps; segment k ends with fragment k's
   ring all-reduce. The wire carries one fragment at a time, and the workers go on computing

@@ -245,3 +245,33 @@ def test_streaming_segments_hide_transfers_behind_tau_steps(tau, expected):
       ("sync_segment", k, 2) for k in (0, 1, 0, 1)]
   assert schedule.acct.applied_steps == 2 * 2 * 4 and schedule.progress() == 2
   assert schedule.acct.bytes_sent == 4 * 2  # each segment: both workers send one fragment
+
+
+def test_gossip_rounds_wait_only_for_the_peer():
+  # Computes of H = 2 take 2, 2, 4, 4 s; a swap of 1 byte with a peer takes 1 s each way at
+  # once. Fixed pairs (0,1), (2,3): the fast pair runs ahead of the slow one.
+  from lowcomm_jax.sim.schedules import GossipRounds
+
+  def run(peers):
+    backend, loop = FakeBackend(), EventLoop()
+    schedule = GossipRounds(_plan([1.0, 1.0, 0.5, 0.5]), backend, peers)
+    schedule.start(loop)
+    times = []
+    while len(loop):
+      for event in loop.pop_simultaneous():
+        schedule.handle(event, loop)
+        times.append(loop.now)
+    return schedule, backend, times
+
+  schedule, backend, times = run(lambda t: [1, 0, 3, 2])
+  assert times == [5.0, 10.0]  # the slow pair's round ends; the fast pair was ready at 3, 6
+  assert schedule.ready == [6.0, 6.0, 10.0, 10.0]
+  assert [c for c in backend.calls if c[0] == "sync"] == [("sync", 4)] * 2
+  assert schedule.acct.bytes_sent == 2 * 4
+  # Pairs change in round 2, (0,2), (1,3): the fast workers then wait for a slow peer.
+  schedule, _, times = run(lambda t: [1, 0, 3, 2] if t == 0 else [2, 3, 0, 1])
+  assert times == [5.0, 10.0] and schedule.ready == [10.0] * 4
+  # A checkpointed schedule resumes with its per-worker clocks.
+  again = GossipRounds(_plan([1.0] * 4), FakeBackend(), lambda t: [1, 0, 3, 2])
+  again.load_state(schedule.state_dict())
+  assert again.ready == schedule.ready
