@@ -36,11 +36,14 @@ SEEDS = (0, 1, 2)
 def run(method: str, lr: float, seed: int) -> dict:
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
   with tempfile.TemporaryDirectory() as tmp:
-    subprocess.run([sys.executable, "-m", "lowcomm_jax.main", "--config=configs/sim_geo.py:diloco",
-                    f"--config.algorithm={method}", f"--config.outer.lr={lr}",
-                    f"--config.seed={seed}", *COMMON, f"--workdir={tmp}"],
-                   cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.PIPE)
+    done = subprocess.run([sys.executable, "-m", "lowcomm_jax.main",
+                           "--config=configs/sim_geo.py:diloco",
+                           f"--config.algorithm={method}", f"--config.outer.lr={lr}",
+                           f"--config.seed={seed}", *COMMON, f"--workdir={tmp}"],
+                          cwd=ROOT, env=env, check=False, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+      raise SystemExit(f"{method} lr={lr} seed={seed} failed:\n{done.stderr[-2000:]}")
     s = json.loads((pathlib.Path(tmp) / "summary.json").read_text())
   return {"method": method, "lr": lr, "seed": seed, "eval_loss": s["eval_loss"],
           "virtual_seconds": s["virtual_seconds"], "bytes_sent": s["bytes_sent"],

@@ -17,6 +17,7 @@ def get_config() -> ml_collections.ConfigDict:
   # | 'one_step_delay' (the outer step applies the previous round's mean, this one's travels)
   # | 'eager' (one_step_delay, each worker starting from a proxy step with its own fresh Δ)
   # | 'overlap' (Overlap Local-SGD: workers pull back toward an anchor that trails the average)
+  # | 'noloco' (no all-reduce: each worker keeps its own outer weights, swaps with a random peer)
   # | in the simulator also 'async' (outer Nesterov per arrival) | 'async_dn' (Delayed Nesterov)
   # | 'halos' (lowcomm_jax/algorithms/)
   c.num_workers = 4  # workers (replicas); each has its own data stream and inner optimizer state
