@@ -132,6 +132,25 @@ def checkpointed_state(config, workdir, run=None):
   return (state, workers), data
 
 
+def assert_run_resumes_exactly(config, tmp_path, stop_after_rounds: int):
+  """`config` trained straight and stopped after `stop_after_rounds` then resumed: the same
+  summary (losses, bytes) and the same checkpointed global state, worker states and data
+  streams, bit for bit. Returns (the straight run's summary, its checkpointed global
+  state)."""
+  import jax
+  from lowcomm_jax import train
+  straight = train.run(config, tmp_path / "straight")
+  stopped = train.run(config, tmp_path / "resumed", stop_after_rounds=stop_after_rounds)
+  assert stopped == {"stopped_at_round": stop_after_rounds}
+  resumed = train.run(config, tmp_path / "resumed")
+  for key in ("eval_loss", "train_loss", "bytes_sent", "bytes_received"):
+    assert resumed[key] == straight[key], key
+  (a, wa), da = checkpointed_state(config, tmp_path / "straight")
+  (b, wb), db = checkpointed_state(config, tmp_path / "resumed")
+  jax.tree.map(np.testing.assert_array_equal, (a, wa, da), (b, wb, db))
+  return straight, a
+
+
 def assert_simulation_resumes_exactly(config, whole_dir, whole_summary, split_dir,
                                       stop_after_checkpoints: int = 1):
   """`config` simulated again in `split_dir`, stopped after that many checkpoints and

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from conftest import checkpointed_state
-from lowcomm_jax import config_check, train
+from conftest import assert_run_resumes_exactly
+from lowcomm_jax import config_check
 from lowcomm_jax.algorithms import noloco
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib, workers
 
@@ -79,14 +79,7 @@ def test_a_noloco_run_keeps_a_model_per_worker_learns_and_resumes_exactly(tmp_pa
                                                                           smoke_config):
   config = smoke_config(algorithm="noloco", num_workers=4, rounds=3, checkpoint_every=1,
                         eval_every=3, log_every=1)
-  straight = train.run(config, tmp_path / "straight")
-  assert train.run(config, tmp_path / "resumed", stop_after_rounds=2) == {"stopped_at_round": 2}
-  resumed = train.run(config, tmp_path / "resumed")
-  for key in ("eval_loss", "train_loss", "bytes_sent", "bytes_received"):
-    assert resumed[key] == straight[key], key
-  (a, wa), da = checkpointed_state(config, tmp_path / "straight")
-  (b, wb), db = checkpointed_state(config, tmp_path / "resumed")
-  jax.tree.map(np.testing.assert_array_equal, (a, wa, da), (b, wb, db))
+  straight, a = assert_run_resumes_exactly(config, tmp_path, stop_after_rounds=2)
   # One model per worker, apart (no global average) yet close (the pull toward the peer);
   # θ, what is evaluated and checkpointed, is their mean.
   phi = np.asarray(a.outer.per_worker[0].phi)
