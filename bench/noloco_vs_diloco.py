@@ -29,7 +29,7 @@ COMMON = ["--config.model.name=tiny", "--config.data.tokenizer=byte",
           "--config.checkpoint_every=20", "--config.outer.momentum=0.9",
           f"--config.sim.network.bytes_scale={124_000_000 / TINY_PARAMS:.1f}"]
 METHODS = ("diloco", "noloco")
-LRS = (0.5, 0.7, 1.0)
+LRS = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0)
 SEEDS = (0, 1, 2)
 
 
