@@ -39,14 +39,14 @@ class EagerMemory(NamedTuple):
 class EagerWorkers:
   """algorithms.base.WorkerRule for eager updates."""
 
+  reads_sync_state = False
+
   def __init__(self, rule: optax.GradientTransformation, num_workers: int):
     self.rule, self.num_workers = rule, num_workers
 
   def init(self, flat_params):
     zeros = optax.tree.zeros_like(flat_params)
     return EagerMemory(zeros, zeros)
-
-  reads_sync_state = False
 
   def start(self, flat_params, rule_state, memory, sync_state=()):
     proxy = rule_state.applied + (memory.last - memory.before) / self.num_workers

@@ -150,8 +150,8 @@ class NoLoCo(Algorithm):
       out.append(field_problem(c, "hosts", "NoLoCo's peers average whole models; use "
                                "full-width hosts (tier 1.0)"))
     if compress.declared(c.compress.codec) is not None:
-      out.append(field_problem(c, "compress.codec", "NoLoCo sends its peer Δ and φ as they "
-                               "are; use 'none'"))
+      out.append(field_problem(c, "compress.codec", "NoLoCo swaps trained models with a peer "
+                               "as they are; use 'none'"))
     if c.aggregate.weighting != "uniform":
       out.append(field_problem(c, "aggregate.weighting", "NoLoCo's pair mean is unweighted; "
                                "use 'uniform'"))
