@@ -119,7 +119,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
   inner_txs = [program_cache.shared(optimizers.inner_optimizer, optimizer,
                                     c.rounds * h.inner_steps) for h in hosts]
   sync = algorithm.sync(c, hosts, model_cfg.d_ff)  # codec, aggregation, robust rule, attack
-  placement = sync.placement_problems(mesh.shape["replica"])
+  placement = sync.place(mesh.shape["replica"])
   if placement:  # before anything is compiled
     raise config_check.ConfigError(placement)
   collab = c.collab.target_batch_size > 0

@@ -13,9 +13,10 @@ Today's choice, from the config:
   workers are weighted by tokens, and the plain all-reduce mean otherwise.
 Attacks (`attack.*`, tests and benchmarks) replace what the listed workers send first.
 
-With a codec the sync maps its workers per device (`per_device`, parallel/workers.py): each
-device encodes its own workers' Δ, and only their payloads cross devices. Left to XLA's
-partitioner, top-k, random-k and DeMo all-gathered the dense Δ, 100x the payload.
+With a codec, on workers spread over several devices, the sync maps its workers per device
+(`per_device`, parallel/workers.py): each device encodes its own workers' Δ, and only their
+payloads cross devices. Left to XLA's partitioner, top-k, random-k and DeMo all-gathered the
+dense Δ, 100x the payload. On one device nothing crosses, and the vmap's program stays.
 """
 
 import ml_collections
@@ -56,9 +57,7 @@ class Sync:
     # token counts), as token weighting does.
     self.weigh_tokens = c.collab.target_batch_size > 0 or c.aggregate.weighting == "tokens"
     self.robust = robust_combination(c)
-    self.per_device = self.codec is not None  # `map_workers`: encode where the Δ lives
-    axes = workers.PER_DEVICE if self.per_device else workers.REPLICA
-    self.axis_name = axes  # what the aggregator's collectives span
+    self.place(replica_devices=2)  # until the runner places it: as on several devices
     self.attack = aggregate.make_attack(tuple(c.attack.workers), c.attack.kind,
                                         c.attack.scale, c.num_workers)
 
@@ -78,9 +77,13 @@ class Sync:
       return tree_view(aggregate.nested_mean(axes), layout)
     return optax.with_extra_args_support(aggregate.replica_mean(axes))
 
-  def placement_problems(self, replica_devices: int) -> list[str]:
-    """What stops this sync on `replica_devices` devices holding the workers, each
-    'field=value: fix'. The config-driven sync runs on any."""
+  def place(self, replica_devices: int) -> list[str]:
+    """Settles how the sync maps its workers once the mesh is known (`replica_devices`
+    devices hold them; before its aggregators are built), and returns what stops it there,
+    each 'field=value: fix'. The config-driven sync runs on any: per device where a codec
+    encodes and the workers span devices (`map_workers`: encode where the Δ lives)."""
+    self.per_device = self.codec is not None and replica_devices > 1
+    self.axis_name = workers.PER_DEVICE if self.per_device else workers.REPLICA
     return []
 
   def map_workers(self, fn, in_axes: tuple, out_axes: tuple):

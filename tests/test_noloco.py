@@ -101,8 +101,8 @@ def test_noloco_refuses_what_it_cannot_pair(smoke_config):
     config_check.validate(smoke_config(algorithm="noloco", num_workers=4,
                                        **{"compress.codec": "int8"}), num_devices=8)
   sync = noloco.ALGORITHM.sync(smoke_config(algorithm="noloco", num_workers=4), [], 0)
-  assert sync.placement_problems(4) == sync.placement_problems(1) == []
-  assert "2 workers on each of 2 devices" in sync.placement_problems(2)[0]
+  assert sync.place(4) == sync.place(1) == []
+  assert "2 workers on each of 2 devices" in sync.place(2)[0]
 
 
 def test_the_simulator_equals_the_runner(tmp_path):

@@ -100,10 +100,6 @@ class GossipSync(Sync):
   """NoLoCo's sync: the gossip as the aggregator, each device mapping its own worker (a
   permute's peers are devices), θ the replicas' mean when asked."""
 
-  def __init__(self, config, hosts, d_ff):
-    super().__init__(config, hosts, d_ff)
-    self.per_device = True
-
   def aggregator(self, layout):
     c = self.config
     return gossip(c.num_workers, c.outer.lr, c.outer.momentum, c.seed)
@@ -111,7 +107,8 @@ class GossipSync(Sync):
   def consensus(self, per_worker_state: NoLoCoState) -> jax.Array:
     return per_worker_state.phi.mean(axis=0)
 
-  def placement_problems(self, replica_devices):
+  def place(self, replica_devices):
+    self.per_device = True  # a permute's peers are devices (or, on one, vmapped workers)
     per_device = self.config.num_workers // replica_devices
     if replica_devices > 1 and per_device > 1:  # collectives.permute: one axis or the other
       return [field_problem(self.config, "num_workers", f"NoLoCo's peers swap models device "
