@@ -206,10 +206,11 @@ def test_collaborative_lora_peers_and_their_monitor(tmp_path):
   for row in epochs:  # the target reached, overshot by at most one running micro-batch a peer:
     # at most 30 (even) before the increment that reached it, + 8 (or 2), + the other's running
     assert 32 <= sum(row["samples"]) <= 30 + 8 + 2
-  # Both peers contributed, the slower one (a quarter of the samples per micro-batch, at half
-  # the speed) fewer samples.
+  # Both peers contributed. (That the slower one gives fewer samples is checked on the virtual
+  # clock, test_collab.test_unequal_peers_average_weighted_by_samples: between real processes
+  # it is the OS scheduler's call, and under CI's load once came out 72 against 72.)
   per_peer = np.sum([row["samples"] for row in epochs], axis=0)
-  assert 0 < per_peer[1] < per_peer[0], per_peer
+  assert (per_peer > 0).all(), per_peer
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["tokens"] == 32 * sum(sum(row["samples"]) for row in epochs)
   assert 0 < summary["trainable_params"] < summary["param_count"]
