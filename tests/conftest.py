@@ -151,6 +151,22 @@ def assert_run_resumes_exactly(config, tmp_path, stop_after_rounds: int):
   return straight, a
 
 
+def assert_simulator_equals_runner(config, tmp_path, rounds: int = 3) -> dict:
+  """`config` simulated (sim_and_runner_config) ends at the runner's θ after `rounds` rounds,
+  bit for bit, and the simulation stopped after one checkpoint and resumed is the same.
+  Returns the simulation's summary."""
+  from lowcomm_jax import simulate
+  summary = simulate.run(config, tmp_path / "whole")
+  assert summary["algorithm"] == config.algorithm
+  assert summary["total_inner_steps"] == rounds * config.num_workers * config.inner_steps
+  _, state, _, _ = train_rounds(config, rounds)
+  np.testing.assert_array_equal(
+      np.asarray(simulate.final_global_params(config, tmp_path / "whole")),
+      np.asarray(state.params))
+  assert_simulation_resumes_exactly(config, tmp_path / "whole", summary, tmp_path / "split")
+  return summary
+
+
 def assert_simulation_resumes_exactly(config, whole_dir, whole_summary, split_dir,
                                       stop_after_checkpoints: int = 1):
   """`config` simulated again in `split_dir`, stopped after that many checkpoints and

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import toy_problem as toy
-from conftest import (assert_simulation_resumes_exactly, checkpointed_state,
-                      sim_and_runner_config, train_rounds)
-from lowcomm_jax import config_check, simulate, train
+from conftest import (assert_simulator_equals_runner, checkpointed_state, sim_and_runner_config,
+                      train_rounds)
+from lowcomm_jax import config_check, train
 from lowcomm_jax.hosts import host
 
 LR, BETA = toy.LR, toy.BETA
@@ -62,15 +62,8 @@ def _config():
 
 
 def test_the_simulator_equals_the_runner(tmp_path):
-  config = _config()
-  summary = simulate.run(config, tmp_path / "whole")
-  assert summary["algorithm"] == "eager" and summary["total_inner_steps"] == 3 * 4 * 2
-  _, state, _, _ = train_rounds(config, 3)
-  np.testing.assert_array_equal(
-      np.asarray(simulate.final_global_params(config, tmp_path / "whole")),
-      np.asarray(state.params))
-  # Stopped after round 1 with its average in flight, resumed: the same simulation.
-  assert_simulation_resumes_exactly(config, tmp_path / "whole", summary, tmp_path / "split")
+  # Also: stopped after round 1 with its average in flight, resumed, the same simulation.
+  assert_simulator_equals_runner(_config(), tmp_path)
 
 
 def test_resume_with_an_average_in_flight_is_exact(tmp_path):

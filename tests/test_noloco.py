@@ -106,13 +106,6 @@ def test_noloco_refuses_what_it_cannot_pair(smoke_config):
 
 
 def test_the_simulator_equals_the_runner(tmp_path):
-  from conftest import assert_simulation_resumes_exactly, sim_and_runner_config, train_rounds
-  from lowcomm_jax import simulate
-  config = sim_and_runner_config("noloco", **{"sim.heterogeneity": "very"})
-  summary = simulate.run(config, tmp_path / "whole")
-  assert summary["algorithm"] == "noloco" and summary["total_inner_steps"] == 3 * 4 * 2
-  _, state, _, _ = train_rounds(config, 3)
-  np.testing.assert_array_equal(
-      np.asarray(simulate.final_global_params(config, tmp_path / "whole")),
-      np.asarray(state.params))
-  assert_simulation_resumes_exactly(config, tmp_path / "whole", summary, tmp_path / "split")
+  from conftest import assert_simulator_equals_runner, sim_and_runner_config
+  assert_simulator_equals_runner(sim_and_runner_config("noloco", **{"sim.heterogeneity": "very"}),
+                                 tmp_path)

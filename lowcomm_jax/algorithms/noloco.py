@@ -68,9 +68,10 @@ def drawn_pairing(seed: int, round_index, pool: int = POOL):
   return jax.random.randint(jax.random.fold_in(jax.random.key(seed), round_index), (), 0, pool)
 
 
-def peers(num_workers: int, seed: int, round_index: int) -> list[int]:
-  """Each worker's peer in round `round_index` (the simulator's schedule asks)."""
-  pairs = pairings(num_workers, seed)[int(drawn_pairing(seed, round_index))]
+def peers(pools: list, seed: int, round_index: int) -> list[int]:
+  """Each worker's peer in round `round_index`, from the pool of `pairings` (the simulator's
+  schedule asks)."""
+  pairs = pools[int(drawn_pairing(seed, round_index, len(pools)))]
   return [dst for _, dst in sorted(pairs)]
 
 
@@ -178,7 +179,8 @@ class NoLoCo(Algorithm):
   def schedule(self, plan, backend):
     from lowcomm_jax.sim.schedules import GossipRounds
     seed = backend.config.seed
-    return GossipRounds(plan, backend, lambda t: peers(plan.num_workers, seed, t))
+    pools = pairings(plan.num_workers, seed)
+    return GossipRounds(plan, backend, lambda t: peers(pools, seed, t))
 
 
 ALGORITHM = NoLoCo()
