@@ -5,6 +5,8 @@ overridden on the command line: `--config.outer.lr=0.5 --config.data.batch_mode=
 Values are checked at start-up (lowcomm_jax/config_check.py) before any compute.
 """
 
+import os
+
 import ml_collections
 
 
@@ -33,6 +35,11 @@ def get_config() -> ml_collections.ConfigDict:
   # | round's program, their collective beside its local steps, where every process runs one
   # | host of the same shape; rounds that evaluate or save sync at once (False: separate
   # | programs; the numbers are the same either way)
+  # JAX's persistent compilation cache (lowcomm_jax/compile_cache.py): a second run of a
+  # config loads its programs instead of compiling them. JAX's own JAX_COMPILATION_CACHE_DIR,
+  # where set, moves the default.
+  cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", "~/.cache/lowcomm_jax/jax")
+  c.compile_cache_dir = cache  # folder of compiled programs; '' turns the cache off
   # Resuming a workdir under another config is refused, except for rounds and the cadence
   # fields above (and distributed.*): name other fields here to let them change.
   c.resume_allow = ""  # e.g. 'outer.lr,seed': fields allowed to differ on resume (recorded)
@@ -172,6 +179,15 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.vocab_size = 0  # 0: the preset's, or the tokenizer's rounded up to a multiple of 64
   c.model.dtype = "float32"  # compute dtype: 'float32' | 'bfloat16' (parameters stay float32)
   c.model.dropout = 0.0  # residual/embedding dropout rate during training
+  # Attention kernel (lowcomm_jax/model/attention.py): 'auto' runs cuDNN's flash attention on
+  # NVIDIA GPUs where it can (bfloat16, head dim a multiple of 8 up to 128) and XLA's
+  # elsewhere; 'cudnn' insists on it (refused where it cannot run); 'xla' never uses it.
+  # Attention dropout (model.dropout > 0, in training) always runs the materialized form.
+  c.model.attention = "auto"  # 'auto' | 'cudnn' | 'xla'
+  # The cross-entropy's piece, in positions (lowcomm_jax/model/cross_entropy.py): the float32
+  # logits exist one piece at a time. 0: 256 with a 16-bit model.dtype, and the whole
+  # sequence in float32 (whose logits are float32 already, and where pieces cost speed on CPU).
+  c.model.loss_chunk = 0  # positions per piece of the loss; 0: chosen by model.dtype
   # A pretrained checkpoint (lowcomm_jax/model/pretrained.py): its architecture replaces
   # model.name's and its weights the random init.
   c.model.init_from = ""  # .gguf, .safetensors or a folder with both; '' trains from scratch

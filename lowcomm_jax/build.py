@@ -6,6 +6,7 @@ programs and runs them.
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ from lowcomm_jax.data import (WorkerStreams, eval_windows, open_corpus, other_co
                               probe_windows)
 from lowcomm_jax.hosts import host_table
 from lowcomm_jax.model import GPT, GPTConfig, count_params, get_preset
-from lowcomm_jax.model import lora, pretrained
+from lowcomm_jax.model import attention, cross_entropy, lora, pretrained
 from lowcomm_jax.model.matformer import slice_tier
 from lowcomm_jax.model.objective import loss_fn_of
 from lowcomm_jax.model.tp import SyncPlan, partitioner
@@ -55,6 +56,16 @@ def _flat_init(param_tree, layout: ParamLayout):
   return jax.jit(lambda: layout.ravel(param_tree()))
 
 
+def _runtime_choices(model_config, model_cfg: GPTConfig) -> GPTConfig:
+  """The model with its attention kernel and loss pieces settled for this backend."""
+  implementation, why = attention.resolve(model_config.attention, model_cfg.dtype,
+                                          model_cfg.head_dim, attention.platform())
+  logging.info("attention: %s", why)
+  return dataclasses.replace(model_cfg, attention=implementation,
+                             loss_chunk=cross_entropy.chunk_of(model_config.loss_chunk,
+                                                               model_cfg.dtype))
+
+
 def build(config: ml_collections.ConfigDict) -> Run:
   """Validates the config, loads data, builds the model and the step functions (no compute)."""
   nproc = jax.process_count()
@@ -70,6 +81,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
     model_cfg = get_preset(c.model.name, vocab_size=c.model.vocab_size,
                            tokenizer_vocab=corpus.vocab_size, dtype=c.model.dtype,
                            dropout=c.model.dropout)
+  model_cfg = _runtime_choices(c.model, model_cfg)
   corpus.check_vocabulary(model_cfg.vocab_size)
   # Token files are read window by window: each is checked against the vocabulary too.
   window_vocab = model_cfg.vocab_size if corpus.files is not None else None

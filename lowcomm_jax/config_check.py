@@ -11,7 +11,7 @@ from lowcomm_jax import algorithms, compress, config_doc, optimizers, run_identi
 from lowcomm_jax.config_error import ConfigError, Problems  # noqa: F401 - ConfigError re-exported
 from lowcomm_jax.data.tokenizers import TOKENIZER_VOCAB, is_tokenizer_file
 from lowcomm_jax.model.matformer import hidden_units
-from lowcomm_jax.model import pretrained
+from lowcomm_jax.model import attention, pretrained
 from lowcomm_jax.model.presets import PRESETS
 from lowcomm_jax.model.tp import SYNC_PLANS, SyncPlan, plan_problems
 from lowcomm_jax.parallel import distributed
@@ -72,6 +72,8 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   check(c.model.dtype in ("float32", "bfloat16"), "model.dtype", "use 'float32' or 'bfloat16'")
   check(0.0 <= c.model.dropout < 1.0, "model.dropout", "must be in [0, 1)")
   check(c.model.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0: the preset's)")
+  check(c.model.loss_chunk >= 0, "model.loss_chunk",
+        "must be >= 0 (positions per piece of the loss; 0: chosen by model.dtype)")
   # Only read with tp.size > 1, but a typo should not wait for the run that shards.
   check(c.model.tp.sync in SYNC_PLANS, "model.tp.sync", f"use one of {SYNC_PLANS}")
   if is_tokenizer_file(c.data.tokenizer):
@@ -102,6 +104,9 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
     except pretrained.PretrainedError as e:
       problems.append(str(e))
       preset = None
+  problems.extend(attention.problems(c.model.attention, c.model.dtype,
+                                     preset.head_dim if preset is not None else None,
+                                     attention.platform()))
   if preset is not None:
     # tp.py's sharded forward is the GPT's: exact GELU, LayerNorm eps 1e-5, rotary base 1e4.
     if tp > 1 and (preset.family != "gpt" or preset.mlp != "gelu"

@@ -93,6 +93,11 @@ def main(argv):
   if _EXPORT_MERGED.value and _CONFIG.value.lora.rank == 0:
     _fail("--export_merged writes a LoRA run's base + adapters; set --config.lora.rank > 0 "
           "(a full run's checkpoint already holds its whole model)")
+  from lowcomm_jax import compile_cache
+  try:
+    cache_dir = compile_cache.enable(_CONFIG.value.compile_cache_dir)  # before any compile
+  except ValueError as e:
+    _fail(str(e))
   try:
     distributed.initialize(_CONFIG.value)  # before any other JAX use; no-op single-process
     _validate_early(_CONFIG.value)
@@ -119,6 +124,9 @@ def main(argv):
           TrainingDiverged, CollabTimeout) as e:
     print(f"lowcomm_jax: error: {e}", file=sys.stderr)
     sys.exit(2)
+  compiled, loaded = compile_cache.counts()
+  logging.info("compilation: %d program(s) compiled, %d loaded from the cache%s", compiled,
+               loaded, f" in {cache_dir}" if cache_dir else " (off: compile_cache_dir='')")
   if jax.process_index() != 0:
     return  # process 0 reports for the run (and exports)
   print(json.dumps(summary, indent=2))

@@ -25,7 +25,8 @@ FILE = "config.json"
 # Changes that cannot alter the trained parameters (the distributed fields a restart on
 # other nodes changes; not num_processes, which decides whose checkpoint parts exist).
 RESUMABLE = ("rounds", "eval_every", "checkpoint_every", "keep_checkpoints", "log_every",
-             "overlap_sync", "resume_allow", "distributed.coordinator_address",
+             "overlap_sync", "resume_allow", "compile_cache_dir",
+             "distributed.coordinator_address",
              "distributed.coordinator_bind_address", "distributed.process_id",
              "distributed.heartbeat_timeout_s", "distributed.join_timeout_s",
              "collab.wait_timeout_s")
@@ -34,6 +35,9 @@ FIXED = ("algorithm", "num_workers", "inner_steps", "hosts", "outer.dylu",
          "distributed.num_processes", "data.seq_len", "data.tokenizer", "data.batch_mode",
          "streaming.fragments", "streaming.layout", "lora.rank", "lora.targets")
 FIXED_PREFIXES = ("model.", "compress.", "mesh.", "sim.")
+# Kernel choices under a fixed prefix that change no shape (a resume on another GPU may
+# name another): allowed with resume_allow, like any other field.
+KERNEL_CHOICES = ("model.attention", "model.loss_chunk")
 
 
 class ResumeRefused(ValueError):
@@ -103,7 +107,7 @@ def _has_checkpoint(workdir: pathlib.Path) -> bool:
 
 
 def _fixed(field: str) -> bool:
-  return field in FIXED or field.startswith(FIXED_PREFIXES)
+  return field not in KERNEL_CHOICES and (field in FIXED or field.startswith(FIXED_PREFIXES))
 
 
 def changes(workdir: pathlib.Path, config: ml_collections.ConfigDict,

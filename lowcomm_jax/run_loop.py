@@ -14,6 +14,7 @@ import math
 import time
 from typing import Any, Callable, Protocol
 
+from lowcomm_jax import compile_cache
 from lowcomm_jax.checkpoint import Checkpointer
 from lowcomm_jax.run_files import RunFiles
 
@@ -108,6 +109,7 @@ def run(driver: Driver, files: RunFiles, *, t_start: float,
   driver's `stopped()` record after `stop_after_checkpoints` saves (as a preemption would).
   `t_start`: when this invocation started (time.time()), for the run's wall seconds."""
   c = files.config
+  compiled_before = compile_cache.counts()
   latest = files.open_checkpoints()
   try:
     summary = driver.open(files, latest)
@@ -155,8 +157,10 @@ def run(driver: Driver, files: RunFiles, *, t_start: float,
   due = lambda mark, **last: due_at(c, mark, **last)
   pending = None  # a mark whose metrics are read one mark late
   scalars, eval_loss, saved = {}, None, 0
+  startup = None  # seconds until the first mark's programs were compiled and dispatched
   try:
     while (mark := driver.advance(due)) is not None:
+      startup = time.time() - t_start if startup is None else startup
       if pending is not None:
         report(pending, driver.read(pending.handle))
         pending = None
@@ -195,5 +199,10 @@ def run(driver: Driver, files: RunFiles, *, t_start: float,
   finally:  # also on errors: saves in flight complete, files are flushed
     driver.close()
     files.close()  # raises if a save in flight failed (WorkdirError)
-  return files.write_summary(driver.summary(eval_loss, scalars, wall_seconds), resumes,
-                             write_files=driver.writes_files)
+  summary = driver.summary(eval_loss, scalars, wall_seconds)
+  compiled, loaded = (now - before for now, before in zip(compile_cache.counts(),
+                                                          compiled_before))
+  # This invocation's start-up: compiles (or cache loads), data, the first mark's dispatch.
+  summary.update(startup_seconds=startup, programs_compiled=compiled,
+                 programs_from_cache=loaded)
+  return files.write_summary(summary, resumes, write_files=driver.writes_files)

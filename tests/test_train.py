@@ -49,6 +49,31 @@ def test_main_writes_tensorboard_jsonl_checkpoint_and_summary(tmp_path):
   assert steps == [2, 4, 6, 8, 10, 12]
 
 
+def test_a_second_run_of_a_config_compiles_nothing(tmp_path):
+  """JAX's persistent compilation cache, on by default in compile_cache_dir: the second run
+  of the same config (in another workdir) loads every program (issue 28)."""
+  cache = tmp_path / "cache"
+  summaries = []
+  for name in ("first", "second"):
+    proc = _main("--config=configs/smoke.py", f"--workdir={tmp_path / name}",
+                 "--config.rounds=2", f"--config.compile_cache_dir={cache}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries.append(json.loads((tmp_path / name / "summary.json").read_text()))
+  first, second = summaries
+  assert first["programs_compiled"] > 0 and first["programs_from_cache"] == 0
+  assert second["programs_compiled"] == 0
+  assert second["programs_from_cache"] == first["programs_compiled"]
+  assert f"0 program(s) compiled, {first['programs_compiled']} loaded from the cache" in proc.stderr
+  assert second["startup_seconds"] < first["startup_seconds"]
+  assert second["eval_loss"] == first["eval_loss"]
+  blocked = tmp_path / "a_file"
+  blocked.write_text("")
+  proc = _main("--config=configs/smoke.py", f"--workdir={tmp_path / 'third'}",
+               f"--config.compile_cache_dir={blocked / 'cache'}")
+  assert proc.returncode != 0
+  assert f"compile_cache_dir='{blocked / 'cache'}': cannot create it" in proc.stderr
+
+
 # one_step_delay with a codec: error buffers and the average in flight are resumed state,
 # and rounds 2 and 4 run the overlapped program (round 1's and 3's syncs held into them).
 @pytest.mark.parametrize("algorithm,codec", [("diloco", "none"), ("ddp", "none"),

@@ -4,7 +4,8 @@ the Llama family's (RMSNorm, SwiGLU, grouped-query attention, rotary base).
 Learned positions, pre-LayerNorm, exact-GELU MLP (MatFormer-nested), tied input/output
 embeddings, optional biases and dropout. One module serves both families, so every
 algorithm, tier and codec works on either. Parameters are float32; `dtype` sets the compute
-dtype (bfloat16 for speed on GPUs); logits and the loss are computed in float32.
+dtype (bfloat16 for speed on GPUs); logits and the loss are computed in float32 (in pieces of
+the sequence: `loss_chunk`).
 """
 
 import math
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from lowcomm_jax.model.cross_entropy import chunked_token_losses
 from lowcomm_jax.model.matformer import NestedMLP
 from lowcomm_jax.model.presets import GPTConfig
 
@@ -57,6 +59,7 @@ class CausalSelfAttention(nnx.Module):
     self.n_head = cfg.n_head
     self.kv_heads = cfg.kv_heads
     self.rope_base = cfg.rope_base
+    self.implementation = cfg.attention  # model/attention.py
     # Rotary needs an even number of dims; round the configured share down to one.
     self.rot_dims = (2 * int(cfg.head_dim * cfg.rotary_fraction / 2)
                      if cfg.position == "rotary" else 0)
@@ -70,10 +73,11 @@ class CausalSelfAttention(nnx.Module):
     if self.rot_dims:
       q = _rotary(q, self.rot_dims, self.rope_base)
       k = _rotary(k, self.rot_dims, self.rope_base)
-    if key is None or dropout == 0.0:  # fused kernel (cuDNN flash attention on GPUs)
+    if key is None or dropout == 0.0:  # XLA's, or cuDNN's flash attention (attention.py)
       # Grouped-query attention when kv_heads < n_head: query head n reads kv head
       # n // (n_head / kv_heads), as Hugging Face's repeat_kv does.
-      y_BxLxNxH = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+      y_BxLxNxH = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                               implementation=self.implementation)
     else:  # nanoGPT's dropout on the attention probabilities needs them materialized
       group = self.n_head // self.kv_heads
       k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
@@ -146,6 +150,12 @@ class GPT(nnx.Module):
   def __call__(self, tokens_BxL: jax.Array, *, ffn_fraction: float = 1.0,
                dropout_key: jax.Array | None = None) -> jax.Array:
     """Float32 logits [B, L, V]. `dropout_key=None` means evaluation (no dropout)."""
+    return self.head(self.features(tokens_BxL, ffn_fraction=ffn_fraction,
+                                   dropout_key=dropout_key)).astype(jnp.float32)
+
+  def features(self, tokens_BxL: jax.Array, *, ffn_fraction: float = 1.0,
+               dropout_key: jax.Array | None = None) -> jax.Array:
+    """The final normalized hidden states [B, L, D], in the compute dtype."""
     b, l = tokens_BxL.shape
     x_BxLxD = self.wte(tokens_BxL)
     if self.wpe is not None:
@@ -155,19 +165,25 @@ class GPT(nnx.Module):
     x_BxLxD = _dropout(x_BxLxD, self.cfg.dropout, keys[-1])
     for block, key in zip(self.blocks, keys[:-1]):
       x_BxLxD = block(x_BxLxD, ffn_fraction, key)
-    x_BxLxD = self.ln_f(x_BxLxD)
-    if self.lm_head is None:
-      logits = self.wte.attend(x_BxLxD)
-    else:
-      logits = self.lm_head(x_BxLxD)
-    return logits.astype(jnp.float32)
+    return self.ln_f(x_BxLxD)
+
+  def head(self, x_BxLxD: jax.Array) -> jax.Array:
+    """Logits of hidden states, in the compute dtype."""
+    return self.wte.attend(x_BxLxD) if self.lm_head is None else self.lm_head(x_BxLxD)
 
 
 def next_token_loss(model: GPT, windows_BxL1: jax.Array, *, ffn_fraction: float = 1.0,
                     dropout_key: jax.Array | None = None) -> jax.Array:
-  """Mean cross-entropy of predicting windows[:, 1:] from windows[:, :-1]."""
-  logits = model(windows_BxL1[:, :-1], ffn_fraction=ffn_fraction, dropout_key=dropout_key)
-  return optax.softmax_cross_entropy_with_integer_labels(logits, windows_BxL1[:, 1:]).mean()
+  """Mean cross-entropy of predicting windows[:, 1:] from windows[:, :-1]; in pieces of
+  `cfg.loss_chunk` positions when the sequence is longer (the float32 logits of one piece
+  at a time: model/cross_entropy.py)."""
+  tokens_BxL, labels_BxL = windows_BxL1[:, :-1], windows_BxL1[:, 1:]
+  chunk = model.cfg.loss_chunk
+  if not chunk or chunk >= tokens_BxL.shape[1]:
+    logits = model(tokens_BxL, ffn_fraction=ffn_fraction, dropout_key=dropout_key)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels_BxL).mean()
+  x_BxLxD = model.features(tokens_BxL, ffn_fraction=ffn_fraction, dropout_key=dropout_key)
+  return chunked_token_losses(x_BxLxD, labels_BxL, model.head, chunk).mean()
 
 
 def count_params(params) -> int:

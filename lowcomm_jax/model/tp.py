@@ -163,7 +163,7 @@ def _attention_partial(p, x, cfg: GPTConfig):
     rot = 2 * int(cfg.head_dim * cfg.rotary_fraction / 2)
     if rot:
       q, k = _rotary(q, rot), _rotary(k, rot)
-  y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cfg.attention)
   return jnp.einsum("blhk,hkd->bld", y, p["proj"]["kernel"])
 
 
