@@ -23,7 +23,8 @@ all-reduce. θ and the rule's state are unmapped (`out_axes=None`): vmap accepts
 if they derive from unmapped inputs and collectives' results, never from per-worker state
 (so a codec's round key comes from the global round, not its stacked counter). A sync with
 a codec maps its workers per device instead (`map_workers`, parallel/workers.py), so each
-device encodes its own and only payloads cross devices.
+device encodes its own and only payloads cross devices. A local program with one worker
+runs it unbatched (`_host_workers`).
 """
 
 from typing import Any, Callable, NamedTuple
@@ -101,6 +102,20 @@ def _gradient_at(grad_fn, global_params, hidden: int, narrow: bool, batch, key, 
   params = slice_tier(global_params, hidden) if narrow else global_params
   loss, grads = grad_fn(params, batch, key, frozen)
   return loss, (pad_tier(grads, global_params) if narrow else grads)
+
+
+def _host_workers(fn, in_axes: tuple, count: int, axis_name: str):
+  """`fn` over a host's stack of `count` workers: vmap, split over 'replica' by XLA's
+  partitioner; a lone worker runs unbatched, since a size-1 batch dimension in every matmul
+  makes XLA transpose the weights at each step (the runner's inner loop had 65 transposes and
+  44 copies more than a bare step's on CPU; now the same ops)."""
+  if count != 1:
+    return jax.vmap(fn, in_axes=in_axes, axis_name=axis_name, spmd_axis_name=axis_name)
+
+  def one(*args):
+    own = [jax.tree.map(lambda x: x[0], a) if axis == 0 else a for a, axis in zip(args, in_axes)]
+    return jax.tree.map(lambda x: x[None], fn(*own))
+  return one
 
 
 def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformation,
@@ -193,10 +208,10 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
       own, opt_state, steps, memory = workers
       in_axes = (None, None, None, 0 if reads_own else None, 0 if keeps_params else None,
                  0, 0, 0, 0, 0, None)
-    delta, workers, losses = jax.vmap(
-        worker, in_axes=in_axes, axis_name=axis_name, spmd_axis_name=axis_name)(
-            state.params, state.round, rule_state, sync_state, own, opt_state, steps, memory,
-            batches_GxSxBxL1, keys, frozen)
+    mapped = _host_workers(worker, in_axes, batches_GxSxBxL1.shape[0], axis_name)
+    delta, workers, losses = mapped(
+        state.params, state.round, rule_state, sync_state, own, opt_state, steps, memory,
+        batches_GxSxBxL1, keys, frozen)
     return delta, workers, losses
 
   return local
@@ -221,9 +236,8 @@ def make_accumulate(loss_fn: LossFn, *, hidden: int, d_ff: int, layout: ParamLay
                  frozen=()):
     key = jax.random.fold_in(round_key(state), micro)
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, worker_ids_G)
-    return jax.vmap(worker, in_axes=(None, 0, 0, 0, None), axis_name=axis_name,
-                    spmd_axis_name=axis_name)(state.params, acc_GxN, batches_GxBxL1, keys,
-                                              frozen)
+    return _host_workers(worker, (None, 0, 0, 0, None), batches_GxBxL1.shape[0], axis_name)(
+        state.params, acc_GxN, batches_GxBxL1, keys, frozen)
 
   return accumulate
 
