@@ -161,13 +161,16 @@ def build(config: ml_collections.ConfigDict) -> Run:
   keeps_params = algorithm.keeps_worker_params(c)
   worker_rule = algorithm.worker_rule(c)
   reads_own = worker_rule is not None and worker_rule.reads_sync_state  # NoLoCo's φ_w
+  # One worker per device runs unbatched on each (steps._host_workers); tensor parallelism
+  # keeps the vmap its shard_map over 'model' nests in.
+  worker_mesh = local_mesh if tp.size == 1 else None
   local_programs = [
       [program_cache.shared(
           steps.make_local_segment, loss_of(hosts[i].hidden, local_mesh),
           inner_tx=inner_txs[i], hidden=hosts[i].hidden, d_ff=model_cfg.d_ff, layout=layout,
           segment=s, index=k, count=len(segments), alpha=alpha,
           local_steps=algorithm.local_steps, keeps_params=keeps_params,
-          worker_rule=worker_rule)
+          worker_rule=worker_rule, mesh=worker_mesh)
        for k, s in enumerate(segments)]
       for i in local_hosts]
   init_workers = [
@@ -237,7 +240,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
   accumulate = [program_cache.shared(steps.make_accumulate,
                                      loss_of(hosts[i].hidden, local_mesh),
                                      hidden=hosts[i].hidden, d_ff=model_cfg.d_ff,
-                                     layout=layout)
+                                     layout=layout, mesh=worker_mesh)
                 for i in local_hosts] if collab else []
   programs = Programs(local=local_programs, syncs=syncs, init_workers=init_workers,
                       eval=program_cache.shared(steps.make_eval_step,

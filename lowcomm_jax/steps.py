@@ -32,6 +32,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from lowcomm_jax.aggregate.robust import CombinedState
 from lowcomm_jax.aggregate.signal import effective_workers
@@ -104,25 +105,33 @@ def _gradient_at(grad_fn, global_params, hidden: int, narrow: bool, batch, key, 
   return loss, (pad_tier(grads, global_params) if narrow else grads)
 
 
-def _host_workers(fn, in_axes: tuple, count: int, axis_name: str):
-  """`fn` over a host's stack of `count` workers: vmap, split over 'replica' by XLA's
-  partitioner; a lone worker runs unbatched, since a size-1 batch dimension in every matmul
-  makes XLA transpose the weights at each step (the runner's inner loop had 65 transposes and
-  44 copies more than a bare step's on CPU; now the same ops)."""
-  if count != 1:
-    return jax.vmap(fn, in_axes=in_axes, axis_name=axis_name, spmd_axis_name=axis_name)
+def _host_workers(fn, in_axes: tuple, count: int, axis_name: str, mesh):
+  """`fn` over a host's stack of `count` workers, split over `mesh`'s 'replica' devices
+  (None: left to XLA's partitioner).
 
+  A worker alone on its device runs unbatched: a size-1 batch dimension in every matmul made
+  XLA transpose the weights at each step (the runner's inner loop had 65 transposes and 44
+  copies more than a bare step's on CPU; now the same ops). One worker: called directly;
+  one per device: `shard_map` over 'replica', each device calling it on its own. Otherwise
+  a vmap that XLA's partitioner splits over 'replica'."""
   def one(*args):
     own = [jax.tree.map(lambda x: x[0], a) if axis == 0 else a for a, axis in zip(args, in_axes)]
     return jax.tree.map(lambda x: x[None], fn(*own))
-  return one
+
+  if count == 1:
+    return one
+  if mesh is not None and count == mesh.shape[axis_name] > 1:
+    return jax.shard_map(one, mesh=mesh, in_specs=tuple(P(axis_name) if axis == 0 else P()
+                                             for axis in in_axes),
+                         out_specs=P(axis_name), axis_names={axis_name}, check_vma=False)
+  return jax.vmap(fn, in_axes=in_axes, axis_name=axis_name, spmd_axis_name=axis_name)
 
 
 def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformation,
                        hidden: int, d_ff: int, layout: ParamLayout, segment: Segment,
                        index: int, count: int, alpha: float, local_steps: bool,
                        keeps_params: bool = True, worker_rule=None,
-                       axis_name: str = "replica"):
+                       axis_name: str = "replica", mesh=None):
   """`local(state, workers[G], batches[G, S, B, L+1], worker_ids[G])`
   -> (Δ[G, N_p] of the synced fragment, flat at full width, workers[G], losses[G, S]) for
   one host's G workers of width `hidden`: segment `index` of `count` equal ones (S from the
@@ -208,7 +217,7 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
       own, opt_state, steps, memory = workers
       in_axes = (None, None, None, 0 if reads_own else None, 0 if keeps_params else None,
                  0, 0, 0, 0, 0, None)
-    mapped = _host_workers(worker, in_axes, batches_GxSxBxL1.shape[0], axis_name)
+    mapped = _host_workers(worker, in_axes, batches_GxSxBxL1.shape[0], axis_name, mesh)
     delta, workers, losses = mapped(
         state.params, state.round, rule_state, sync_state, own, opt_state, steps, memory,
         batches_GxSxBxL1, keys, frozen)
@@ -218,7 +227,7 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
 
 
 def make_accumulate(loss_fn: LossFn, *, hidden: int, d_ff: int, layout: ParamLayout,
-                    axis_name: str = "replica"):
+                    axis_name: str = "replica", mesh=None):
   """`accumulate(state, acc[G, N], batches[G, B, L+1], worker_ids[G], micro)`
   -> (acc + B·∇L(θ; batch_w) [G, N], losses[G]): one micro-batch of a collaborative epoch
   (collab.py) for one host's G workers of width `hidden`, every gradient at the epoch's θ.
@@ -236,7 +245,8 @@ def make_accumulate(loss_fn: LossFn, *, hidden: int, d_ff: int, layout: ParamLay
                  frozen=()):
     key = jax.random.fold_in(round_key(state), micro)
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, worker_ids_G)
-    return _host_workers(worker, (None, 0, 0, 0, None), batches_GxBxL1.shape[0], axis_name)(
+    return _host_workers(worker, (None, 0, 0, 0, None), batches_GxBxL1.shape[0], axis_name,
+                         mesh)(
         state.params, acc_GxN, batches_GxBxL1, keys, frozen)
 
   return accumulate
