@@ -1,8 +1,10 @@
-"""Test set-up: 8 forced host devices compiling fast, offline data from ../shared/data, a
-private cache."""
+"""Test set-up: 8 forced host devices compiling fast (the CPU backend, on a GPU host too),
+offline data from ../shared/data, a private cache."""
 
+import importlib.util
 import os
 import pathlib
+import pkgutil
 import re
 import runpy
 import subprocess
@@ -25,6 +27,38 @@ def xla_flags(devices: int | None = None) -> str:
 
 
 os.environ.setdefault("XLA_FLAGS", xla_flags(8))
+
+
+def _nvidia_gpu() -> bool:
+  """A jax CUDA plugin is installed (a jax_plugins.xla_cuda* module, as jax discovers them)
+  and an NVIDIA device is visible (the nodes jax/_src/hardware_utils.py looks for); found
+  without importing jax."""
+  spec = importlib.util.find_spec("jax_plugins")
+  plugin = spec is not None and any(m.name.startswith("xla_cuda") for m in
+                                    pkgutil.iter_modules(spec.submodule_search_locations))
+  device = any(os.path.exists(d) for d in ("/dev/nvidia0", "/dev/dxg"))
+  return plugin and device and os.environ.get("CUDA_VISIBLE_DEVICES") not in ("", "-1")
+
+
+# The suite's numerics (8 host devices, bit-identical results) are the CPU backend's, and on a
+# GPU host JAX would default to its one GPU: the CPU is the default backend everywhere. The
+# suite's pytest processes also reach the GPU for tests/test_gpu.py (the first platform
+# listed is the default); the programs the tests start (CLI runs, several processes of one
+# run) see the CPU only, so they never share the one GPU. A JAX_PLATFORMS the user set wins.
+_TEST_PLATFORMS = "LOWCOMM_TEST_JAX_PLATFORMS"  # JAX_PLATFORMS of this suite's pytest processes
+_NVIDIA_GPU = _nvidia_gpu()
+if "JAX_PLATFORMS" not in os.environ:
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  if _NVIDIA_GPU:
+    os.environ[_TEST_PLATFORMS] = "cpu,cuda"
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the workers share it
+TEST_PLATFORMS = os.environ.get(_TEST_PLATFORMS, os.environ["JAX_PLATFORMS"])
+if TEST_PLATFORMS != os.environ["JAX_PLATFORMS"]:
+  import jax
+  jax.config.update("jax_platforms", TEST_PLATFORMS)  # before any backend starts
+GPU_PRESENT = _NVIDIA_GPU and (TEST_PLATFORMS == "" or
+                               bool({"cuda", "gpu"} & set(TEST_PLATFORMS.split(","))))
+GPU_REASON = "needs an NVIDIA GPU (jax CUDA plugin and a device) that JAX_PLATFORMS allows"
 _DEFAULT_COMPILE_CHILD = "LOWCOMM_TEST_DEFAULT_COMPILE"
 REPO = pathlib.Path(__file__).resolve().parents[1]
 _SHARED_DATA = REPO.parent / "shared" / "data"
@@ -39,6 +73,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+requires_gpu = pytest.mark.skipif(not GPU_PRESENT, reason=GPU_REASON)
 
 
 def set_fields(tree, overrides: dict):

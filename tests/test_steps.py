@@ -127,20 +127,22 @@ def test_runner_keeps_inner_adam_state_and_outer_momentum_across_rounds(smoke_co
   assert lr != 1.0 and m > 0
   r = train.build(config)
   fns = train.jitted_steps(r)
+  view = _embedding(r.model.layout)  # θ and the outer momentum are flat
+  # Read each round's θ and trace before the next round: its sync consumes the state it is
+  # given where it donates (off the CPU).
+  seen = lambda s: (np.asarray(view(s.outer.per_fragment[0][0].trace)), np.asarray(view(s.params)))
   state, workers = train.init_run(r, fns)
-  history = [state]
+  history = [seen(state)]
   for _ in range(3):
     state, workers, _, _ = train.train_round(r, fns, state, workers,
                                              [r.data.streams[0].next_round(h)], [h])
-    history.append(state)
+    history.append(seen(state))
   # Every worker's AdamW has taken rounds * H steps: its state was never reset.
   counts = [x for x in jax.tree.leaves(workers) if x.dtype == np.int32]
   assert counts and all(np.all(c == 3 * h) for c in counts)
   # Nesterov: θ_r+1 - θ_r = -lr (Δ̄_r + m·trace_r) with trace_r = Δ̄_r + m·trace_r-1.
   # Recover Δ̄_r from the parameters and check the carried trace against it.
-  view = _embedding(r.model.layout)  # θ and the outer momentum are flat
-  traces = [np.asarray(view(s.outer.per_fragment[0][0].trace)) for s in history]
-  thetas = [np.asarray(view(s.params)) for s in history]
+  traces, thetas = zip(*history)
   for t in (1, 2, 3):
     delta = -(thetas[t] - thetas[t - 1]) / lr - m * traces[t]
     np.testing.assert_allclose(traces[t], delta + m * traces[t - 1], atol=2e-5)

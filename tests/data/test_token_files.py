@@ -18,7 +18,15 @@ from lowcomm_jax import train
 from lowcomm_jax.data import DataError, WorkerStreams, eval_windows, get_tokenizer, open_corpus
 from lowcomm_jax.data import prepare as prepare_lib
 
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+
+@pytest.fixture
+def shakespeare() -> pathlib.Path:
+  """The offline corpus in LOWCOMM_DATA_DIR (conftest: ../shared/data by default)."""
+  path = pathlib.Path(os.environ.get("LOWCOMM_DATA_DIR", "/nonexistent"))
+  path = path / "tinyshakespeare" / "input.txt"
+  if not path.is_file():
+    pytest.skip("needs LOWCOMM_DATA_DIR with tinyshakespeare/input.txt (../shared/data)")
+  return path
 
 
 def _prepare(*argv):
@@ -65,11 +73,11 @@ def test_prepare_then_decode_round_trips_documents_and_separators(tmp_path):
              "--text_field", "body", "--val_fraction", "0.2")  # only the inputs differ
 
 
-def test_pieces_cut_where_the_whole_text_would_split_its_tokens(tmp_path, monkeypatch):
+def test_pieces_cut_where_the_whole_text_would_split_its_tokens(tmp_path, monkeypatch, shakespeare):
   """Text files are cut into pieces for the tokenizing processes; GPT-2 BPE of the pieces
   equals BPE of the whole file (cuts fall before lines that start with a non-space)."""
   monkeypatch.setattr(prepare_lib, "PIECE_BYTES", 200)
-  text = SHAKESPEARE.read_text()[:30_000] + "end.\n\n\n  indented\r\nCRLF\r\n"
+  text = shakespeare.read_text()[:30_000] + "end.\n\n\n  indented\r\nCRLF\r\n"
   (tmp_path / "t.txt").write_bytes(text.encode())
   _prepare("--input", tmp_path / "t.txt", "--tokenizer", "gpt2", "--out", tmp_path / "p",
            "--val_fraction", "0.1")
@@ -125,17 +133,17 @@ def test_memmapped_windows_equal_in_memory_windows(tmp_path):
       eval_windows(ids, seq_len=16, batch_size=4, num_batches=2, seed=1))
 
 
-def _shakespeare_bin(tmp_path) -> tuple[pathlib.Path, pathlib.Path]:
+def _shakespeare_bin(tmp_path, shakespeare) -> tuple[pathlib.Path, pathlib.Path]:
   """TinyShakespeare's bytes as uint16 token files, split as a text run splits it."""
-  ids = np.frombuffer(SHAKESPEARE.read_bytes(), np.uint8).astype(np.uint16)
+  ids = np.frombuffer(shakespeare.read_bytes(), np.uint8).astype(np.uint16)
   n_train = int(len(ids) * 0.9)
   ids[:n_train].tofile(tmp_path / "train.bin")
   ids[n_train:].tofile(tmp_path / "val.bin")
   return tmp_path / "train.bin", tmp_path / "val.bin"
 
 
-def test_token_files_train_exactly_as_the_same_text_and_resume_exactly(tmp_path):
-  train_bin, val_bin = _shakespeare_bin(tmp_path)
+def test_token_files_train_exactly_as_the_same_text_and_resume_exactly(tmp_path, shakespeare):
+  train_bin, val_bin = _shakespeare_bin(tmp_path, shakespeare)
   text = load_config("smoke", rounds=4)
   on_disk = load_config("smoke", rounds=4, **{"data.path": str(train_bin),
                                               "data.val_path": str(val_bin)})
@@ -171,9 +179,9 @@ def test_bad_token_files_are_one_line_errors(tmp_path, make, fields, message):
     train.build(_data(tmp_path / "x.bin", **fields))
 
 
-def test_a_prepared_folder_refuses_another_tokenizer_dtype_or_no_meta(tmp_path):
+def test_a_prepared_folder_refuses_another_tokenizer_dtype_or_no_meta(tmp_path, shakespeare):
   src = tmp_path / "s.txt"
-  src.write_text(SHAKESPEARE.read_text()[:20_000])
+  src.write_text(shakespeare.read_text()[:20_000])
   _prepare("--input", src, "--tokenizer", "byte", "--out", tmp_path / "p", "--val_fraction",
            "0.2")
   corpus = open_corpus(_data(tmp_path / "p").data, window=33)
@@ -204,12 +212,12 @@ def test_ids_past_the_start_up_scan_are_caught_by_the_windows(tmp_path, monkeypa
     r.data.streams[0].next_round(1)
 
 
-def test_uint32_tokens_read_as_uint16_and_a_cut_file_are_refused(tmp_path):
+def test_uint32_tokens_read_as_uint16_and_a_cut_file_are_refused(tmp_path, shakespeare):
   (np.arange(5000) % 200).astype(np.uint32).tofile(tmp_path / "wide.bin")
   with pytest.raises(DataError, match="looks like uint32 tokens.*data.dtype=uint32"):
     train.build(_data(tmp_path / "wide.bin"))
   src = tmp_path / "s.txt"
-  src.write_text(SHAKESPEARE.read_text()[:20_000])
+  src.write_text(shakespeare.read_text()[:20_000])
   _prepare("--input", src, "--tokenizer", "byte", "--out", tmp_path / "p")
   with open(tmp_path / "p" / "train.bin", "r+b") as f:
     f.truncate(f.seek(0, 2) - 2)
@@ -229,9 +237,9 @@ def test_a_bad_data_path_exits_2_and_writes_nothing(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
-def test_an_interrupted_prepare_leaves_nothing_that_looks_complete(tmp_path):
+def test_an_interrupted_prepare_leaves_nothing_that_looks_complete(tmp_path, shakespeare):
   big = tmp_path / "big.txt"
-  big.write_text(SHAKESPEARE.read_text() * 20)  # ~22 MB: a few seconds of BPE
+  big.write_text(shakespeare.read_text() * 20)  # ~22 MB: a few seconds of BPE
   out = tmp_path / "out"
   argv = [sys.executable, "-m", "lowcomm_jax.data.prepare", f"--input={big}",
           "--tokenizer=gpt2", f"--out={out}"]
@@ -254,18 +262,18 @@ def test_an_interrupted_prepare_leaves_nothing_that_looks_complete(tmp_path):
   assert total == len(get_tokenizer("gpt2").encode(big.read_text())) + 1
 
 
-def test_a_hugging_face_tokenizer_json(tmp_path):
+def test_a_hugging_face_tokenizer_json(tmp_path, shakespeare):
   tokenizers = pytest.importorskip("tokenizers")
   from tokenizers import models, pre_tokenizers, trainers
   tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.train_from_iterator([SHAKESPEARE.read_text()[:50_000]], trainers.BpeTrainer(
+  tok.train_from_iterator([shakespeare.read_text()[:50_000]], trainers.BpeTrainer(
       vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"],
       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
   tok.decoder = __import__("tokenizers.decoders", fromlist=["ByteLevel"]).ByteLevel()
   tok.save(str(tmp_path / "tokenizer.json"))
   src = tmp_path / "s.txt"
-  src.write_text(SHAKESPEARE.read_text()[:30_000])
+  src.write_text(shakespeare.read_text()[:30_000])
   meta = _prepare("--input", src, "--tokenizer", tmp_path / "tokenizer.json", "--out",
                   tmp_path / "p", "--val_fraction", "0.2")
   assert meta["tokenizer"].startswith("hf:") and meta["vocab_size"] == 300
