@@ -1,33 +1,53 @@
-"""Inner-step throughput and MFU (model FLOPs utilization) of one worker.
+"""Inner-step throughput and MFU (model FLOPs utilization) of one worker, by variant.
 
-For one model, batch, sequence length and compute dtype it measures:
-  peak    CPU: the measured float32 matmul rate (jitted a @ b on 2048 x 2048 matrices, 2n^3
-          FLOPs each, best of several timed runs after warm-up). GPU: the datasheet bf16 dense
-          peak of the device kind (table below); the measured bf16 matmul rate is shown beside it.
-  bare    a hand-written jitted AdamW step (GPT, next_token_loss, the run's inner_optimizer)
-          on pre-made random device batches, one call per step, after warm-up: the median
-          rate over chunks of 10 steps, --steps in all (args donated on accelerators).
-  runner  lowcomm_jax.train.run for one DiLoCo worker (inner_steps 10, no evaluation or
-          checkpoints between rounds): the median steps_per_second of metrics.jsonl's rows
-          after the first two rounds (which compile).
-tokens/s = steps/s * batch * seq, MFU = tokens/s * train_flops_per_token / peak, with the
-FLOPs of lowcomm_jax/model/flops.py (6N + 12 * n_layer * seq * d_model, causal mask not
-discounted, as in PaLM and nanoGPT). On XLA:CPU the runner's H steps scanned in one program
-run faster than one call per step (BENCHMARKS.md, framework overhead), so there the runner
-may beat the bare step.
+For one model, batch, sequence length and compute dtype, one row per variant (--variants):
+  configured    the bare step: a hand-written jitted AdamW step (GPT, next_token_loss, the run's
+                inner_optimizer), the model settled as build.py settles it on this backend
+                (model.attention 'auto' through attention.resolve, model.loss_chunk 0 through
+                cross_entropy.chunk_of), one call per step on pre-made random device batches.
+  xla, cudnn    the same step with that attention kernel; cudnn only where
+                attention.cudnn_problem is None, else a row "n/a: <reason>".
+  plain_loss    the same step with loss_chunk 0 (whole-sequence float32 logits).
+  no_optimizer  value_and_grad only (forward + backward, no AdamW update).
+  forward       the loss only; its TFLOP/s and MFU count forward FLOPs (train FLOPs / 3).
+  scanned       H = 10 configured steps under one lax.scan per call (at least 3 calls timed):
+                the runner's inner program without the runner's host work.
+  runner        lowcomm_jax.train.run, one DiLoCo worker (inner_steps 10, model.attention and
+                loss_chunk auto, no evaluation or checkpoints between rounds): the median
+                steps_per_second of metrics.jsonl after the first two rounds (which compile).
+                If it fails, its error is reported and the bare rows kept.
+A variant whose program is the configured one (xla on CPU, plain_loss in float32) is not timed
+again: its row says so. Each bare variant is compiled ahead (jit lower/compile), warmed up,
+then timed as the median rate over chunks of 10 steps, --steps in all (params and optimizer
+state donated on accelerators). Beside it: XLA's memory_analysis of the compiled program
+(temporaries, arguments; CPU too); on GPUs the JSON also has the device's peak_bytes_in_use
+after each variant (a running peak over the process: it cannot be reset).
+
+Peaks: the datasheet bf16 dense peak of the device kind (DATASHEET_BF16; "n/a" on CPU and on
+kinds not in it) and the measured matmul rate (jitted a @ b, bf16 8192^2 on GPUs, float32
+2048^2 on CPU, 2n^3 FLOPs each, best of several timed runs after warm-up). MFU is given
+against both ("MFU": the datasheet's; "MFU msr": the measured peak's); the JSON's `mfu` is the
+datasheet's where there is one. tokens/s = steps/s * batch * seq, MFU = tokens/s * FLOPs per
+token / peak, FLOPs from lowcomm_jax/model/flops.py (train: 6N + 12 * n_layer * seq *
+d_model, causal mask not discounted, as PaLM and nanoGPT). "vs conf": steps/s over the
+configured bare step's; the runner's is issue 15's "runner >= 0.97x bare" goal. On XLA:CPU
+H steps scanned in one program beat one call per step (BENCHMARKS.md, framework overhead),
+so there scanned and the runner may beat the bare step.
 
   python bench/mfu.py [--model tiny|small|gpt2_124m] [--dtype float32|bfloat16] [--batch N]
-                      [--seq N] [--steps N] [--json PATH]
-  python bench/mfu.py --model gpt2_124m --dtype bfloat16    # on a GPU
+                      [--seq N] [--steps N] [--variants configured,cudnn,...] [--json PATH]
+  bash bench/gpu_goals.sh [OUT_DIR]    # on a GPU: gpt2_124m bf16 at batch 16 and 64
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import pathlib
 import runpy
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +56,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", os.path.join(os.environ["LOWCOMM_DATA_DIR"], "tiktoken"))
 
+import flax  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
@@ -44,11 +65,19 @@ from flax import nnx  # noqa: E402
 from lowcomm_jax import optimizers, train  # noqa: E402
 from lowcomm_jax.data import TOKENIZER_VOCAB  # noqa: E402
 from lowcomm_jax.model import GPT, count_params, get_preset, next_token_loss  # noqa: E402
-from lowcomm_jax.model.flops import train_flops_per_token  # noqa: E402
+from lowcomm_jax.model import attention  # noqa: E402
+from lowcomm_jax.model.cross_entropy import chunk_of  # noqa: E402
+from lowcomm_jax.model.flops import forward_flops_per_token, train_flops_per_token  # noqa: E402
 
 # Datasheet dense bf16 peaks (FLOP/s), matched in order against jax's device_kind.
 DATASHEET_BF16 = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12))
 INNER_STEPS = 10  # the runner's H
+# name: (label, mode). Modes: train (AdamW step), grad (value_and_grad), forward (loss),
+# scanned (H train steps in one lax.scan), runner (train.run).
+VARIANTS = {"configured": ("as configured", "train"), "xla": ("attention=xla", "train"),
+            "cudnn": ("attention=cudnn", "train"), "plain_loss": ("plain loss", "train"),
+            "no_optimizer": ("no optimizer", "grad"), "forward": ("forward only", "forward"),
+            "scanned": ("scanned (H per call)", "scanned"), "runner": ("runner", "runner")}
 
 
 def matmul_rate(dtype, n: int, calls: int, trials: int = 5) -> float:
@@ -66,50 +95,85 @@ def matmul_rate(dtype, n: int, calls: int, trials: int = 5) -> float:
   return best
 
 
-def peak_flops() -> tuple[float, str, dict]:
-  """(peak FLOP/s for MFU, where it comes from, measured matmul rates)."""
-  if jax.default_backend() == "cpu":
-    rate = matmul_rate(jnp.float32, 2048, calls=2)
-    return rate, "measured float32 matmul 2048^2 (cpu)", {"matmul_float32": rate}
+def peaks() -> dict:
+  """The datasheet peak (None where unknown) and the measured matmul rate, with sources."""
   kind = jax.devices()[0].device_kind
-  measured = {"matmul_bfloat16": matmul_rate(jnp.bfloat16, 8192, calls=20)}
-  for name, flops in DATASHEET_BF16:
-    if name in kind:
-      return flops, f"datasheet bf16 dense, {name} ({kind})", measured
-  return measured["matmul_bfloat16"], f"measured bf16 matmul 8192^2 ({kind}: not in table)", measured
+  if jax.default_backend() == "cpu":
+    measured, source = matmul_rate(jnp.float32, 2048, calls=2), "float32 matmul 2048^2"
+  else:
+    measured, source = matmul_rate(jnp.bfloat16, 8192, calls=20), "bf16 matmul 8192^2"
+  sheet = [(name, flops) for name, flops in DATASHEET_BF16
+           if name in kind and jax.default_backend() != "cpu"][:1]
+  return {"peak_datasheet": sheet[0][1] if sheet else None,
+          "peak_datasheet_source": f"bf16 dense, {sheet[0][0]}" if sheet else "n/a",
+          "peak_measured": measured, "peak_measured_source": source}
 
 
-def bare_steps_per_second(cfg, config, batch: int, seq: int, steps: int) -> float:
-  """One worker's jitted AdamW step on pre-made batches: no data pipeline, no outer step."""
+def memory_of(compiled) -> dict:
+  """XLA's own count of a compiled program's memory, in bytes ({} where unsupported)."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001  not every backend implements it
+    return {}
+  return {} if m is None else {
+      "temp_bytes": m.temp_size_in_bytes, "argument_bytes": m.argument_size_in_bytes,
+      "output_bytes": m.output_size_in_bytes, "alias_bytes": m.alias_size_in_bytes}
+
+
+def bare_variant(cfg, config, mode: str, batch: int, seq: int, steps: int) -> tuple[float, dict]:
+  """(steps/s, compiled memory) of one bare variant (`mode`: train, grad, forward, scanned)
+  on pre-made batches: no data pipeline, no outer step."""
   graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(config.seed)))
-  tx = optimizers.inner_optimizer(config.optimizer, steps + 3)
-  opt_state = tx.init(params)
+  tx = optimizers.inner_optimizer(config.optimizer, steps + 4 * INNER_STEPS)
+  loss_of = lambda p, windows: next_token_loss(nnx.merge(graphdef, p), windows)  # noqa: E731
 
-  def step(params, opt_state, windows):
-    loss, grads = jax.value_and_grad(
-        lambda p: next_token_loss(nnx.merge(graphdef, p), windows))(params)
+  def train_step(state, windows):
+    params, opt_state = state
+    loss, grads = jax.value_and_grad(loss_of)(params, windows)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+    return (optax.apply_updates(params, updates), opt_state), loss
 
-  # Donation lets accelerators update params and optimizer state in place.
-  step = jax.jit(step, donate_argnums=(0, 1) if jax.default_backend() != "cpu" else ())
   # A few distinct batches, so no step can reuse another's result.
   batches = [jax.random.randint(jax.random.key(i), (batch, seq + 1), 0, cfg.vocab_size)
              for i in range(4)]
-  for i in range(3):  # compile and warm up
-    params, opt_state, loss = step(params, opt_state, batches[i % 4])
-  jax.block_until_ready((params, loss))
+  per_call = INNER_STEPS if mode == "scanned" else 1
+  if mode == "scanned":  # [H, batch, seq + 1] per call, as the runner feeds its inner scan
+    batches = [jnp.stack([batches[(i + j) % 4] for j in range(INNER_STEPS)]) for i in range(2)]
+  if mode in ("grad", "forward"):  # params are read, not updated: nothing to carry or donate
+    fn = jax.value_and_grad(loss_of) if mode == "grad" else loss_of
+    step = jax.jit(fn).lower(params, batches[0]).compile()
+    # The loss alone is kept: the gradients are freed once their call is done.
+    run = (lambda i: step(params, batches[i % 4])[0]) if mode == "grad" else (
+        lambda i: step(params, batches[i % 4]))
+  else:
+    fn = train_step if mode == "train" else (lambda s, w: jax.lax.scan(train_step, s, w))
+    state = [(params, tx.init(params))]
+    # Donation lets accelerators update params and optimizer state in place.
+    donate = (0,) if jax.default_backend() != "cpu" else ()
+    step = jax.jit(fn, donate_argnums=donate).lower(state[0], batches[0]).compile()
+
+    def run(i):
+      state[0], loss = step(state[0], batches[i % len(batches)])
+      return loss
+  calls, chunk = math.ceil(steps / per_call), max(1, INNER_STEPS // per_call)
+  if mode == "scanned":  # at least 3 timed calls, as the runner times at least 3 rounds
+    calls = max(3, calls)
+  jax.block_until_ready([run(i) for i in range(max(1, 3 // per_call))])  # warm up
   # Timed in chunks of the runner's H steps; the median chunk, like the runner's median
-  # round, shrugs off a chunk slowed by other work on the machine.
+  # round, shrugs off a chunk slowed by other work on the machine. Every call's loss is
+  # waited for: calls with no data between them may run concurrently on XLA:CPU.
   rates = []
-  for start in range(0, steps, INNER_STEPS):
-    n = min(INNER_STEPS, steps - start)
+  for start in range(0, calls, chunk):
+    n = min(chunk, calls - start)
     t0 = time.perf_counter()
-    for i in range(start, start + n):
-      params, opt_state, loss = step(params, opt_state, batches[i % 4])
-    jax.block_until_ready((params, loss))
-    rates.append(n / (time.perf_counter() - t0))
-  return statistics.median(rates)
+    jax.block_until_ready([run(i) for i in range(start, start + n)])
+    rates.append(n * per_call / (time.perf_counter() - t0))
+  return statistics.median(rates), memory_of(step)
+
+
+def bare_steps_per_second(cfg, config, batch: int, seq: int, steps: int) -> float:
+  """The bare AdamW step's steps/s for `cfg` as given (bench/data_speed.py uses it)."""
+  return bare_variant(cfg, config, "train", batch, seq, steps)[0]
 
 
 def runner_steps_per_second(config, steps: int) -> float:
@@ -129,6 +193,69 @@ def runner_steps_per_second(config, steps: int) -> float:
   return statistics.median(rates)
 
 
+def _pct(x) -> str:
+  return "n/a" if x is None else f"{x:.1%}"
+
+
+def _mib(row: dict, key: str) -> str:
+  return f"{row['memory'][key] / 2**20:.1f}" if key in row.get("memory", {}) else ""
+
+
+def git_commit() -> dict:
+  """HEAD and whether tracked files differ from it (None outside a git checkout)."""
+  git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True,  # noqa: E731
+                                  text=True, check=True).stdout.strip()
+  try:
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain",
+                                                                  "--untracked-files=no"))}
+  except (OSError, subprocess.CalledProcessError):
+    return {"commit": None, "dirty": None}
+
+
+def rates(rows: dict, flops: dict, tokens_per_step: int, pk: dict):
+  """Adds each measured row's rates, MFUs and its ratio to the configured bare step."""
+  base = rows.get("configured", {}).get("steps_per_s")
+  sheet, measured = pk["peak_datasheet"], pk["peak_measured"]
+  for name, row in rows.items():
+    if "steps_per_s" in row:
+      flop = row["steps_per_s"] * tokens_per_step * flops[
+          "forward" if VARIANTS[name][1] == "forward" else "train"]
+      row.update(label=VARIANTS[name][0], ms_per_step=1e3 / row["steps_per_s"],
+                 tokens_per_s=row["steps_per_s"] * tokens_per_step, tflops=flop / 1e12,
+                 mfu_datasheet=flop / sheet if sheet else None, mfu_measured=flop / measured,
+                 mfu=flop / (sheet or measured),
+                 vs_as_configured=row["steps_per_s"] / base if base else None)
+
+
+def report(r: dict):
+  print(f"\n{r['model']} {r['dtype']} on {r['device']} ({r['platform']}, jax {r['jax']}): "
+        f"{r['params'] / 1e6:.2f}M params, batch {r['batch']} x seq {r['seq']}, "
+        f"{r['train_flops_per_token'] / 1e6:.3g} MFLOP/token (train)")
+  chunk = r["loss_chunk"]
+  print(f"as configured: attention {r['attention']} ({r['attention_why']}); loss_chunk {chunk}"
+        + ("" if 0 < chunk < r["seq"] else ": the plain whole-sequence loss"))
+  sheet = r["peak_datasheet"]
+  print("peak (datasheet): " + (f"{sheet / 1e12:.4g} TFLOP/s, {r['peak_datasheet_source']}"
+                                if sheet else f"n/a ({r['device']})"))
+  print(f"peak (measured):  {r['peak_measured'] / 1e12:.4g} TFLOP/s, "
+        f"{r['peak_measured_source']}")
+  print(f"{'variant':21} {'ms/step':>8} {'steps/s':>8} {'tokens/s':>10} {'TFLOP/s':>8} "
+        f"{'MFU':>6} {'MFU msr':>7} {'vs conf':>7} {'temp MiB':>8} {'args MiB':>8}")
+  for name, row in r["rows"].items():
+    label = VARIANTS[name][0]
+    if "na" in row:
+      print(f"{label:21} n/a: {row['na']}")
+      continue
+    vs = f"{row['vs_as_configured']:.2f}" if row["vs_as_configured"] else ""
+    same = "  (= as configured)" if "same_as" in row else ""
+    print(f"{label:21} {row['ms_per_step']:8.1f} {row['steps_per_s']:8.2f} "
+          f"{row['tokens_per_s']:10.0f} {row['tflops']:8.4g} {_pct(row['mfu_datasheet']):>6} "
+          f"{_pct(row['mfu_measured']):>7} {vs:>7} {_mib(row, 'temp_bytes'):>8} "
+          f"{_mib(row, 'argument_bytes'):>8}{same}")
+  if "forward" in r["rows"]:
+    print("forward only: TFLOP/s and MFU of forward FLOPs (train / 3)")
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--model", default="tiny", choices=("tiny", "small", "gpt2_124m"))
@@ -136,48 +263,70 @@ def main():
   p.add_argument("--batch", type=int, default=16)
   p.add_argument("--seq", type=int, default=0, help="0: the preset's block_size")
   p.add_argument("--steps", type=int, default=20)
+  p.add_argument("--variants", default=",".join(VARIANTS),
+                 help=f"comma-separated subset of {','.join(VARIANTS)} (default: all)")
   p.add_argument("--json", default="", help="also write the numbers to this file")
   args = p.parse_args()
+  asked = [v.strip() for v in args.variants.split(",") if v.strip()]
+  if unknown := [v for v in asked if v not in VARIANTS]:
+    p.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+  chosen = [v for v in VARIANTS if v in asked]  # the configured step first: the others' ratio
 
   tokenizer = "gpt2" if args.model == "gpt2_124m" else "byte"
-  cfg = get_preset(args.model, tokenizer_vocab=TOKENIZER_VOCAB[tokenizer], dtype=args.dtype)
-  seq = args.seq or cfg.block_size
+  preset = get_preset(args.model, tokenizer_vocab=TOKENIZER_VOCAB[tokenizer], dtype=args.dtype)
+  seq = args.seq or preset.block_size
   config = runpy.run_path(str(REPO / "configs" / "base.py"))["get_config"]()
   config.model.name, config.model.dtype = args.model, args.dtype
   config.data.tokenizer, config.data.batch_size, config.data.seq_len = tokenizer, args.batch, seq
-  flops_per_token = train_flops_per_token(cfg, seq)
+  # As build.py's _runtime_choices settles the model for this backend.
+  where = attention.platform()
+  impl, why = attention.resolve(config.model.attention, args.dtype, preset.head_dim, where)
+  cfg = dataclasses.replace(preset, attention=impl,
+                            loss_chunk=chunk_of(config.model.loss_chunk, args.dtype))
+  cfgs = {"xla": dataclasses.replace(cfg, attention="xla"),
+          "cudnn": dataclasses.replace(cfg, attention="cudnn"),
+          "plain_loss": dataclasses.replace(cfg, loss_chunk=0)}
+  cudnn_problem = attention.cudnn_problem(args.dtype, preset.head_dim, where)
+  flops = {"train": train_flops_per_token(cfg, seq), "forward": forward_flops_per_token(cfg, seq)}
   n_params = count_params(nnx.state(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))),
                                     nnx.Param))
 
-  peak, peak_source, measured = peak_flops()
-  result = {"model": args.model, "dtype": args.dtype, "batch": args.batch, "seq": seq,
-            "params": n_params, "train_flops_per_token": flops_per_token,
-            "backend": jax.default_backend(), "device": jax.devices()[0].device_kind,
-            "peak_flops": peak, "peak_source": peak_source, **measured}
-  rows = {"bare step": bare_steps_per_second(cfg, config, args.batch, seq, args.steps)}
-  try:
-    rows["runner"] = runner_steps_per_second(config, args.steps)
-  except Exception as e:  # the benchmark still reports the bare step
-    print(f"runner failed: {type(e).__name__}: {e}", file=sys.stderr)
-    result["runner_error"] = f"{type(e).__name__}: {e}"
+  def program(c):  # what decides the compiled program: a chunk >= seq runs the plain loss
+    return c.attention, c.loss_chunk if 0 < c.loss_chunk < seq else 0
 
-  print(f"\n{args.model} {args.dtype}: {n_params / 1e6:.2f}M params, batch {args.batch} x seq "
-        f"{seq}, {flops_per_token / 1e6:.3g} MFLOP/token (train)")
-  print(f"peak {peak / 1e12:.4g} TFLOP/s: {peak_source}")
-  for name, rate in measured.items():
-    print(f"  {name}: {rate / 1e12:.4g} TFLOP/s")
-  print(f"{'':10} {'steps/s':>9} {'tokens/s':>11} {'TFLOP/s':>9} {'MFU':>7} {'vs bare':>8}")
-  for name, steps_per_s in rows.items():
-    tokens_per_s = steps_per_s * args.batch * seq
-    key = name.replace(" ", "_")
-    result.update({f"{key}_steps_per_s": steps_per_s, f"{key}_tokens_per_s": tokens_per_s,
-                   f"{key}_mfu": tokens_per_s * flops_per_token / peak})
-    ratio = steps_per_s / rows["bare step"]
-    print(f"{name:10} {steps_per_s:9.3f} {tokens_per_s:11.0f} "
-          f"{tokens_per_s * flops_per_token / 1e12:9.4f} {result[f'{key}_mfu']:7.2%} {ratio:8.2f}")
-  if "runner" in rows:
-    result["runner_vs_bare"] = rows["runner"] / rows["bare step"]
+  pk = peaks()
+  result = {"model": args.model, "dtype": args.dtype, "batch": args.batch, "seq": seq,
+            "params": n_params, "train_flops_per_token": flops["train"],
+            "forward_flops_per_token": flops["forward"], "attention": impl,
+            "attention_why": why, "loss_chunk": cfg.loss_chunk, "steps": args.steps,
+            "backend": jax.default_backend(), "platform": where,
+            "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "flax": flax.__version__, **git_commit(), **pk, "rows": {}}
+  rows = result["rows"]
+  for name in chosen:
+    label, mode = VARIANTS[name]
+    c = cfgs.get(name, cfg)
+    if name == "cudnn" and cudnn_problem:
+      rows[name] = {"na": cudnn_problem}
+    elif name in cfgs and "configured" in rows and program(c) == program(cfg):
+      rows[name] = {**rows["configured"], "same_as": "configured"}
+    elif mode == "runner":
+      try:
+        rows[name] = {"steps_per_s": runner_steps_per_second(config, args.steps)}
+      except Exception as e:  # noqa: BLE001  the benchmark still reports the bare rows
+        print(f"runner failed: {type(e).__name__}: {e}", file=sys.stderr)
+        rows[name] = {"na": f"failed: {type(e).__name__}: {e}"}
+    else:
+      rate, memory = bare_variant(c, config, mode, args.batch, seq, args.steps)
+      rows[name] = {"steps_per_s": rate, "memory": memory}
+      stats = jax.devices()[0].memory_stats() or {}
+      if "peak_bytes_in_use" in stats:  # a running peak: XLA cannot reset it
+        rows[name]["device_peak_bytes_in_use_so_far"] = stats["peak_bytes_in_use"]
+
+  rates(rows, flops, args.batch * seq, pk)
+  report(result)
   if args.json:
+    pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     pathlib.Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 
 
