@@ -30,7 +30,7 @@ against both ("MFU": the datasheet's; "MFU msr": the measured peak's); the JSON'
 datasheet's where there is one. tokens/s = steps/s * batch * seq, MFU = tokens/s * FLOPs per
 token / peak, FLOPs from lowcomm_jax/model/flops.py (train: 6N + 12 * n_layer * seq *
 d_model, causal mask not discounted, as PaLM and nanoGPT). "vs conf": steps/s over the
-configured bare step's; the runner's is issue 15's "runner >= 0.97x bare" goal. On XLA:CPU
+configured bare step's; the runner's is issue 28's "runner >= 0.97x bare" goal. On XLA:CPU
 H steps scanned in one program beat one call per step (BENCHMARKS.md, framework overhead),
 so there scanned and the runner may beat the bare step.
 

@@ -161,7 +161,7 @@ def build(config: ml_collections.ConfigDict) -> Run:
   keeps_params = algorithm.keeps_worker_params(c)
   worker_rule = algorithm.worker_rule(c)
   reads_own = worker_rule is not None and worker_rule.reads_sync_state  # NoLoCo's φ_w
-  # One worker per device runs unbatched on each (steps._host_workers); tensor parallelism
+  # One worker per device runs unbatched on each (workers.map_host_workers); tensor parallelism
   # keeps the vmap its shard_map over 'model' nests in.
   worker_mesh = local_mesh if tp.size == 1 else None
   local_programs = [

@@ -24,7 +24,7 @@ if they derive from unmapped inputs and collectives' results, never from per-wor
 (so a codec's round key comes from the global round, not its stacked counter). A sync with
 a codec maps its workers per device instead (`map_workers`, parallel/workers.py), so each
 device encodes its own and only payloads cross devices. A local program with one worker
-runs it unbatched (`_host_workers`).
+runs it unbatched (`workers.map_host_workers`).
 """
 
 from typing import Any, Callable, NamedTuple
@@ -32,13 +32,13 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec as P
 
 from lowcomm_jax.aggregate.robust import CombinedState
 from lowcomm_jax.aggregate.signal import effective_workers
 from lowcomm_jax.algorithms import Segment
 from lowcomm_jax.model.matformer import pad_tier, slice_tier, tier_mask, unslice_tier
 from lowcomm_jax.parallel import workers
+from lowcomm_jax.parallel.workers import map_host_workers
 from lowcomm_jax.parallel.flat import ParamLayout
 
 # (params, windows, key, frozen) -> loss. `frozen`: weights the loss reads but nothing trains
@@ -103,28 +103,6 @@ def _gradient_at(grad_fn, global_params, hidden: int, narrow: bool, batch, key, 
   params = slice_tier(global_params, hidden) if narrow else global_params
   loss, grads = grad_fn(params, batch, key, frozen)
   return loss, (pad_tier(grads, global_params) if narrow else grads)
-
-
-def _host_workers(fn, in_axes: tuple, count: int, axis_name: str, mesh):
-  """`fn` over a host's stack of `count` workers, split over `mesh`'s 'replica' devices
-  (None: left to XLA's partitioner).
-
-  A worker alone on its device runs unbatched: a size-1 batch dimension in every matmul made
-  XLA transpose the weights at each step (the runner's inner loop had 65 transposes and 44
-  copies more than a bare step's on CPU; now the same ops). One worker: called directly;
-  one per device: `shard_map` over 'replica', each device calling it on its own. Otherwise
-  a vmap that XLA's partitioner splits over 'replica'."""
-  def one(*args):
-    own = [jax.tree.map(lambda x: x[0], a) if axis == 0 else a for a, axis in zip(args, in_axes)]
-    return jax.tree.map(lambda x: x[None], fn(*own))
-
-  if count == 1:
-    return one
-  if mesh is not None and count == mesh.shape[axis_name] > 1:
-    return jax.shard_map(one, mesh=mesh, in_specs=tuple(P(axis_name) if axis == 0 else P()
-                                             for axis in in_axes),
-                         out_specs=P(axis_name), axis_names={axis_name}, check_vma=False)
-  return jax.vmap(fn, in_axes=in_axes, axis_name=axis_name, spmd_axis_name=axis_name)
 
 
 def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformation,
@@ -217,7 +195,8 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
       own, opt_state, steps, memory = workers
       in_axes = (None, None, None, 0 if reads_own else None, 0 if keeps_params else None,
                  0, 0, 0, 0, 0, None)
-    mapped = _host_workers(worker, in_axes, batches_GxSxBxL1.shape[0], axis_name, mesh)
+    mapped = map_host_workers(worker, in_axes, batches_GxSxBxL1.shape[0], mesh,
+                                      axis_name)
     delta, workers, losses = mapped(
         state.params, state.round, rule_state, sync_state, own, opt_state, steps, memory,
         batches_GxSxBxL1, keys, frozen)
@@ -245,8 +224,8 @@ def make_accumulate(loss_fn: LossFn, *, hidden: int, d_ff: int, layout: ParamLay
                  frozen=()):
     key = jax.random.fold_in(round_key(state), micro)
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, worker_ids_G)
-    return _host_workers(worker, (None, 0, 0, 0, None), batches_GxBxL1.shape[0], axis_name,
-                         mesh)(
+    return map_host_workers(worker, (None, 0, 0, 0, None), batches_GxBxL1.shape[0],
+                                    mesh, axis_name)(
         state.params, acc_GxN, batches_GxBxL1, keys, frozen)
 
   return accumulate
