@@ -15,6 +15,7 @@ from lowcomm_jax.model import attention, pretrained
 from lowcomm_jax.model.presets import PRESETS
 from lowcomm_jax.model.tp import SYNC_PLANS, SyncPlan, plan_problems
 from lowcomm_jax.parallel import distributed
+from lowcomm_jax.ray_runtime import checks as ray_checks
 from lowcomm_jax.sim import checks as sim_checks
 
 ALGORITHMS = algorithms.NAMES
@@ -51,6 +52,11 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
 
   problems.extend(compress.problems(c))
   _check_sim(c, check, problems, num_processes)
+  problems.extend(ray_checks.problems(
+      c, num_processes, algorithms.get(c.algorithm) if c.algorithm in ALGORITHMS else None))
+  if c.runtime != "ray" and (changed := _changed_from_base(c.ray, "ray")):
+    problems.append(f"{', '.join(changed)}: ignored unless runtime='ray'; set "
+                    "--config.runtime=ray or leave them at their defaults")
 
   # Mesh: workers must spread evenly over replica devices, within the devices present.
   m = c.mesh

@@ -54,7 +54,7 @@ def _validate_early(config) -> None:
   import copy
   import jax
   from lowcomm_jax import config_check
-  if config.sim.enabled:  # the simulator vmaps every worker on one device
+  if config.sim.enabled or config.runtime == "ray":  # a worker per device (or vmapped on one)
     config = copy.deepcopy(config)
     with config.unlocked():
       config.mesh.replica = 1
@@ -118,6 +118,14 @@ def main(argv):
   if _CONFIG.value.sim.enabled:
     from lowcomm_jax import simulate
     run = simulate.run
+  elif _CONFIG.value.runtime == "ray":
+    from lowcomm_jax.ray_runtime import cluster
+    try:
+      from lowcomm_jax.ray_runtime import driver as ray_driver
+      cluster.import_ray()
+    except cluster.RayUnavailable as e:
+      _fail(str(e))
+    run = ray_driver.run
   try:
     summary = run(_CONFIG.value, workdir)
   except (ConfigError, DataError, CheckpointMismatch, ResumeRefused, WorkdirError,

@@ -5,7 +5,8 @@ and HALoS's per-region ones), the workers' inner optimizer states, the pulled pa
 snapshots and the in-flight messages, and does the math with the runner's own functions:
 the same jitted local program (workers pulled from the same server state with the same H
 run vmapped in one call) and, for synchronous DiLoCo, the same sync. Asynchronous servers'
-rules are their algorithm's (algorithms/, `server_rules`).
+rules are their algorithm's (algorithms/, `server_rules`), applied as parameter_server.py
+applies them (the Ray runtime's server too).
 
 Servers: {name: {"params", "opt_state", and for HALoS's regions "reference"}} plus per-server
 version (updates applied: staleness is counted in these) and revision (any change, merges
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowcomm_jax import optimizers, outer, steps
+from lowcomm_jax import optimizers, outer, parameter_server, steps
 from lowcomm_jax.run_spec import Programs, Run
 from lowcomm_jax.parallel import mesh as mesh_lib
 from lowcomm_jax.sim import GLOBAL, Job, Plan
@@ -67,9 +68,11 @@ class SimBackend:
     self._ids_on = mesh_lib.per_worker(r.topology.local_mesh)
     self.local_round = self.local_programs[0]
     self.codec = r.sync.codec if self.rules else None  # asynchronous: per contribution
-    self._apply = {name: jax.jit(self._make_apply(rule)) for name, rule in self.rules.items()}
-    self._roundtrip = (jax.jit(jax.vmap(self._make_roundtrip(r.model.layout))) if self.codec
-                       else None)
+    self._apply = {name: jax.jit(parameter_server.make_apply(rule))
+                   for name, rule in self.rules.items()}
+    self._roundtrip = (jax.jit(jax.vmap(parameter_server.make_roundtrip(self.codec,
+                                                                        r.model.layout)))
+                       if self.codec else None)
     self._merge = jax.jit(outer.merge_global, static_argnums=3)
     self._push = jax.jit(outer.pseudo_gradient)  # an LPS pushes θ_ref − θ_LPS
     self.workers = workers  # [W, ...] steps.WorkerState: θ_w, inner optimizer states
@@ -109,24 +112,6 @@ class SimBackend:
     self._drift = jax.jit(lambda now, then: optax.tree.norm(optax.tree.sub(now, then))
                           / optax.tree.norm(now))
     self.job_lr_step = {}  # job id -> the schedule step it starts at (until it runs)
-
-  def _make_roundtrip(self, layout):
-    def roundtrip(delta, codec_state, key):
-      """decode(encode(Δ)) on the tensors (codecs are per tensor; Δ is flat)."""
-      decoded, codec_state = self.codec.roundtrip(layout.unravel(delta), codec_state, key)
-      return layout.ravel(decoded), codec_state
-    return roundtrip
-
-  @staticmethod
-  def _make_apply(rule):
-    def apply(params, opt_state, delta, pulled=None):
-      """The rule's step, and the drift ‖θ − θ_pulled‖ / ‖θ‖ (how far the server moved
-      while the contribution was out) in the same dispatch; None without `pulled`."""
-      drift = (None if pulled is None else
-               optax.tree.norm(optax.tree.sub(params, pulled)) / optax.tree.norm(params))
-      updates, opt_state = rule.update(delta, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, drift
-    return apply
 
   # --- the Backend protocol (lowcomm_jax/sim/schedules.py) ------------------------------
 
@@ -169,9 +154,7 @@ class SimBackend:
           jax.device_put(ids, self._ids_on))
       self.workers = opt_state if everyone else _put(self.workers, ids, opt_state)
       if self._roundtrip is not None:  # what the server receives is the decoded payload
-        # Not the local round's per-worker keys (those split into step keys): fold in a tag.
-        codec_key = jax.random.fold_in(steps.round_key(view), 0x636F6463)
-        keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(codec_key, ids)
+        keys = parameter_server.codec_keys(view, ids)
         deltas, sent_state = self._roundtrip(deltas, _take(self.codec_states, ids), keys)
         self.codec_states = _put(self.codec_states, ids, sent_state)
       per_job = _unstack({"delta": deltas, "loss": losses.mean(axis=1)})

@@ -64,7 +64,7 @@ def make_plan(c: ml_collections.ConfigDict, r: Run) -> Plan:
               overlap_steps=first.mix_at)
 
 
-def _one_device(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+def one_device(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Virtual workers share one device (vmapped), whatever the machine has."""
   c = copy.deepcopy(config)
   with c.unlocked():
@@ -76,7 +76,7 @@ class _Simulation:
   """One simulation's moving parts, and saving/restoring them together."""
 
   def __init__(self, config: ml_collections.ConfigDict):
-    self.r = r = build(_one_device(config))
+    self.r = r = build(one_device(config))
     self.c = r.config
     self.plan = make_plan(self.c, r)
     # Nothing donated: its servers outlive the calls (sim_backend).

@@ -1,4 +1,4 @@
-"""Asynchronous Local-SGD (simulator): each worker pulls the server's latest θ, takes H
+"""Asynchronous Local-SGD (simulator, and real processes on the Ray runtime): each worker pulls the server's latest θ, takes H
 steps and sends Δ; the server applies every arrival at once with plain Nesterov at
 lr outer.lr / W, so W arrivals move θ as far as one synchronous round's mean would."""
 
@@ -7,11 +7,13 @@ from lowcomm_jax.algorithms.base import field_problem
 from lowcomm_jax.algorithms.diloco import DiLoCo
 
 
-def simulator_only(c, name: str) -> list[str]:
-  if c.sim.enabled:
+def simulator_only(c, name: str, on_ray: bool = False) -> list[str]:
+  """Parameter servers run in the simulator, and (`on_ray`) on the Ray runtime."""
+  if c.sim.enabled or (on_ray and c.runtime == "ray"):
     return []
+  ray = " or --config.runtime=ray (real processes)" if on_ray else ""
   return [field_problem(c, "sim.enabled", f"algorithm={name!r} runs in the simulator; set "
-                        "--config.sim.enabled=True")]
+                        f"--config.sim.enabled=True{ray}")]
 
 
 class AsyncLocalSGD(DiLoCo):
@@ -20,9 +22,10 @@ class AsyncLocalSGD(DiLoCo):
   simulated_only = True
   synchronous = False
   robust_aggregation = False  # one contribution at a time
+  runs_on_ray = True
 
   def problems(self, c):
-    return simulator_only(c, self.name) + super().problems(c)
+    return simulator_only(c, self.name, self.runs_on_ray) + super().problems(c)
 
   def schedule(self, plan, backend):
     from lowcomm_jax.sim.schedules import AsyncWorkers

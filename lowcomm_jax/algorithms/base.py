@@ -75,6 +75,9 @@ class Algorithm:
   # its own aggregate, only on earlier ones: the runner may run a round's sync inside the
   # next round's program, its collective beside the local steps (rounds.can_overlap).
   delayed_sync = False
+  # Runs on the Ray runtime (ray_runtime/): one global parameter server applying
+  # `server_rules`, workers pushing as they finish.
+  runs_on_ray = False
 
   def problems(self, c: ml_collections.ConfigDict) -> list[str]:
     """This algorithm's own config problems, each 'field=value: fix'."""

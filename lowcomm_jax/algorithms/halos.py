@@ -17,6 +17,7 @@ def _regions(c) -> list[int]:
 class Halos(AsyncLocalSGD):
   name = "halos"
   summary = "hierarchical asynchronous servers, one per region plus a global one (simulator)"
+  runs_on_ray = False  # its regional servers and their pushes have no Ray schedule yet
 
   def problems(self, c):
     out = super().problems(c)

@@ -133,6 +133,9 @@ class WorkerStreams:
       raise ValueError(f"batch_mode must be 'same' or 'different', got {batch_mode!r}")
     self.worker_ids = list(worker_ids)
     self.batch_mode = batch_mode
+    self._args = dict(seq_len=seq_len, batch_size=batch_size, seed=seed, batch_mode=batch_mode,
+                      vocab_size=vocab_size, corrupt=corrupt, partitions=partitions)
+    self._tokens = train_tokens
     seeds = ([stream_seed(seed, _WORKER, w) for w in self.worker_ids]
              if batch_mode == "different" else [stream_seed(seed, _SHARED)])
     # `corrupt`: worker id -> (kind, prob, vocabulary[, other tokens]) for the workers whose
@@ -145,13 +148,19 @@ class WorkerStreams:
     # (non-IID data: another part of the text per worker).
     if partitions and batch_mode != "different":
       raise ValueError("partitioned data needs batch_mode='different'")
+    # (A worker that joins a Ray run later may have an id past P: it reads shard id mod P.)
     shard = lambda w: (train_tokens if not partitions else
-                       train_tokens[len(train_tokens) * w // partitions:
-                                    len(train_tokens) * (w + 1) // partitions])
+                       train_tokens[len(train_tokens) * (w % partitions) // partitions:
+                                    len(train_tokens) * (w % partitions + 1) // partitions])
     self._iters = [_iterate(window_dataset(shard(w), seq_len=seq_len,
                                            batch_size=batch_size, seed=s,
                                            vocab_size=vocab_size, corruption=corrupt.get(w)))
                    for s, w in zip(seeds, owners)]
+
+  def of_workers(self, worker_ids: Sequence[int]) -> "WorkerStreams":
+    """Fresh streams of other workers over the same corpus and settings (a Ray worker's
+    own stream; a worker that joined later)."""
+    return WorkerStreams(self._tokens, worker_ids=worker_ids, **self._args)
 
   def next_round(self, inner_steps: int) -> np.ndarray:
     """Batches [workers, inner_steps, batch_size, seq_len + 1] for one round."""

@@ -1,0 +1,48 @@
+"""Chaos hooks (`ray.chaos`): failures and arrivals at fixed counts of applied pushes, so
+tests and benchmarks exercise membership changes and recovery the same way every time.
+
+Each event is 'what@N', N applied pushes (N >= 1):
+  kill_worker=K@N     kill worker K (its job in flight is lost)
+  rejoin_worker=K@N   worker K (killed earlier) starts again where its data stream was
+  add_worker@N        a new worker joins (the next free id)
+  kill_server@N       the server dies; it restarts from the last checkpoint and the pushes
+                      applied since are replayed
+  delay_worker=K:S@N  from then on, worker K's pushes wait S seconds before they are sent
+"""
+
+import dataclasses
+import re
+
+ACTIONS = ("kill_worker", "rejoin_worker", "add_worker", "kill_server", "delay_worker")
+_FORM = re.compile(r"^(?P<action>[a-z_]+)(=(?P<worker>\d+)(:(?P<seconds>[0-9.]+))?)?@(?P<after>\d+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChaosEvent:
+  action: str
+  after: int  # applied pushes
+  worker: int = -1
+  seconds: float = 0.0
+
+  def __str__(self) -> str:
+    target = "" if self.worker < 0 else f"={self.worker}"
+    return f"{self.action}{target}{f':{self.seconds:g}' if self.seconds else ''}@{self.after}"
+
+
+def parse(events) -> list[ChaosEvent]:
+  """The events, ordered by push count; ValueError names the first bad one and the form."""
+  out = []
+  for text in events:
+    m = _FORM.match(str(text).strip())
+    action = m and m["action"]
+    needs_worker = action in ("kill_worker", "rejoin_worker", "delay_worker")
+    ok = (m is not None and action in ACTIONS and int(m["after"]) >= 1
+          and needs_worker == (m["worker"] is not None)
+          and (action == "delay_worker") == (m["seconds"] is not None))
+    if not ok:
+      raise ValueError(f"{text!r} is not a chaos event; use one of 'kill_worker=K@N', "
+                       "'rejoin_worker=K@N', 'add_worker@N', 'kill_server@N', "
+                       "'delay_worker=K:S@N' (N >= 1 applied pushes)")
+    out.append(ChaosEvent(action, int(m["after"]), int(m["worker"] or -1) if needs_worker
+                          else -1, float(m["seconds"] or 0.0)))
+  return sorted(out, key=lambda e: e.after)

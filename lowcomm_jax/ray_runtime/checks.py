@@ -1,0 +1,64 @@
+"""The Ray runtime's config problems (`runtime`, `ray.*`), each 'field=value: fix'. Plain
+Python: nothing here imports Ray, so a bad config fails in a second."""
+
+import ml_collections
+
+from lowcomm_jax.config_error import Problems
+from lowcomm_jax.ray_runtime import chaos
+
+RUNTIMES = ("spmd", "ray")
+
+
+def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> list[str]:
+  """Problems of `runtime='ray'` with `algorithm` (None: unknown name, reported elsewhere)."""
+  out = Problems(c)
+  check = out.check
+  y = c.ray
+  check(c.runtime in RUNTIMES, "runtime", f"use one of {list(RUNTIMES)}")
+  if c.runtime != "ray":
+    return list(out)
+  if algorithm is not None:
+    check(algorithm.runs_on_ray, "algorithm",
+          "the Ray runtime runs the asynchronous parameter-server algorithms ('async', "
+          "'async_dn'); synchronous ones run on runtime='spmd' (quorum rounds on Ray are "
+          "not built yet)")
+  check(not c.sim.enabled, "sim.enabled", "the simulator has its own clock; set "
+        "--config.sim.enabled=False for runtime='ray', or --config.runtime=spmd")
+  check(num_processes == 1, "runtime", "one process drives a Ray run and Ray starts the "
+        "others; launch it without jax.distributed")
+  check(not list(c.hosts), "hosts", "Ray workers are full width; give num_workers (leave "
+        "hosts empty)")
+  check(c.mesh.data == 1 and c.model.tp.size == 1, "mesh.data",
+        "a Ray worker runs on one device; use mesh.data=1 and model.tp.size=1")
+  check(c.lora.rank == 0, "lora.rank", "the Ray runtime does not carry a frozen base yet; "
+        "use 0")
+  check(c.collab.target_batch_size == 0, "collab.target_batch_size",
+        "collaborative epochs run on runtime='spmd' (on Ray: not built yet); use 0")
+  check(c.data.batch_mode == "different", "data.batch_mode",
+        "Ray workers read their own streams at their own pace; use 'different'")
+  check(y.apply_order in ("arrival", "dispatch"), "ray.apply_order",
+        "use 'arrival' or 'dispatch'")
+  check(y.num_cpus >= 0, "ray.num_cpus", "must be >= 0 (0: every core)")
+  check(y.gpus_per_worker >= 0, "ray.gpus_per_worker", "must be >= 0")
+  check(y.recover_timeout_s > 0, "ray.recover_timeout_s", "must be > 0")
+  sleeps = list(y.step_sleep_s)
+  check(not sleeps or (len(sleeps) == c.num_workers and min(sleeps) >= 0),
+        "ray.step_sleep_s", f"give one non-negative number per worker ({c.num_workers})")
+  try:
+    events = chaos.parse(y.chaos)
+  except ValueError as e:
+    out.append(f"ray.chaos: {e}")
+  else:
+    killed = set()
+    for e in events:
+      if e.action == "kill_worker":
+        killed.add(e.worker)
+      if e.action in ("kill_worker", "delay_worker"):
+        check(0 <= e.worker < c.num_workers, "ray.chaos",
+              f"{e} names worker {e.worker}; workers are 0..{c.num_workers - 1}")
+      if e.action == "rejoin_worker":
+        check(e.worker in killed, "ray.chaos", f"{e}: only a worker killed earlier "
+              "(kill_worker=K@M, M < N) rejoins")
+    check(sum(e.action == "kill_server" for e in events) <= 1, "ray.chaos",
+          "the server is killed at most once")
+  return list(out)

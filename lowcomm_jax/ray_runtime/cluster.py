@@ -1,0 +1,60 @@
+"""Joining or starting Ray, and the options the runtime's actors get.
+
+Ray is an extra (`pip install -e ".[ray]"`): it is imported only here and in driver.py, so
+every other runtime works without it."""
+
+import logging
+import os
+import warnings
+
+import ml_collections
+
+
+class RayUnavailable(RuntimeError):
+  pass
+
+
+def import_ray():
+  try:
+    import ray
+  except ImportError as e:
+    raise RayUnavailable("runtime='ray' needs Ray: pip install -e \".[ray]\" (or "
+                         "pip install 'ray>=2.40')") from e
+  return ray
+
+
+def connect(c: ml_collections.ConfigDict) -> bool:
+  """Connects this process to Ray: a running cluster at `ray.address`, or a new one inside
+  this process. Returns whether this process started it (and so shuts it down)."""
+  ray = import_ray()
+  if ray.is_initialized():
+    return False
+  y = c.ray
+  kwargs = dict(include_dashboard=False, configure_logging=False, log_to_driver=True,
+                namespace="lowcomm_jax")
+  if y.address:
+    ray.init(address=y.address, **kwargs)
+    logging.info("joined the Ray cluster at %s: %s", y.address, ray.cluster_resources())
+    return False
+  if y.bind_address:
+    kwargs["_node_ip_address"] = y.bind_address
+  with warnings.catch_warnings():  # Ray spawns its services; this process runs no JAX in them
+    warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
+    ray.init(num_cpus=y.num_cpus or os.cpu_count(), **kwargs)
+  logging.info("started a local Ray: %s", ray.cluster_resources())
+  return True
+
+
+def actor_options(c: ml_collections.ConfigDict, *, worker: bool) -> dict:
+  """Scheduling and environment of a server or worker actor. Workers may hold a GPU (or a
+  share: several JAX processes on one GPU must not preallocate its memory); the driver's
+  forced host device count is not theirs (each runs on one device)."""
+  env = {k: v for k, v in os.environ.items()
+         if k.startswith(("JAX_", "LOWCOMM_", "TIKTOKEN_"))}
+  env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  env["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                              if not f.startswith("--xla_force_host_platform_device_count"))
+  options = {"num_cpus": 0, "max_restarts": 0, "runtime_env": {"env_vars": env}}
+  if worker and c.ray.gpus_per_worker:
+    options["num_gpus"] = c.ray.gpus_per_worker
+  return options

@@ -1,0 +1,158 @@
+"""The Ray runtime on a local Ray (one cluster for the module): pushes, membership changes,
+a server that dies and restarts, and its server rule against the simulator's."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import load_config
+from lowcomm_jax import config_check
+from lowcomm_jax.ray_runtime import chaos
+
+ray = pytest.importorskip("ray")
+
+
+def _config(**overrides):
+  """Three workers of the tiny model, H = 2, a budget of 3·2·3 = 18 inner steps (9 pushes),
+  a checkpoint every round-equivalent (6 inner steps, 3 pushes)."""
+  base = {"runtime": "ray", "algorithm": "async_dn", "num_workers": 3, "rounds": 3,
+          "inner_steps": 2, "eval_every": 3, "checkpoint_every": 1, "log_every": 1,
+          "mesh.replica": 1, "ray.apply_order": "dispatch"}
+  return load_config("smoke", **{**base, **overrides})
+
+
+@pytest.fixture(scope="module")
+def cluster():
+  import warnings
+  with warnings.catch_warnings():  # Ray spawns its services; they run no JAX
+    warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False,
+             namespace="lowcomm_jax_tests")
+  yield
+  ray.shutdown()
+
+
+def _run(config, workdir):
+  from lowcomm_jax.ray_runtime import driver
+  summary = driver.run(config, workdir)
+  events = [row for row in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
+            if "event" in row]
+  return summary, events
+
+
+# --- config, without Ray ----------------------------------------------------------------
+
+
+def _problems(**overrides):
+  try:
+    config_check.validate(load_config("smoke", **overrides), num_devices=8)
+  except config_check.ConfigError as e:
+    return e.problems
+  return []
+
+
+def test_config_problems_name_their_field():
+  assert _problems(runtime="ray", algorithm="async_dn", **{"mesh.replica": 1}) == []
+  assert any(p.startswith("runtime=") for p in _problems(runtime="lockstep"))
+  assert any("quorum rounds" in p for p in _problems(runtime="ray", **{"mesh.replica": 1}))
+  assert any(p.startswith("ray.apply_order")
+             for p in _problems(runtime="ray", algorithm="async",
+                                **{"ray.apply_order": "random"}))
+  # ray.* without runtime='ray' would be ignored: refused
+  assert any("ignored unless runtime='ray'" in p
+             for p in _problems(**{"ray.chaos": ("kill_server@3",)}))
+  # the asynchronous algorithms still need the simulator or Ray, and say both
+  assert any("--config.runtime=ray" in p for p in _problems(algorithm="async_dn"))
+  bad = _problems(runtime="ray", algorithm="async",
+                  **{"ray.chaos": ("kill_worker=5@2", "rejoin_worker=0@1"),
+                     "ray.step_sleep_s": (0.1,)})
+  assert sum(p.startswith("ray.chaos") for p in bad) == 2
+  assert any(p.startswith("ray.step_sleep_s") for p in bad)
+
+
+def test_chaos_events_parse_or_name_the_form():
+  events = chaos.parse(["kill_server@9", "kill_worker=1@3", "delay_worker=2:0.5@1",
+                        "add_worker@4"])
+  assert [str(e) for e in events] == ["delay_worker=2:0.5@1", "kill_worker=1@3",
+                                      "add_worker@4", "kill_server@9"]
+  for bad in ("kill_worker@3", "add_worker=1@3", "kill_server@0", "delay_worker=1@2", "boom@1"):
+    with pytest.raises(ValueError, match="is not a chaos event"):
+      chaos.parse([bad])
+
+
+# --- runs on a local Ray ----------------------------------------------------------------
+
+
+def test_async_dn_reaches_its_pushes_and_a_killed_server_changes_nothing(cluster, tmp_path):
+  """Pushes applied in dispatch order repeat exactly; killing the server after push 5
+  (a checkpoint holds pushes 1-3) restores it and replays pushes 4-5 from the object
+  store: the run ends where the uninterrupted one does."""
+  plain, events = _run(_config(), tmp_path / "plain")
+  assert plain["pushes"] == 9 and plain["total_inner_steps"] == 18
+  assert sorted(plain["pushes_per_worker"].values()) == [3, 3, 3]
+  assert np.isfinite(plain["eval_loss"]) and events == []
+  assert plain["workers_lost"] == plain["pushes_dropped"] == plain["server_restarts"] == 0
+
+  killed, events = _run(_config(**{"ray.chaos": ("kill_server@5",)}), tmp_path / "killed")
+  assert killed["server_restarts"] == 1 and killed["pushes_replayed"] == 2
+  assert [e["event"] for e in events] == ["server_restarted"]
+  assert events[0]["checkpoint"] == 1 and events[0]["replayed"] == 2
+  assert killed["eval_loss"] == plain["eval_loss"]
+  assert killed["train_loss"] == plain["train_loss"]
+  assert killed["pushes"] == plain["pushes"]
+
+
+def test_a_killed_worker_does_not_stop_the_run_and_a_joined_one_contributes(cluster, tmp_path):
+  summary, events = _run(_config(**{"ray.chaos": ("kill_worker=1@2", "add_worker@3",
+                                                  "rejoin_worker=1@6")}), tmp_path)
+  assert summary["workers_lost"] == 1 and summary["pushes_dropped"] == 1
+  assert summary["workers_joined"] == 2
+  # the lost job's steps were redone by others: the whole budget was applied
+  assert summary["total_inner_steps"] == 18 and np.isfinite(summary["eval_loss"])
+  assert summary["pushes_per_worker"].get("3", 0) >= 1  # the worker that joined
+  assert [e["event"] for e in events].count("worker_joined") == 2
+  lost = [e for e in events if e["event"] == "worker_lost"]
+  assert [e["worker"] for e in lost] == [1]
+
+
+def test_the_ray_server_applies_pushes_as_the_simulator_does(cluster, tmp_path):
+  """The same pulls and pushes (random Δ, stale ones among them) through the Ray server
+  actor and through the simulator's backend: bit-identical θ and drifts."""
+  import jax
+  from lowcomm_jax import simulate
+  from lowcomm_jax.ray_runtime import cluster as cluster_lib
+  from lowcomm_jax.ray_runtime.actors import ServerProcess
+  from lowcomm_jax.sim import GLOBAL, Job
+
+  config = _config(**{"outer.dn_buffer": 2})
+  sim = simulate._Simulation(config)
+  backend = sim.backend
+  server = ray.remote(**cluster_lib.actor_options(config, worker=False))(ServerProcess).remote(
+      config, None)
+  size = int(np.asarray(backend.servers[GLOBAL]["params"]).size)
+  rng = np.random.default_rng(0)
+  # (worker, pulls at, pushes at) in pushes applied: jobs overlap, so staleness varies
+  jobs = [(0, 0, 0), (1, 0, 1), (2, 0, 2), (0, 1, 3), (1, 2, 4), (2, 3, 5)]
+  pulled, drifts = {}, []
+  order = sorted([(pull, 0, i) for i, (_, pull, _) in enumerate(jobs)]
+                 + [(push, 1, i) for i, (_, _, push) in enumerate(jobs)])
+  for _, is_push, i in order:
+    worker = jobs[i][0]
+    if not is_push:
+      job = Job(i, worker, GLOBAL, backend.version(GLOBAL), 2, 0.0, 0.0)
+      backend.start_job(job)
+      pulled[i] = (job, server.pull.remote())
+      continue
+    job, pull = pulled[i]
+    delta = rng.normal(0, 1e-2, size).astype(np.float32)
+    backend.messages[job.id] = {"delta": jax.numpy.asarray(delta), "loss": 0.0}
+    sim_drift, _ = backend.apply_job(job)
+    info = ray.get(server.push.remote({"version": ray.get(pull)["version"]}, delta))
+    assert info["staleness"] == backend.version(GLOBAL) - 1 - job.version
+    drifts.append((float(sim_drift), info["drift"]))
+  state = ray.get(server.state.remote())
+  np.testing.assert_array_equal(state["params"], np.asarray(backend.servers[GLOBAL]["params"]))
+  assert state["version"] == backend.version(GLOBAL) == len(jobs)
+  assert [a for a, _ in drifts] == [b for _, b in drifts]
+  ray.kill(server)
