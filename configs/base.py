@@ -132,10 +132,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.compress.value_bits = 32  # topk: 32 or 2; demo: 32 or 1 (sign only); sparseloco is always 2
   c.compress.mean_over_senders = False  # demo: average each coefficient over the workers that sent it
 
-  # --- runtime: 'spmd' (jax.distributed: lockstep processes, one collective per sync) |
-  # 'ray' (lowcomm_jax/ray_runtime/: a parameter-server actor and a JAX process per worker;
-  # asynchronous algorithms on real processes; workers may join, leave or crash mid-run)
-  c.runtime = "spmd"
+  # --- runtime (lowcomm_jax/ray_runtime/ for 'ray') ---------------------------------------
+  c.runtime = "spmd"  # 'spmd': jax.distributed, lockstep processes | 'ray': a server actor
+  # | and a JAX process per worker; asynchronous algorithms; workers join, leave or crash
   c.ray = ml_collections.ConfigDict()
   c.ray.address = ""  # '' : start a Ray inside this process; 'auto' or 'host:port': join one
   c.ray.num_cpus = 0  # a Ray started here: CPUs it may schedule (0: every core)
@@ -146,12 +145,10 @@ def get_config() -> ml_collections.ConfigDict:
   # | the order their jobs started (reproducible runs: tests, comparison with the simulator)
   c.ray.step_sleep_s = ()  # per worker: seconds slept per inner step (imposed slowness)
   c.ray.recover_timeout_s = 120.0  # a restarted server or worker must answer within this
-  # Chaos (tests, benchmarks): events after a count of applied pushes, each 'what@pushes':
-  # 'kill_worker=K@N' (kill worker K), 'add_worker@N' (a new worker joins),
-  # 'rejoin_worker=K@N' (worker K, killed earlier, comes back where its data stream was),
-  # 'kill_server@N' (the server dies once; it restarts from the last checkpoint and the
-  # pushes since are replayed), 'delay_worker=K:S@N' (worker K's pushes wait S seconds).
-  c.ray.chaos = ()
+  c.ray.chaos = ()  # failures on cue (tests, benchmarks), each 'what@N' (N pushes applied):
+  # | 'kill_worker=K@N', 'add_worker@N' (the next free id joins), 'rejoin_worker=K@N' (a
+  # | killed worker back where its data stream was), 'kill_server@N' (once: it restarts from
+  # | the last checkpoint, the pushes since replayed), 'delay_worker=K:S@N' (S s per push)
 
   # --- simulator (lowcomm_jax/sim/, simulate.py): virtual workers on a virtual clock -------
   c.sim = ml_collections.ConfigDict()

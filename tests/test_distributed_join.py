@@ -57,6 +57,9 @@ def test_a_process_that_never_starts_is_named_within_the_join_timeout():
   # A 5 s join timeout plus start-up (import and backend: up to ~30 s beside another
   # CPU-heavy job); JAX alone: 300 s of silence, then "another task died".
   assert elapsed < 120, elapsed
+  # While it waits it says whom for, and for how long (after 2 s, then every 10 s).
+  assert (f"process 0: waiting on 127.0.0.1:{port} for process 1 of 2 (giving up in "
+          in err), err[-3000:]
 
 
 def test_a_process_whose_coordinator_never_starts_says_so():
@@ -67,6 +70,8 @@ def test_a_process_whose_coordinator_never_starts_says_so():
   assert _error_line(err).startswith(
       f"lowcomm_jax: error: process 1 could not reach process 0 (the coordinator) at "
       f"127.0.0.1:{port} within distributed.join_timeout_s=3")
+  assert (f"process 1: waiting for process 0 (the coordinator) at 127.0.0.1:{port} (giving "
+          "up in" in err), err[-3000:]
 
 
 def _roll_call(num, pids, timeout_s, port):

@@ -8,12 +8,28 @@ the processes join and is unauthenticated, like the coordinator (README, "Trust 
 """
 
 import ipaddress
+import logging
 import socket
 import time
 
 _HELLO = "lowcomm-join-v1"
 _POLL_S = 0.25  # between a peer's attempts to reach process 0
 _READ_S = 2.0  # for a connected peer to say who it is
+_SAY_FIRST_S, _SAY_EVERY_S = 2.0, 10.0  # a waiting process says so after 2 s, then every 10 s
+
+
+class _Waiting:
+  """Says, while a process waits, whom it waits for and how long it will."""
+
+  def __init__(self, deadline: float):
+    self.deadline, self.next = deadline, time.monotonic() + _SAY_FIRST_S
+
+  def __call__(self, what: str) -> None:
+    now = time.monotonic()
+    if now >= self.next:
+      self.next = now + _SAY_EVERY_S
+      logging.info("%s (giving up in %.0f s: distributed.join_timeout_s)", what,
+                   max(self.deadline - now, 0))
 
 
 class DistributedError(RuntimeError):
@@ -61,8 +77,12 @@ def _collect(address: str, bind: str, num: int, timeout_s: float) -> None:
   deadline = time.monotonic() + timeout_s
   joined: dict[int, socket.socket] = {}
   notes = []
+  waiting = _Waiting(deadline)
   try:
     while len(joined) < num - 1:
+      missing = [i for i in range(1, num) if i not in joined]
+      waiting(f"process 0: waiting on {address} for process{'es' if len(missing) > 1 else ''} "
+              f"{_ids(missing)} of {num}")
       left = deadline - time.monotonic()
       if left <= 0:
         missing = [i for i in range(1, num) if i not in joined]
@@ -114,11 +134,13 @@ def _report(address: str, num: int, pid: int, timeout_s: float) -> None:
   """Process pid > 0: tell process 0 we are here, then wait for its word."""
   host, port = split_address(address)
   deadline = time.monotonic() + timeout_s
+  waiting = _Waiting(deadline)
   while True:
     try:
       conn = socket.create_connection((host, port), timeout=_READ_S)
       break
     except OSError as e:
+      waiting(f"process {pid}: waiting for process 0 (the coordinator) at {address}")
       if time.monotonic() >= deadline:
         raise DistributedError(
             f"process {pid} could not reach process 0 (the coordinator) at {address} within "
@@ -127,6 +149,8 @@ def _report(address: str, num: int, pid: int, timeout_s: float) -> None:
       time.sleep(_POLL_S)
   with conn:
     _send(conn, f"{_HELLO} {pid} {num}")
+    logging.info("process %d: reached process 0 at %s; it starts the run when all %d "
+                 "processes are present", pid, address, num)
     # Process 0 answers when all are present, or at its own deadline: allow it that long.
     conn.settimeout(max(deadline - time.monotonic(), 0) + timeout_s + 5)
     try:
