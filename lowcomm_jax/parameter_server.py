@@ -34,6 +34,20 @@ def make_roundtrip(codec, layout):
   return roundtrip
 
 
+def make_encode(codec, layout):
+  """A worker's side of `make_roundtrip`: (flat Δ, codec state, key) -> (payload, state)."""
+  def encode(delta, codec_state, key):
+    return codec.encode(layout.unravel(delta), codec_state, key)
+  return encode
+
+
+def make_decode(codec, layout):
+  """The server's side: (payload, key) -> the flat Δ it applies."""
+  def decode(payload, key):
+    return layout.ravel(codec.decode(payload, layout.abstract, key))
+  return decode
+
+
 def codec_keys(view: steps.TrainState, worker_ids: jax.Array) -> jax.Array:
   """Each worker's codec key for a job that pulled `view` (its round is the pulled
   version)."""

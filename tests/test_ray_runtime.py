@@ -33,9 +33,9 @@ def cluster():
   ray.shutdown()
 
 
-def _run(config, workdir):
+def _run(config, workdir, **kwargs):
   from lowcomm_jax.ray_runtime import driver
-  summary = driver.run(config, workdir)
+  summary = driver.run(config, workdir, **kwargs)
   events = [row for row in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
             if "event" in row]
   return summary, events
@@ -84,23 +84,34 @@ def test_chaos_events_parse_or_name_the_form():
 # --- runs on a local Ray ----------------------------------------------------------------
 
 
-def test_async_dn_reaches_its_pushes_and_a_killed_server_changes_nothing(cluster, tmp_path):
-  """Pushes applied in dispatch order repeat exactly; killing the server after push 5
-  (a checkpoint holds pushes 1-3) restores it and replays pushes 4-5 from the object
-  store: the run ends where the uninterrupted one does."""
-  plain, events = _run(_config(), tmp_path / "plain")
+def test_async_dn_reaches_its_pushes_and_neither_a_killed_server_nor_a_restart_changes_it(
+    cluster, tmp_path):
+  """Pushes applied in dispatch order repeat exactly (int8 payloads with error feedback on
+  the wire). A second run loses its server after push 5 (a checkpoint holds pushes 1-3):
+  a new one restores it and replays pushes 4-5 from the object store. That run then stops
+  at its second checkpoint (push 6), as a preempted job would, and is started again: the
+  workers' states and their jobs in flight resume. It ends where the uninterrupted run
+  does."""
+  int8 = {"compress.codec": "int8"}
+  plain, events = _run(_config(**int8), tmp_path / "plain")
   assert plain["pushes"] == 9 and plain["total_inner_steps"] == 18
   assert sorted(plain["pushes_per_worker"].values()) == [3, 3, 3]
   assert np.isfinite(plain["eval_loss"]) and events == []
   assert plain["workers_lost"] == plain["pushes_dropped"] == plain["server_restarts"] == 0
+  # int8 payloads: a quarter of the dense bytes (plus scales), counted per push
+  assert plain["bytes_sent_total"] < 9 * 4 * plain["params"] * 0.3
 
-  killed, events = _run(_config(**{"ray.chaos": ("kill_server@5",)}), tmp_path / "killed")
-  assert killed["server_restarts"] == 1 and killed["pushes_replayed"] == 2
+  config = _config(**int8, **{"ray.chaos": ("kill_server@5",)})
+  stopped, events = _run(config, tmp_path / "killed", stop_after_checkpoints=2)
+  assert stopped["stopped_at"] == 2
   assert [e["event"] for e in events] == ["server_restarted"]
   assert events[0]["checkpoint"] == 1 and events[0]["replayed"] == 2
-  assert killed["eval_loss"] == plain["eval_loss"]
-  assert killed["train_loss"] == plain["train_loss"]
-  assert killed["pushes"] == plain["pushes"]
+  resumed, _ = _run(config, tmp_path / "killed")
+  assert resumed["server_restarts"] == 1 and resumed["pushes_replayed"] == 2
+  assert resumed["eval_loss"] == plain["eval_loss"]
+  assert resumed["train_loss"] == plain["train_loss"]
+  assert resumed["pushes"] == plain["pushes"]
+  assert resumed["mean_staleness"] == plain["mean_staleness"]
 
 
 def test_a_killed_worker_does_not_stop_the_run_and_a_joined_one_contributes(cluster, tmp_path):
@@ -125,7 +136,7 @@ def test_the_ray_server_applies_pushes_as_the_simulator_does(cluster, tmp_path):
   from lowcomm_jax.ray_runtime.actors import ServerProcess
   from lowcomm_jax.sim import GLOBAL, Job
 
-  config = _config(**{"outer.dn_buffer": 2})
+  config = _config(**{"outer.dn_buffer": 2})  # Δ as they are: no codec
   sim = simulate._Simulation(config)
   backend = sim.backend
   server = ray.remote(**cluster_lib.actor_options(config, worker=False))(ServerProcess).remote(
@@ -148,7 +159,7 @@ def test_the_ray_server_applies_pushes_as_the_simulator_does(cluster, tmp_path):
     delta = rng.normal(0, 1e-2, size).astype(np.float32)
     backend.messages[job.id] = {"delta": jax.numpy.asarray(delta), "loss": 0.0}
     sim_drift, _ = backend.apply_job(job)
-    info = ray.get(server.push.remote({"version": ray.get(pull)["version"]}, delta))
+    info = ray.get(server.push.remote({"version": ray.get(pull)[0]}, delta))
     assert info["staleness"] == backend.version(GLOBAL) - 1 - job.version
     drifts.append((float(sim_drift), info["drift"]))
   state = ray.get(server.state.remote())

@@ -4,8 +4,8 @@ actors (`ray.remote(...)(ServerProcess)`); tests may also run them in-process.
 Both build the run as the simulator does (one device, `simulate.one_device`), so a worker
 runs the simulator's jitted local program and the server the same rule, through the same
 `parameter_server.make_apply`, as the simulator's servers. What crosses Ray's object store
-is host numpy: θ on a pull, Δ (as the server receives it: decode(encode(Δ)) under a codec)
-on a push, and small dicts.
+is host numpy: θ on a pull; on a push the codec's payload (decoded by the server, with the
+worker's key) or, without a codec, Δ; and small dicts.
 """
 
 import logging
@@ -25,49 +25,81 @@ def _built(config: ml_collections.ConfigDict):
   with the other workers through the compilation cache, as hosts of a runner share them)."""
   from lowcomm_jax import compile_cache
   from lowcomm_jax.build import build
+  from lowcomm_jax.rounds import jitted_steps
+  from lowcomm_jax.simulate import one_device
   logging.getLogger().setLevel(logging.INFO)
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   compile_cache.enable(config.compile_cache_dir)
-  from lowcomm_jax.rounds import jitted_steps
-  from lowcomm_jax.simulate import one_device
   r = build(one_device(config))
   return r, jitted_steps(r, donate=False)
 
 
+def server_rule(r):
+  """The algorithm's rule for the one global server (the Ray runtime runs one)."""
+  from lowcomm_jax.simulate import make_plan
+  rules = r.algorithm.server_rules(r.config, make_plan(r.config, r))
+  if set(rules) != {GLOBAL}:
+    raise ValueError(f"algorithm={r.config.algorithm!r} has servers {sorted(rules)}; the Ray "
+                     "runtime runs one global server")
+  return rules[GLOBAL]
+
+
 class ServerProcess:
   """The global parameter server: θ, the algorithm's server rule and its state, the version
-  (pushes applied), and the models that jobs still out pulled (for their drift)."""
+  (pushes applied), and the models that jobs still out pulled (their drift; and a resumed
+  run's jobs start again from them)."""
 
   def __init__(self, config: ml_collections.ConfigDict, restored: dict | None = None):
     from lowcomm_jax.rounds import init_run
-    from lowcomm_jax.simulate import make_plan
     self.r, self.programs = r, programs = _built(config)
-    rules = r.algorithm.server_rules(r.config, make_plan(r.config, r))
-    if set(rules) != {GLOBAL}:
-      raise ValueError(f"algorithm={config.algorithm!r} has servers {sorted(rules)}; the Ray "
-                       "runtime runs one global server")
-    self._apply = jax.jit(parameter_server.make_apply(rules[GLOBAL]))
+    rule = server_rule(r)
+    self._apply = jax.jit(parameter_server.make_apply(rule))
+    codec = r.sync.codec
+    self._decode = (jax.jit(parameter_server.make_decode(codec, r.model.layout)) if codec
+                    else None)
     self._norm = jax.jit(lambda p: jnp.sqrt(jnp.sum(jnp.square(p))))
     self.mesh = r.topology.mesh
+    self.snapshots = {}  # version -> [params, jobs out that pulled it]
+    self._expected = {}  # version -> jobs out that pulled it from a server before this one
     if restored is None:
       state, _ = init_run(r, programs)
-      self.params, self.opt_state = state.params, rules[GLOBAL].init(state.params)
+      self.params, self.opt_state = state.params, rule.init(state.params)
       self.version = 0
     else:
       self.params = jnp.asarray(restored["params"])
       self.opt_state = jax.tree.map(jnp.asarray, restored["opt_state"])
       self.version = int(restored["version"])
+      self.snapshots = {int(v): [jnp.asarray(p), 0]
+                        for v, p in restored.get("snapshots", {}).items()}
     self.windows = jax.device_put(r.data.eval_windows)
-    self.snapshots = {}  # version -> [params, jobs out that pulled it]
 
   def ping(self) -> int:
     return self.version
 
-  def pull(self) -> dict:
-    """θ and its version, for a worker's next job."""
-    held = self.snapshots.setdefault(self.version, [self.params, 0])
+  def expect(self, pulled: dict[int, int]) -> None:
+    """A server restored from a checkpoint: jobs still out pulled these versions (version ->
+    jobs) from the server before it; keep each model as it is reached again."""
+    for version, jobs in pulled.items():
+      if version in self.snapshots:
+        self.snapshots[version][1] += jobs
+      elif version >= self.version:
+        self._expected[version] = self._expected.get(version, 0) + jobs
+    self._hold()
+
+  def _hold(self) -> None:
+    if self.version in self._expected:
+      self.snapshots[self.version] = [self.params, self._expected.pop(self.version)]
+
+  def pull(self, version: int | None = None) -> tuple[int, np.ndarray]:
+    """(version, θ) for a worker's next job: the newest, or (a job started again after a
+    resume) the one that job had pulled."""
+    if version is None:
+      version = self.version
+      held = self.snapshots.setdefault(version, [self.params, 0])
+    else:
+      held = self.snapshots[version]
     held[1] += 1
-    return {"params": np.asarray(self.params), "version": self.version}
+    return version, np.asarray(held[0])
 
   def _release(self, version: int):
     held = self.snapshots.get(version)
@@ -78,24 +110,30 @@ class ServerProcess:
       del self.snapshots[version]
     return held[0]
 
-  def drop(self, pulled: dict) -> None:
-    """A job that pulled this will never push (its worker was lost)."""
-    self._release(pulled["version"])
+  def drop(self, version: int) -> None:
+    """A job that pulled `version` will never push (its worker was lost)."""
+    self._release(version)
 
-  def push(self, meta: dict, delta: np.ndarray) -> dict:
-    """Applies one contribution; its staleness (versions applied since it pulled) and drift."""
+  def push(self, meta: dict, sent) -> dict:
+    """Applies one contribution (Δ, or the codec's payload); its staleness (versions applied
+    since it pulled) and drift."""
+    delta = (jnp.asarray(sent) if self._decode is None
+             else self._decode(sent, jax.random.wrap_key_data(jnp.asarray(meta["codec_key"]))))
     pulled = self._release(meta["version"])
     staleness = self.version - meta["version"]
-    self.params, self.opt_state, drift = self._apply(self.params, self.opt_state,
-                                                     jnp.asarray(delta), pulled)
+    self.params, self.opt_state, drift = self._apply(self.params, self.opt_state, delta, pulled)
     self.version += 1
+    self._hold()
     return {"version": self.version, "staleness": staleness,
             "drift": None if drift is None else float(drift)}
 
-  def state(self) -> dict:
-    """What a checkpoint holds of the server (host arrays)."""
+  def state(self, versions=()) -> dict:
+    """What a checkpoint holds of the server (host arrays), with the models jobs still out
+    pulled at `versions`."""
     return {"params": np.asarray(self.params), "opt_state": jax.device_get(self.opt_state),
-            "version": self.version}
+            "version": self.version,
+            "snapshots": {str(v): np.asarray(self.snapshots[v][0]) for v in sorted(set(versions))
+                          if v in self.snapshots}}
 
   def evaluate(self) -> float:
     with jax.set_mesh(self.mesh):
@@ -107,29 +145,37 @@ class ServerProcess:
 
 class WorkerProcess:
   """One worker: its inner optimizer state, its data stream, its codec's error buffer; a job
-  is `steps` local steps from a pulled θ, returned as (meta, Δ)."""
+  is `steps` local steps from a pulled θ, returned as (meta, what it sends)."""
 
   def __init__(self, config: ml_collections.ConfigDict, worker: int,
-               data_state: dict | None = None, step_sleep_s: float = 0.0):
+               restored: dict | None = None, step_sleep_s: float = 0.0):
+    """`restored`: {"data": its stream's state} (a worker that rejoins), and from a
+    checkpoint {"state", "codec"} too."""
     from lowcomm_jax.parallel import mesh as mesh_lib
     from lowcomm_jax.rounds import init_run
+    restored = restored or {}
     self.worker, self.step_sleep_s, self.delay_s = worker, step_sleep_s, 0.0
     self.r, programs = r, programs = _built(config)
     state, workers = init_run(r, programs)
     self.rng = state.rng
-    self.state = jax.tree.map(lambda x: x[:1], workers[0])  # fresh rows are all alike
+    self.state = (jax.tree.map(jnp.asarray, restored["state"]) if "state" in restored
+                  else jax.tree.map(lambda x: x[:1], workers[0]))  # fresh rows are alike
     self.local = programs.local[0][0]
     self.mesh = r.topology.local_mesh
     self.batches_on = mesh_lib.round_batches(self.mesh)
     self.ids = jax.device_put(np.asarray([worker], np.int32), mesh_lib.per_worker(self.mesh))
     self.streams = r.data.streams[0].of_workers([worker])
-    if data_state is not None:
-      self.streams.set_state(data_state)
+    if "data" in restored:
+      self.streams.set_state(restored["data"])
     codec = r.sync.codec
-    self.roundtrip = (jax.jit(jax.vmap(parameter_server.make_roundtrip(codec, r.model.layout)))
-                      if codec else None)
-    self.codec_state = (jax.tree.map(lambda x: x[None], codec.init(r.model.layout.abstract))
+    self.encode = (jax.jit(jax.vmap(parameter_server.make_encode(codec, r.model.layout)))
+                   if codec else None)
+    self.codec_state = (jax.tree.map(jnp.asarray, restored["codec"]) if "codec" in restored
+                        else jax.tree.map(lambda x: x[None], codec.init(r.model.layout.abstract))
                         if codec else ())
+    # The job running (or last run) and what the worker held before it: a checkpoint taken
+    # while that job is unpushed keeps these, and the resumed run runs the job again.
+    self.running, self.before = None, None
 
   def ping(self) -> int:
     return self.worker
@@ -138,21 +184,36 @@ class WorkerProcess:
     """From now on each push waits `seconds` before it is sent (chaos)."""
     self.delay_s = seconds
 
-  def job(self, pulled: dict, lr_step: int, steps_: int) -> tuple[dict, np.ndarray]:
+  def checkpoint_state(self, unpushed_job: int | None) -> dict:
+    """Its state for a checkpoint: as it was before job `unpushed_job` (started or not) if
+    that job's push is not applied yet, else as it is."""
+    if unpushed_job is not None and self.running == unpushed_job:
+      state, codec_state, data = self.before
+    else:
+      state, codec_state, data = self.state, self.codec_state, self.streams.get_state()
+    return {"state": jax.device_get(state), "codec": jax.device_get(codec_state), "data": data}
+
+  def job(self, version: int, params: np.ndarray, lr_step: int, steps_: int,
+          order: int) -> tuple[dict, object]:
     start = time.perf_counter()
+    self.before = (self.state, self.codec_state, self.streams.get_state())
+    self.running = order
     view = self.r.local_input(steps.TrainState(
-        jnp.asarray(pulled["version"], jnp.int32), self.rng, jnp.asarray(pulled["params"]), ()))
+        jnp.asarray(version, jnp.int32), self.rng, jnp.asarray(params), ()))
     workers = self.state._replace(opt_state=optimizers.at_schedule_step(
         self.state.opt_state, np.asarray([lr_step], np.int32)))
     batches = jax.device_put(self.streams.next_steps([0], steps_), self.batches_on)
+    meta = {"worker": self.worker, "version": int(version), "steps": steps_, "order": order}
     with jax.set_mesh(self.mesh):
       deltas, self.state, losses = self.local(view, workers, batches, self.ids)
-      if self.roundtrip is not None:  # the server receives what the codec carries
-        deltas, self.codec_state = self.roundtrip(
-            deltas, self.codec_state, parameter_server.codec_keys(view, self.ids))
-    delta, loss = np.asarray(deltas[0]), float(losses.mean())
-    seconds = time.perf_counter() - start
+      if self.encode is None:
+        sent = np.asarray(deltas[0])
+      else:  # the codec's payload; the server decodes it with this key
+        keys = parameter_server.codec_keys(view, self.ids)
+        payload, self.codec_state = self.encode(deltas, self.codec_state, keys)
+        sent = jax.device_get(jax.tree.map(lambda x: x[0], payload))
+        meta["codec_key"] = np.asarray(jax.random.key_data(keys[0]))
+    meta.update(loss=float(losses.mean()), compute_seconds=time.perf_counter() - start,
+                data=self.streams.get_state())
     time.sleep(self.step_sleep_s * steps_ + self.delay_s)
-    return ({"worker": self.worker, "version": int(pulled["version"]), "steps": steps_,
-             "loss": loss, "compute_seconds": seconds, "data": self.streams.get_state()},
-            delta)
+    return meta, sent

@@ -20,6 +20,7 @@ order: no work is lost while their Δ survive (the driver owns them). Membership
 are rows of metrics.jsonl (`event`) and counts in summary.json.
 """
 
+import collections
 import dataclasses
 import logging
 import math
@@ -34,9 +35,8 @@ from lowcomm_jax.build import build
 from lowcomm_jax.checkpoint import CheckpointMismatch
 from lowcomm_jax.parallel import mesh as mesh_lib
 from lowcomm_jax.ray_runtime import chaos as chaos_lib, cluster
-from lowcomm_jax.ray_runtime.actors import ServerProcess, WorkerProcess
+from lowcomm_jax.ray_runtime.actors import ServerProcess, WorkerProcess, server_rule
 from lowcomm_jax.run_files import RunFiles, TrainingDiverged  # noqa: F401 - raised by the loop
-from lowcomm_jax.sim import GLOBAL
 from lowcomm_jax.simulate import make_plan, one_device
 from lowcomm_jax.workdir import holds_lock
 
@@ -60,9 +60,15 @@ class _Job:
   order: int  # dispatch order (apply_order='dispatch' pushes in this order)
   lr_step: int
   steps: int
-  pull: object  # ObjectRef of the pulled θ
+  version: object  # ObjectRef of the pulled version (an int)
+  params: object  # ObjectRef of the pulled θ
   meta: object  # ObjectRef of the job's meta dict
-  delta: object  # ObjectRef of its Δ
+  sent: object  # ObjectRef of what it sends (Δ, or the codec's payload)
+
+  def record(self, version: int) -> dict:
+    """What a checkpoint keeps of a job in flight (a resumed run starts it again)."""
+    return {"worker": self.worker, "order": self.order, "lr_step": self.lr_step,
+            "steps": self.steps, "version": version}
 
 
 @dataclasses.dataclass
@@ -124,11 +130,17 @@ class RayDriver:
     self.ray.get(server.ping.remote(), timeout=self.c.ray.recover_timeout_s)
     return server
 
-  def _start_worker(self, worker: int) -> None:
+  def _start_worker(self, worker: int, restored: dict | None = None) -> None:
+    """Starts `worker`'s process: from `restored` (a checkpoint's), else where its data
+    stream was (a worker that rejoins), else fresh."""
     sleeps = list(self.c.ray.step_sleep_s)
     sleep = sleeps[worker] if worker < len(sleeps) else 0.0
-    remote = self.ray.remote(**cluster.actor_options(self.c, worker=True))(WorkerProcess)
-    self.actors[worker] = remote.remote(self.c, worker, self.data.get(str(worker)), sleep)
+    if restored is None and str(worker) in self.data:
+      restored = {"data": self.data[str(worker)]}
+    # Two threads: a checkpoint reads the worker's state while a job runs.
+    remote = self.ray.remote(max_concurrency=2,
+                             **cluster.actor_options(self.c, worker=True))(WorkerProcess)
+    self.actors[worker] = remote.remote(self.c, worker, restored, sleep)
     if worker in self.delays:
       self.actors[worker].delay.remote(self.delays[worker])
 
@@ -146,8 +158,9 @@ class RayDriver:
     return h[worker] if worker < len(h) else self.c.inner_steps
 
   def _dispatch(self, worker: int, lr_step: int | None = None, steps: int | None = None,
-                order: int | None = None) -> None:
-    """Starts `worker`'s next job (or, with the arguments, starts a job again as it was)."""
+                order: int | None = None, version: int | None = None) -> None:
+    """Starts `worker`'s next job (or, with the arguments, starts a job again as it was:
+    from `version`'s θ, a resumed run's)."""
     n = self.counts
     if steps is None:
       remaining = self.plan.total_steps - n.dispatched_steps
@@ -158,9 +171,10 @@ class RayDriver:
       # The inner lr schedules run on the run's clock: inner steps applied per worker.
       lr_step = n.applied_steps // self.c.num_workers
       order, n.next_order = n.next_order, n.next_order + 1
-    pull = self.server.pull.remote()
-    meta, delta = self.actors[worker].job.options(num_returns=2).remote(pull, lr_step, steps)
-    self.jobs[worker] = _Job(worker, order, lr_step, steps, pull, meta, delta)
+    pulled_version, params = self.server.pull.options(num_returns=2).remote(version)
+    meta, sent = self.actors[worker].job.options(num_returns=2).remote(
+        pulled_version, params, lr_step, steps, order)
+    self.jobs[worker] = _Job(worker, order, lr_step, steps, pulled_version, params, meta, sent)
 
   def _next_done(self) -> _Job:
     if self.c.ray.apply_order == "dispatch":
@@ -190,7 +204,7 @@ class RayDriver:
       self._discard(job)
       n.pushes_dropped += 1
       n.dispatched_steps -= job.steps  # someone else takes them
-      self.server.drop.remote(job.pull)  # (a pull from a dead server fails this: no matter)
+      self.server.drop.remote(job.version)  # (a pull from a dead server fails: no matter)
     self._note("worker_lost", worker=worker, why=why, live=len(self.actors))
     # Its steps go to whoever is idle (a worker whose budget ran out may start again).
     for w in self.actors:
@@ -211,18 +225,24 @@ class RayDriver:
     ckpt = self.files.ckpt
     ckpt.wait()
     latest = ckpt.latest_round()
-    restored = self._restore_server_state(latest) if latest is not None else None
+    restored = self._restore(latest)[0] if latest is not None else None
     self.server = self._new_server(restored)
-    for meta, delta in self.since_checkpoint:
-      self.ray.get(self.server.push.remote(meta, delta))
-    n.pushes_replayed += len(self.since_checkpoint)
-    n.server_restarts += 1
+    # Jobs out that pulled from the dead server keep their models (drift, checkpoints); those
+    # whose pull failed start again, as they were, once the pushes are replayed.
+    held, failed = collections.Counter(), []
     for job in sorted(self.jobs.values(), key=lambda j: j.order):
       try:
-        self.ray.get(job.pull)
-      except self.ray.exceptions.RayError:  # pulled from the dead server: start it again
-        self._discard(job)
-        self._dispatch(job.worker, job.lr_step, job.steps, job.order)
+        held[self.ray.get(job.version)] += 1
+      except self.ray.exceptions.RayError:
+        failed.append(job)
+    self.server.expect.remote(dict(held))
+    for meta, sent in self.since_checkpoint:
+      self.ray.get(self.server.push.remote(meta, sent))
+    n.pushes_replayed += len(self.since_checkpoint)
+    n.server_restarts += 1
+    for job in failed:
+      self._discard(job)
+      self._dispatch(job.worker, job.lr_step, job.steps, job.order)
     seconds = time.perf_counter() - t0
     n.recoveries.append({"what": "server", "seconds": seconds,
                          "replayed": len(self.since_checkpoint), "from_checkpoint": latest})
@@ -231,7 +251,7 @@ class RayDriver:
 
   def _discard(self, job: _Job) -> None:
     """Reads a failed job's results (their error is expected: Ray would log it unread)."""
-    for ref in (job.meta, job.delta):
+    for ref in (job.meta, job.sent):
       try:
         self.ray.get(ref, timeout=self.c.ray.recover_timeout_s)
       except self.ray.exceptions.RayError:
@@ -240,7 +260,7 @@ class RayDriver:
   def _push(self, job: _Job, meta: dict) -> dict:
     while True:
       try:
-        return self.ray.get(self.server.push.remote(meta, job.delta))
+        return self.ray.get(self.server.push.remote(meta, job.sent))
       except self.ray.exceptions.RayActorError as e:
         self._recover_server(f"push failed: {type(e).__name__}")
 
@@ -257,7 +277,7 @@ class RayDriver:
       return False
     del self.jobs[job.worker]
     info = self._push(job, meta)
-    self.since_checkpoint.append((meta, job.delta))
+    self.since_checkpoint.append((meta, job.sent))
     n = self.counts
     w = str(job.worker)
     n.pushes += 1
@@ -310,20 +330,38 @@ class RayDriver:
 
   # --- the run loop's driver --------------------------------------------------------------
 
-  def _abstract_server(self):
-    rule = self.r.algorithm.server_rules(self.r.config, self.plan)[GLOBAL]
-    rep = mesh_lib.replicated(self.r.topology.mesh)
-    params = self.r.state_spec.abstract.params
-    tree = {"params": params, "opt_state": jax.eval_shape(rule.init, params)}
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), tree)
+  def _abstract(self, meta: dict):
+    """Shapes (with this process's shardings) of the checkpoint described by `meta`: the
+    server's tree, and the live workers' states."""
+    r = self.r
+    rep = mesh_lib.replicated(r.topology.mesh)
+    placed = lambda tree: jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), tree)
+    params = r.state_spec.abstract.params
+    server = {"params": params, "opt_state": jax.eval_shape(server_rule(r).init, params)}
+    if meta["in_flight"]:
+      server["snapshots"] = {str(j["version"]): params for j in meta["in_flight"]}
+    one_row = lambda tree: jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct((1,) + a.shape[1:], a.dtype), tree)
+    worker = {"state": one_row(r.abstract_workers()[0])}
+    if r.sync.codec is not None:
+      worker["codec"] = jax.eval_shape(
+          lambda: jax.tree.map(lambda x: x[None], r.sync.codec.init(r.model.layout.abstract)))
+    return placed(server), placed({str(w): worker for w in meta["live"]})
 
-  def _restore_server_state(self, mark: int) -> dict:
-    tree, meta, _, _ = self.files.ckpt.restore(mark, self._abstract_server(), ())
-    return {**jax.device_get(tree), "version": meta["version"]}
+  def _restore(self, mark: int) -> tuple[dict, dict, dict]:
+    """(the server's restored state, the meta, each live worker's restored state)."""
+    ckpt = self.files.ckpt
+    meta = ckpt.restore_meta(mark)
+    server, workers = self._abstract(meta)
+    tree, meta, workers, data = ckpt.restore(mark, server, workers)
+    workers = {int(w): {**jax.device_get(s), "data": data["streams"][w]}
+               for w, s in workers.items()}
+    return {**jax.device_get(tree), "version": meta["version"]}, meta, workers
 
   def open(self, files: RunFiles, latest: int | None) -> dict | None:
     self.files, ckpt = files, files.ckpt
-    restored, meta = None, None
+    server, meta, workers, in_flight = None, None, {}, []
     if latest is not None:
       meta = ckpt.restore_meta(latest)
       if meta.get("format") != _FORMAT or meta.get("runtime") != "ray":
@@ -333,25 +371,27 @@ class RayDriver:
       if meta["finished"] and (summary := files.finished_summary()) is not None:
         return summary
       ckpt.discard_after(latest)
-      restored = self._restore_server_state(latest)
+      server, meta, workers = self._restore(latest)
       self.counts = Counts(**meta["counts"])
       self.data, self.lost = meta["data"], list(meta["lost"])
       self.delays = {int(k): v for k, v in meta["delays"].items()}
       self._wall_before, self.finished = meta["wall_seconds"], meta["finished"]
-      # Jobs in flight at the save are gone with that invocation: their steps are redone.
-      self.counts.dispatched_steps = self.counts.applied_steps
+      in_flight = meta["in_flight"]  # started again as they were
     self.started_ray = cluster.connect(self.c)
     t0 = time.perf_counter()
-    self.server = self._new_server(restored)
+    self.server = self._new_server(server)
     live = (sorted(int(w) for w in meta["live"]) if meta is not None
             else list(range(self.c.num_workers)))
     for w in live:
-      self._start_worker(w)
+      self._start_worker(w, workers.get(w))
     self.ray.get([self.actors[w].ping.remote() for w in live])
     logging.info("ray: server and %d workers up in %.1fs (%s)", len(live),
                  time.perf_counter() - t0, "resumed" if meta else "fresh")
+    for j in sorted(in_flight, key=lambda j: j["order"]):
+      self._dispatch(j["worker"], j["lr_step"], j["steps"], j["order"], j["version"])
     for w in live:
-      self._dispatch(w)
+      if w not in self.jobs:
+        self._dispatch(w)
     self.mark = self.counts.applied_steps // self.per_mark
     return None
 
@@ -403,18 +443,37 @@ class RayDriver:
         self._recover_server(f"evaluation failed: {type(e).__name__}")
 
   def save(self, ckpt, mark: int, *, last: bool, wall: float) -> None:
+    """The server (θ, its rule's state, the models jobs in flight pulled), every live
+    worker's state as it was before its unpushed job (inner optimizer, codec buffer, data
+    stream), and those jobs: a resumed run starts them again and repeats this one."""
     while True:
       try:
-        state = self.ray.get(self.server.state.remote())
+        jobs = sorted(self.jobs.values(), key=lambda j: j.order)
+        in_flight = [j.record(v) for j, v in zip(jobs, self.ray.get([j.version for j in jobs]))]
+        state = self.ray.get(self.server.state.remote([j["version"] for j in in_flight]))
         break
       except self.ray.exceptions.RayActorError as e:
         self._recover_server(f"save failed: {type(e).__name__}")
+    workers = {}
+    for w, actor in sorted(self.actors.items()):
+      job = self.jobs.get(w)
+      try:
+        workers[w] = self.ray.get(actor.checkpoint_state.remote(None if job is None
+                                                                else job.order))
+      except self.ray.exceptions.RayActorError:  # it died: found lost at its job's result
+        in_flight = [j for j in in_flight if j["worker"] != w]
     tree = {"params": state["params"], "opt_state": state["opt_state"]}
+    if in_flight:
+      tree["snapshots"] = state["snapshots"]
     meta = {"format": _FORMAT, "runtime": "ray", "version": state["version"],
             "counts": dataclasses.asdict(self.counts), "data": self.data, "lost": self.lost,
-            "live": sorted(self.actors), "delays": {str(k): v for k, v in self.delays.items()},
+            "live": [str(w) for w in workers], "in_flight": in_flight,
+            "delays": {str(k): v for k, v in self.delays.items()},
             "wall_seconds": wall, "finished": last and self.finished}
-    ckpt.save(mark + 1 if last and self.finished else mark, tree, meta, (), {})
+    ckpt.save(mark + 1 if last and self.finished else mark, tree, meta,
+              {str(w): {k: v for k, v in s.items() if k != "data" and jax.tree.leaves(v)}
+               for w, s in workers.items()},
+              {"streams": {str(w): s["data"] for w, s in workers.items()}})
     self.since_checkpoint = []
 
   def complete(self) -> bool:
