@@ -290,6 +290,7 @@ def _summary(sim: _Simulation, eval_loss: float, wall: float) -> dict:
       "tokens": sim.r.tokens(a.applied_steps),
       "virtual_seconds": total,
       "mean_staleness": a.staleness_sum / max(a.applied_jobs, 1),
+      "staleness_histogram": _histogram([s for _, s, _ in a.contributions]),
       "mean_drift": a.drift_sum / max(a.drift_count, 1),
       **_drift_stats(a.contributions, c.num_workers),
       "contributions": a.applied_jobs,
@@ -316,6 +317,14 @@ def final_global_params(config: ml_collections.ConfigDict, workdir: str | pathli
   finally:
     ckpt.close()
   return sim.backend.global_params()
+
+
+def _histogram(values) -> dict[str, int]:
+  """{value: count} in increasing order (JSON keys are strings)."""
+  out = {}
+  for v in sorted(values):
+    out[str(v)] = out.get(str(v), 0) + 1
+  return out
 
 
 def _drift_stats(contributions: list, num_workers: int) -> dict:

@@ -216,4 +216,5 @@ class WorkerProcess:
     meta.update(loss=float(losses.mean()), compute_seconds=time.perf_counter() - start,
                 data=self.streams.get_state())
     time.sleep(self.step_sleep_s * steps_ + self.delay_s)
+    meta["job_seconds"] = time.perf_counter() - start  # what DyLU's speeds are made of
     return meta, sent

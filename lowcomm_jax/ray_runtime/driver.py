@@ -33,6 +33,7 @@ import ml_collections
 from lowcomm_jax import run_loop
 from lowcomm_jax.build import build
 from lowcomm_jax.checkpoint import CheckpointMismatch
+from lowcomm_jax.hosts import settle_inner_steps
 from lowcomm_jax.parallel import mesh as mesh_lib
 from lowcomm_jax.ray_runtime import chaos as chaos_lib, cluster
 from lowcomm_jax.ray_runtime.actors import ServerProcess, WorkerProcess, server_rule
@@ -78,6 +79,7 @@ class Counts:
   applied_steps: int = 0
   pushes: int = 0
   staleness_sum: int = 0
+  staleness_histogram: dict = dataclasses.field(default_factory=dict)  # staleness -> pushes
   drift_sum: float = 0.0
   drift_count: int = 0
   loss_sum: float = 0.0  # since the last reading
@@ -107,7 +109,7 @@ class RayDriver:
     self.c = config
     self.r = r = build(one_device(config))  # shapes, tokens, the plan; no compute
     self.plan = make_plan(r.config, r)
-    self.per_mark = config.num_workers * max(self.plan.inner_steps)
+    self.per_mark = config.num_workers * config.inner_steps  # a round-equivalent: W·H steps
     self.events = chaos_lib.parse(config.ray.chaos)
     self.counts = Counts(next_worker=config.num_workers)
     self.ray = cluster.import_ray()
@@ -120,6 +122,8 @@ class RayDriver:
     self.jobs: dict[int, _Job] = {}  # worker -> its job in flight
     self.since_checkpoint: list[tuple[dict, object]] = []  # (meta, Δ ref) pushed since
     self.files: RunFiles | None = None
+    self.inner_steps: dict[int, int] = {}  # H per worker where DyLU settled one
+    self.speeds: dict[int, float] = {}  # DyLU: steps per second, per worker
     self.finished, self.mark, self._wall_before = False, 0, 0.0
 
   # --- actors -----------------------------------------------------------------------------
@@ -154,8 +158,32 @@ class RayDriver:
   # --- jobs -------------------------------------------------------------------------------
 
   def _inner_steps(self, worker: int) -> int:
-    h = self.plan.inner_steps
-    return h[worker] if worker < len(h) else self.c.inner_steps
+    return self.inner_steps.get(worker, self.c.inner_steps)
+
+  def _measured(self, worker: int, meta: dict) -> None:
+    """DyLU (`outer.dylu`): a worker's speed is its steps per second of job (its first job
+    compiles, so it is not counted); H is settled again from the live workers' speeds once
+    all are known, and whenever membership changes."""
+    if not self.c.outer.dylu:
+      return
+    jobs = self.counts.pushes_per_worker.get(str(worker), 0)
+    if jobs <= 1:
+      return
+    first = worker not in self.speeds
+    self.speeds[worker] = meta["steps"] / max(meta["job_seconds"], 1e-9)
+    if first:
+      self._settle_inner_steps("speed measured")
+
+  def _settle_inner_steps(self, why: str) -> None:
+    if not self.c.outer.dylu:
+      return
+    live = sorted(self.actors)
+    speeds = [self.speeds.get(w, 0.0) for w in live]
+    settled = dict(zip(live, settle_inner_steps(self.c, [self.c.inner_steps] * len(live),
+                                                speeds)))
+    if settled != {w: self._inner_steps(w) for w in live}:
+      self.inner_steps.update(settled)
+      self._note("inner_steps", why=why, inner_steps={str(w): h for w, h in settled.items()})
 
   def _dispatch(self, worker: int, lr_step: int | None = None, steps: int | None = None,
                 order: int | None = None, version: int | None = None) -> None:
@@ -206,6 +234,8 @@ class RayDriver:
       n.dispatched_steps -= job.steps  # someone else takes them
       self.server.drop.remote(job.version)  # (a pull from a dead server fails: no matter)
     self._note("worker_lost", worker=worker, why=why, live=len(self.actors))
+    self.speeds.pop(worker, None)
+    self._settle_inner_steps("worker lost")
     # Its steps go to whoever is idle (a worker whose budget ran out may start again).
     for w in self.actors:
       if w not in self.jobs:
@@ -283,6 +313,8 @@ class RayDriver:
     n.pushes += 1
     n.applied_steps += job.steps
     n.staleness_sum += info["staleness"]
+    key = str(info["staleness"])
+    n.staleness_histogram[key] = n.staleness_histogram.get(key, 0) + 1
     if info["drift"] is not None:
       n.drift_sum += info["drift"]
       n.drift_count += 1
@@ -291,6 +323,7 @@ class RayDriver:
     n.pushes_per_worker[w] = n.pushes_per_worker.get(w, 0) + 1
     n.compute_seconds[w] = n.compute_seconds.get(w, 0.0) + meta["compute_seconds"]
     self.data[w] = meta["data"]
+    self._measured(job.worker, meta)
     self._chaos()
     if job.worker in self.actors:
       self._dispatch(job.worker)
@@ -326,6 +359,7 @@ class RayDriver:
     self.counts.recoveries.append({"what": "join", "worker": worker, "seconds": seconds})
     self._note("worker_joined", worker=worker, seconds=round(seconds, 3),
                live=len(self.actors))
+    self._settle_inner_steps("worker joined")
     self._dispatch(worker)
 
   # --- the run loop's driver --------------------------------------------------------------
@@ -492,6 +526,8 @@ class RayDriver:
         "total_inner_steps": n.applied_steps, "tokens": self.r.tokens(n.applied_steps),
         "pushes": n.pushes, "pushes_per_worker": n.pushes_per_worker,
         "mean_staleness": n.staleness_sum / max(n.pushes, 1),
+        "staleness_histogram": dict(sorted(n.staleness_histogram.items(),
+                                           key=lambda kv: int(kv[0]))),
         "mean_drift": n.drift_sum / max(n.drift_count, 1),
         "workers_joined": n.workers_joined, "workers_lost": n.workers_lost,
         "pushes_dropped": n.pushes_dropped, "server_restarts": n.server_restarts,
