@@ -55,7 +55,9 @@ def _problems(**overrides):
 def test_config_problems_name_their_field():
   assert _problems(runtime="ray", algorithm="async_dn", **{"mesh.replica": 1}) == []
   assert any(p.startswith("runtime=") for p in _problems(runtime="lockstep"))
-  assert any("quorum rounds" in p for p in _problems(runtime="ray", **{"mesh.replica": 1}))
+  assert any("in quorum rounds, 'diloco'" in p
+             for p in _problems(runtime="ray", algorithm="streaming", **{"mesh.replica": 1}))
+  assert _problems(runtime="ray", algorithm="diloco", **{"mesh.replica": 1}) == []
   assert any(p.startswith("ray.apply_order")
              for p in _problems(runtime="ray", algorithm="async",
                                 **{"ray.apply_order": "random"}))
@@ -167,3 +169,32 @@ def test_the_ray_server_applies_pushes_as_the_simulator_does(cluster, tmp_path):
   assert state["version"] == backend.version(GLOBAL) == len(jobs)
   assert [a for a, _ in drifts] == [b for _, b in drifts]
   ray.kill(server)
+
+
+def test_diloco_in_full_quorum_rounds_trains_as_the_runner_does(cluster, tmp_path):
+  """Every live worker in every round (min_quorum 0, no failures): the rounds are DiLoCo's.
+  The server's token-weighted mean of equal-token contributions and the runner's mean
+  differ only in rounding."""
+  from lowcomm_jax import train
+  config = _config(algorithm="diloco")
+  summary, events = _run(config, tmp_path / "ray")
+  assert summary["rounds_closed"] == 3 and summary["pushes"] == 9
+  assert summary["late_contributions"] == 0 and summary["mean_staleness"] == 0
+  assert summary["total_inner_steps"] == 18 and events == []
+  runner = train.run(_config(algorithm="diloco", runtime="spmd",
+                             **{"ray.apply_order": "arrival"}), tmp_path / "runner")
+  assert abs(summary["eval_loss"] - runner["eval_loss"]) < 1e-4 * runner["eval_loss"]
+
+
+def test_a_quorum_round_does_not_wait_for_a_slow_or_dead_worker(cluster, tmp_path):
+  """Two of three make a round (no grace): worker 2, slowed by 2 s a push, contributes to
+  later rounds than the one it computed from (its staleness is kept); worker 0, killed,
+  stops nobody. Every round closes."""
+  config = _config(algorithm="diloco", rounds=4,
+                   **{"ray.apply_order": "arrival", "ray.min_quorum": 2,
+                      "ray.chaos": ("delay_worker=2:2.0@1", "kill_worker=0@3")})
+  summary, events = _run(config, tmp_path)
+  assert summary["rounds_closed"] == 4 and np.isfinite(summary["eval_loss"])
+  assert summary["workers_lost"] == 1
+  assert summary["late_contributions"] >= 1 and summary["mean_staleness"] > 0
+  assert [e["worker"] for e in events if e["event"] == "worker_lost"] == [0]

@@ -6,7 +6,8 @@ rule, SGD with Nesterov momentum, treats the mean like a gradient:
 
     θ ← θ − lr·Nesterov(Δ̄)
 
-In the simulator the rounds wait for the slowest worker plus one ring all-reduce.
+In the simulator the rounds wait for the slowest worker plus one ring all-reduce; on the
+Ray runtime they are quorum rounds (ray_runtime/driver.py).
 """
 
 import optax
@@ -28,6 +29,7 @@ def codec_problems(c) -> list[str]:
 class DiLoCo(Algorithm):
   name = "diloco"
   summary = "H local steps per worker, then an outer Nesterov step on the mean pseudo-gradient"
+  runs_on_ray = True  # quorum rounds: one fragment, workers restart from θ every round
 
   def problems(self, c):
     return codec_problems(c)

@@ -35,8 +35,11 @@ def _built(config: ml_collections.ConfigDict):
 
 
 def server_rule(r):
-  """The algorithm's rule for the one global server (the Ray runtime runs one)."""
+  """The rule of the one global server: an asynchronous algorithm's server rule, or a
+  synchronous one's outer rule (applied to each quorum round's token-weighted mean Δ)."""
   from lowcomm_jax.simulate import make_plan
+  if r.algorithm.synchronous:
+    return r.algorithm.outer_rule(r.config, None, r.model.layout)
   rules = r.algorithm.server_rules(r.config, make_plan(r.config, r))
   if set(rules) != {GLOBAL}:
     raise ValueError(f"algorithm={r.config.algorithm!r} has servers {sorted(rules)}; the Ray "
@@ -61,6 +64,7 @@ class ServerProcess:
     self.mesh = r.topology.mesh
     self.snapshots = {}  # version -> [params, jobs out that pulled it]
     self._expected = {}  # version -> jobs out that pulled it from a server before this one
+    self._round_sum, self._round_tokens = None, 0.0  # a quorum round's Σ tokens·Δ, Σ tokens
     if restored is None:
       state, _ = init_run(r, programs)
       self.params, self.opt_state = state.params, rule.init(state.params)
@@ -114,11 +118,16 @@ class ServerProcess:
     """A job that pulled `version` will never push (its worker was lost)."""
     self._release(version)
 
+  def _delta(self, meta: dict, sent) -> jax.Array:
+    """What a worker sent, as the flat Δ (the codec's payload decoded with its key)."""
+    if self._decode is None:
+      return jnp.asarray(sent)
+    return self._decode(sent, jax.random.wrap_key_data(jnp.asarray(meta["codec_key"])))
+
   def push(self, meta: dict, sent) -> dict:
     """Applies one contribution (Δ, or the codec's payload); its staleness (versions applied
     since it pulled) and drift."""
-    delta = (jnp.asarray(sent) if self._decode is None
-             else self._decode(sent, jax.random.wrap_key_data(jnp.asarray(meta["codec_key"]))))
+    delta = self._delta(meta, sent)
     pulled = self._release(meta["version"])
     staleness = self.version - meta["version"]
     self.params, self.opt_state, drift = self._apply(self.params, self.opt_state, delta, pulled)
@@ -126,6 +135,28 @@ class ServerProcess:
     self._hold()
     return {"version": self.version, "staleness": staleness,
             "drift": None if drift is None else float(drift)}
+
+  def contribute(self, meta: dict, sent) -> dict:
+    """Adds one contribution to the open quorum round (weighted by its tokens); its
+    staleness in rounds."""
+    delta = self._delta(meta, sent)
+    tokens = float(self.r.tokens(meta["steps"]))
+    self._round_sum = (tokens * delta if self._round_sum is None
+                       else self._round_sum + tokens * delta)
+    self._round_tokens += tokens
+    self._release(meta["version"])
+    return {"staleness": self.version - meta["version"]}
+
+  def close_round(self) -> dict:
+    """The round's outer step on its contributions' token-weighted mean Δ."""
+    contributed = self._round_tokens > 0
+    if contributed:
+      mean = self._round_sum / self._round_tokens
+      self.params, self.opt_state, _ = self._apply(self.params, self.opt_state, mean)
+    self._round_sum, self._round_tokens = None, 0.0
+    self.version += 1
+    self._hold()
+    return {"version": self.version, "applied": contributed}
 
   def state(self, versions=()) -> dict:
     """What a checkpoint holds of the server (host arrays), with the models jobs still out

@@ -19,9 +19,8 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
     return list(out)
   if algorithm is not None:
     check(algorithm.runs_on_ray, "algorithm",
-          "the Ray runtime runs the asynchronous parameter-server algorithms ('async', "
-          "'async_dn'); synchronous ones run on runtime='spmd' (quorum rounds on Ray are "
-          "not built yet)")
+          "the Ray runtime runs 'async', 'async_dn' and, in quorum rounds, 'diloco'; run "
+          "this one on runtime='spmd' or in the simulator")
   check(not c.sim.enabled, "sim.enabled", "the simulator has its own clock; set "
         "--config.sim.enabled=False for runtime='ray', or --config.runtime=spmd")
   check(num_processes == 1, "runtime", "one process drives a Ray run and Ray starts the "
@@ -41,6 +40,8 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
   check(y.num_cpus >= 0, "ray.num_cpus", "must be >= 0 (0: every core)")
   check(y.gpus_per_worker >= 0, "ray.gpus_per_worker", "must be >= 0")
   check(y.recover_timeout_s > 0, "ray.recover_timeout_s", "must be > 0")
+  check(y.min_quorum >= 0, "ray.min_quorum", "must be >= 0 (0: every live worker)")
+  check(y.grace_s >= 0, "ray.grace_s", "must be >= 0")
   sleeps = list(y.step_sleep_s)
   check(not sleeps or (len(sleeps) == c.num_workers and min(sleeps) >= 0),
         "ray.step_sleep_s", f"give one non-negative number per worker ({c.num_workers})")

@@ -1,26 +1,26 @@
-"""The Ray runtime's driver: asynchronous parameter-server training on real processes, with
-workers that join, leave or crash while the run goes on.
+"""The Ray runtime's driver: parameter-server training on real processes, with workers that
+join, leave or crash while the run goes on (the actors and their jobs: pool.py).
 
 One process (the one `main.py` runs) drives: it starts or joins Ray, creates the server
-actor and one actor per worker, and moves references. Tensors go from actor to actor
-through Ray's object store and never through the driver:
+actor and one actor per worker, and moves references; tensors go from actor to actor
+through Ray's object store. What a finished job does depends on the algorithm:
 
-    pull:  server.pull()  ──ref──►  worker.job(pulled, lr step, steps) ──► (meta, Δ)
-    push:  server.push(meta, Δ ref)  ──►  staleness, drift            (the driver: meta)
+- asynchronous (`async`, `async_dn`): its push is applied at once with the algorithm's
+  server rule, and the worker starts its next job. Progress is counted as in the
+  simulator, in round-equivalents (W·H inner steps applied); the budget is W·rounds·H.
+- synchronous (`diloco`), in quorum rounds: each worker computes from round t's θ and
+  contributes; round t closes when `ray.min_quorum` workers (0: every live one) have
+  contributed from it and `ray.grace_s` has passed since, or when every live worker has.
+  Contributions that arrive after their round closed fold into the open round, weighted
+  by tokens like the others, with their staleness (rounds) recorded. A mark per round.
 
-`ray.apply_order` says which finished job is pushed next: the first to finish ('arrival')
-or the first started ('dispatch': a run that repeats exactly). Progress is counted as in
-the simulator, in round-equivalents (W·H inner steps applied), and reported to the run loop
-(run_loop.py), which evaluates, logs and checkpoints on them.
-
-Failures. A worker that dies loses its job in flight (`pushes_dropped`); its steps go back
-into the budget and the others go on. If the server dies, a new one restores the last
-checkpoint and the pushes applied since are pushed again, from the object store, in their
-order: no work is lost while their Δ survive (the driver owns them). Membership changes
-are rows of metrics.jsonl (`event`) and counts in summary.json.
+`ray.apply_order` says which finished job is taken next: the first to finish ('arrival')
+or the first started ('dispatch': a run that repeats exactly). Failures: a worker that dies
+loses its job in flight; a server that dies is rebuilt from the last checkpoint and fed the
+calls since, in order (pool.py). Membership changes are rows of metrics.jsonl (`event`) and
+counts in summary.json.
 """
 
-import collections
 import dataclasses
 import logging
 import math
@@ -33,11 +33,11 @@ import ml_collections
 from lowcomm_jax import run_loop
 from lowcomm_jax.build import build
 from lowcomm_jax.checkpoint import CheckpointMismatch
-from lowcomm_jax.hosts import settle_inner_steps
 from lowcomm_jax.parallel import mesh as mesh_lib
-from lowcomm_jax.ray_runtime import chaos as chaos_lib, cluster
-from lowcomm_jax.ray_runtime.actors import ServerProcess, WorkerProcess, server_rule
-from lowcomm_jax.run_files import RunFiles, TrainingDiverged  # noqa: F401 - raised by the loop
+from lowcomm_jax.ray_runtime import cluster
+from lowcomm_jax.ray_runtime.actors import server_rule
+from lowcomm_jax.ray_runtime.pool import Counts, Pool
+from lowcomm_jax.run_files import RunFiles
 from lowcomm_jax.simulate import make_plan, one_device
 from lowcomm_jax.workdir import holds_lock
 
@@ -55,53 +55,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
                       stop_after_checkpoints=stop_after_checkpoints)
 
 
-@dataclasses.dataclass
-class _Job:
-  worker: int
-  order: int  # dispatch order (apply_order='dispatch' pushes in this order)
-  lr_step: int
-  steps: int
-  version: object  # ObjectRef of the pulled version (an int)
-  params: object  # ObjectRef of the pulled θ
-  meta: object  # ObjectRef of the job's meta dict
-  sent: object  # ObjectRef of what it sends (Δ, or the codec's payload)
-
-  def record(self, version: int) -> dict:
-    """What a checkpoint keeps of a job in flight (a resumed run starts it again)."""
-    return {"worker": self.worker, "order": self.order, "lr_step": self.lr_step,
-            "steps": self.steps, "version": version}
-
-
-@dataclasses.dataclass
-class Counts:
-  """The run's accounts (JSON: checkpointed in the meta)."""
-  dispatched_steps: int = 0  # of jobs started and not lost
-  applied_steps: int = 0
-  pushes: int = 0
-  staleness_sum: int = 0
-  staleness_histogram: dict = dataclasses.field(default_factory=dict)  # staleness -> pushes
-  drift_sum: float = 0.0
-  drift_count: int = 0
-  loss_sum: float = 0.0  # since the last reading
-  loss_count: int = 0
-  last_train_loss: float | None = None
-  workers_joined: int = 0  # after the start
-  workers_lost: int = 0
-  pushes_dropped: int = 0
-  server_restarts: int = 0
-  pushes_replayed: int = 0
-  next_order: int = 0
-  next_worker: int = 0  # the id a new worker gets
-  pushes_per_worker: dict = dataclasses.field(default_factory=dict)
-  compute_seconds: dict = dataclasses.field(default_factory=dict)
-  recoveries: list = dataclasses.field(default_factory=list)  # {"what", "seconds", ...}
-  chaos_done: int = 0  # chaos events already fired
-
-
 class RayDriver:
   """The run loop's driver for runtime='ray' (run_loop.Driver)."""
 
-  unit = "round-equivalent"
   writes_files = True
   reads_late = False
 
@@ -109,44 +65,17 @@ class RayDriver:
     self.c = config
     self.r = r = build(one_device(config))  # shapes, tokens, the plan; no compute
     self.plan = make_plan(r.config, r)
+    self.quorum = r.algorithm.synchronous
+    self.unit = "round" if self.quorum else "round-equivalent"
     self.per_mark = config.num_workers * config.inner_steps  # a round-equivalent: W·H steps
-    self.events = chaos_lib.parse(config.ray.chaos)
     self.counts = Counts(next_worker=config.num_workers)
-    self.ray = cluster.import_ray()
+    self.pool = Pool(config, self.counts, self._restore_latest, self._note)
+    self.pool.on_join = self._start_next
+    self.ray = self.pool.ray
     self.started_ray = False
-    self.server = None
-    self.actors: dict[int, object] = {}  # live workers
-    self.delays: dict[int, float] = {}
-    self.data: dict[str, dict] = {}  # worker id -> its stream's state after its last push
-    self.lost: list[int] = []  # workers gone (a rejoin brings one back)
-    self.jobs: dict[int, _Job] = {}  # worker -> its job in flight
-    self.since_checkpoint: list[tuple[dict, object]] = []  # (meta, Δ ref) pushed since
     self.files: RunFiles | None = None
-    self.inner_steps: dict[int, int] = {}  # H per worker where DyLU settled one
-    self.speeds: dict[int, float] = {}  # DyLU: steps per second, per worker
     self.finished, self.mark, self._wall_before = False, 0, 0.0
-
-  # --- actors -----------------------------------------------------------------------------
-
-  def _new_server(self, restored: dict | None):
-    remote = self.ray.remote(**cluster.actor_options(self.c, worker=False))(ServerProcess)
-    server = remote.remote(self.c, restored)
-    self.ray.get(server.ping.remote(), timeout=self.c.ray.recover_timeout_s)
-    return server
-
-  def _start_worker(self, worker: int, restored: dict | None = None) -> None:
-    """Starts `worker`'s process: from `restored` (a checkpoint's), else where its data
-    stream was (a worker that rejoins), else fresh."""
-    sleeps = list(self.c.ray.step_sleep_s)
-    sleep = sleeps[worker] if worker < len(sleeps) else 0.0
-    if restored is None and str(worker) in self.data:
-      restored = {"data": self.data[str(worker)]}
-    # Two threads: a checkpoint reads the worker's state while a job runs.
-    remote = self.ray.remote(max_concurrency=2,
-                             **cluster.actor_options(self.c, worker=True))(WorkerProcess)
-    self.actors[worker] = remote.remote(self.c, worker, restored, sleep)
-    if worker in self.delays:
-      self.actors[worker].delay.remote(self.delays[worker])
+    self._open_round()
 
   def _note(self, event: str, **fields) -> None:
     """A membership or recovery event: a metrics.jsonl row and a log line."""
@@ -157,212 +86,154 @@ class RayDriver:
 
   # --- jobs -------------------------------------------------------------------------------
 
-  def _inner_steps(self, worker: int) -> int:
-    return self.inner_steps.get(worker, self.c.inner_steps)
-
-  def _measured(self, worker: int, meta: dict) -> None:
-    """DyLU (`outer.dylu`): a worker's speed is its steps per second of job (its first job
-    compiles, so it is not counted); H is settled again from the live workers' speeds once
-    all are known, and whenever membership changes."""
-    if not self.c.outer.dylu:
+  def _start_next(self, worker: int, clock: int | None = None) -> None:
+    """`worker`'s next job, if the budget has steps left (asynchronous), or from the open
+    round's θ (quorum; every worker, every round). Inner lr schedules run on the run's
+    clock, as in the simulator: the inner steps of the jobs started before, per worker
+    (`clock`: the same for jobs started together), or the rounds' steps."""
+    n, h = self.counts, self.pool.inner_steps_of(worker)
+    if self.quorum:
+      if n.rounds < self.c.rounds:
+        self.pool.dispatch(worker, n.rounds * self.c.inner_steps, h)
       return
-    jobs = self.counts.pushes_per_worker.get(str(worker), 0)
-    if jobs <= 1:
+    remaining = self.plan.total_steps - n.dispatched_steps
+    if remaining <= 0:
       return
-    first = worker not in self.speeds
-    self.speeds[worker] = meta["steps"] / max(meta["job_seconds"], 1e-9)
-    if first:
-      self._settle_inner_steps("speed measured")
+    steps = min(h, remaining)
+    if clock is None:
+      clock = n.dispatched_steps // self.c.num_workers
+    n.dispatched_steps += steps
+    self.pool.dispatch(worker, clock, steps)
 
-  def _settle_inner_steps(self, why: str) -> None:
-    if not self.c.outer.dylu:
-      return
-    live = sorted(self.actors)
-    speeds = [self.speeds.get(w, 0.0) for w in live]
-    settled = dict(zip(live, settle_inner_steps(self.c, [self.c.inner_steps] * len(live),
-                                                speeds)))
-    if settled != {w: self._inner_steps(w) for w in live}:
-      self.inner_steps.update(settled)
-      self._note("inner_steps", why=why, inner_steps={str(w): h for w, h in settled.items()})
+  def _idle_start(self) -> None:
+    clock = self.counts.dispatched_steps // self.c.num_workers
+    for w in sorted(self.pool.actors):
+      if w not in self.pool.jobs:
+        self._start_next(w, clock)
 
-  def _dispatch(self, worker: int, lr_step: int | None = None, steps: int | None = None,
-                order: int | None = None, version: int | None = None) -> None:
-    """Starts `worker`'s next job (or, with the arguments, starts a job again as it was:
-    from `version`'s θ, a resumed run's)."""
-    n = self.counts
-    if steps is None:
-      remaining = self.plan.total_steps - n.dispatched_steps
-      if remaining <= 0:
-        return
-      steps = min(self._inner_steps(worker), remaining)
-      n.dispatched_steps += steps
-      # The inner lr schedules run on the run's clock: inner steps applied per worker.
-      lr_step = n.applied_steps // self.c.num_workers
-      order, n.next_order = n.next_order, n.next_order + 1
-    pulled_version, params = self.server.pull.options(num_returns=2).remote(version)
-    meta, sent = self.actors[worker].job.options(num_returns=2).remote(
-        pulled_version, params, lr_step, steps, order)
-    self.jobs[worker] = _Job(worker, order, lr_step, steps, pulled_version, params, meta, sent)
-
-  def _next_done(self) -> _Job:
-    if self.c.ray.apply_order == "dispatch":
-      job = min(self.jobs.values(), key=lambda j: j.order)
-      self.ray.wait([job.meta])
-      return job
-    by_ref = {j.meta: j for j in self.jobs.values()}
-    ready, _ = self.ray.wait(list(by_ref), num_returns=1)
-    return by_ref[ready[0]]
-
-  def _server_alive(self) -> bool:
-    try:
-      self.ray.get(self.server.ping.remote(), timeout=self.c.ray.recover_timeout_s)
-      return True
-    except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+  def _take(self, job) -> bool:
+    """A finished job: its push applied (asynchronous) or its contribution added to the
+    open round (quorum). False if the job failed."""
+    meta = self.pool.result(job)
+    if meta is None:
+      if not self.quorum:
+        self._idle_start()  # a lost job's steps go to whoever is idle
       return False
-
-  def _lose(self, worker: int, why: str) -> None:
-    job = self.jobs.pop(worker, None)
-    actor = self.actors.pop(worker, None)
-    if actor is not None:
-      self.ray.kill(actor, no_restart=True)
     n = self.counts
-    n.workers_lost += 1
-    self.lost.append(worker)
-    if job is not None:
-      self._discard(job)
-      n.pushes_dropped += 1
-      n.dispatched_steps -= job.steps  # someone else takes them
-      self.server.drop.remote(job.version)  # (a pull from a dead server fails: no matter)
-    self._note("worker_lost", worker=worker, why=why, live=len(self.actors))
-    self.speeds.pop(worker, None)
-    self._settle_inner_steps("worker lost")
-    # Its steps go to whoever is idle (a worker whose budget ran out may start again).
-    for w in self.actors:
-      if w not in self.jobs:
-        self._dispatch(w)
-    if not self.actors and not self._budget_spent():
-      raise RuntimeError(f"every worker is gone ({why}); the run cannot go on. Resume it "
-                         "from its last checkpoint when workers are back")
-
-  def _budget_spent(self) -> bool:
-    return self.counts.applied_steps >= self.plan.total_steps
-
-  def _recover_server(self, why: str) -> None:
-    """A new server from the last checkpoint, the pushes since replayed in order, then the
-    jobs whose pull failed started again as they were."""
-    t0 = time.perf_counter()
-    n = self.counts
-    ckpt = self.files.ckpt
-    ckpt.wait()
-    latest = ckpt.latest_round()
-    restored = self._restore(latest)[0] if latest is not None else None
-    self.server = self._new_server(restored)
-    # Jobs out that pulled from the dead server keep their models (drift, checkpoints); those
-    # whose pull failed start again, as they were, once the pushes are replayed.
-    held, failed = collections.Counter(), []
-    for job in sorted(self.jobs.values(), key=lambda j: j.order):
-      try:
-        held[self.ray.get(job.version)] += 1
-      except self.ray.exceptions.RayError:
-        failed.append(job)
-    self.server.expect.remote(dict(held))
-    for meta, sent in self.since_checkpoint:
-      self.ray.get(self.server.push.remote(meta, sent))
-    n.pushes_replayed += len(self.since_checkpoint)
-    n.server_restarts += 1
-    for job in failed:
-      self._discard(job)
-      self._dispatch(job.worker, job.lr_step, job.steps, job.order)
-    seconds = time.perf_counter() - t0
-    n.recoveries.append({"what": "server", "seconds": seconds,
-                         "replayed": len(self.since_checkpoint), "from_checkpoint": latest})
-    self._note("server_restarted", why=why, seconds=round(seconds, 3),
-               replayed=len(self.since_checkpoint), checkpoint=latest)
-
-  def _discard(self, job: _Job) -> None:
-    """Reads a failed job's results (their error is expected: Ray would log it unread)."""
-    for ref in (job.meta, job.sent):
-      try:
-        self.ray.get(ref, timeout=self.c.ray.recover_timeout_s)
-      except self.ray.exceptions.RayError:
-        pass
-
-  def _push(self, job: _Job, meta: dict) -> dict:
-    while True:
-      try:
-        return self.ray.get(self.server.push.remote(meta, job.sent))
-      except self.ray.exceptions.RayActorError as e:
-        self._recover_server(f"push failed: {type(e).__name__}")
-
-  def _finish(self, job: _Job) -> bool:
-    """Takes a finished job: pushes it, accounts, starts the worker's next. False when the
-    job failed (its worker was lost, or it pulled from a server that died)."""
-    try:
-      meta = self.ray.get(job.meta)
-    except self.ray.exceptions.RayError as e:
-      if not self._server_alive():
-        self._recover_server(f"pull failed: {type(e).__name__}")
-      elif self.jobs.get(job.worker) is job:  # the worker itself failed
-        self._lose(job.worker, f"{type(e).__name__}")
-      return False
-    del self.jobs[job.worker]
-    info = self._push(job, meta)
-    self.since_checkpoint.append((meta, job.sent))
-    n = self.counts
-    w = str(job.worker)
-    n.pushes += 1
-    n.applied_steps += job.steps
-    n.staleness_sum += info["staleness"]
-    key = str(info["staleness"])
-    n.staleness_histogram[key] = n.staleness_histogram.get(key, 0) + 1
-    if info["drift"] is not None:
-      n.drift_sum += info["drift"]
-      n.drift_count += 1
-    n.loss_sum += meta["loss"]
-    n.loss_count += 1
-    n.pushes_per_worker[w] = n.pushes_per_worker.get(w, 0) + 1
-    n.compute_seconds[w] = n.compute_seconds.get(w, 0.0) + meta["compute_seconds"]
-    self.data[w] = meta["data"]
-    self._measured(job.worker, meta)
-    self._chaos()
-    if job.worker in self.actors:
-      self._dispatch(job.worker)
+    if self.quorum:
+      info = self.pool.call("contribute", meta, job.sent, changes=True)
+      n.late += info["staleness"] > 0
+      self._round_steps += job.steps
+      drift = None
+    else:
+      info = self.pool.call("push", meta, job.sent, changes=True)
+      n.applied_steps += job.steps
+      drift = info["drift"]
+    n.contributed(job.worker, meta, info["staleness"], drift)
+    self.pool.chaos()
+    if not self.quorum and job.worker in self.pool.actors:
+      self._start_next(job.worker)
     return True
 
-  def _chaos(self) -> None:
-    n = self.counts
-    while n.chaos_done < len(self.events) and self.events[n.chaos_done].after <= n.pushes:
-      e = self.events[n.chaos_done]
-      n.chaos_done += 1
-      logging.info("ray: chaos %s", e)
-      if e.action == "kill_worker" and e.worker in self.actors:
-        self.ray.kill(self.actors[e.worker], no_restart=True)
-      elif e.action == "kill_server":
-        self.ray.kill(self.server, no_restart=True)
-      elif e.action == "delay_worker":
-        self.delays[e.worker] = e.seconds
-        if e.worker in self.actors:
-          self.actors[e.worker].delay.remote(e.seconds)
-      elif e.action in ("add_worker", "rejoin_worker"):
-        worker = e.worker if e.action == "rejoin_worker" else n.next_worker
-        n.next_worker += e.action == "add_worker"
-        self._join(worker)
+  def _round_due(self) -> bool:
+    """Whether the open quorum round closes now."""
+    pool, n = self.pool, self.counts
+    live = set(pool.actors)
+    if not pool.jobs.keys() & live:  # every live worker has contributed (or none is left)
+      return True
+    fresh = n.pushes - self._round_opened_at_push - self._late_this_round()
+    need = min(self.c.ray.min_quorum or len(live), len(live))
+    if fresh < need:
+      return False
+    self.quorum_at = self.quorum_at or time.monotonic()
+    return time.monotonic() - self.quorum_at >= self.c.ray.grace_s
 
-  def _join(self, worker: int) -> None:
-    t0 = time.perf_counter()
-    self._start_worker(worker)
-    self.ray.get(self.actors[worker].ping.remote(), timeout=self.c.ray.recover_timeout_s)
-    if worker in self.lost:
-      self.lost.remove(worker)
-    self.counts.workers_joined += 1
-    seconds = time.perf_counter() - t0
-    self.counts.recoveries.append({"what": "join", "worker": worker, "seconds": seconds})
-    self._note("worker_joined", worker=worker, seconds=round(seconds, 3),
-               live=len(self.actors))
-    self._settle_inner_steps("worker joined")
-    self._dispatch(worker)
+  def _late_this_round(self) -> int:
+    return self.counts.late - self._round_opened_late
+
+  def _open_round(self) -> None:
+    """Quorum: a new round is open (its contributions so far: none)."""
+    self._round_opened_at_push, self._round_opened_late = self.counts.pushes, self.counts.late
+    self._round_steps = 0
+    self.quorum_at = None  # when the open round reached its quorum (time.monotonic)
+
+  def _close_round(self) -> None:
+    n = self.counts
+    self.pool.call("close_round", changes=True)
+    n.rounds += 1
+    n.applied_steps += self._round_steps
+    self._open_round()
+    self._idle_start()  # every worker that contributed starts from the new θ
 
   # --- the run loop's driver --------------------------------------------------------------
+
+  def _mark_of(self) -> int:
+    n = self.counts
+    return n.rounds if self.quorum else n.applied_steps // self.per_mark
+
+  def _budget_spent(self) -> bool:
+    n = self.counts
+    return n.rounds >= self.c.rounds if self.quorum else n.applied_steps >= self.plan.total_steps
+
+  def advance(self, due) -> run_loop.Mark | None:
+    if self.finished:
+      return None
+    if self.quorum:
+      while not self._budget_spent():
+        timeout = None
+        if self.quorum_at is not None:
+          timeout = max(self.c.ray.grace_s - (time.monotonic() - self.quorum_at), 0.0)
+        if not self._round_due():
+          job = self.pool.next_done(timeout)
+          if job is not None:
+            self._take(job)
+          continue
+        self._close_round()
+        break
+      self.finished = self._budget_spent()
+    else:
+      while self.pool.jobs:
+        if self._take(self.pool.next_done()) and self._mark_of() != self.mark:
+          break
+      self.finished = not self.pool.jobs and self._budget_spent()
+    self.mark = self._mark_of()
+    mark_due = due(self.mark, last_of_run=self.finished, last_of_call=self.finished)
+    return run_loop.Mark(self.mark, mark_due,
+                         self._reading(mark_due.write) if mark_due.metrics else None)
+
+  def _reading(self, take_train_loss: bool) -> run_loop.Reading:
+    n, w = self.counts, self.c.num_workers
+    norm = self.pool.call("param_norm")
+    problem = None
+    if not (math.isfinite(n.loss_sum) and math.isfinite(norm)):
+      problem = f"push {n.pushes} (train-loss sum {n.loss_sum}, global param norm {norm})"
+    scalars = {"total_inner_steps": n.applied_steps, "tokens": self.r.tokens(n.applied_steps),
+               "pushes": n.pushes, "bytes_sent": n.pushes * self.plan.delta_bytes // w,
+               "mean_staleness": n.staleness_sum / max(n.pushes, 1),
+               "mean_drift": n.drift_sum / max(n.drift_count, 1),
+               "workers_live": len(self.pool.actors), "workers_joined": n.workers_joined,
+               "workers_lost": n.workers_lost, "pushes_dropped": n.pushes_dropped}
+    if self.quorum:
+      scalars["late_contributions"] = n.late
+    if take_train_loss and n.loss_count:
+      n.last_train_loss = scalars["train_loss"] = n.loss_sum / n.loss_count
+      n.loss_sum, n.loss_count = 0.0, 0
+    return run_loop.Reading(n.applied_steps // w, scalars, time.perf_counter(), problem)
+
+  def read(self, handle: run_loop.Reading) -> run_loop.Reading:
+    return handle
+
+  def evaluate(self) -> float:
+    return self.pool.call("evaluate")
+
+  def position(self) -> tuple[int, int, int]:
+    steps = self.counts.applied_steps
+    return self.mark, steps // self.c.num_workers, self.r.tokens(steps)
+
+  def wall_before(self) -> float:
+    return self._wall_before
+
+  # --- checkpoints ------------------------------------------------------------------------
 
   def _abstract(self, meta: dict):
     """Shapes (with this process's shardings) of the checkpoint described by `meta`: the
@@ -393,8 +264,14 @@ class RayDriver:
                for w, s in workers.items()}
     return {**jax.device_get(tree), "version": meta["version"]}, meta, workers
 
+  def _restore_latest(self) -> tuple[dict | None, int | None]:
+    ckpt = self.files.ckpt
+    ckpt.wait()
+    latest = ckpt.latest_round()
+    return (self._restore(latest)[0] if latest is not None else None), latest
+
   def open(self, files: RunFiles, latest: int | None) -> dict | None:
-    self.files, ckpt = files, files.ckpt
+    self.files, ckpt, pool = files, files.ckpt, self.pool
     server, meta, workers, in_flight = None, None, {}, []
     if latest is not None:
       meta = ckpt.restore_meta(latest)
@@ -406,91 +283,45 @@ class RayDriver:
         return summary
       ckpt.discard_after(latest)
       server, meta, workers = self._restore(latest)
-      self.counts = Counts(**meta["counts"])
-      self.data, self.lost = meta["data"], list(meta["lost"])
-      self.delays = {int(k): v for k, v in meta["delays"].items()}
+      self.counts.__dict__.update(Counts(**meta["counts"]).__dict__)
+      pool.data, pool.lost = meta["data"], list(meta["lost"])
+      pool.delays = {int(k): v for k, v in meta["delays"].items()}
       self._wall_before, self.finished = meta["wall_seconds"], meta["finished"]
       in_flight = meta["in_flight"]  # started again as they were
     self.started_ray = cluster.connect(self.c)
     t0 = time.perf_counter()
-    self.server = self._new_server(server)
+    pool.start_server(server)
     live = (sorted(int(w) for w in meta["live"]) if meta is not None
             else list(range(self.c.num_workers)))
     for w in live:
-      self._start_worker(w, workers.get(w))
-    self.ray.get([self.actors[w].ping.remote() for w in live])
+      pool.start_worker(w, workers.get(w))
+    self.ray.get([pool.actors[w].ping.remote() for w in live])
     logging.info("ray: server and %d workers up in %.1fs (%s)", len(live),
                  time.perf_counter() - t0, "resumed" if meta else "fresh")
+    self._open_round()
     for j in sorted(in_flight, key=lambda j: j["order"]):
-      self._dispatch(j["worker"], j["lr_step"], j["steps"], j["order"], j["version"])
-    for w in live:
-      if w not in self.jobs:
-        self._dispatch(w)
-    self.mark = self.counts.applied_steps // self.per_mark
+      pool.dispatch(j["worker"], j["lr_step"], j["steps"], j["order"], j["version"])
+    self._idle_start()
+    self.mark = self._mark_of()
     return None
-
-  def position(self) -> tuple[int, int, int]:
-    steps = self.counts.applied_steps
-    return self.mark, steps // self.c.num_workers, self.r.tokens(steps)
-
-  def wall_before(self) -> float:
-    return self._wall_before
-
-  def advance(self, due) -> run_loop.Mark | None:
-    if self.finished:
-      return None
-    while self.jobs:
-      job = self._next_done()
-      if self._finish(job) and self.counts.applied_steps // self.per_mark != self.mark:
-        break
-    self.finished = not self.jobs and self._budget_spent()
-    self.mark = self.counts.applied_steps // self.per_mark
-    mark_due = due(self.mark, last_of_run=self.finished, last_of_call=self.finished)
-    return run_loop.Mark(self.mark, mark_due,
-                         self._reading(mark_due.write) if mark_due.metrics else None)
-
-  def _reading(self, take_train_loss: bool) -> run_loop.Reading:
-    n, w = self.counts, self.c.num_workers
-    norm = self.ray.get(self.server.param_norm.remote())
-    problem = None
-    if not (math.isfinite(n.loss_sum) and math.isfinite(norm)):
-      problem = f"push {n.pushes} (train-loss sum {n.loss_sum}, global param norm {norm})"
-    scalars = {"total_inner_steps": n.applied_steps, "tokens": self.r.tokens(n.applied_steps),
-               "pushes": n.pushes, "bytes_sent": n.pushes * self.plan.delta_bytes // w,
-               "mean_staleness": n.staleness_sum / max(n.pushes, 1),
-               "mean_drift": n.drift_sum / max(n.drift_count, 1),
-               "workers_live": len(self.actors), "workers_joined": n.workers_joined,
-               "workers_lost": n.workers_lost, "pushes_dropped": n.pushes_dropped}
-    if take_train_loss and n.loss_count:
-      n.last_train_loss = scalars["train_loss"] = n.loss_sum / n.loss_count
-      n.loss_sum, n.loss_count = 0.0, 0
-    return run_loop.Reading(n.applied_steps // w, scalars, time.perf_counter(), problem)
-
-  def read(self, handle: run_loop.Reading) -> run_loop.Reading:
-    return handle
-
-  def evaluate(self) -> float:
-    while True:
-      try:
-        return self.ray.get(self.server.evaluate.remote())
-      except self.ray.exceptions.RayActorError as e:
-        self._recover_server(f"evaluation failed: {type(e).__name__}")
 
   def save(self, ckpt, mark: int, *, last: bool, wall: float) -> None:
     """The server (θ, its rule's state, the models jobs in flight pulled), every live
-    worker's state as it was before its unpushed job (inner optimizer, codec buffer, data
-    stream), and those jobs: a resumed run starts them again and repeats this one."""
+    worker's state as it was before its unfinished job (inner optimizer, codec buffer, data
+    stream), and those jobs: a resumed run starts them again and repeats this one. (A
+    quorum run saves as a round closes: no contribution is pending.)"""
+    pool = self.pool
     while True:
       try:
-        jobs = sorted(self.jobs.values(), key=lambda j: j.order)
+        jobs = sorted(pool.jobs.values(), key=lambda j: j.order)
         in_flight = [j.record(v) for j, v in zip(jobs, self.ray.get([j.version for j in jobs]))]
-        state = self.ray.get(self.server.state.remote([j["version"] for j in in_flight]))
+        state = self.ray.get(pool.server.state.remote([j["version"] for j in in_flight]))
         break
       except self.ray.exceptions.RayActorError as e:
-        self._recover_server(f"save failed: {type(e).__name__}")
+        pool.recover_server(f"save failed: {type(e).__name__}")
     workers = {}
-    for w, actor in sorted(self.actors.items()):
-      job = self.jobs.get(w)
+    for w, actor in sorted(pool.actors.items()):
+      job = pool.jobs.get(w)
       try:
         workers[w] = self.ray.get(actor.checkpoint_state.remote(None if job is None
                                                                 else job.order))
@@ -500,15 +331,15 @@ class RayDriver:
     if in_flight:
       tree["snapshots"] = state["snapshots"]
     meta = {"format": _FORMAT, "runtime": "ray", "version": state["version"],
-            "counts": dataclasses.asdict(self.counts), "data": self.data, "lost": self.lost,
+            "counts": dataclasses.asdict(self.counts), "data": pool.data, "lost": pool.lost,
             "live": [str(w) for w in workers], "in_flight": in_flight,
-            "delays": {str(k): v for k, v in self.delays.items()},
+            "delays": {str(k): v for k, v in pool.delays.items()},
             "wall_seconds": wall, "finished": last and self.finished}
     ckpt.save(mark + 1 if last and self.finished else mark, tree, meta,
               {str(w): {k: v for k, v in s.items() if k != "data" and jax.tree.leaves(v)}
                for w, s in workers.items()},
               {"streams": {str(w): s["data"] for w, s in workers.items()}})
-    self.since_checkpoint = []
+    pool.checkpointed()
 
   def complete(self) -> bool:
     return self.finished
@@ -518,7 +349,7 @@ class RayDriver:
 
   def summary(self, eval_loss: float, scalars: dict, wall: float) -> dict:
     n, c = self.counts, self.c
-    return {
+    out = {
         "algorithm": c.algorithm, "runtime": "ray", "num_workers": c.num_workers,
         "inner_steps": c.inner_steps, "rounds": c.rounds, "model": self.r.model.name,
         "params": self.r.model.param_count, "codec": c.compress.codec,
@@ -539,14 +370,12 @@ class RayDriver:
         "bytes_sent_ddp_equivalent": self.plan.param_bytes * n.applied_steps // c.num_workers,
         "wall_seconds": wall,
     }
+    if self.quorum:
+      out.update(rounds_closed=n.rounds, late_contributions=n.late)
+    return out
 
   def close(self) -> None:
-    for actor in list(self.actors.values()) + ([self.server] if self.server else []):
-      try:
-        self.ray.kill(actor, no_restart=True)
-      except Exception:  # noqa: BLE001 - already gone
-        pass
-    self.actors, self.server, self.jobs = {}, None, {}
+    self.pool.close()
     if self.started_ray:
       self.ray.shutdown()
       self.started_ray = False

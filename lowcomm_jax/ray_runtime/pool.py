@@ -1,0 +1,321 @@
+"""The Ray runtime's actors and the jobs in flight: starting them, taking results, telling a
+dead worker from a dead server, recovering the server, chaos and DyLU. The driver
+(driver.py) decides what a result does (a push applied at once, or a contribution to a
+quorum round) and calls the server through `call`, which survives the server's death.
+
+    dispatch(w):  server.pull() ──(version, θ) refs──► worker w.job(version, θ, lr step, H)
+                  ──► (meta, payload) refs                       (the driver holds refs only)
+"""
+
+import collections
+import dataclasses
+import logging
+import time
+from typing import Callable
+
+import ml_collections
+
+from lowcomm_jax.hosts import settle_inner_steps
+from lowcomm_jax.ray_runtime import chaos as chaos_lib, cluster
+from lowcomm_jax.ray_runtime.actors import ServerProcess, WorkerProcess
+
+
+@dataclasses.dataclass
+class Job:
+  worker: int
+  order: int  # dispatch order (apply_order='dispatch' takes results in this order)
+  lr_step: int
+  steps: int
+  version: object  # ObjectRef of the pulled version (an int)
+  params: object  # ObjectRef of the pulled θ
+  meta: object  # ObjectRef of the job's meta dict
+  sent: object  # ObjectRef of what it sends (Δ, or the codec's payload)
+
+  def record(self, version: int) -> dict:
+    """What a checkpoint keeps of a job in flight (a resumed run starts it again)."""
+    return {"worker": self.worker, "order": self.order, "lr_step": self.lr_step,
+            "steps": self.steps, "version": version}
+
+
+@dataclasses.dataclass
+class Counts:
+  """The run's accounts (JSON: checkpointed in the meta)."""
+  dispatched_steps: int = 0  # of jobs started and not lost
+  applied_steps: int = 0  # of contributions applied (or in a closed round)
+  pushes: int = 0  # contributions applied (asynchronous) or taken into a round (quorum)
+  rounds: int = 0  # quorum rounds closed
+  late: int = 0  # quorum: contributions computed from an older round's θ
+  staleness_sum: int = 0
+  staleness_histogram: dict = dataclasses.field(default_factory=dict)  # staleness -> pushes
+  drift_sum: float = 0.0
+  drift_count: int = 0
+  loss_sum: float = 0.0  # since the last reading
+  loss_count: int = 0
+  last_train_loss: float | None = None
+  workers_joined: int = 0  # after the start
+  workers_lost: int = 0
+  pushes_dropped: int = 0
+  server_restarts: int = 0
+  pushes_replayed: int = 0
+  next_order: int = 0
+  next_worker: int = 0  # the id a new worker gets
+  pushes_per_worker: dict = dataclasses.field(default_factory=dict)
+  compute_seconds: dict = dataclasses.field(default_factory=dict)
+  recoveries: list = dataclasses.field(default_factory=list)  # {"what", "seconds", ...}
+  chaos_done: int = 0  # chaos events already fired
+
+  def contributed(self, worker: int, meta: dict, staleness: int, drift) -> None:
+    w = str(worker)
+    self.pushes += 1
+    self.staleness_sum += staleness
+    self.staleness_histogram[str(staleness)] = self.staleness_histogram.get(str(staleness), 0) + 1
+    if drift is not None:
+      self.drift_sum += drift
+      self.drift_count += 1
+    self.loss_sum += meta["loss"]
+    self.loss_count += 1
+    self.pushes_per_worker[w] = self.pushes_per_worker.get(w, 0) + 1
+    self.compute_seconds[w] = self.compute_seconds.get(w, 0.0) + meta["compute_seconds"]
+
+
+class Pool:
+  """The server actor, the live worker actors and their jobs. `restore_latest()` gives the
+  server's state in the newest checkpoint and its mark ((None, None): there is none);
+  `note(event, **fields)`
+  records a membership or recovery event."""
+
+  def __init__(self, config: ml_collections.ConfigDict, counts: Counts,
+               restore_latest: Callable[[], tuple], note: Callable[..., None]):
+    self.c, self.counts = config, counts
+    self.restore_latest, self.note = restore_latest, note
+    self.ray = cluster.import_ray()
+    self.events = chaos_lib.parse(config.ray.chaos)
+    self.server = None
+    self.actors: dict[int, object] = {}  # live workers
+    self.jobs: dict[int, Job] = {}  # worker -> its job in flight
+    self.delays: dict[int, float] = {}
+    self.data: dict[str, dict] = {}  # worker id -> its stream's state after its last job
+    self.lost: list[int] = []  # workers gone (a rejoin brings one back)
+    # Server calls that changed its state since the last checkpoint, in order: a restored
+    # server is fed them again.
+    self.since_checkpoint: list[tuple[str, tuple]] = []
+    self.inner_steps: dict[int, int] = {}  # H per worker where DyLU settled one
+    self.speeds: dict[int, float] = {}  # DyLU: steps per second, per worker
+    self.on_join: Callable[[int], None] = lambda worker: None
+
+  # --- actors -----------------------------------------------------------------------------
+
+  def start_server(self, restored: dict | None) -> None:
+    remote = self.ray.remote(**cluster.actor_options(self.c, worker=False))(ServerProcess)
+    self.server = remote.remote(self.c, restored)
+    self.ray.get(self.server.ping.remote(), timeout=self.c.ray.recover_timeout_s)
+
+  def start_worker(self, worker: int, restored: dict | None = None) -> None:
+    """Starts `worker`'s process: from `restored` (a checkpoint's), else where its data
+    stream was (a worker that rejoins), else fresh."""
+    sleeps = list(self.c.ray.step_sleep_s)
+    sleep = sleeps[worker] if worker < len(sleeps) else 0.0
+    if restored is None and str(worker) in self.data:
+      restored = {"data": self.data[str(worker)]}
+    # Two threads: a checkpoint reads the worker's state while a job runs.
+    remote = self.ray.remote(max_concurrency=2,
+                             **cluster.actor_options(self.c, worker=True))(WorkerProcess)
+    self.actors[worker] = remote.remote(self.c, worker, restored, sleep)
+    if worker in self.delays:
+      self.actors[worker].delay.remote(self.delays[worker])
+
+  def join(self, worker: int) -> None:
+    t0 = time.perf_counter()
+    self.start_worker(worker)
+    self.ray.get(self.actors[worker].ping.remote(), timeout=self.c.ray.recover_timeout_s)
+    if worker in self.lost:
+      self.lost.remove(worker)
+    self.counts.workers_joined += 1
+    seconds = time.perf_counter() - t0
+    self.counts.recoveries.append({"what": "join", "worker": worker, "seconds": seconds})
+    self.note("worker_joined", worker=worker, seconds=round(seconds, 3), live=len(self.actors))
+    self.settle_inner_steps("worker joined")
+    self.on_join(worker)
+
+  def lose(self, worker: int, why: str) -> None:
+    """Drops a dead worker and its job (the job's steps go back into the budget)."""
+    job = self.jobs.pop(worker, None)
+    actor = self.actors.pop(worker, None)
+    if actor is not None:
+      self.ray.kill(actor, no_restart=True)
+    n = self.counts
+    n.workers_lost += 1
+    self.lost.append(worker)
+    if job is not None:
+      self.discard(job)
+      n.pushes_dropped += 1
+      n.dispatched_steps -= job.steps
+      self.server.drop.remote(job.version)  # (a pull from a dead server fails: no matter)
+    self.note("worker_lost", worker=worker, why=why, live=len(self.actors))
+    self.speeds.pop(worker, None)
+    self.settle_inner_steps("worker lost")
+    if not self.actors:
+      raise RuntimeError(f"every worker is gone ({why}); the run cannot go on. Resume it "
+                         "from its last checkpoint when workers are back")
+
+  def close(self) -> None:
+    for actor in list(self.actors.values()) + ([self.server] if self.server else []):
+      try:
+        self.ray.kill(actor, no_restart=True)
+      except Exception:  # noqa: BLE001 - already gone
+        pass
+    self.actors, self.server, self.jobs = {}, None, {}
+
+  # --- jobs -------------------------------------------------------------------------------
+
+  def dispatch(self, worker: int, lr_step: int, steps: int, order: int | None = None,
+               version: int | None = None) -> None:
+    """Starts a job of `worker`: `steps` inner steps from the server's newest θ (or from
+    `version`'s: a job started again as it was), its lr schedule at `lr_step`."""
+    if order is None:
+      order, self.counts.next_order = self.counts.next_order, self.counts.next_order + 1
+    pulled_version, params = self.server.pull.options(num_returns=2).remote(version)
+    meta, sent = self.actors[worker].job.options(num_returns=2).remote(
+        pulled_version, params, lr_step, steps, order)
+    self.jobs[worker] = Job(worker, order, lr_step, steps, pulled_version, params, meta, sent)
+
+  def next_done(self, timeout: float | None = None) -> Job | None:
+    """The next finished job: the first to finish, or (apply_order='dispatch') the first
+    started; None if none finished within `timeout` seconds."""
+    if not self.jobs:
+      if timeout is not None:
+        time.sleep(timeout)
+      return None
+    if self.c.ray.apply_order == "dispatch":
+      job = min(self.jobs.values(), key=lambda j: j.order)
+      ready, _ = self.ray.wait([job.meta], timeout=timeout)
+      return job if ready else None
+    by_ref = {j.meta: j for j in self.jobs.values()}
+    ready, _ = self.ray.wait(list(by_ref), num_returns=1, timeout=timeout)
+    return by_ref[ready[0]] if ready else None
+
+  def result(self, job: Job) -> dict | None:
+    """A finished job's meta, taken off the jobs in flight; None if it failed (its worker
+    is dropped, or it pulled from a server that died: then it has started again)."""
+    try:
+      meta = self.ray.get(job.meta)
+    except self.ray.exceptions.RayError as e:
+      if not self._server_alive():
+        self.recover_server(f"pull failed: {type(e).__name__}")
+      elif self.jobs.get(job.worker) is job:  # the worker itself failed
+        self.lose(job.worker, f"{type(e).__name__}")
+      return None
+    del self.jobs[job.worker]
+    self.data[str(job.worker)] = meta["data"]
+    self._measured(job.worker, meta)
+    return meta
+
+  def discard(self, job: Job) -> None:
+    """Reads a failed job's results (their error is expected: Ray would log it unread)."""
+    for ref in (job.meta, job.sent):
+      try:
+        self.ray.get(ref, timeout=self.c.ray.recover_timeout_s)
+      except self.ray.exceptions.RayError:
+        pass
+
+  # --- the server -------------------------------------------------------------------------
+
+  def call(self, method: str, *args, changes: bool = False):
+    """The server's `method(*args)`, once it answers: a dead server is recovered first.
+    `changes`: the call changes the server's state (kept for a replay)."""
+    while True:
+      try:
+        out = self.ray.get(getattr(self.server, method).remote(*args))
+        break
+      except self.ray.exceptions.RayActorError as e:
+        self.recover_server(f"{method} failed: {type(e).__name__}")
+    if changes:
+      self.since_checkpoint.append((method, args))
+    return out
+
+  def _server_alive(self) -> bool:
+    try:
+      self.ray.get(self.server.ping.remote(), timeout=self.c.ray.recover_timeout_s)
+      return True
+    except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+      return False
+
+  def recover_server(self, why: str) -> None:
+    """A new server from the last checkpoint, the calls since replayed in order, then the
+    jobs whose pull failed started again as they were."""
+    t0 = time.perf_counter()
+    n = self.counts
+    restored, mark = self.restore_latest()
+    self.start_server(restored)
+    # Jobs out that pulled from the dead server keep their models (drift, checkpoints);
+    # those whose pull failed start again, as they were, once the calls are replayed.
+    held, failed = collections.Counter(), []
+    for job in sorted(self.jobs.values(), key=lambda j: j.order):
+      try:
+        held[self.ray.get(job.version)] += 1
+      except self.ray.exceptions.RayError:
+        failed.append(job)
+    self.server.expect.remote(dict(held))
+    for method, args in self.since_checkpoint:
+      self.ray.get(getattr(self.server, method).remote(*args))
+    replayed = len(self.since_checkpoint)
+    n.pushes_replayed += replayed
+    n.server_restarts += 1
+    for job in failed:
+      self.discard(job)
+      self.dispatch(job.worker, job.lr_step, job.steps, job.order)
+    seconds = time.perf_counter() - t0
+    n.recoveries.append({"what": "server", "seconds": seconds, "replayed": replayed,
+                         "from_checkpoint": mark})
+    self.note("server_restarted", why=why, seconds=round(seconds, 3), replayed=replayed,
+              checkpoint=mark)
+
+  def checkpointed(self) -> None:
+    self.since_checkpoint = []
+
+  # --- chaos and DyLU ---------------------------------------------------------------------
+
+  def chaos(self) -> None:
+    """Fires the chaos events due at the pushes counted so far."""
+    n = self.counts
+    while n.chaos_done < len(self.events) and self.events[n.chaos_done].after <= n.pushes:
+      e = self.events[n.chaos_done]
+      n.chaos_done += 1
+      logging.info("ray: chaos %s", e)
+      if e.action == "kill_worker" and e.worker in self.actors:
+        self.ray.kill(self.actors[e.worker], no_restart=True)
+      elif e.action == "kill_server":
+        self.ray.kill(self.server, no_restart=True)
+      elif e.action == "delay_worker":
+        self.delays[e.worker] = e.seconds
+        if e.worker in self.actors:
+          self.actors[e.worker].delay.remote(e.seconds)
+      elif e.action in ("add_worker", "rejoin_worker"):
+        worker = e.worker if e.action == "rejoin_worker" else n.next_worker
+        n.next_worker += e.action == "add_worker"
+        self.join(worker)
+
+  def inner_steps_of(self, worker: int) -> int:
+    return self.inner_steps.get(worker, self.c.inner_steps)
+
+  def _measured(self, worker: int, meta: dict) -> None:
+    """DyLU (`outer.dylu`): a worker's speed is its steps per second of job (its first job
+    compiles, so it is not counted); H is settled again from the live workers' speeds once
+    all are known, and whenever membership changes."""
+    if not self.c.outer.dylu or self.counts.pushes_per_worker.get(str(worker), 0) < 1:
+      return
+    first = worker not in self.speeds
+    self.speeds[worker] = meta["steps"] / max(meta["job_seconds"], 1e-9)
+    if first:
+      self.settle_inner_steps("speed measured")
+
+  def settle_inner_steps(self, why: str) -> None:
+    if not self.c.outer.dylu:
+      return
+    live = sorted(self.actors)
+    speeds = [self.speeds.get(w, 0.0) for w in live]
+    settled = dict(zip(live, settle_inner_steps(self.c, [self.c.inner_steps] * len(live),
+                                                speeds)))
+    if settled != {w: self.inner_steps_of(w) for w in live}:
+      self.inner_steps.update(settled)
+      self.note("inner_steps", why=why, inner_steps={str(w): h for w, h in settled.items()})
