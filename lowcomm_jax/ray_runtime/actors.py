@@ -30,8 +30,18 @@ def _built(config: ml_collections.ConfigDict):
   logging.getLogger().setLevel(logging.INFO)
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   compile_cache.enable(config.compile_cache_dir)
-  r = build(one_device(config))
+  # The one-device layout puts every worker on this process's device; an actor holds one
+  # worker (or the server, no worker): the layout's memory estimate is not this process's.
+  r = build(one_device(config), check_memory=False)
   return r, jitted_steps(r, donate=False)
+
+
+def _initial_state(r) -> steps.TrainState:
+  """Round 0's global state (θ and the run's key) as the runner makes it, without the
+  workers' states `rounds.init_run` would make beside it."""
+  with jax.set_mesh(r.topology.mesh):
+    return jax.jit(r.state_spec.init, out_shardings=r.state_spec.shardings)(
+        r.state_spec.initial_params())
 
 
 def server_rule(r):
@@ -53,8 +63,7 @@ class ServerProcess:
   run's jobs start again from them)."""
 
   def __init__(self, config: ml_collections.ConfigDict, restored: dict | None = None):
-    from lowcomm_jax.rounds import init_run
-    self.r, self.programs = r, programs = _built(config)
+    self.r, self.programs = r, _ = _built(config)
     rule = server_rule(r)
     self._apply = jax.jit(parameter_server.make_apply(rule))
     codec = r.sync.codec
@@ -66,8 +75,8 @@ class ServerProcess:
     self._expected = {}  # version -> jobs out that pulled it from a server before this one
     self._round_sum, self._round_tokens = None, 0.0  # a quorum round's Σ tokens·Δ, Σ tokens
     if restored is None:
-      state, _ = init_run(r, programs)
-      self.params, self.opt_state = state.params, rule.init(state.params)
+      params = _initial_state(r).params
+      self.params, self.opt_state = params, rule.init(params)
       self.version = 0
     else:
       self.params = jnp.asarray(restored["params"])
@@ -183,16 +192,20 @@ class WorkerProcess:
     """`restored`: {"data": its stream's state} (a worker that rejoins), and from a
     checkpoint {"state", "codec"} too."""
     from lowcomm_jax.parallel import mesh as mesh_lib
-    from lowcomm_jax.rounds import init_run
     restored = restored or {}
     self.worker, self.step_sleep_s, self.delay_s = worker, step_sleep_s, 0.0
     self.r, programs = r, programs = _built(config)
-    state, workers = init_run(r, programs)
+    state = _initial_state(r)
     self.rng = state.rng
-    self.state = (jax.tree.map(jnp.asarray, restored["state"]) if "state" in restored
-                  else jax.tree.map(lambda x: x[:1], workers[0]))  # fresh rows are alike
     self.local = programs.local[0][0]
     self.mesh = r.topology.local_mesh
+    if "state" in restored:
+      self.state = jax.tree.map(jnp.asarray, restored["state"])
+    else:  # one fresh row of host 0's (all alike)
+      with jax.set_mesh(self.mesh):
+        init_one = r.programs.init_workers[0]  # (unjitted: `workers` is static)
+        self.state = jax.jit(lambda params: init_one(params, workers=1))(
+            mesh_lib.local_view(state.params, self.mesh))
     self.batches_on = mesh_lib.round_batches(self.mesh)
     self.ids = jax.device_put(np.asarray([worker], np.int32), mesh_lib.per_worker(self.mesh))
     self.streams = r.data.streams[0].of_workers([worker])

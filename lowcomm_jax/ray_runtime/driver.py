@@ -63,7 +63,8 @@ class RayDriver:
 
   def __init__(self, config: ml_collections.ConfigDict):
     self.c = config
-    self.r = r = build(one_device(config))  # shapes, tokens, the plan; no compute
+    # Shapes, tokens, the plan; no compute, and no worker held here (nor its memory).
+    self.r = r = build(one_device(config), check_memory=False)
     self.plan = make_plan(r.config, r)
     self.quorum = r.algorithm.synchronous
     self.unit = "round" if self.quorum else "round-equivalent"
