@@ -67,9 +67,13 @@ def test_config_problems_name_their_field():
   # the asynchronous algorithms still need the simulator or Ray, and say both
   assert any("--config.runtime=ray" in p for p in _problems(algorithm="async_dn"))
   bad = _problems(runtime="ray", algorithm="async",
-                  **{"ray.chaos": ("kill_worker=5@2", "rejoin_worker=0@1"),
+                  **{"ray.chaos": ("kill_worker=5@2", "rejoin_worker=0@1", "kill_worker=1@3",
+                                   "rejoin_worker=1@3", "rejoin_worker=1@4"),
                      "ray.step_sleep_s": (0.1,)})
-  assert sum(p.startswith("ray.chaos") for p in bad) == 2
+  assert sum(p.startswith("ray.chaos") for p in bad) == 4
+  assert any(p.startswith("ray.apply_order")
+             for p in _problems(runtime="ray", algorithm="diloco",
+                                **{"ray.min_quorum": 2, "ray.apply_order": "dispatch"}))
   assert any(p.startswith("ray.step_sleep_s") for p in bad)
 
 
@@ -117,8 +121,10 @@ def test_async_dn_reaches_its_pushes_and_neither_a_killed_server_nor_a_restart_c
 
 
 def test_a_killed_worker_does_not_stop_the_run_and_a_joined_one_contributes(cluster, tmp_path):
-  summary, events = _run(_config(**{"ray.chaos": ("kill_worker=1@2", "add_worker@3",
-                                                  "rejoin_worker=1@6")}), tmp_path)
+  """Worker 2 is killed with its first job in flight (pushes 1 and 2 are workers 0 and 1's,
+  in dispatch order); a new worker 3 joins; worker 2 comes back where its stream was."""
+  summary, events = _run(_config(**{"ray.chaos": ("kill_worker=2@2", "add_worker@3",
+                                                  "rejoin_worker=2@6")}), tmp_path)
   assert summary["workers_lost"] == 1 and summary["pushes_dropped"] == 1
   assert summary["workers_joined"] == 2
   # the lost job's steps were redone by others: the whole budget was applied
@@ -126,7 +132,7 @@ def test_a_killed_worker_does_not_stop_the_run_and_a_joined_one_contributes(clus
   assert summary["pushes_per_worker"].get("3", 0) >= 1  # the worker that joined
   assert [e["event"] for e in events].count("worker_joined") == 2
   lost = [e for e in events if e["event"] == "worker_lost"]
-  assert [e["worker"] for e in lost] == [1]
+  assert [e["worker"] for e in lost] == [2]
 
 
 def test_the_ray_server_applies_pushes_as_the_simulator_does(cluster, tmp_path):
@@ -187,12 +193,12 @@ def test_diloco_in_full_quorum_rounds_trains_as_the_runner_does(cluster, tmp_pat
 
 
 def test_a_quorum_round_does_not_wait_for_a_slow_or_dead_worker(cluster, tmp_path):
-  """Two of three make a round (no grace): worker 2, slowed by 2 s a push, contributes to
-  later rounds than the one it computed from (its staleness is kept); worker 0, killed,
-  stops nobody. Every round closes."""
+  """Two of three make a round, which then waits 0.5 s for the third: worker 2, slowed by
+  4 s a push, contributes to later rounds than the one it computed from (its staleness is
+  kept); worker 0, killed, stops nobody. Every round closes."""
   config = _config(algorithm="diloco", rounds=4,
-                   **{"ray.apply_order": "arrival", "ray.min_quorum": 2,
-                      "ray.chaos": ("delay_worker=2:2.0@1", "kill_worker=0@3")})
+                   **{"ray.apply_order": "arrival", "ray.min_quorum": 2, "ray.grace_s": 0.5,
+                      "ray.chaos": ("delay_worker=2:4.0@1", "kill_worker=0@3")})
   summary, events = _run(config, tmp_path)
   assert summary["rounds_closed"] == 4 and np.isfinite(summary["eval_loss"])
   assert summary["workers_lost"] == 1

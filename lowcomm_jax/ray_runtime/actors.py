@@ -9,6 +9,7 @@ worker's key) or, without a codec, Δ; and small dicts.
 """
 
 import logging
+import threading
 import time
 
 import jax
@@ -74,6 +75,7 @@ class ServerProcess:
     self.snapshots = {}  # version -> [params, jobs out that pulled it]
     self._expected = {}  # version -> jobs out that pulled it from a server before this one
     self._round_sum, self._round_tokens = None, 0.0  # a quorum round's Σ tokens·Δ, Σ tokens
+    self._replaying = False
     if restored is None:
       params = _initial_state(r).params
       self.params, self.opt_state = params, rule.init(params)
@@ -90,14 +92,21 @@ class ServerProcess:
     return self.version
 
   def expect(self, pulled: dict[int, int]) -> None:
-    """A server restored from a checkpoint: jobs still out pulled these versions (version ->
-    jobs) from the server before it; keep each model as it is reached again."""
-    for version, jobs in pulled.items():
-      if version in self.snapshots:
-        self.snapshots[version][1] += jobs
-      elif version >= self.version:
-        self._expected[version] = self._expected.get(version, 0) + jobs
+    """A server restored from a checkpoint, before the calls since are replayed: the jobs
+    still out pulled these versions (version -> jobs) from the server before it. Their
+    counts are set to exactly that, and each newer model is kept as it is reached again.
+    Replayed calls release nothing (`replaying`): their jobs are not out any more."""
+    for version, held in self.snapshots.items():
+      held[1] = pulled.get(version, 0)
+    self._expected = {v: n for v, n in pulled.items()
+                      if v >= self.version and v not in self.snapshots}
+    self._replaying = True
     self._hold()
+
+  def replayed(self) -> None:
+    """The replay is over: models no job out holds are let go."""
+    self._replaying = False
+    self.snapshots = {v: held for v, held in self.snapshots.items() if held[1] > 0}
 
   def _hold(self) -> None:
     if self.version in self._expected:
@@ -118,6 +127,8 @@ class ServerProcess:
     held = self.snapshots.get(version)
     if held is None:  # pulled from a server that died since: its drift is not known
       return None
+    if self._replaying:
+      return held[0]
     held[1] -= 1
     if held[1] <= 0:
       del self.snapshots[version]
@@ -218,8 +229,10 @@ class WorkerProcess:
                         else jax.tree.map(lambda x: x[None], codec.init(r.model.layout.abstract))
                         if codec else ())
     # The job running (or last run) and what the worker held before it: a checkpoint taken
-    # while that job is unpushed keeps these, and the resumed run runs the job again.
+    # while that job is unpushed keeps these, and the resumed run runs the job again. The
+    # lock: a checkpoint (the actor's second thread) reads them while a job runs.
     self.running, self.before = None, None
+    self._lock = threading.Lock()
 
   def ping(self) -> int:
     return self.worker
@@ -231,17 +244,19 @@ class WorkerProcess:
   def checkpoint_state(self, unpushed_job: int | None) -> dict:
     """Its state for a checkpoint: as it was before job `unpushed_job` (started or not) if
     that job's push is not applied yet, else as it is."""
-    if unpushed_job is not None and self.running == unpushed_job:
-      state, codec_state, data = self.before
-    else:
-      state, codec_state, data = self.state, self.codec_state, self.streams.get_state()
+    with self._lock:
+      if unpushed_job is not None and self.running == unpushed_job:
+        state, codec_state, data = self.before
+      else:  # no job of it started: it is as it was before
+        state, codec_state, data = self.state, self.codec_state, self.streams.get_state()
     return {"state": jax.device_get(state), "codec": jax.device_get(codec_state), "data": data}
 
   def job(self, version: int, params: np.ndarray, lr_step: int, steps_: int,
           order: int) -> tuple[dict, object]:
     start = time.perf_counter()
-    self.before = (self.state, self.codec_state, self.streams.get_state())
-    self.running = order
+    with self._lock:
+      self.before = (self.state, self.codec_state, self.streams.get_state())
+      self.running = order
     view = self.r.local_input(steps.TrainState(
         jnp.asarray(version, jnp.int32), self.rng, jnp.asarray(params), ()))
     workers = self.state._replace(opt_state=optimizers.at_schedule_step(

@@ -37,6 +37,9 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
         "Ray workers read their own streams at their own pace; use 'different'")
   check(y.apply_order in ("arrival", "dispatch"), "ray.apply_order",
         "use 'arrival' or 'dispatch'")
+  check(not (y.apply_order == "dispatch" and y.min_quorum > 0), "ray.apply_order",
+        "'dispatch' takes results in the order jobs started, so a quorum round would wait "
+        "for the slowest; use 'arrival' with ray.min_quorum")
   check(y.num_cpus >= 0, "ray.num_cpus", "must be >= 0 (0: every core)")
   check(y.gpus_per_worker >= 0, "ray.gpus_per_worker", "must be >= 0")
   check(y.recover_timeout_s > 0, "ray.recover_timeout_s", "must be > 0")
@@ -50,16 +53,18 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
   except ValueError as e:
     out.append(f"ray.chaos: {e}")
   else:
-    killed = set()
+    killed = {}  # worker -> the push count it was killed at (until it rejoins)
     for e in events:
-      if e.action == "kill_worker":
-        killed.add(e.worker)
       if e.action in ("kill_worker", "delay_worker"):
         check(0 <= e.worker < c.num_workers, "ray.chaos",
               f"{e} names worker {e.worker}; workers are 0..{c.num_workers - 1}")
+      if e.action == "kill_worker":
+        killed[e.worker] = e.after
       if e.action == "rejoin_worker":
-        check(e.worker in killed, "ray.chaos", f"{e}: only a worker killed earlier "
-              "(kill_worker=K@M, M < N) rejoins")
+        check(killed.get(e.worker, e.after) < e.after, "ray.chaos",
+              f"{e}: only a worker killed earlier (kill_worker=K@M, M < N) rejoins, once "
+              "per kill")
+        killed.pop(e.worker, None)
     check(sum(e.action == "kill_server" for e in events) <= 1, "ray.chaos",
           "the server is killed at most once")
   return list(out)

@@ -1,7 +1,7 @@
 """Joining or starting Ray, and the options the runtime's actors get.
 
-Ray is an extra (`pip install -e ".[ray]"`): it is imported only here and in driver.py, so
-every other runtime works without it."""
+Ray is an extra (`pip install -e ".[ray]"`): it is imported only here (`import_ray`, which
+pool.py and driver.py call), so every other runtime works without it."""
 
 import logging
 import os

@@ -30,7 +30,7 @@ import time
 import jax
 import ml_collections
 
-from lowcomm_jax import run_loop
+from lowcomm_jax import config_check, run_loop
 from lowcomm_jax.build import build
 from lowcomm_jax.checkpoint import CheckpointMismatch
 from lowcomm_jax.parallel import mesh as mesh_lib
@@ -132,8 +132,8 @@ class RayDriver:
       drift = info["drift"]
     n.contributed(job.worker, meta, info["staleness"], drift)
     self.pool.chaos()
-    if not self.quorum and job.worker in self.pool.actors:
-      self._start_next(job.worker)
+    if not self.quorum:
+      self._idle_start()  # this worker's next job (and any steps a lost one left)
     return True
 
   def _round_due(self) -> bool:
@@ -181,19 +181,24 @@ class RayDriver:
       return None
     if self.quorum:
       while not self._budget_spent():
-        timeout = None
-        if self.quorum_at is not None:
-          timeout = max(self.c.ray.grace_s - (time.monotonic() - self.quorum_at), 0.0)
-        if not self._round_due():
-          job = self.pool.next_done(timeout)
-          if job is not None:
-            self._take(job)
-          continue
-        self._close_round()
-        break
+        if self._round_due():
+          self._close_round()
+          break
+        # Waiting for results; once the quorum is in, no longer than the grace left.
+        timeout = (None if self.quorum_at is None else
+                   max(self.c.ray.grace_s - (time.monotonic() - self.quorum_at), 0.0))
+        job = self.pool.next_done(timeout)
+        if job is not None:
+          self._take(job)
       self.finished = self._budget_spent()
     else:
-      while self.pool.jobs:
+      while True:
+        if not self.pool.jobs and not self._budget_spent():
+          self._idle_start()  # steps left behind by a worker lost while the others idled
+          if not self.pool.jobs:
+            raise RuntimeError("no live worker can take the remaining inner steps")
+        if not self.pool.jobs:
+          break
         if self._take(self.pool.next_done()) and self._mark_of() != self.mark:
           break
       self.finished = not self.pool.jobs and self._budget_spent()
@@ -281,6 +286,10 @@ class RayDriver:
         raise CheckpointMismatch(f"the checkpoint in {ckpt.directory} was not written by "
                                  "this version of the Ray runtime; pass another --workdir")
       if meta["finished"] and (summary := files.finished_summary()) is not None:
+        if summary.get("rounds", self.c.rounds) != self.c.rounds:
+          raise config_check.ConfigError([
+              f"rounds={self.c.rounds}: the Ray run in {files.workdir} finished its "
+              f"{summary['rounds']} rounds and cannot be extended; pass another --workdir"])
         return summary
       ckpt.discard_after(latest)
       server, meta, workers = self._restore(latest)
@@ -312,6 +321,14 @@ class RayDriver:
     stream), and those jobs: a resumed run starts them again and repeats this one. (A
     quorum run saves as a round closes: no contribution is pending.)"""
     pool = self.pool
+    workers = {}
+    for w, actor in sorted(pool.actors.items()):
+      job = pool.jobs.get(w)
+      try:
+        workers[w] = self.ray.get(actor.checkpoint_state.remote(None if job is None
+                                                                else job.order))
+      except self.ray.exceptions.RayActorError as e:  # it died: not in this checkpoint
+        pool.lose(w, f"{type(e).__name__} at a checkpoint")
     while True:
       try:
         jobs = sorted(pool.jobs.values(), key=lambda j: j.order)
@@ -320,14 +337,6 @@ class RayDriver:
         break
       except self.ray.exceptions.RayActorError as e:
         pool.recover_server(f"save failed: {type(e).__name__}")
-    workers = {}
-    for w, actor in sorted(pool.actors.items()):
-      job = pool.jobs.get(w)
-      try:
-        workers[w] = self.ray.get(actor.checkpoint_state.remote(None if job is None
-                                                                else job.order))
-      except self.ray.exceptions.RayActorError:  # it died: found lost at its job's result
-        in_flight = [j for j in in_flight if j["worker"] != w]
     tree = {"params": state["params"], "opt_state": state["opt_state"]}
     if in_flight:
       tree["snapshots"] = state["snapshots"]

@@ -27,7 +27,6 @@ class Job:
   lr_step: int
   steps: int
   version: object  # ObjectRef of the pulled version (an int)
-  params: object  # ObjectRef of the pulled θ
   meta: object  # ObjectRef of the job's meta dict
   sent: object  # ObjectRef of what it sends (Δ, or the codec's payload)
 
@@ -102,6 +101,7 @@ class Pool:
     self.inner_steps: dict[int, int] = {}  # H per worker where DyLU settled one
     self.speeds: dict[int, float] = {}  # DyLU: steps per second, per worker
     self.on_join: Callable[[int], None] = lambda worker: None
+    self.jobs_done: dict[int, int] = {}  # per live worker process
 
   # --- actors -----------------------------------------------------------------------------
 
@@ -121,10 +121,14 @@ class Pool:
     remote = self.ray.remote(max_concurrency=2,
                              **cluster.actor_options(self.c, worker=True))(WorkerProcess)
     self.actors[worker] = remote.remote(self.c, worker, restored, sleep)
+    self.jobs_done[worker] = 0  # of this process (its first compiles)
     if worker in self.delays:
       self.actors[worker].delay.remote(self.delays[worker])
 
   def join(self, worker: int) -> None:
+    if worker in self.actors:
+      logging.warning("ray: worker %d is live; it does not join again", worker)
+      return
     t0 = time.perf_counter()
     self.start_worker(worker)
     self.ray.get(self.actors[worker].ping.remote(), timeout=self.c.ray.recover_timeout_s)
@@ -177,7 +181,7 @@ class Pool:
     pulled_version, params = self.server.pull.options(num_returns=2).remote(version)
     meta, sent = self.actors[worker].job.options(num_returns=2).remote(
         pulled_version, params, lr_step, steps, order)
-    self.jobs[worker] = Job(worker, order, lr_step, steps, pulled_version, params, meta, sent)
+    self.jobs[worker] = Job(worker, order, lr_step, steps, pulled_version, meta, sent)
 
   def next_done(self, timeout: float | None = None) -> Job | None:
     """The next finished job: the first to finish, or (apply_order='dispatch') the first
@@ -199,14 +203,17 @@ class Pool:
     is dropped, or it pulled from a server that died: then it has started again)."""
     try:
       meta = self.ray.get(job.meta)
-    except self.ray.exceptions.RayError as e:
+    except self.ray.exceptions.RayActorError as e:  # the worker's process, or the server's
       if not self._server_alive():
         self.recover_server(f"pull failed: {type(e).__name__}")
-      elif self.jobs.get(job.worker) is job:  # the worker itself failed
+      elif self.jobs.get(job.worker) is job:  # the worker itself died
         self.lose(job.worker, f"{type(e).__name__}")
       return None
+    except self.ray.exceptions.RayTaskError as e:  # an error in the job's code: no retry
+      raise RuntimeError(f"worker {job.worker}'s job failed: {e}") from e
     del self.jobs[job.worker]
     self.data[str(job.worker)] = meta["data"]
+    self.jobs_done[job.worker] += 1
     self._measured(job.worker, meta)
     return meta
 
@@ -245,6 +252,10 @@ class Pool:
     jobs whose pull failed started again as they were."""
     t0 = time.perf_counter()
     n = self.counts
+    try:  # (a server that only stopped answering must not live on beside the new one)
+      self.ray.kill(self.server, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+      pass
     restored, mark = self.restore_latest()
     self.start_server(restored)
     # Jobs out that pulled from the dead server keep their models (drift, checkpoints);
@@ -258,6 +269,7 @@ class Pool:
     self.server.expect.remote(dict(held))
     for method, args in self.since_checkpoint:
       self.ray.get(getattr(self.server, method).remote(*args))
+    self.server.replayed.remote()
     replayed = len(self.since_checkpoint)
     n.pushes_replayed += replayed
     n.server_restarts += 1
@@ -283,7 +295,7 @@ class Pool:
       n.chaos_done += 1
       logging.info("ray: chaos %s", e)
       if e.action == "kill_worker" and e.worker in self.actors:
-        self.ray.kill(self.actors[e.worker], no_restart=True)
+        self.lose(e.worker, "chaos: killed")
       elif e.action == "kill_server":
         self.ray.kill(self.server, no_restart=True)
       elif e.action == "delay_worker":
@@ -302,7 +314,7 @@ class Pool:
     """DyLU (`outer.dylu`): a worker's speed is its steps per second of job (its first job
     compiles, so it is not counted); H is settled again from the live workers' speeds once
     all are known, and whenever membership changes."""
-    if not self.c.outer.dylu or self.counts.pushes_per_worker.get(str(worker), 0) < 1:
+    if not self.c.outer.dylu or self.jobs_done[worker] <= 1:
       return
     first = worker not in self.speeds
     self.speeds[worker] = meta["steps"] / max(meta["job_seconds"], 1e-9)
