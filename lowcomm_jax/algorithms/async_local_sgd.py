@@ -1,6 +1,7 @@
-"""Asynchronous Local-SGD (simulator, and real processes on the Ray runtime): each worker pulls the server's latest θ, takes H
-steps and sends Δ; the server applies every arrival at once with plain Nesterov at
-lr outer.lr / W, so W arrivals move θ as far as one synchronous round's mean would."""
+"""Asynchronous Local-SGD (simulator, and real processes on the Ray runtime): each worker
+pulls the server's latest θ, takes H steps and sends Δ; the server applies every arrival at
+once with plain Nesterov at lr outer.lr / W, so W arrivals move θ as far as one synchronous
+round's mean would."""
 
 from lowcomm_jax import outer
 from lowcomm_jax.algorithms.base import field_problem

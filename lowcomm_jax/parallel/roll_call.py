@@ -85,7 +85,6 @@ def _collect(address: str, bind: str, num: int, timeout_s: float) -> None:
               f"{_ids(missing)} of {num}")
       left = deadline - time.monotonic()
       if left <= 0:
-        missing = [i for i in range(1, num) if i not in joined]
         reason = (f"process{'es' if len(missing) > 1 else ''} {_ids(missing)} of {num} did "
                   f"not join {address} within distributed.join_timeout_s={timeout_s:g}"
                   + (f" ({'; '.join(notes)})" if notes else "")
