@@ -10,7 +10,8 @@ docstrings of configs/*.py. Each is split into simple commands (`&&`, leading VA
   scripts and other modules    their argparse parser takes the arguments (the script runs up
                                to its parse, then stops); launch/local.py's main arguments
                                are checked as above on its processes
-  pip / venv / tensorboard ... the tool's own parser, extras in pyproject.toml, files exist
+  pip / venv / tensorboard / ray start ... the tool's own parser, extras in pyproject.toml,
+                               files exist
 """
 
 import argparse
@@ -32,7 +33,7 @@ from ml_collections import config_flags
 
 from conftest import REPO
 
-PROGRAMS = ("python", "python3", "pip", "tensorboard", "sbatch")
+PROGRAMS = ("python", "python3", "pip", "tensorboard", "sbatch", "ray")
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
 
@@ -203,6 +204,14 @@ def check_simple(words: list[str], env: dict, created: set[str], monkeypatch):
     # Its parser also validates the process's absl flags (main's --config is required).
     with mock.patch.object(flags.FlagValues, "validate_all_flags", lambda self: None):
       tb.TensorBoard().configure(argv=["tensorboard", *args])
+  elif program == "ray":  # `ray start ...` (README, the Ray runtime): Ray's click parser
+    import click
+    from ray.scripts.scripts import cli
+    assert args and args[0] in cli.commands, f"ray has no command {args[:1]}"
+    try:
+      cli.commands[args[0]].make_context(f"ray {args[0]}", list(args[1:]))
+    except click.exceptions.Exit as e:  # --help
+      assert e.exit_code == 0, words
   elif program == "sbatch":
     for path in args:
       assert (REPO / path.split(":")[0]).is_file(), f"sbatch: no file {path}"
