@@ -46,9 +46,10 @@ def connect(c: ml_collections.ConfigDict) -> bool:
 
 
 def actor_options(c: ml_collections.ConfigDict, *, worker: bool) -> dict:
-  """Scheduling and environment of a server or worker actor. Workers may hold a GPU (or a
-  share: several JAX processes on one GPU must not preallocate its memory); the driver's
-  forced host device count is not theirs (each runs on one device)."""
+  """Scheduling and environment of a server or worker actor: the driver's JAX_*, LOWCOMM_*
+  and TIKTOKEN_* variables (data, caches, the CPU platform of a test). Workers may hold a
+  GPU (or a share: several JAX processes on one GPU must not preallocate its memory); the
+  driver's forced host device count is not theirs (each runs on one device)."""
   env = {k: v for k, v in os.environ.items()
          if k.startswith(("JAX_", "LOWCOMM_", "TIKTOKEN_"))}
   env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
@@ -57,4 +58,5 @@ def actor_options(c: ml_collections.ConfigDict, *, worker: bool) -> dict:
   options = {"num_cpus": 0, "max_restarts": 0, "runtime_env": {"env_vars": env}}
   if worker and c.ray.gpus_per_worker:
     options["num_gpus"] = c.ray.gpus_per_worker
+    env.pop("JAX_PLATFORMS", None)  # the driver's (a CPU-only head's 'cpu') is not theirs
   return options
