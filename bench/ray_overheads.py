@@ -44,12 +44,7 @@ def config(model="small", tokenizer="byte", **fields):
   c.data.seq_len, c.data.batch_size = 64, 8
   c.rounds, c.inner_steps, c.mesh.replica = 4, 10, 1
   c.eval_every = c.checkpoint_every = c.log_every = 1
-  for k, v in fields.items():
-    node = c
-    *parents, leaf = k.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = v
+  c.update_from_flattened_dict(fields)  # dotted names: {"compress.codec": "int8"}
   return c
 
 

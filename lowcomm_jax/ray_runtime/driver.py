@@ -208,23 +208,31 @@ class RayDriver:
                          self._reading(mark_due.write) if mark_due.metrics else None)
 
   def _reading(self, take_train_loss: bool) -> run_loop.Reading:
-    n, w = self.counts, self.c.num_workers
+    n = self.counts
     norm = self.pool.call("param_norm")
     problem = None
     if not (math.isfinite(n.loss_sum) and math.isfinite(norm)):
       problem = f"push {n.pushes} (train-loss sum {n.loss_sum}, global param norm {norm})"
-    scalars = {"total_inner_steps": n.applied_steps, "tokens": self.r.tokens(n.applied_steps),
-               "pushes": n.pushes, "bytes_sent": n.pushes * self.plan.delta_bytes // w,
-               "mean_staleness": n.staleness_sum / max(n.pushes, 1),
-               "mean_drift": n.drift_sum / max(n.drift_count, 1),
-               "workers_live": len(self.pool.actors), "workers_joined": n.workers_joined,
-               "workers_lost": n.workers_lost, "pushes_dropped": n.pushes_dropped}
-    if self.quorum:
-      scalars["late_contributions"] = n.late
+    scalars = {**self._accounts(), "workers_live": len(self.pool.actors)}
     if take_train_loss and n.loss_count:
       n.last_train_loss = scalars["train_loss"] = n.loss_sum / n.loss_count
       n.loss_sum, n.loss_count = 0.0, 0
-    return run_loop.Reading(n.applied_steps // w, scalars, time.perf_counter(), problem)
+    return run_loop.Reading(n.applied_steps // self.c.num_workers, scalars, time.perf_counter(),
+                            problem)
+
+  def _accounts(self) -> dict:
+    """The figures both a metrics row and the summary report."""
+    n = self.counts
+    out = {"total_inner_steps": n.applied_steps, "tokens": self.r.tokens(n.applied_steps),
+           "pushes": n.pushes,
+           "bytes_sent": n.pushes * self.plan.delta_bytes // self.c.num_workers,
+           "mean_staleness": n.staleness_sum / max(n.pushes, 1),
+           "mean_drift": n.drift_sum / max(n.drift_count, 1),
+           "workers_joined": n.workers_joined, "workers_lost": n.workers_lost,
+           "pushes_dropped": n.pushes_dropped}
+    if self.quorum:
+      out["late_contributions"] = n.late
+    return out
 
   def read(self, handle: run_loop.Reading) -> run_loop.Reading:
     return handle
@@ -363,25 +371,20 @@ class RayDriver:
         "algorithm": c.algorithm, "runtime": "ray", "num_workers": c.num_workers,
         "inner_steps": c.inner_steps, "rounds": c.rounds, "model": self.r.model.name,
         "params": self.r.model.param_count, "codec": c.compress.codec,
-        "eval_loss": eval_loss, "train_loss": n.last_train_loss,
-        "total_inner_steps": n.applied_steps, "tokens": self.r.tokens(n.applied_steps),
-        "pushes": n.pushes, "pushes_per_worker": n.pushes_per_worker,
-        "mean_staleness": n.staleness_sum / max(n.pushes, 1),
+        "eval_loss": eval_loss, "train_loss": n.last_train_loss, **self._accounts(),
+        "pushes_per_worker": n.pushes_per_worker,
         "staleness_histogram": dict(sorted(n.staleness_histogram.items(),
                                            key=lambda kv: int(kv[0]))),
-        "mean_drift": n.drift_sum / max(n.drift_count, 1),
-        "workers_joined": n.workers_joined, "workers_lost": n.workers_lost,
-        "pushes_dropped": n.pushes_dropped, "server_restarts": n.server_restarts,
+        "server_restarts": n.server_restarts,
         "pushes_replayed": n.pushes_replayed, "recoveries": n.recoveries,
         "compute_seconds_per_worker": n.compute_seconds,
-        "bytes_sent": n.pushes * self.plan.delta_bytes // c.num_workers,
         "bytes_sent_total": n.pushes * self.plan.delta_bytes,
         "server_bytes_sent": n.pushes * self.plan.param_bytes,
         "bytes_sent_ddp_equivalent": self.plan.param_bytes * n.applied_steps // c.num_workers,
         "wall_seconds": wall,
     }
     if self.quorum:
-      out.update(rounds_closed=n.rounds, late_contributions=n.late)
+      out["rounds_closed"] = n.rounds
     return out
 
   def close(self) -> None:
