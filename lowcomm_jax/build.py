@@ -257,7 +257,8 @@ def build(config: ml_collections.ConfigDict, *, check_memory: bool = True) -> Ru
             state_spec=StateSpec(init=init_fn, initial_params=initial_params,
                                  abstract=abstract_state,
                                  shardings=state_shardings),
-            programs=programs, sync=sync, local_reads_rules=worker_rule is not None,
+            programs=programs, sync=sync, outer_rules=rules,
+            local_reads_rules=worker_rule is not None,
             local_reads_own=reads_own,
             partitioner=lambda: partitioner(plan), frozen=frozen)
   # Nothing but a LoRA base is allocated yet: refuse in seconds, not at RESOURCE_EXHAUSTED.

@@ -92,6 +92,9 @@ class Run:
   state_spec: StateSpec  # (the state itself is the drivers': steps.TrainState)
   programs: Programs
   sync: Sync  # how the workers' Δ become the update (its codec, aggregation, attack)
+  # per fragment: the algorithm's outer rule (inside the syncs; the Ray runtime's server
+  # applies fragment 0's on its own)
+  outer_rules: list = dataclasses.field(default_factory=list)
   # Local programs also read the outer rules' state (the algorithm has a worker rule).
   local_reads_rules: bool = False
   local_reads_own: bool = False  # local programs read their rows of the per-worker state

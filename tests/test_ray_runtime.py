@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import load_config
+from conftest import checkpointed_state, load_config
 from lowcomm_jax import config_check
 from lowcomm_jax.ray_runtime import chaos
 
@@ -56,7 +56,7 @@ def _problems(**overrides):
 def test_config_problems_name_their_field():
   assert _problems(runtime="ray", algorithm="async_dn", **{"mesh.replica": 1}) == []
   assert any(p.startswith("runtime=") for p in _problems(runtime="lockstep"))
-  assert any("in quorum rounds, 'diloco'" in p
+  assert any("in quorum rounds 'diloco'" in p
              for p in _problems(runtime="ray", algorithm="streaming", **{"mesh.replica": 1}))
   assert _problems(runtime="ray", algorithm="diloco", **{"mesh.replica": 1}) == []
   assert any(p.startswith("ray.apply_order")
@@ -76,6 +76,15 @@ def test_config_problems_name_their_field():
              for p in _problems(runtime="ray", algorithm="diloco",
                                 **{"ray.min_quorum": 2, "ray.apply_order": "dispatch"}))
   assert any(p.startswith("ray.step_sleep_s") for p in bad)
+  # collaborative epochs are DDP's: on Ray too, and only there without collab
+  collab = {"runtime": "ray", "inner_steps": 1, "mesh.replica": 1,
+            "collab.target_batch_size": 16}
+  assert _problems(algorithm="ddp", **collab) == []
+  assert any(p.startswith("algorithm='diloco'") and "--config.algorithm=ddp" in p
+             for p in _problems(algorithm="diloco", **collab))
+  assert any("collaborative epochs ('ddp' with collab.target_batch_size > 0)" in p
+             for p in _problems(algorithm="ddp", inner_steps=1, runtime="ray",
+                                **{"mesh.replica": 1}))
 
 
 def test_chaos_events_parse_or_name_the_form():
@@ -209,3 +218,94 @@ def test_a_quorum_round_does_not_wait_for_a_slow_or_dead_worker(cluster, tmp_pat
   assert summary["workers_lost"] == 1
   assert summary["late_contributions"] >= 1 and summary["mean_staleness"] > 0
   assert [e["worker"] for e in events if e["event"] == "worker_lost"] == [0]
+
+
+def _ray_checkpointed_params(config, workdir) -> np.ndarray:
+  """θ in the newest checkpoint of the Ray run in `workdir`."""
+  from lowcomm_jax.ray_runtime.epochs import EpochDriver
+  from lowcomm_jax.run_files import RunFiles
+  files = RunFiles(config, workdir)
+  driver = EpochDriver(config)  # (no actor: its checkpoint reading only)
+  driver.files = files
+  server, _, _ = driver._restore(files.open_checkpoints())
+  files.close()
+  return server["params"]
+
+
+def _collab_config(**overrides):
+  """Three peers of batch 4 (DDP's collaborative epochs), plain SGD without clipping: the
+  step is linear in the averaged gradient. Each micro-batch sleeps 0.3 s, so an epoch of 48
+  samples outlasts a join (a new process compiling its micro-batch)."""
+  c = load_config("smoke", runtime="ray", algorithm="ddp", inner_steps=1, rounds=1,
+                  num_workers=3, checkpoint_every=1, eval_every=0, log_every=1,
+                  **{"mesh.replica": 1, "optimizer.warmup_steps": 0, "optimizer.name": "sgd",
+                     "optimizer.lr": 0.5, "optimizer.grad_clip": 0.0,
+                     "collab.target_batch_size": 48, "ray.grace_s": 30.0,
+                     "ray.step_sleep_s": (0.3, 0.3, 0.3), **overrides})
+  return c
+
+
+def test_a_collaborative_epoch_completes_without_a_killed_peer_and_counts_a_joined_one(
+    cluster, tmp_path):
+  """Peer 1 is killed after the epoch's second micro-batch (its samples go with it), a
+  new peer 3 joins after the fourth and is counted from its first, and the server dies
+  after the sixth (it is rebuilt: nothing of the open epoch was its). The epoch ends at its
+  target, and its step is -lr times the mean of the surviving peers' gradients at θ_0,
+  weighted by the samples each reported, computed here by hand from fresh streams."""
+  from test_collab import _flat_grad
+  from lowcomm_jax.build import build
+  from lowcomm_jax.simulate import one_device
+  config = _collab_config(**{"ray.chaos": ("kill_worker=1@2", "add_worker@4",
+                                           "kill_server@6")})
+  summary, events = _run(config, tmp_path)
+  assert summary["rounds_closed"] == 1 and summary["workers_lost"] == 1
+  assert summary["workers_joined"] == 1 and summary["server_restarts"] == 1
+  assert [e["event"] for e in events] == ["worker_lost", "worker_joined", "server_restarted"]
+  counts = {w: summary.get(f"samples_peer_{w}", 0) for w in range(4)}
+  assert counts[1] == 0 and counts[3] > 0  # the killed peer's samples are not in the step
+  assert summary["samples"] == sum(counts.values()) >= 48
+  assert summary["collab"] == {"target_batch_size": 48, "epochs": 1,
+                               "samples": summary["samples"]}
+  # every micro-batch counted is in the step or was lost with its peer
+  assert summary["micro_batches"] * 4 == summary["samples"] + summary["samples_lost"]
+
+  params = _ray_checkpointed_params(config, tmp_path)
+  r = build(one_device(config), check_memory=False)
+  theta = r.state_spec.initial_params()
+  grad = _flat_grad(r.model.graphdef, r.model.layout)
+  total = np.zeros(theta.shape, np.float64)
+  for w, samples in counts.items():
+    stream = r.data.streams[0].of_workers([w])
+    for _ in range(samples // 4):
+      total += 4 * np.asarray(grad(theta, stream.next_round(1)[0, 0]))
+  update = -config.optimizer.lr * total / summary["samples"]
+  np.testing.assert_allclose(params - np.asarray(theta), update, rtol=1e-4, atol=1e-7)
+
+
+def test_collaborative_lora_epochs_on_ray_are_the_runners(cluster, tmp_path):
+  """LoRA adapters on a frozen base, two epochs. Peer 1 sleeps 1.5 s a micro-batch, so
+  peer 0 fills the target (16) alone and peer 1's one micro-batch, running at the target,
+  counts within the grace window: 16 + 4 samples an epoch, as the runner's virtual clock
+  gives a host 100 times slower (its micro-batch started before the target counts too)."""
+  from lowcomm_jax import train
+  from lowcomm_jax.hosts import host
+  same = {"algorithm": "ddp", "inner_steps": 1, "rounds": 2, "num_workers": 2,
+          "checkpoint_every": 1, "eval_every": 0, "log_every": 1,
+          "collab.target_batch_size": 16, "lora.rank": 4, "lora.alpha": 8.0,
+          "lora.targets": ("attn", "mlp")}
+  config = load_config("smoke", runtime="ray", **same, **{
+      "mesh.replica": 1, "ray.grace_s": 30.0, "ray.step_sleep_s": (0.0, 1.5)})
+  summary, _ = _run(config, tmp_path / "ray")
+  assert (summary["samples_peer_0"], summary["samples_peer_1"]) == (16, 4)
+  assert summary["collab"]["samples"] == 40
+  assert summary["trainable_params"] < summary["params"]  # the adapters, not the base
+  runner_config = load_config("smoke", **same)
+  runner_config.hosts = [host(1.0, batch_size=4, speed=1.0), host(1.0, batch_size=4, speed=0.01)]
+  runner = train.run(runner_config, tmp_path / "runner")
+  assert runner["collab"] == summary["collab"]
+  # The server's token-weighted mean and the runner's nested mean differ in rounding only.
+  theta = np.asarray(checkpointed_state(runner_config, tmp_path / "runner")[0][0].params)
+  trained = theta - np.asarray(train.build(runner_config).state_spec.initial_params())
+  np.testing.assert_allclose(_ray_checkpointed_params(config, tmp_path / "ray"), theta,
+                             rtol=0, atol=1e-4 * np.abs(trained).max())
+  assert abs(summary["eval_loss"] - runner["eval_loss"]) <= 1e-4 * runner["eval_loss"]

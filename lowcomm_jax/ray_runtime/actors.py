@@ -47,10 +47,11 @@ def _initial_state(r) -> steps.TrainState:
 
 def server_rule(r):
   """The rule of the one global server: an asynchronous algorithm's server rule, or a
-  synchronous one's outer rule (applied to each quorum round's token-weighted mean Δ)."""
+  synchronous one's outer rule (applied to each quorum round's token-weighted mean Δ, or
+  to a collaborative epoch's sample-weighted mean gradient: DDP's rule is its optimizer)."""
   from lowcomm_jax.simulate import make_plan
   if r.algorithm.synchronous:
-    return r.algorithm.outer_rule(r.config, None, r.model.layout)
+    return r.outer_rules[0]
   rules = r.algorithm.server_rules(r.config, make_plan(r.config, r))
   if set(rules) != {GLOBAL}:
     raise ValueError(f"algorithm={r.config.algorithm!r} has servers {sorted(rules)}; the Ray "
@@ -112,6 +113,11 @@ class ServerProcess:
     if self.version in self._expected:
       self.snapshots[self.version] = [self.params, self._expected.pop(self.version)]
 
+  def theta(self) -> tuple[int, np.ndarray]:
+    """(version, θ) for a collaborative epoch's micro-batches: nothing is held for them
+    (their gradients are at θ: there is no drift to measure)."""
+    return self.version, np.asarray(self.params)
+
   def pull(self, version: int | None = None) -> tuple[int, np.ndarray]:
     """(version, θ) for a worker's next job: the newest, or (a job started again after a
     resume) the one that job had pulled."""
@@ -157,10 +163,10 @@ class ServerProcess:
             "drift": None if drift is None else float(drift)}
 
   def contribute(self, meta: dict, sent) -> dict:
-    """Adds one contribution to the open quorum round (weighted by its tokens); its
-    staleness in rounds."""
+    """Adds one contribution to the open round (weighted by its tokens: a quorum round's Δ,
+    or an epoch's mean gradient); its staleness in rounds."""
     delta = self._delta(meta, sent)
-    tokens = float(self.r.tokens(meta["steps"]))
+    tokens = float(meta["tokens"])
     self._round_sum = (tokens * delta if self._round_sum is None
                        else self._round_sum + tokens * delta)
     self._round_tokens += tokens
@@ -233,6 +239,18 @@ class WorkerProcess:
     # lock: a checkpoint (the actor's second thread) reads them while a job runs.
     self.running, self.before = None, None
     self._lock = threading.Lock()
+    # A collaborative epoch (micro/collect): its θ's version, the sums of the micro-batches
+    # done at that θ, and the last epoch collected (a micro-batch of it that finishes later
+    # is not counted).
+    self.accumulate = programs.accumulate[0] if programs.accumulate else None
+    self.epoch, self.collected = None, None
+    if self.accumulate is not None:  # compiled before it counts as up: a joining peer's
+      self._begin_epoch(-1, np.asarray(state.params))  # first micro-batch is not a compile
+      zeros = np.zeros((1, r.config.data.batch_size, r.config.data.seq_len + 1), np.int32)
+      with jax.set_mesh(self.mesh):
+        jax.block_until_ready(self.accumulate(self.epoch["view"], self.epoch["sums"], zeros,
+                                              self.ids, np.int32(0)))
+      self.epoch = None
 
   def ping(self) -> int:
     return self.worker
@@ -262,7 +280,8 @@ class WorkerProcess:
     workers = self.state._replace(opt_state=optimizers.at_schedule_step(
         self.state.opt_state, np.asarray([lr_step], np.int32)))
     batches = jax.device_put(self.streams.next_steps([0], steps_), self.batches_on)
-    meta = {"worker": self.worker, "version": int(version), "steps": steps_, "order": order}
+    meta = {"worker": self.worker, "version": int(version), "steps": steps_, "order": order,
+            "tokens": int(self.r.tokens(steps_))}
     with jax.set_mesh(self.mesh):
       deltas, self.state, losses = self.local(view, workers, batches, self.ids)
       if self.encode is None:
@@ -276,4 +295,65 @@ class WorkerProcess:
                 data=self.streams.get_state())
     time.sleep(self.step_sleep_s * steps_ + self.delay_s)
     meta["job_seconds"] = time.perf_counter() - start  # what DyLU's speeds are made of
+    return meta, sent
+
+  # --- collaborative epochs (ray_runtime/epochs.py) ---------------------------------------
+
+  def _begin_epoch(self, version: int, params: np.ndarray) -> None:
+    view = self.r.local_input(steps.TrainState(
+        jnp.asarray(version, jnp.int32), self.rng, jnp.asarray(params), ()))
+    sums = jnp.zeros((1, self.r.model.layout.size), jnp.float32)
+    self.epoch = {"version": version, "view": view, "sums": sums, "micro": 0, "samples": 0,
+                  "loss_sum": 0.0, "seconds": 0.0}
+
+  def micro(self, version: int, params: np.ndarray) -> dict:
+    """One micro-batch of the epoch at θ of `version`: its gradient times its samples is
+    added to the peer's sums, which stay here until `collect`. "counted" is False if that
+    epoch was collected while it ran (its samples are lost)."""
+    start = time.perf_counter()
+    with self._lock:  # (a checkpoint reads the stream's position)
+      if self.epoch is None or self.epoch["version"] != version:
+        self._begin_epoch(version, params)
+      epoch = self.epoch
+      batch = self.streams.next_round(1)[:, 0]
+    with jax.set_mesh(self.mesh):
+      sums, losses = self.accumulate(epoch["view"], epoch["sums"], batch, self.ids,
+                                     np.int32(epoch["micro"]))
+      loss = float(np.asarray(losses)[0])  # waits: the micro-batch counts once it is done
+    took = time.perf_counter() - start
+    time.sleep(self.step_sleep_s + self.delay_s)
+    samples = batch.shape[1]
+    with self._lock:
+      counted = self.epoch is epoch and self.collected != version
+      if counted:
+        epoch.update(sums=sums, micro=epoch["micro"] + 1, samples=epoch["samples"] + samples,
+                     loss_sum=epoch["loss_sum"] + loss * samples,
+                     seconds=epoch["seconds"] + took)
+    return {"worker": self.worker, "version": int(version), "counted": counted,
+            "samples": samples, "compute_seconds": took,
+            "job_seconds": time.perf_counter() - start}
+
+  def collect(self, version: int) -> tuple[dict, object]:
+    """The epoch's contribution: (meta, its mean gradient Σ B·g / Σ B, or the codec's
+    payload of it) over the micro-batches done at θ of `version`; samples 0 (and nothing
+    to send) if none is. A micro-batch still running is not waited for, and not counted."""
+    with self._lock:
+      self.collected = version
+      epoch, self.epoch = self.epoch, None
+    meta = {"worker": self.worker, "version": int(version), "samples": 0, "tokens": 0,
+            "steps": 0}
+    if epoch is None or epoch["version"] != version or epoch["samples"] == 0:
+      return meta, None
+    mean = epoch["sums"] / epoch["samples"]
+    with jax.set_mesh(self.mesh):
+      if self.encode is None:
+        sent = np.asarray(mean[0])
+      else:  # the codec's payload; the server decodes it with this key
+        keys = parameter_server.codec_keys(epoch["view"], self.ids)
+        payload, self.codec_state = self.encode(mean, self.codec_state, keys)
+        sent = jax.device_get(jax.tree.map(lambda x: x[0], payload))
+        meta["codec_key"] = np.asarray(jax.random.key_data(keys[0]))
+    meta.update(samples=epoch["samples"], tokens=epoch["samples"] * self.r.config.data.seq_len,
+                loss=epoch["loss_sum"] / epoch["samples"], micro=epoch["micro"],
+                compute_seconds=epoch["seconds"], data=self.streams.get_state())
     return meta, sent

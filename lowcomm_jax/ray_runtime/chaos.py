@@ -1,7 +1,8 @@
 """Chaos hooks (`ray.chaos`): failures and arrivals at fixed counts of applied pushes, so
 tests and benchmarks exercise membership changes and recovery the same way every time.
 
-Each event is 'what@N', N applied pushes (N >= 1):
+Each event is 'what@N', N applied pushes (N >= 1; in collaborative epochs, N micro-batches
+counted):
   kill_worker=K@N     kill worker K (its job in flight is lost)
   rejoin_worker=K@N   worker K (killed earlier) starts again where its data stream was
   add_worker@N        a new worker joins (the next free id)

@@ -17,10 +17,12 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
   check(c.runtime in RUNTIMES, "runtime", f"use one of {list(RUNTIMES)}")
   if c.runtime != "ray":
     return list(out)
-  if algorithm is not None:
+  collab = c.collab.target_batch_size > 0
+  if algorithm is not None and not collab:  # (collab.* checks a collaborative run's)
     check(algorithm.runs_on_ray, "algorithm",
-          "the Ray runtime runs 'async', 'async_dn' and, in quorum rounds, 'diloco'; run "
-          "this one on runtime='spmd' or in the simulator")
+          "the Ray runtime runs 'async', 'async_dn', in quorum rounds 'diloco', and "
+          "collaborative epochs ('ddp' with collab.target_batch_size > 0); run this one on "
+          "runtime='spmd' or in the simulator")
   check(not c.sim.enabled, "sim.enabled", "the simulator has its own clock; set "
         "--config.sim.enabled=False for runtime='ray', or --config.runtime=spmd")
   check(num_processes == 1, "runtime", "one process drives a Ray run and Ray starts the "
@@ -29,10 +31,6 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
         "hosts empty)")
   check(c.mesh.data == 1 and c.model.tp.size == 1, "mesh.data",
         "a Ray worker runs on one device; use mesh.data=1 and model.tp.size=1")
-  check(c.lora.rank == 0, "lora.rank", "the Ray runtime does not carry a frozen base yet; "
-        "use 0")
-  check(c.collab.target_batch_size == 0, "collab.target_batch_size",
-        "collaborative epochs run on runtime='spmd' (on Ray: not built yet); use 0")
   check(c.data.batch_mode == "different", "data.batch_mode",
         "Ray workers read their own streams at their own pace; use 'different'")
   check(y.apply_order in ("arrival", "dispatch"), "ray.apply_order",

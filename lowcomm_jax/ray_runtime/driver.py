@@ -13,6 +13,7 @@ through Ray's object store. What a finished job does depends on the algorithm:
   contributed from it and `ray.grace_s` has passed since, or when every live worker has.
   Contributions that arrive after their round closed fold into the open round, weighted
   by tokens like the others, with their staleness (rounds) recorded. A mark per round.
+- collaborative epochs (`collab.target_batch_size` > 0, `ddp`): epochs.py.
 
 `ray.apply_order` says which finished job is taken next: the first to finish ('arrival')
 or the first started ('dispatch': a run that repeats exactly). Failures: a worker that dies
@@ -51,7 +52,12 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   `stop_after_checkpoints` ends this invocation after that many saves (resume tests)."""
   t_start = time.time()
   files = RunFiles(config, workdir)  # refuses a changed config before any work
-  return run_loop.run(RayDriver(config), files, t_start=t_start,
+  if config.collab.target_batch_size > 0:
+    from lowcomm_jax.ray_runtime.epochs import EpochDriver  # (it extends this module's)
+    driver = EpochDriver(config)
+  else:
+    driver = RayDriver(config)
+  return run_loop.run(driver, files, t_start=t_start,
                       stop_after_checkpoints=stop_after_checkpoints)
 
 
@@ -80,7 +86,7 @@ class RayDriver:
 
   def _note(self, event: str, **fields) -> None:
     """A membership or recovery event: a metrics.jsonl row and a log line."""
-    step = self.counts.applied_steps // self.c.num_workers
+    step = self._step_count()
     logging.info("ray: %s %s", event, fields)
     if self.files is not None and self.files.logger is not None:
       self.files.logger.note(step, {"event": event, "pushes": self.counts.pushes, **fields})
@@ -176,9 +182,25 @@ class RayDriver:
     n = self.counts
     return n.rounds >= self.c.rounds if self.quorum else n.applied_steps >= self.plan.total_steps
 
+  def _step_count(self) -> int:
+    """The run's steps so far, as metrics rows count them (per worker)."""
+    return self.counts.applied_steps // self.c.num_workers
+
+  def _tokens(self) -> int:
+    return self.r.tokens(self.counts.applied_steps)
+
   def advance(self, due) -> run_loop.Mark | None:
     if self.finished:
       return None
+    self._work_to_mark()
+    self.mark = self._mark_of()
+    mark_due = due(self.mark, last_of_run=self.finished, last_of_call=self.finished)
+    return run_loop.Mark(self.mark, mark_due,
+                         self._reading(mark_due.write) if mark_due.metrics else None)
+
+  def _work_to_mark(self) -> None:
+    """Takes results until the next mark (a round closed, or a round-equivalent applied)
+    or the end of the budget; `finished` says which."""
     if self.quorum:
       while not self._budget_spent():
         if self._round_due():
@@ -202,10 +224,6 @@ class RayDriver:
         if self._take(self.pool.next_done()) and self._mark_of() != self.mark:
           break
       self.finished = not self.pool.jobs and self._budget_spent()
-    self.mark = self._mark_of()
-    mark_due = due(self.mark, last_of_run=self.finished, last_of_call=self.finished)
-    return run_loop.Mark(self.mark, mark_due,
-                         self._reading(mark_due.write) if mark_due.metrics else None)
 
   def _reading(self, take_train_loss: bool) -> run_loop.Reading:
     n = self.counts
@@ -217,13 +235,12 @@ class RayDriver:
     if take_train_loss and n.loss_count:
       n.last_train_loss = scalars["train_loss"] = n.loss_sum / n.loss_count
       n.loss_sum, n.loss_count = 0.0, 0
-    return run_loop.Reading(n.applied_steps // self.c.num_workers, scalars, time.perf_counter(),
-                            problem)
+    return run_loop.Reading(self._step_count(), scalars, time.perf_counter(), problem)
 
   def _accounts(self) -> dict:
     """The figures both a metrics row and the summary report."""
     n = self.counts
-    out = {"total_inner_steps": n.applied_steps, "tokens": self.r.tokens(n.applied_steps),
+    out = {"total_inner_steps": n.applied_steps, "tokens": self._tokens(),
            "pushes": n.pushes,
            "bytes_sent": n.pushes * self.plan.delta_bytes // self.c.num_workers,
            "mean_staleness": n.staleness_sum / max(n.pushes, 1),
@@ -241,8 +258,7 @@ class RayDriver:
     return self.pool.call("evaluate")
 
   def position(self) -> tuple[int, int, int]:
-    steps = self.counts.applied_steps
-    return self.mark, steps // self.c.num_workers, self.r.tokens(steps)
+    return self.mark, self._step_count(), self._tokens()
 
   def wall_before(self) -> float:
     return self._wall_before
@@ -333,13 +349,13 @@ class RayDriver:
     for w, actor in sorted(pool.actors.items()):
       job = pool.jobs.get(w)
       try:
-        workers[w] = self.ray.get(actor.checkpoint_state.remote(None if job is None
-                                                                else job.order))
+        workers[w] = self.ray.get(actor.checkpoint_state.remote(
+            None if job is None or job.micro else job.order))
       except self.ray.exceptions.RayActorError as e:  # it died: not in this checkpoint
         pool.lose(w, f"{type(e).__name__} at a checkpoint")
     while True:
       try:
-        jobs = sorted(pool.jobs.values(), key=lambda j: j.order)
+        jobs = self._jobs_to_resume()
         in_flight = [j.record(v) for j, v in zip(jobs, self.ray.get([j.version for j in jobs]))]
         state = self.ray.get(pool.server.state.remote([j["version"] for j in in_flight]))
         break
@@ -359,6 +375,10 @@ class RayDriver:
               {"streams": {str(w): s["data"] for w, s in workers.items()}})
     pool.checkpointed()
 
+  def _jobs_to_resume(self) -> list:
+    """The jobs in flight a checkpoint keeps (a resumed run starts them again)."""
+    return sorted(self.pool.jobs.values(), key=lambda j: j.order)
+
   def complete(self) -> bool:
     return self.finished
 
@@ -370,7 +390,8 @@ class RayDriver:
     out = {
         "algorithm": c.algorithm, "runtime": "ray", "num_workers": c.num_workers,
         "inner_steps": c.inner_steps, "rounds": c.rounds, "model": self.r.model.name,
-        "params": self.r.model.param_count, "codec": c.compress.codec,
+        "params": self.r.model.param_count + self.r.model.frozen_count,
+        "trainable_params": self.r.model.param_count, "codec": c.compress.codec,
         "eval_loss": eval_loss, "train_loss": n.last_train_loss, **self._accounts(),
         "pushes_per_worker": n.pushes_per_worker,
         "staleness_histogram": dict(sorted(n.staleness_histogram.items(),

@@ -26,9 +26,10 @@ class Job:
   order: int  # dispatch order (apply_order='dispatch' takes results in this order)
   lr_step: int
   steps: int
-  version: object  # ObjectRef of the pulled version (an int)
+  version: object  # ObjectRef of the pulled version (an int); a micro-batch's: the int
   meta: object  # ObjectRef of the job's meta dict
-  sent: object  # ObjectRef of what it sends (Δ, or the codec's payload)
+  sent: object  # ObjectRef of what it sends (Δ, or the codec's payload); None: a micro-batch
+  micro: bool = False  # a collaborative epoch's micro-batch (its θ is not the server's hold)
 
   def record(self, version: int) -> dict:
     """What a checkpoint keeps of a job in flight (a resumed run starts it again)."""
@@ -54,6 +55,9 @@ class Counts:
   workers_joined: int = 0  # after the start
   workers_lost: int = 0
   pushes_dropped: int = 0
+  micro_batches: int = 0  # collaborative epochs: micro-batches counted
+  samples: int = 0  # collaborative epochs: samples in closed epochs
+  samples_lost: int = 0  # of peers lost mid-epoch, and micro-batches past the grace window
   server_restarts: int = 0
   pushes_replayed: int = 0
   next_order: int = 0
@@ -63,7 +67,10 @@ class Counts:
   recoveries: list = dataclasses.field(default_factory=list)  # {"what", "seconds", ...}
   chaos_done: int = 0  # chaos events already fired
 
-  def contributed(self, worker: int, meta: dict, staleness: int, drift) -> None:
+  def contributed(self, worker: int, meta: dict, staleness: int, drift,
+                  weight: float = 1.0) -> None:
+    """One contribution taken; its train loss counts `weight` times (an epoch's: its
+    samples)."""
     w = str(worker)
     self.pushes += 1
     self.staleness_sum += staleness
@@ -71,8 +78,8 @@ class Counts:
     if drift is not None:
       self.drift_sum += drift
       self.drift_count += 1
-    self.loss_sum += meta["loss"]
-    self.loss_count += 1
+    self.loss_sum += weight * meta["loss"]
+    self.loss_count += weight
     self.pushes_per_worker[w] = self.pushes_per_worker.get(w, 0) + 1
     self.compute_seconds[w] = self.compute_seconds.get(w, 0.0) + meta["compute_seconds"]
 
@@ -101,6 +108,7 @@ class Pool:
     self.inner_steps: dict[int, int] = {}  # H per worker where DyLU settled one
     self.speeds: dict[int, float] = {}  # DyLU: steps per second, per worker
     self.on_join: Callable[[int], None] = lambda worker: None
+    self.on_lose: Callable[[int], None] = lambda worker: None
     self.jobs_done: dict[int, int] = {}  # per live worker process
 
   # --- actors -----------------------------------------------------------------------------
@@ -152,9 +160,11 @@ class Pool:
     self.lost.append(worker)
     if job is not None:
       self.discard(job)
-      n.pushes_dropped += 1
-      n.dispatched_steps -= job.steps
-      self.server.drop.remote(job.version)  # (a pull from a dead server fails: no matter)
+      if not job.micro:
+        n.pushes_dropped += 1
+        n.dispatched_steps -= job.steps
+        self.server.drop.remote(job.version)  # (a pull from a dead server fails: no matter)
+    self.on_lose(worker)
     self.note("worker_lost", worker=worker, why=why, live=len(self.actors))
     self.speeds.pop(worker, None)
     self.settle_inner_steps("worker lost")
@@ -183,6 +193,12 @@ class Pool:
         pulled_version, params, lr_step, steps, order)
     self.jobs[worker] = Job(worker, order, lr_step, steps, pulled_version, meta, sent)
 
+  def dispatch_micro(self, worker: int, version: int, params) -> None:
+    """Starts a micro-batch of `worker` at θ of `version` (`params`: its ObjectRef)."""
+    order, self.counts.next_order = self.counts.next_order, self.counts.next_order + 1
+    meta = self.actors[worker].micro.remote(version, params)
+    self.jobs[worker] = Job(worker, order, 0, 0, version, meta, None, micro=True)
+
   def next_done(self, timeout: float | None = None) -> Job | None:
     """The next finished job: the first to finish, or (apply_order='dispatch') the first
     started; None if none finished within `timeout` seconds."""
@@ -204,7 +220,7 @@ class Pool:
     try:
       meta = self.ray.get(job.meta)
     except self.ray.exceptions.RayActorError as e:  # the worker's process, or the server's
-      if not self._server_alive():
+      if not job.micro and not self._server_alive():  # (a micro-batch does not pull)
         self.recover_server(f"pull failed: {type(e).__name__}")
       elif self.jobs.get(job.worker) is job:  # the worker itself died
         self.lose(job.worker, f"{type(e).__name__}")
@@ -212,7 +228,8 @@ class Pool:
     except self.ray.exceptions.RayTaskError as e:  # an error in the job's code: no retry
       raise RuntimeError(f"worker {job.worker}'s job failed: {e}") from e
     del self.jobs[job.worker]
-    self.data[str(job.worker)] = meta["data"]
+    if "data" in meta:
+      self.data[str(job.worker)] = meta["data"]
     self.jobs_done[job.worker] += 1
     self._measured(job.worker, meta)
     return meta
@@ -220,6 +237,8 @@ class Pool:
   def discard(self, job: Job) -> None:
     """Reads a failed job's results (their error is expected: Ray would log it unread)."""
     for ref in (job.meta, job.sent):
+      if ref is None:
+        continue
       try:
         self.ray.get(ref, timeout=self.c.ray.recover_timeout_s)
       except self.ray.exceptions.RayError:
@@ -262,6 +281,8 @@ class Pool:
     # those whose pull failed start again, as they were, once the calls are replayed.
     held, failed = collections.Counter(), []
     for job in sorted(self.jobs.values(), key=lambda j: j.order):
+      if job.micro:  # its θ is the driver's object, not the server's
+        continue
       try:
         held[self.ray.get(job.version)] += 1
       except self.ray.exceptions.RayError:
@@ -287,10 +308,12 @@ class Pool:
 
   # --- chaos and DyLU ---------------------------------------------------------------------
 
-  def chaos(self) -> None:
-    """Fires the chaos events due at the pushes counted so far."""
+  def chaos(self, progress: int | None = None) -> None:
+    """Fires the chaos events due at the pushes counted so far (or at `progress`: a
+    collaborative run's micro-batches)."""
     n = self.counts
-    while n.chaos_done < len(self.events) and self.events[n.chaos_done].after <= n.pushes:
+    progress = n.pushes if progress is None else progress
+    while n.chaos_done < len(self.events) and self.events[n.chaos_done].after <= progress:
       e = self.events[n.chaos_done]
       n.chaos_done += 1
       logging.info("ray: chaos %s", e)
