@@ -145,7 +145,9 @@ class RayDriver:
   def _round_due(self) -> bool:
     """Whether the open quorum round closes now."""
     pool, n = self.pool, self.counts
-    live = set(pool.actors)
+    live = set(pool.up())  # (a worker still starting is not waited for)
+    if not live and pool.joining:  # nobody is up yet: a round of nothing would be empty
+      return False
     if not pool.jobs.keys() & live:  # every live worker has contributed (or none is left)
       return True
     fresh = n.pushes - self._round_opened_at_push - self._late_this_round()

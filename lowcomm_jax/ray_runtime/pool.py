@@ -110,6 +110,9 @@ class Pool:
     self.on_join: Callable[[int], None] = lambda worker: None
     self.on_lose: Callable[[int], None] = lambda worker: None
     self.jobs_done: dict[int, int] = {}  # per live worker process
+    # Workers started mid-run and not up yet (worker -> when it was started): their first
+    # job waits in the actor's queue; nobody waits for them (a quorum does not count them).
+    self.joining: dict[int, float] = {}
 
   # --- actors -----------------------------------------------------------------------------
 
@@ -134,25 +137,54 @@ class Pool:
       self.actors[worker].delay.remote(self.delays[worker])
 
   def join(self, worker: int) -> None:
+    """Starts `worker` mid-run and gives it its first job at once, without waiting for its
+    process: the job runs once the process is up (`up` then records how long that took).
+    A worker that is not up within ray.recover_timeout_s is lost (`overdue`)."""
     if worker in self.actors:
       logging.warning("ray: worker %d is live; it does not join again", worker)
       return
-    t0 = time.perf_counter()
     self.start_worker(worker)
-    self.ray.get(self.actors[worker].ping.remote(), timeout=self.c.ray.recover_timeout_s)
+    self.joining[worker] = time.perf_counter()
     if worker in self.lost:
       self.lost.remove(worker)
     self.counts.workers_joined += 1
-    seconds = time.perf_counter() - t0
-    self.counts.recoveries.append({"what": "join", "worker": worker, "seconds": seconds})
-    self.note("worker_joined", worker=worker, seconds=round(seconds, 3), live=len(self.actors))
+    self.note("worker_joined", worker=worker, live=len(self.actors))
     self.settle_inner_steps("worker joined")
     self.on_join(worker)
+
+  def up(self) -> list[int]:
+    """The live workers whose processes are up (a quorum counts these)."""
+    return sorted(w for w in self.actors if w not in self.joining)
+
+  def _came_up(self, worker: int, meta: dict) -> None:
+    """A joining worker's first result: the seconds from its start to its first job's
+    start are its recovery time."""
+    started = self.joining.pop(worker, None)
+    if started is None:
+      return
+    seconds = max(time.perf_counter() - started - meta.get("job_seconds", 0.0), 0.0)
+    self.counts.recoveries.append({"what": "join", "worker": worker, "seconds": seconds})
+    self.note("worker_up", worker=worker, seconds=round(seconds, 3))
+
+  def overdue(self) -> None:
+    """Loses the joining workers that are not up within ray.recover_timeout_s."""
+    now = time.perf_counter()
+    for worker, started in list(self.joining.items()):
+      if now - started > self.c.ray.recover_timeout_s:
+        self.lose(worker, f"not up within ray.recover_timeout_s={self.c.ray.recover_timeout_s}")
+
+  def _join_deadline(self) -> float | None:
+    """Seconds until the first joining worker is overdue (None: none is joining)."""
+    if not self.joining:
+      return None
+    first = min(self.joining.values())
+    return max(first + self.c.ray.recover_timeout_s - time.perf_counter(), 0.0) + 0.01
 
   def lose(self, worker: int, why: str) -> None:
     """Drops a dead worker and its job (the job's steps go back into the budget)."""
     job = self.jobs.pop(worker, None)
     actor = self.actors.pop(worker, None)
+    self.joining.pop(worker, None)
     if actor is not None:
       self.ray.kill(actor, no_restart=True)
     n = self.counts
@@ -201,7 +233,21 @@ class Pool:
 
   def next_done(self, timeout: float | None = None) -> Job | None:
     """The next finished job: the first to finish, or (apply_order='dispatch') the first
-    started; None if none finished within `timeout` seconds."""
+    started; None if none finished within `timeout` seconds (or none is in flight).
+    Joining workers that are overdue are lost meanwhile."""
+    end = None if timeout is None else time.perf_counter() + timeout
+    while True:
+      left = None if end is None else max(end - time.perf_counter(), 0.0)
+      deadline = self._join_deadline()
+      wait = deadline if left is None else left if deadline is None else min(left, deadline)
+      job = self._wait_one(wait)
+      if job is not None or (end is None and not self.jobs):
+        return job
+      self.overdue()
+      if end is not None and time.perf_counter() >= end:
+        return None
+
+  def _wait_one(self, timeout: float | None) -> Job | None:
     if not self.jobs:
       if timeout is not None:
         time.sleep(timeout)
@@ -228,6 +274,7 @@ class Pool:
     except self.ray.exceptions.RayTaskError as e:  # an error in the job's code: no retry
       raise RuntimeError(f"worker {job.worker}'s job failed: {e}") from e
     del self.jobs[job.worker]
+    self._came_up(job.worker, meta)
     if "data" in meta:
       self.data[str(job.worker)] = meta["data"]
     self.jobs_done[job.worker] += 1
