@@ -1,0 +1,184 @@
+"""Goodput under failures (issue 29): 8 workers, each killed once and back after a delay, and
+the server (the lockstep run's process 0, its coordinator) killed once, on the Ray runtime
+and on the lockstep runtime (`launch/local.py --restarts`), against the same runs without
+failures.
+
+  python bench/ray_goodput.py [--parts ray_free,ray_chaos,spmd_free,spmd_chaos]
+      [--rounds 40] [--out ray_goodput.jsonl]
+
+Both run DiLoCo (H = 10, `small` model on bytes, batch 8 × 64) for the same budget of
+`rounds` rounds of 8 workers; on Ray in quorum rounds of every live worker that is up
+(`ray.min_quorum=0`, no grace). The schedule, in rounds: worker k is killed in round 3 + 4k
+(Ray: after push 8·(3 + 4k) + 1) and comes back 2 rounds later (Ray: `rejoin_worker`
+16 pushes later; lockstep: the launcher restarts every process at once, at its cost); the
+server is killed in round 18 (lockstep: process 0). Checkpoints every 4 rounds.
+
+Goodput = (wall time of the run without failures) / (wall time of the same budget with
+them), on the same runtime: the fraction of the time spent making progress. Each run is a
+subprocess (the Ray driver too); a thread stamps every metrics.jsonl row with the seconds
+since launch, so the loss reached at any wall time is read off the eval rows. A JSON row
+per run is appended to --out.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+WORKERS, H = 8, 10
+
+
+def run_args(rounds: int, workdir: pathlib.Path, seed: int) -> list[str]:
+  """The run, as main.py's flags (the same on both runtimes)."""
+  return [f"--config={REPO / 'configs' / 'base.py'}", f"--workdir={workdir}",
+          "--config.algorithm=diloco", f"--config.num_workers={WORKERS}",
+          f"--config.inner_steps={H}", f"--config.rounds={rounds}", f"--config.seed={seed}",
+          "--config.model.name=small", "--config.data.seq_len=64", "--config.data.batch_size=8",
+          "--config.eval_every=4", "--config.checkpoint_every=4", "--config.log_every=1",
+          "--config.eval_batches=4", "--config.optimizer.warmup_steps=20"]
+
+
+def ray_chaos(rounds: int) -> list[str]:
+  events = []
+  for k in range(WORKERS):
+    kill = WORKERS * (3 + 4 * k) + 1
+    events += [f"kill_worker={k}@{kill}", f"rejoin_worker={k}@{kill + 2 * WORKERS}"]
+  events.append(f"kill_server@{WORKERS * 18 + 3}")
+  assert 3 + 4 * (WORKERS - 1) + 2 < rounds, "the schedule needs more rounds"
+  return events
+
+
+def spmd_kills() -> list[tuple[int, int]]:
+  """(round, process): the lockstep run's kills, the Ray schedule's in rounds."""
+  return sorted([(3 + 4 * k, k) for k in range(WORKERS)] + [(18, 0)])
+
+
+class Rows:
+  """Tails workdir/metrics.jsonl, stamping each row with seconds since `start`."""
+
+  def __init__(self, workdir: pathlib.Path, start: float):
+    self.path, self.start, self.rows = workdir / "metrics.jsonl", start, []
+    self.stop = threading.Event()
+    self.thread = threading.Thread(target=self._tail, daemon=True)
+    self.thread.start()
+
+  def _tail(self) -> None:
+    offset = 0
+    while not self.stop.is_set():
+      if self.path.exists():
+        with open(self.path) as f:
+          f.seek(offset)
+          chunk = f.read()
+        complete = chunk[:chunk.rfind("\n") + 1]
+        offset += len(complete.encode())
+        now = time.time() - self.start
+        for line in complete.splitlines():
+          row = json.loads(line)
+          row["_t"] = now
+          self.rows.append(row)
+      time.sleep(0.2)
+
+  def close(self) -> list[dict]:
+    self.stop.set()
+    self.thread.join()
+    return self.rows
+
+  def round(self) -> int:
+    steps = [r["step"] for r in self.rows if "step" in r and "event" not in r]
+    return max(steps, default=0) // H
+
+
+def launch(cmd: list[str], workdir: pathlib.Path, kills=(), env=None):
+  """Runs `cmd`, killing launcher process k (SIGKILL) when round r is first reached, for
+  each (r, k) in `kills`. (seconds, rows, the output's tail)."""
+  start = time.time()
+  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  rows = Rows(workdir, start)
+  pids, tail = {}, []
+
+  def read():
+    for line in proc.stdout:
+      tail.append(line)
+      del tail[:-40]
+      if m := re.match(r"\[launcher\] process (\d+): pid (\d+)", line):
+        pids[int(m.group(1))] = int(m.group(2))
+  reader = threading.Thread(target=read, daemon=True)
+  reader.start()
+  pending = list(kills)
+  while proc.poll() is None:
+    if pending and rows.round() >= pending[0][0] and pending[0][1] in pids:
+      r, k = pending.pop(0)
+      print(f"  killing process {k} (pid {pids[k]}) in round {rows.round()}", flush=True)
+      try:
+        os.kill(pids.pop(k), signal.SIGKILL)
+      except ProcessLookupError:
+        pass
+    time.sleep(0.2)
+  reader.join(timeout=10)
+  seconds = time.time() - start
+  time.sleep(0.5)  # the last rows
+  return proc.returncode, seconds, rows.close(), "".join(tail)
+
+
+def evals(rows: list[dict]) -> list[tuple[float, float]]:
+  return [(r["_t"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--parts", default="ray_free,ray_chaos,spmd_free,spmd_chaos")
+  parser.add_argument("--rounds", type=int, default=40)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--out", default="ray_goodput.jsonl")
+  args = parser.parse_args()
+  env = dict(os.environ, PYTHONUNBUFFERED="1")
+  env.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
+  env.pop("XLA_FLAGS", None)
+  for part in args.parts.split(","):
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"goodput_{part}_"))
+    flags = run_args(args.rounds, workdir, args.seed)
+    kills = ()
+    if part.startswith("ray"):
+      flags += ["--config.runtime=ray", "--config.mesh.replica=1",
+                "--config.ray.apply_order=arrival", "--config.ray.min_quorum=0"]
+      if part == "ray_chaos":
+        flags.append("--config.ray.chaos=" + repr(tuple(ray_chaos(args.rounds))))
+      cmd = [sys.executable, "-m", "lowcomm_jax.main", *flags]
+    else:
+      restarts = len(spmd_kills()) if part == "spmd_chaos" else 0
+      kills = spmd_kills() if part == "spmd_chaos" else ()
+      cmd = [sys.executable, "launch/local.py", "--num_processes", str(WORKERS),
+             "--restarts", str(restarts), "--", *flags]
+    print(f"{part}: {' '.join(cmd[:4])} ...", flush=True)
+    code, seconds, rows, tail = launch(cmd, workdir, kills, env)
+    summary_path = workdir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    out = {"part": part, "seed": args.seed, "rounds": args.rounds, "returncode": code,
+           "seconds": seconds, "eval_loss": summary.get("eval_loss"),
+           "evals": evals(rows),
+           "events": [{k: v for k, v in r.items() if k in ("event", "worker", "seconds", "_t",
+                                                          "round", "replayed")}
+                      for r in rows if "event" in r]}
+    for key in ("workers_lost", "workers_joined", "pushes_dropped", "server_restarts",
+                "pushes_replayed", "recoveries", "late_contributions", "mean_staleness",
+                "rounds_closed", "total_inner_steps", "tokens"):
+      if key in summary:
+        out[key] = summary[key]
+    if code != 0:
+      out["tail"] = tail[-3000:]
+    print(json.dumps({k: v for k, v in out.items() if k not in ("evals", "tail")}), flush=True)
+    with open(args.out, "a") as f:
+      f.write(json.dumps(out) + "\n")
+
+
+if __name__ == "__main__":
+  main()
