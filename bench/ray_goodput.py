@@ -13,11 +13,15 @@ Both run DiLoCo (H = 10, `small` model on bytes, batch 8 × 64) for the same bud
 16 pushes later; lockstep: the launcher restarts every process at once, at its cost); the
 server is killed in round 18 (lockstep: process 0). Checkpoints every 4 rounds.
 
-Goodput = (wall time of the run without failures) / (wall time of the same budget with
-them), on the same runtime: the fraction of the time spent making progress. Each run is a
-subprocess (the Ray driver too); a thread stamps every metrics.jsonl row with the seconds
-since launch, so the loss reached at any wall time is read off the eval rows. A JSON row
-per run is appended to --out.
+Goodput = useful compute / total compute. Here the compute is this machine's cores, busy
+throughout either way (a dead worker's share goes to the others), so goodput is the rate
+of applied tokens with failures over the rate without, on the same runtime, over the
+training window (from the run's first metrics row to its end: the first start-up, the same
+for both, is left out; restarts are in). Each run is a subprocess (the Ray driver too); a
+thread stamps every metrics.jsonl row with the seconds since launch, so the loss reached at
+any wall time is read off the eval rows. Each runtime first runs 2 rounds unrecorded, so no
+recorded run compiles what another loads from the compilation cache. A JSON row per run is
+appended to --out; `--report` prints the table from it.
 """
 
 import argparse
@@ -133,19 +137,54 @@ def evals(rows: list[dict]) -> list[tuple[float, float]]:
   return [(r["_t"], r["eval_loss"]) for r in rows if "eval_loss" in r]
 
 
+def loss_at(run: dict, t: float) -> float | None:
+  """The last eval loss reported by wall time t (seconds since launch)."""
+  seen = [loss for when, loss in run["evals"] if when <= t]
+  return seen[-1] if seen else None
+
+
+def report(path: str) -> None:
+  runs = {}
+  for line in open(path):
+    row = json.loads(line)
+    runs[(row["seed"], row["part"])] = row
+  for seed in sorted({s for s, _ in runs}):
+    print(f"seed {seed}:")
+    for runtime in ("ray", "spmd"):
+      free, chaos = runs.get((seed, f"{runtime}_free")), runs.get((seed, f"{runtime}_chaos"))
+      if not (free and chaos):
+        continue
+      rate = lambda r: r["tokens"] / (r["seconds"] - r["first_row_s"])
+      print(f"  {runtime}: free {free['seconds']:.0f} s (training {free['seconds'] - free['first_row_s']:.0f} s)"
+            f", chaos {chaos['seconds']:.0f} s (training {chaos['seconds'] - chaos['first_row_s']:.0f} s); "
+            f"tokens {free['tokens']} / {chaos['tokens']}; goodput {rate(chaos) / rate(free):.3f}; "
+            f"eval loss free {free['eval_loss']:.4f}, chaos {chaos['eval_loss']:.4f}")
+    ends = [runs[(seed, p)]["seconds"] for p in ("ray_chaos", "spmd_chaos") if (seed, p) in runs]
+    if len(ends) == 2:
+      t = min(ends)
+      print(f"  at {t:.0f} s (the first chaos run's end): eval loss ray "
+            f"{loss_at(runs[(seed, 'ray_chaos')], t)}, spmd {loss_at(runs[(seed, 'spmd_chaos')], t)}")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--parts", default="ray_free,ray_chaos,spmd_free,spmd_chaos")
   parser.add_argument("--rounds", type=int, default=40)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default="ray_goodput.jsonl")
+  parser.add_argument("--report", action="store_true", help="print the table of --out")
   args = parser.parse_args()
+  if args.report:
+    return report(args.out)
   env = dict(os.environ, PYTHONUNBUFFERED="1")
   env.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
   env.pop("XLA_FLAGS", None)
-  for part in args.parts.split(","):
+  parts = args.parts.split(",")
+  warm = [f"{p}_warmup" for p in ("ray_free", "spmd_free") if p in parts or
+          p.replace("free", "chaos") in parts]
+  for part in warm + parts:
     workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"goodput_{part}_"))
-    flags = run_args(args.rounds, workdir, args.seed)
+    flags = run_args(2 if part.endswith("warmup") else args.rounds, workdir, args.seed)
     kills = ()
     if part.startswith("ray"):
       flags += ["--config.runtime=ray", "--config.mesh.replica=1",
@@ -162,8 +201,9 @@ def main() -> None:
     code, seconds, rows, tail = launch(cmd, workdir, kills, env)
     summary_path = workdir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    first = min((r["_t"] for r in rows if "step" in r and "event" not in r), default=None)
     out = {"part": part, "seed": args.seed, "rounds": args.rounds, "returncode": code,
-           "seconds": seconds, "eval_loss": summary.get("eval_loss"),
+           "seconds": seconds, "first_row_s": first, "eval_loss": summary.get("eval_loss"),
            "evals": evals(rows),
            "events": [{k: v for k, v in r.items() if k in ("event", "worker", "seconds", "_t",
                                                           "round", "replayed")}
@@ -176,6 +216,8 @@ def main() -> None:
     if code != 0:
       out["tail"] = tail[-3000:]
     print(json.dumps({k: v for k, v in out.items() if k not in ("evals", "tail")}), flush=True)
+    if part.endswith("warmup"):
+      continue
     with open(args.out, "a") as f:
       f.write(json.dumps(out) + "\n")
 

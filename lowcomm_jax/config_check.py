@@ -371,7 +371,10 @@ def _check_sim(c: ml_collections.ConfigDict, check, problems: list[str],
                num_processes: int) -> None:
   s = c.sim
   if not s.enabled:
-    changed = _changed_from_base(s, "sim")
+    keep = ("enabled",)
+    if c.runtime == "ray" and c.algorithm == "halos":  # its regions place the Ray workers
+      keep += ("network.regions", "network.worker_regions")
+    changed = _changed_from_base(s, "sim", keep)
     if changed:
       problems.append(f"{', '.join(changed)}: ignored unless sim.enabled=True; set "
                       "--config.sim.enabled=True or leave them at their defaults")

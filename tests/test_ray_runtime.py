@@ -227,9 +227,9 @@ def _ray_checkpointed_params(config, workdir) -> np.ndarray:
   files = RunFiles(config, workdir)
   driver = EpochDriver(config)  # (no actor: its checkpoint reading only)
   driver.files = files
-  server, _, _ = driver._restore(files.open_checkpoints())
+  servers, _, _ = driver._restore(files.open_checkpoints())
   files.close()
-  return server["params"]
+  return servers["global"]["params"]
 
 
 def _collab_config(**overrides):
@@ -250,7 +250,9 @@ def test_a_collaborative_epoch_completes_without_a_killed_peer_and_counts_a_join
   """Peer 1 is killed after the epoch's second micro-batch (its samples go with it), a
   new peer 3 joins after the fourth and is counted from its first, and the server dies
   after the sixth (it is rebuilt: nothing of the open epoch was its). The epoch ends at its
-  target, and its step is -lr times the mean of the surviving peers' gradients at θ_0,
+  target (peer 3's first micro-batch, queued while its process starts, is running then
+  and counts within the 30 s grace window), and its step is -lr times the mean of the
+  surviving peers' gradients at θ_0,
   weighted by the samples each reported, computed here by hand from fresh streams."""
   from test_collab import _flat_grad
   from lowcomm_jax.build import build
@@ -285,8 +287,10 @@ def test_a_collaborative_epoch_completes_without_a_killed_peer_and_counts_a_join
 
 
 def test_collaborative_lora_epochs_on_ray_are_the_runners(cluster, tmp_path):
-  """LoRA adapters on a frozen base, two epochs. Peer 1 sleeps 1.5 s a micro-batch, so
-  peer 0 fills the target (16) alone and peer 1's one micro-batch, running at the target,
+  """LoRA adapters on a frozen base, two epochs. Peer 1 sleeps 4 s a micro-batch, so
+  peer 0 fills the target (16) alone (four micro-batches: well within 4 s on a loaded
+  machine; at 1.5 s, beside other tests, peer 1 came in first) and peer 1's one
+  micro-batch, running at the target,
   counts within the grace window: 16 + 4 samples an epoch, as the runner's virtual clock
   gives a host 100 times slower (its micro-batch started before the target counts too)."""
   from lowcomm_jax import train
@@ -296,7 +300,7 @@ def test_collaborative_lora_epochs_on_ray_are_the_runners(cluster, tmp_path):
           "collab.target_batch_size": 16, "lora.rank": 4, "lora.alpha": 8.0,
           "lora.targets": ("attn", "mlp")}
   config = load_config("smoke", runtime="ray", **same, **{
-      "mesh.replica": 1, "ray.grace_s": 30.0, "ray.step_sleep_s": (0.0, 1.5)})
+      "mesh.replica": 1, "ray.grace_s": 30.0, "ray.step_sleep_s": (0.0, 4.0)})
   summary, _ = _run(config, tmp_path / "ray")
   assert (summary["samples_peer_0"], summary["samples_peer_1"]) == (16, 4)
   assert summary["collab"]["samples"] == 40
@@ -311,3 +315,63 @@ def test_collaborative_lora_epochs_on_ray_are_the_runners(cluster, tmp_path):
   np.testing.assert_allclose(_ray_checkpointed_params(config, tmp_path / "ray"), theta,
                              rtol=0, atol=1e-4 * np.abs(trained).max())
   assert abs(summary["eval_loss"] - runner["eval_loss"]) <= 1e-4 * runner["eval_loss"]
+
+
+def _halos_config(**overrides):
+  """HALoS: two workers in two regions (a regional server each, and the global one), every
+  regional update pushed on to the global server."""
+  return _config(algorithm="halos", **{"sim.network.regions": 2, "outer.halos.sync_every": 1,
+                                       "outer.dn_buffer": 1, "outer.halos.global_buffer": 1,
+                                       **overrides})
+
+
+def test_halos_servers_exchange_as_the_simulators_do():
+  """Pushes to two regional servers and their exchanges with the global server (push,
+  apply, merge), through the Ray runtime's server classes (in this process) and through
+  the simulator's backend: bit-identical models at every server."""
+  import jax
+  from lowcomm_jax import simulate
+  from lowcomm_jax.ray_runtime.actors import ServerProcess
+  from lowcomm_jax.sim import GLOBAL, Job
+  from lowcomm_jax.sim.schedules import region_server
+
+  config = _halos_config(**{"outer.halos.merge_alpha": 0.5})
+  backend = simulate._Simulation(config).backend
+  names = [region_server(0), region_server(1)]
+  servers = {name: ServerProcess(config, None, name) for name in [GLOBAL, *names]}
+  size = int(np.asarray(backend.servers[GLOBAL]["params"]).size)
+  rng = np.random.default_rng(0)
+  for i, region in enumerate([0, 1, 0, 0, 1]):
+    name = names[region]
+    job = Job(i, region, name, backend.version(name), 2, 0.0, 0.0)
+    backend.start_job(job)
+    version, _ = servers[name].pull()
+    delta = rng.normal(0, 1e-2, size).astype(np.float32)
+    backend.messages[i] = {"delta": jax.numpy.asarray(delta), "loss": 0.0}
+    backend.apply_job(job)
+    servers[name].push({"version": version}, delta)
+    backend.push_update(name, 100 + i)  # the exchange (sim/schedules.Halos)
+    backend.apply_push(GLOBAL, 100 + i)
+    backend.send_params(GLOBAL, 200 + i)
+    backend.merge(name, 200 + i, 0.5)
+    _, lps_delta = servers[name].lps_push()
+    _, global_params = servers[GLOBAL].apply_lps_push(lps_delta)
+    servers[name].merge(global_params, 0.5)
+  for name, server in servers.items():
+    state = server.state()
+    np.testing.assert_array_equal(state["params"], np.asarray(backend.servers[name]["params"]))
+    if name != GLOBAL:
+      np.testing.assert_array_equal(state["reference"],
+                                    np.asarray(backend.servers[name]["reference"]))
+
+
+def test_halos_on_ray_survives_its_global_server(cluster, tmp_path):
+  """HALoS on Ray: the global server is killed after push 3 and rebuilt from the checkpoint
+  of push 2 (the regional servers' exchanges since replayed to it): the run ends where the
+  uninterrupted one does, to the last bit."""
+  plain, events = _run(_halos_config(), tmp_path / "plain")
+  assert plain["pushes"] == 6 and plain["global_pushes"] == 6 and events == []
+  killed, events = _run(_halos_config(**{"ray.chaos": ("kill_server@3",)}), tmp_path / "killed")
+  assert [e["event"] for e in events] == ["server_restarted"]
+  assert events[0]["server"] == "global" and events[0]["replayed"] == 1
+  assert killed["eval_loss"] == plain["eval_loss"]

@@ -16,8 +16,8 @@ def _regions(c) -> list[int]:
 
 class Halos(AsyncLocalSGD):
   name = "halos"
-  summary = "hierarchical asynchronous servers, one per region plus a global one (simulator)"
-  runs_on_ray = False  # its regional servers and their pushes have no Ray schedule yet
+  summary = "hierarchical asynchronous servers, one per region plus a global one"
+  runs_on_ray = True  # ray_runtime/regions.py: a server actor per region and the global one
 
   def problems(self, c):
     out = super().problems(c)

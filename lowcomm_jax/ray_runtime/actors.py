@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from lowcomm_jax import optimizers, parameter_server, steps
+from lowcomm_jax import optimizers, outer, parameter_server, steps
 from lowcomm_jax.sim import GLOBAL
 
 
@@ -45,18 +45,15 @@ def _initial_state(r) -> steps.TrainState:
         r.state_spec.initial_params())
 
 
-def server_rule(r):
-  """The rule of the one global server: an asynchronous algorithm's server rule, or a
-  synchronous one's outer rule (applied to each quorum round's token-weighted mean Δ, or
-  to a collaborative epoch's sample-weighted mean gradient: DDP's rule is its optimizer)."""
+def server_rules(r) -> dict:
+  """Each server's rule, by name: an asynchronous algorithm's server rules (HALoS: a
+  regional server per region beside the global one), or a synchronous one's outer rule
+  for the one global server (applied to each quorum round's token-weighted mean Δ, or to a
+  collaborative epoch's sample-weighted mean gradient: DDP's rule is its optimizer)."""
   from lowcomm_jax.simulate import make_plan
   if r.algorithm.synchronous:
-    return r.outer_rules[0]
-  rules = r.algorithm.server_rules(r.config, make_plan(r.config, r))
-  if set(rules) != {GLOBAL}:
-    raise ValueError(f"algorithm={r.config.algorithm!r} has servers {sorted(rules)}; the Ray "
-                     "runtime runs one global server")
-  return rules[GLOBAL]
+    return {GLOBAL: r.outer_rules[0]}
+  return r.algorithm.server_rules(r.config, make_plan(r.config, r))
 
 
 class ServerProcess:
@@ -64,9 +61,11 @@ class ServerProcess:
   (pushes applied), and the models that jobs still out pulled (their drift; and a resumed
   run's jobs start again from them)."""
 
-  def __init__(self, config: ml_collections.ConfigDict, restored: dict | None = None):
+  def __init__(self, config: ml_collections.ConfigDict, restored: dict | None = None,
+               name: str = GLOBAL):
     self.r, self.programs = r, _ = _built(config)
-    rule = server_rule(r)
+    self.name = name
+    rule = server_rules(r)[name]
     self._apply = jax.jit(parameter_server.make_apply(rule))
     codec = r.sync.codec
     self._decode = (jax.jit(parameter_server.make_decode(codec, r.model.layout)) if codec
@@ -81,12 +80,20 @@ class ServerProcess:
       params = _initial_state(r).params
       self.params, self.opt_state = params, rule.init(params)
       self.version = 0
+      # A regional server (HALoS's LPS): its model after the last merge, and at its last
+      # push to the global server.
+      self.reference = self.at_push = params if name != GLOBAL else None
     else:
       self.params = jnp.asarray(restored["params"])
       self.opt_state = jax.tree.map(jnp.asarray, restored["opt_state"])
       self.version = int(restored["version"])
       self.snapshots = {int(v): [jnp.asarray(p), 0]
                         for v, p in restored.get("snapshots", {}).items()}
+      self.reference = (jnp.asarray(restored["reference"]) if "reference" in restored
+                        else None)
+      self.at_push = jnp.asarray(restored["at_push"]) if "at_push" in restored else None
+    self._lps_delta = jax.jit(outer.pseudo_gradient)  # θ_ref − θ_LPS
+    self._merge = jax.jit(outer.merge_global, static_argnums=3)
     self.windows = jax.device_put(r.data.eval_windows)
 
   def ping(self) -> int:
@@ -184,13 +191,37 @@ class ServerProcess:
     self._hold()
     return {"version": self.version, "applied": contributed}
 
+  # --- HALoS: a regional server's exchange with the global one (sim/schedules.Halos) ----
+
+  def lps_push(self) -> tuple[dict, np.ndarray]:
+    """A regional server's push: (info, its change since the last merge θ_ref − θ)."""
+    delta = self._lps_delta(self.reference, self.params)
+    self.at_push = self.params
+    return {"version": self.version}, np.asarray(delta)
+
+  def apply_lps_push(self, delta) -> tuple[dict, np.ndarray]:
+    """The global server takes a regional server's push: (info, its model after it)."""
+    self.params, self.opt_state, _ = self._apply(self.params, self.opt_state,
+                                                 jnp.asarray(delta))
+    self.version += 1
+    return {"version": self.version}, np.asarray(self.params)
+
+  def merge(self, global_params, alpha: float) -> dict:
+    """A regional server merges the global model it got back (weight `alpha`)."""
+    self.params, self.reference = self._merge(self.params, self.at_push,
+                                              jnp.asarray(global_params), alpha)
+    return {"version": self.version}
+
   def state(self, versions=()) -> dict:
     """What a checkpoint holds of the server (host arrays), with the models jobs still out
     pulled at `versions`."""
-    return {"params": np.asarray(self.params), "opt_state": jax.device_get(self.opt_state),
-            "version": self.version,
-            "snapshots": {str(v): np.asarray(self.snapshots[v][0]) for v in sorted(set(versions))
-                          if v in self.snapshots}}
+    out = {"params": np.asarray(self.params), "opt_state": jax.device_get(self.opt_state),
+           "version": self.version,
+           "snapshots": {str(v): np.asarray(self.snapshots[v][0])
+                         for v in sorted(set(versions)) if v in self.snapshots}}
+    if self.reference is not None:
+      out.update(reference=np.asarray(self.reference), at_push=np.asarray(self.at_push))
+    return out
 
   def evaluate(self) -> float:
     with jax.set_mesh(self.mesh):

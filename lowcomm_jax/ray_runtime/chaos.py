@@ -6,8 +6,8 @@ counted):
   kill_worker=K@N     kill worker K (its job in flight is lost)
   rejoin_worker=K@N   worker K (killed earlier) starts again where its data stream was
   add_worker@N        a new worker joins (the next free id)
-  kill_server@N       the server dies; it restarts from the last checkpoint and the pushes
-                      applied since are replayed
+  kill_server@N       the (global) server dies; it restarts from the last checkpoint and
+                      the calls that changed it since are replayed
   delay_worker=K:S@N  from then on, worker K's pushes wait S seconds before they are sent
 """
 

@@ -20,7 +20,7 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
   collab = c.collab.target_batch_size > 0
   if algorithm is not None and not collab:  # (collab.* checks a collaborative run's)
     check(algorithm.runs_on_ray, "algorithm",
-          "the Ray runtime runs 'async', 'async_dn', in quorum rounds 'diloco', and "
+          "the Ray runtime runs 'async', 'async_dn', 'halos', in quorum rounds 'diloco', and "
           "collaborative epochs ('ddp' with collab.target_batch_size > 0); run this one on "
           "runtime='spmd' or in the simulator")
   check(not c.sim.enabled, "sim.enabled", "the simulator has its own clock; set "

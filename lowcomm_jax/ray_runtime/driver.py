@@ -36,7 +36,9 @@ from lowcomm_jax.build import build
 from lowcomm_jax.checkpoint import CheckpointMismatch
 from lowcomm_jax.parallel import mesh as mesh_lib
 from lowcomm_jax.ray_runtime import cluster
-from lowcomm_jax.ray_runtime.actors import server_rule
+from lowcomm_jax.ray_runtime.actors import server_rules
+from lowcomm_jax.ray_runtime.regions import Regions
+from lowcomm_jax.sim import GLOBAL
 from lowcomm_jax.ray_runtime.pool import Counts, Pool
 from lowcomm_jax.run_files import RunFiles
 from lowcomm_jax.simulate import make_plan, one_device
@@ -78,6 +80,10 @@ class RayDriver:
     self.counts = Counts(next_worker=config.num_workers)
     self.pool = Pool(config, self.counts, self._restore_latest, self._note)
     self.pool.on_join = self._start_next
+    # HALoS: regional servers beside the global one (regions.py)
+    self.regions = Regions(self.plan) if set(server_rules(r)) != {GLOBAL} else None
+    if self.regions is not None:
+      self.pool.server_of = self.regions.server_of
     self.ray = self.pool.ray
     self.started_ray = False
     self.files: RunFiles | None = None
@@ -133,9 +139,12 @@ class RayDriver:
       self._round_steps += job.steps
       drift = None
     else:
-      info = self.pool.call("push", meta, job.sent, changes=True)
+      info = self.pool.call("push", meta, job.sent, server=job.server, changes=True)
       n.applied_steps += job.steps
       drift = info["drift"]
+      if self.regions is not None:
+        n.global_pushes += self.regions.pushed(
+            self.pool, job.server, n.dispatched_steps >= self.plan.total_steps)
     n.contributed(job.worker, meta, info["staleness"], drift)
     self.pool.chaos()
     if not self.quorum:
@@ -226,6 +235,8 @@ class RayDriver:
         if self._take(self.pool.next_done()) and self._mark_of() != self.mark:
           break
       self.finished = not self.pool.jobs and self._budget_spent()
+      if self.finished and self.regions is not None:
+        self.counts.global_pushes += self.regions.flush(self.pool)
 
   def _reading(self, take_train_loss: bool) -> run_loop.Reading:
     n = self.counts
@@ -275,9 +286,19 @@ class RayDriver:
     placed = lambda tree: jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), tree)
     params = r.state_spec.abstract.params
-    server = {"params": params, "opt_state": jax.eval_shape(server_rule(r).init, params)}
-    if meta["in_flight"]:
-      server["snapshots"] = {str(j["version"]): params for j in meta["in_flight"]}
+    rules = server_rules(r)
+
+    def one_server(name):
+      out = {"params": params, "opt_state": jax.eval_shape(rules[name].init, params)}
+      if name != GLOBAL:
+        out.update(reference=params, at_push=params)
+      pulled = [j for j in meta["in_flight"] if j.get("server", GLOBAL) == name]
+      if pulled:
+        out["snapshots"] = {str(j["version"]): params for j in pulled}
+      return out
+    server = one_server(GLOBAL)
+    if self.regions is not None:
+      server["regions"] = {name: one_server(name) for name in self.regions.names}
     one_row = lambda tree: jax.tree.map(
         lambda a: jax.ShapeDtypeStruct((1,) + a.shape[1:], a.dtype), tree)
     worker = {"state": one_row(r.abstract_workers()[0])}
@@ -294,17 +315,23 @@ class RayDriver:
     tree, meta, workers, data = ckpt.restore(mark, server, workers)
     workers = {int(w): {**jax.device_get(s), "data": data["streams"][w]}
                for w, s in workers.items()}
-    return {**jax.device_get(tree), "version": meta["version"]}, meta, workers
+    tree = jax.device_get(tree)
+    versions = meta.get("versions", {GLOBAL: meta["version"]})
+    servers = {GLOBAL: {k: v for k, v in tree.items() if k != "regions"}}
+    servers.update(tree.get("regions", {}))
+    return ({name: {**state, "version": versions[name]} for name, state in servers.items()},
+            meta, workers)
 
-  def _restore_latest(self) -> tuple[dict | None, int | None]:
+  def _restore_latest(self, server: str = GLOBAL) -> tuple[dict | None, int | None]:
+    """Server `server`'s state in the newest checkpoint, and its mark."""
     ckpt = self.files.ckpt
     ckpt.wait()
     latest = ckpt.latest_round()
-    return (self._restore(latest)[0] if latest is not None else None), latest
+    return (self._restore(latest)[0][server] if latest is not None else None), latest
 
   def open(self, files: RunFiles, latest: int | None) -> dict | None:
     self.files, ckpt, pool = files, files.ckpt, self.pool
-    server, meta, workers, in_flight = None, None, {}, []
+    servers, meta, workers, in_flight = {}, None, {}, []
     if latest is not None:
       meta = ckpt.restore_meta(latest)
       if meta.get("format") != _FORMAT or meta.get("runtime") != "ray":
@@ -318,15 +345,19 @@ class RayDriver:
               f"{summary['rounds']} rounds and cannot be extended; pass another --workdir"])
         return summary
       ckpt.discard_after(latest)
-      server, meta, workers = self._restore(latest)
+      servers, meta, workers = self._restore(latest)
       self.counts.__dict__.update(Counts(**meta["counts"]).__dict__)
+      if self.regions is not None:
+        self.regions.unsent = dict(meta["unsent"])
       pool.data, pool.lost = meta["data"], list(meta["lost"])
       pool.delays = {int(k): v for k, v in meta["delays"].items()}
       self._wall_before, self.finished = meta["wall_seconds"], meta["finished"]
       in_flight = meta["in_flight"]  # started again as they were
     self.started_ray = cluster.connect(self.c)
     t0 = time.perf_counter()
-    pool.start_server(server)
+    pool.start_server(servers.get(GLOBAL))
+    for name in self.regions.names if self.regions is not None else ():
+      pool.start_server(servers.get(name), name)
     live = (sorted(int(w) for w in meta["live"]) if meta is not None
             else list(range(self.c.num_workers)))
     for w in live:
@@ -358,15 +389,28 @@ class RayDriver:
     while True:
       try:
         jobs = self._jobs_to_resume()
-        in_flight = [j.record(v) for j, v in zip(jobs, self.ray.get([j.version for j in jobs]))]
-        state = self.ray.get(pool.server.state.remote([j["version"] for j in in_flight]))
+        in_flight = [j.record(v)
+                     for j, v in zip(jobs, self.ray.get([j.version for j in jobs]))]
+        states = {name: self.ray.get(actor.state.remote(
+                      [j["version"] for j in in_flight if j["server"] == name]))
+                  for name, actor in pool.servers.items()}
         break
-      except self.ray.exceptions.RayActorError as e:
-        pool.recover_server(f"save failed: {type(e).__name__}")
-    tree = {"params": state["params"], "opt_state": state["opt_state"]}
-    if in_flight:
-      tree["snapshots"] = state["snapshots"]
-    meta = {"format": _FORMAT, "runtime": "ray", "version": state["version"],
+      except self.ray.exceptions.RayActorError as e:  # a server died: recover it, again
+        for name in list(pool.servers):
+          if not pool.server_alive(name):
+            pool.recover_server(f"save failed: {type(e).__name__}", name)
+
+    def tree_of(state):
+      out = {k: state[k] for k in ("params", "opt_state", "reference", "at_push") if k in state}
+      if state["snapshots"]:
+        out["snapshots"] = state["snapshots"]
+      return out
+    tree = tree_of(states[GLOBAL])
+    if self.regions is not None:
+      tree["regions"] = {name: tree_of(states[name]) for name in self.regions.names}
+    meta = {"format": _FORMAT, "runtime": "ray", "version": states[GLOBAL]["version"],
+            "versions": {name: st["version"] for name, st in states.items()},
+            "unsent": self.regions.unsent if self.regions is not None else {},
             "counts": dataclasses.asdict(self.counts), "data": pool.data, "lost": pool.lost,
             "live": [str(w) for w in workers], "in_flight": in_flight,
             "delays": {str(k): v for k, v in pool.delays.items()},
@@ -408,6 +452,8 @@ class RayDriver:
     }
     if self.quorum:
       out["rounds_closed"] = n.rounds
+    if self.regions is not None:
+      out["global_pushes"] = n.global_pushes
     return out
 
   def close(self) -> None:

@@ -18,6 +18,7 @@ import ml_collections
 from lowcomm_jax.hosts import settle_inner_steps
 from lowcomm_jax.ray_runtime import chaos as chaos_lib, cluster
 from lowcomm_jax.ray_runtime.actors import ServerProcess, WorkerProcess
+from lowcomm_jax.sim import GLOBAL
 
 
 @dataclasses.dataclass
@@ -30,11 +31,12 @@ class Job:
   meta: object  # ObjectRef of the job's meta dict
   sent: object  # ObjectRef of what it sends (Δ, or the codec's payload); None: a micro-batch
   micro: bool = False  # a collaborative epoch's micro-batch (its θ is not the server's hold)
+  server: str = GLOBAL  # the server it pulled from and pushes to
 
   def record(self, version: int) -> dict:
     """What a checkpoint keeps of a job in flight (a resumed run starts it again)."""
     return {"worker": self.worker, "order": self.order, "lr_step": self.lr_step,
-            "steps": self.steps, "version": version}
+            "steps": self.steps, "version": version, "server": self.server}
 
 
 @dataclasses.dataclass
@@ -55,6 +57,7 @@ class Counts:
   workers_joined: int = 0  # after the start
   workers_lost: int = 0
   pushes_dropped: int = 0
+  global_pushes: int = 0  # HALoS: regional servers' pushes to the global server
   micro_batches: int = 0  # collaborative epochs: micro-batches counted
   samples: int = 0  # collaborative epochs: samples in closed epochs
   samples_lost: int = 0  # of peers lost mid-epoch, and micro-batches past the grace window
@@ -85,10 +88,11 @@ class Counts:
 
 
 class Pool:
-  """The server actor, the live worker actors and their jobs. `restore_latest()` gives the
-  server's state in the newest checkpoint and its mark ((None, None): there is none);
-  `note(event, **fields)`
-  records a membership or recovery event."""
+  """The server actors (by name: the global one, and HALoS's regional ones), the live
+  worker actors and their jobs. `restore_latest(name)` gives that server's state in the
+  newest checkpoint and its mark ((None, None): there is none); `note(event, **fields)`
+  records a membership or recovery event; `server_of(worker)` names the server a worker
+  pulls from and pushes to."""
 
   def __init__(self, config: ml_collections.ConfigDict, counts: Counts,
                restore_latest: Callable[[], tuple], note: Callable[..., None]):
@@ -96,15 +100,16 @@ class Pool:
     self.restore_latest, self.note = restore_latest, note
     self.ray = cluster.import_ray()
     self.events = chaos_lib.parse(config.ray.chaos)
-    self.server = None
+    self.servers: dict[str, object] = {}
+    self.server_of: Callable[[int], str] = lambda worker: GLOBAL
     self.actors: dict[int, object] = {}  # live workers
     self.jobs: dict[int, Job] = {}  # worker -> its job in flight
     self.delays: dict[int, float] = {}
     self.data: dict[str, dict] = {}  # worker id -> its stream's state after its last job
     self.lost: list[int] = []  # workers gone (a rejoin brings one back)
-    # Server calls that changed its state since the last checkpoint, in order: a restored
-    # server is fed them again.
-    self.since_checkpoint: list[tuple[str, tuple]] = []
+    # Server calls that changed a server's state since the last checkpoint, in order, as
+    # (server, method, args): a restored server is fed its own again.
+    self.since_checkpoint: list[tuple[str, str, tuple]] = []
     self.inner_steps: dict[int, int] = {}  # H per worker where DyLU settled one
     self.speeds: dict[int, float] = {}  # DyLU: steps per second, per worker
     self.on_join: Callable[[int], None] = lambda worker: None
@@ -116,10 +121,15 @@ class Pool:
 
   # --- actors -----------------------------------------------------------------------------
 
-  def start_server(self, restored: dict | None) -> None:
+  @property
+  def server(self):
+    """The global server's actor."""
+    return self.servers.get(GLOBAL)
+
+  def start_server(self, restored: dict | None, name: str = GLOBAL) -> None:
     remote = self.ray.remote(**cluster.actor_options(self.c, worker=False))(ServerProcess)
-    self.server = remote.remote(self.c, restored)
-    self.ray.get(self.server.ping.remote(), timeout=self.c.ray.recover_timeout_s)
+    self.servers[name] = remote.remote(self.c, restored, name)
+    self.ray.get(self.servers[name].ping.remote(), timeout=self.c.ray.recover_timeout_s)
 
   def start_worker(self, worker: int, restored: dict | None = None) -> None:
     """Starts `worker`'s process: from `restored` (a checkpoint's), else where its data
@@ -195,7 +205,8 @@ class Pool:
       if not job.micro:
         n.pushes_dropped += 1
         n.dispatched_steps -= job.steps
-        self.server.drop.remote(job.version)  # (a pull from a dead server fails: no matter)
+        # (a pull from a dead server fails: no matter)
+        self.servers[job.server].drop.remote(job.version)
     self.on_lose(worker)
     self.note("worker_lost", worker=worker, why=why, live=len(self.actors))
     self.speeds.pop(worker, None)
@@ -205,12 +216,12 @@ class Pool:
                          "from its last checkpoint when workers are back")
 
   def close(self) -> None:
-    for actor in list(self.actors.values()) + ([self.server] if self.server else []):
+    for actor in list(self.actors.values()) + list(self.servers.values()):
       try:
         self.ray.kill(actor, no_restart=True)
       except Exception:  # noqa: BLE001 - already gone
         pass
-    self.actors, self.server, self.jobs = {}, None, {}
+    self.actors, self.servers, self.jobs = {}, {}, {}
 
   # --- jobs -------------------------------------------------------------------------------
 
@@ -220,10 +231,12 @@ class Pool:
     `version`'s: a job started again as it was), its lr schedule at `lr_step`."""
     if order is None:
       order, self.counts.next_order = self.counts.next_order, self.counts.next_order + 1
-    pulled_version, params = self.server.pull.options(num_returns=2).remote(version)
+    server = self.server_of(worker)
+    pulled_version, params = self.servers[server].pull.options(num_returns=2).remote(version)
     meta, sent = self.actors[worker].job.options(num_returns=2).remote(
         pulled_version, params, lr_step, steps, order)
-    self.jobs[worker] = Job(worker, order, lr_step, steps, pulled_version, meta, sent)
+    self.jobs[worker] = Job(worker, order, lr_step, steps, pulled_version, meta, sent,
+                            server=server)
 
   def dispatch_micro(self, worker: int, version: int, params) -> None:
     """Starts a micro-batch of `worker` at θ of `version` (`params`: its ObjectRef)."""
@@ -266,8 +279,8 @@ class Pool:
     try:
       meta = self.ray.get(job.meta)
     except self.ray.exceptions.RayActorError as e:  # the worker's process, or the server's
-      if not job.micro and not self._server_alive():  # (a micro-batch does not pull)
-        self.recover_server(f"pull failed: {type(e).__name__}")
+      if not job.micro and not self.server_alive(job.server):  # (a micro-batch: no pull)
+        self.recover_server(f"pull failed: {type(e).__name__}", job.server)
       elif self.jobs.get(job.worker) is job:  # the worker itself died
         self.lose(job.worker, f"{type(e).__name__}")
       return None
@@ -293,62 +306,73 @@ class Pool:
 
   # --- the server -------------------------------------------------------------------------
 
-  def call(self, method: str, *args, changes: bool = False):
-    """The server's `method(*args)`, once it answers: a dead server is recovered first.
-    `changes`: the call changes the server's state (kept for a replay)."""
+  def call(self, method: str, *args, server: str = GLOBAL, changes: bool = False,
+           keep_second: bool = False):
+    """Server `server`'s `method(*args)`, once it answers: a dead server is recovered
+    first. `changes`: the call changes the server's state (kept for a replay).
+    `keep_second`: the method returns two values; the second stays in the object store
+    and its reference is returned beside the first."""
     while True:
+      actor = getattr(self.servers[server], method)
       try:
-        out = self.ray.get(getattr(self.server, method).remote(*args))
+        if keep_second:
+          first, second = actor.options(num_returns=2).remote(*args)
+          out = (self.ray.get(first), second)
+        else:
+          out = self.ray.get(actor.remote(*args))
         break
       except self.ray.exceptions.RayActorError as e:
-        self.recover_server(f"{method} failed: {type(e).__name__}")
+        self.recover_server(f"{method} failed: {type(e).__name__}", server)
     if changes:
-      self.since_checkpoint.append((method, args))
+      self.since_checkpoint.append((server, method, args))
     return out
 
-  def _server_alive(self) -> bool:
+  def server_alive(self, server: str = GLOBAL) -> bool:
     try:
-      self.ray.get(self.server.ping.remote(), timeout=self.c.ray.recover_timeout_s)
+      self.ray.get(self.servers[server].ping.remote(), timeout=self.c.ray.recover_timeout_s)
       return True
     except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
       return False
 
-  def recover_server(self, why: str) -> None:
-    """A new server from the last checkpoint, the calls since replayed in order, then the
-    jobs whose pull failed started again as they were."""
+  def recover_server(self, why: str, server: str = GLOBAL) -> None:
+    """A new server `server` from the last checkpoint, its calls since replayed in order,
+    then the jobs whose pull from it failed started again as they were."""
     t0 = time.perf_counter()
     n = self.counts
     try:  # (a server that only stopped answering must not live on beside the new one)
-      self.ray.kill(self.server, no_restart=True)
+      self.ray.kill(self.servers[server], no_restart=True)
     except Exception:  # noqa: BLE001 - already gone
       pass
-    restored, mark = self.restore_latest()
-    self.start_server(restored)
+    restored, mark = self.restore_latest(server)
+    self.start_server(restored, server)
+    actor = self.servers[server]
     # Jobs out that pulled from the dead server keep their models (drift, checkpoints);
     # those whose pull failed start again, as they were, once the calls are replayed.
     held, failed = collections.Counter(), []
     for job in sorted(self.jobs.values(), key=lambda j: j.order):
-      if job.micro:  # its θ is the driver's object, not the server's
+      if job.micro or job.server != server:  # (a micro-batch's θ is the driver's object)
         continue
       try:
         held[self.ray.get(job.version)] += 1
       except self.ray.exceptions.RayError:
         failed.append(job)
-    self.server.expect.remote(dict(held))
-    for method, args in self.since_checkpoint:
-      self.ray.get(getattr(self.server, method).remote(*args))
-    self.server.replayed.remote()
-    replayed = len(self.since_checkpoint)
+    actor.expect.remote(dict(held))
+    calls = [(method, args) for name, method, args in self.since_checkpoint if name == server]
+    for method, args in calls:
+      self.ray.get(getattr(actor, method).remote(*args))
+    actor.replayed.remote()
+    replayed = len(calls)
     n.pushes_replayed += replayed
     n.server_restarts += 1
     for job in failed:
       self.discard(job)
       self.dispatch(job.worker, job.lr_step, job.steps, job.order)
     seconds = time.perf_counter() - t0
-    n.recoveries.append({"what": "server", "seconds": seconds, "replayed": replayed,
+    n.recoveries.append({"what": "server", "server": server, "seconds": seconds,
+                         "replayed": replayed,
                          "from_checkpoint": mark})
-    self.note("server_restarted", why=why, seconds=round(seconds, 3), replayed=replayed,
-              checkpoint=mark)
+    self.note("server_restarted", server=server, why=why, seconds=round(seconds, 3),
+              replayed=replayed, checkpoint=mark)
 
   def checkpointed(self) -> None:
     self.since_checkpoint = []
