@@ -40,6 +40,7 @@ class EpochDriver(RayDriver):
     self.theta = None  # (version, ObjectRef of θ) of the open epoch, while it takes samples
     self.epoch_samples: dict[int, int] = {}  # peer -> samples counted in the open epoch
     self.last_epoch: dict = {}  # the last closed epoch's figures (metrics rows)
+    self.asked: set = set()  # (peer, version): peers asked for their sums, last epoch
     self.pool.on_lose = self._lost
 
   # --- an epoch ---------------------------------------------------------------------------
@@ -72,7 +73,9 @@ class EpochDriver(RayDriver):
       n.compute_seconds[str(job.worker)] = (n.compute_seconds.get(str(job.worker), 0.0)
                                             + meta["compute_seconds"])
       self.pool.chaos(n.micro_batches)
-    elif not meta["counted"]:  # it finished after its epoch was collected
+    elif not meta["counted"] or (job.worker, meta["version"]) not in self.asked:
+      # it finished after its epoch was collected, or its peer was not asked to send
+      # (nothing of it had counted by then): its sums never reached the server
       n.samples_lost += meta["samples"]
     self._start_next(job.worker)
     return True
@@ -102,7 +105,8 @@ class EpochDriver(RayDriver):
       self._take(job)
     self.theta = None
     late = sum(1 for j in pool.jobs.values() if j.version == version)
-    contributed = self._contributions(version)
+    by_peer = self._contributions(version)
+    contributed = sum(by_peer.values())
     pool.call("close_round", changes=True)
     n.rounds += 1
     n.applied_steps += c.num_workers  # one optimizer step (of every worker's share)
@@ -111,17 +115,19 @@ class EpochDriver(RayDriver):
     self.last_epoch = {"samples": contributed, "epoch_seconds": wall,
                        "target_reached_s": reached, "samples_per_s": contributed / wall,
                        "micro_batches_late": late,
-                       **{f"samples_peer_{w}": s for w, s in sorted(self.epoch_samples.items())}}
+                       **{f"samples_peer_{w}": s for w, s in sorted(by_peer.items())}}
     self.finished = n.rounds >= c.rounds
 
-  def _contributions(self, version: int) -> int:
-    """Each live peer's mean gradient into the server's open round; the samples in it.
+  def _contributions(self, version: int) -> dict[int, int]:
+    """Each live peer's mean gradient into the server's open round; the samples in it,
+    by peer.
     A peer that dies or does not answer within ray.recover_timeout_s is lost (and its
     samples with it)."""
     pool, n = self.pool, self.counts
     asked = {w: pool.actors[w].collect.options(num_returns=2).remote(version)
              for w in sorted(self.epoch_samples) if w in pool.actors}
-    total = 0
+    self.asked = {(w, version) for w in asked}
+    sent = {}
     for w, (meta_ref, sent_ref) in asked.items():
       try:
         meta = self.ray.get(meta_ref, timeout=self.c.ray.recover_timeout_s)
@@ -133,12 +139,13 @@ class EpochDriver(RayDriver):
       # before the collect) were computed at this θ: they count.
       counted = self.epoch_samples.get(w, 0)
       n.samples_lost += max(counted - meta["samples"], 0)
+      n.micro_batches += max(meta["samples"] - counted, 0) // self.c.data.batch_size
       if meta["samples"] == 0:
         continue
       info = pool.call("contribute", meta, sent_ref, changes=True)
       n.contributed(w, meta, info["staleness"], None, weight=meta["samples"])
-      total += meta["samples"]
-    return total
+      sent[w] = meta["samples"]
+    return sent
 
   # --- accounts ---------------------------------------------------------------------------
 

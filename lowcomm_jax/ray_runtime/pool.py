@@ -148,7 +148,8 @@ class Pool:
 
   def join(self, worker: int) -> None:
     """Starts `worker` mid-run and gives it its first job at once, without waiting for its
-    process: the job runs once the process is up (`up` then records how long that took).
+    process: the job runs once the process is up (`_came_up` then records how long that
+    took).
     A worker that is not up within ray.recover_timeout_s is lost (`overdue`)."""
     if worker in self.actors:
       logging.warning("ray: worker %d is live; it does not join again", worker)
