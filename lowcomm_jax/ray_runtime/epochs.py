@@ -40,7 +40,9 @@ class EpochDriver(RayDriver):
     self.theta = None  # (version, ObjectRef of θ) of the open epoch, while it takes samples
     self.epoch_samples: dict[int, int] = {}  # peer -> samples counted in the open epoch
     self.last_epoch: dict = {}  # the last closed epoch's figures (metrics rows)
-    self.asked: set = set()  # (peer, version): peers asked for their sums, last epoch
+    # (peer, version): the peers asked for their sums, every epoch (a micro-batch that ends
+    # later was in what its peer sent, or is lost if it was not asked)
+    self.asked: set = set()
     self.pool.on_lose = self._lost
 
   # --- an epoch ---------------------------------------------------------------------------
@@ -126,7 +128,7 @@ class EpochDriver(RayDriver):
     pool, n = self.pool, self.counts
     asked = {w: pool.actors[w].collect.options(num_returns=2).remote(version)
              for w in sorted(self.epoch_samples) if w in pool.actors}
-    self.asked = {(w, version) for w in asked}
+    self.asked |= {(w, version) for w in asked}
     sent = {}
     for w, (meta_ref, sent_ref) in asked.items():
       try:
