@@ -17,28 +17,17 @@ Try a crash and a newcomer: --config.ray.chaos="('kill_worker=1@10','add_worker@
 import pathlib
 import runpy
 
-_base = runpy.run_path(str(pathlib.Path(__file__).with_name("base.py")))
+# collab_lora.py's model, adapters and optimizer; here the peers are Ray actors
+_collab = runpy.run_path(str(pathlib.Path(__file__).with_name("collab_lora.py")))
 
 
 def get_config():
-  c = _base["get_config"]()
+  c = _collab["get_config"]()
   c.runtime = "ray"
-  c.algorithm = "ddp"
-  c.inner_steps = 1
+  c.hosts = []  # Ray peers share one batch size (no host table on Ray)
   c.num_workers = 3  # peers
+  c.data.batch_size = 8  # every peer's micro-batch
   c.collab.target_batch_size = 48
-  c.rounds = 30  # epochs
-  c.eval_every = 10
-  c.checkpoint_every = 10
   c.log_every = 1
   c.ray.grace_s = 5.0  # the longest anyone waits for a micro-batch once the target is in
-  c.model.name = "tiny_llama"
-  c.data.seq_len = 64
-  c.data.batch_size = 8  # every peer's micro-batch
-  c.lora.rank = 4
-  c.lora.alpha = 8.0
-  c.lora.targets = ("attn", "mlp")
-  c.optimizer.name = "adamw"
-  c.optimizer.lr = 1e-3
-  c.optimizer.warmup_steps = 3
   return c

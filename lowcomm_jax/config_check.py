@@ -372,7 +372,8 @@ def _check_sim(c: ml_collections.ConfigDict, check, problems: list[str],
   s = c.sim
   if not s.enabled:
     keep = ("enabled",)
-    if c.runtime == "ray" and c.algorithm == "halos":  # its regions place the Ray workers
+    if (c.runtime == "ray" and c.algorithm in ALGORITHMS
+        and algorithms.get(c.algorithm).regional_servers):  # regions place the Ray workers
       keep += ("network.regions", "network.worker_regions")
     changed = _changed_from_base(s, "sim", keep)
     if changed:

@@ -78,6 +78,9 @@ class Algorithm:
   # Runs on the Ray runtime (ray_runtime/): one global parameter server applying
   # `server_rules`, workers pushing as they finish.
   runs_on_ray = False
+  # Its servers are regional (sim.network.regions / worker_regions place the workers), so
+  # those fields matter outside the simulator too (on Ray).
+  regional_servers = False
 
   def problems(self, c: ml_collections.ConfigDict) -> list[str]:
     """This algorithm's own config problems, each 'field=value: fix'."""

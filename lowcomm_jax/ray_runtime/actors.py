@@ -290,6 +290,22 @@ class WorkerProcess:
     """From now on each push waits `seconds` before it is sent (chaos)."""
     self.delay_s = seconds
 
+  def _view(self, version: int, params: np.ndarray) -> steps.TrainState:
+    """What the local programs read of the global state pulled at `version`."""
+    return self.r.local_input(steps.TrainState(
+        jnp.asarray(version, jnp.int32), self.rng, jnp.asarray(params), ()))
+
+  def _to_send(self, view, update, meta: dict):
+    """What goes to the server for `update` [1, N] (a job's Δ, an epoch's mean gradient):
+    itself, or the codec's payload (error buffer kept here; its key in `meta`, for the
+    server's decode)."""
+    if self.encode is None:
+      return np.asarray(update[0])
+    keys = parameter_server.codec_keys(view, self.ids)
+    payload, self.codec_state = self.encode(update, self.codec_state, keys)
+    meta["codec_key"] = np.asarray(jax.random.key_data(keys[0]))
+    return jax.device_get(jax.tree.map(lambda x: x[0], payload))
+
   def checkpoint_state(self, unpushed_job: int | None) -> dict:
     """Its state for a checkpoint: as it was before job `unpushed_job` (started or not) if
     that job's push is not applied yet, else as it is."""
@@ -306,8 +322,7 @@ class WorkerProcess:
     with self._lock:
       self.before = (self.state, self.codec_state, self.streams.get_state())
       self.running = order
-    view = self.r.local_input(steps.TrainState(
-        jnp.asarray(version, jnp.int32), self.rng, jnp.asarray(params), ()))
+    view = self._view(version, params)
     workers = self.state._replace(opt_state=optimizers.at_schedule_step(
         self.state.opt_state, np.asarray([lr_step], np.int32)))
     batches = jax.device_put(self.streams.next_steps([0], steps_), self.batches_on)
@@ -315,13 +330,7 @@ class WorkerProcess:
             "tokens": int(self.r.tokens(steps_))}
     with jax.set_mesh(self.mesh):
       deltas, self.state, losses = self.local(view, workers, batches, self.ids)
-      if self.encode is None:
-        sent = np.asarray(deltas[0])
-      else:  # the codec's payload; the server decodes it with this key
-        keys = parameter_server.codec_keys(view, self.ids)
-        payload, self.codec_state = self.encode(deltas, self.codec_state, keys)
-        sent = jax.device_get(jax.tree.map(lambda x: x[0], payload))
-        meta["codec_key"] = np.asarray(jax.random.key_data(keys[0]))
+      sent = self._to_send(view, deltas, meta)
     meta.update(loss=float(losses.mean()), compute_seconds=time.perf_counter() - start,
                 data=self.streams.get_state())
     time.sleep(self.step_sleep_s * steps_ + self.delay_s)
@@ -331,8 +340,7 @@ class WorkerProcess:
   # --- collaborative epochs (ray_runtime/epochs.py) ---------------------------------------
 
   def _begin_epoch(self, version: int, params: np.ndarray) -> None:
-    view = self.r.local_input(steps.TrainState(
-        jnp.asarray(version, jnp.int32), self.rng, jnp.asarray(params), ()))
+    view = self._view(version, params)
     sums = jnp.zeros((1, self.r.model.layout.size), jnp.float32)
     self.epoch = {"version": version, "view": view, "sums": sums, "micro": 0, "samples": 0,
                   "loss_sum": 0.0, "seconds": 0.0}
@@ -375,15 +383,8 @@ class WorkerProcess:
             "steps": 0}
     if epoch is None or epoch["version"] != version or epoch["samples"] == 0:
       return meta, None
-    mean = epoch["sums"] / epoch["samples"]
     with jax.set_mesh(self.mesh):
-      if self.encode is None:
-        sent = np.asarray(mean[0])
-      else:  # the codec's payload; the server decodes it with this key
-        keys = parameter_server.codec_keys(epoch["view"], self.ids)
-        payload, self.codec_state = self.encode(mean, self.codec_state, keys)
-        sent = jax.device_get(jax.tree.map(lambda x: x[0], payload))
-        meta["codec_key"] = np.asarray(jax.random.key_data(keys[0]))
+      sent = self._to_send(epoch["view"], epoch["sums"] / epoch["samples"], meta)
     meta.update(samples=epoch["samples"], tokens=epoch["samples"] * self.r.config.data.seq_len,
                 loss=epoch["loss_sum"] / epoch["samples"], micro=epoch["micro"],
                 compute_seconds=epoch["seconds"], data=self.streams.get_state())

@@ -39,7 +39,8 @@ from lowcomm_jax.ray_runtime import cluster
 from lowcomm_jax.ray_runtime.actors import server_rules
 from lowcomm_jax.ray_runtime.regions import Regions
 from lowcomm_jax.sim import GLOBAL
-from lowcomm_jax.ray_runtime.pool import Counts, Pool
+from lowcomm_jax.ray_runtime.accounts import Counts
+from lowcomm_jax.ray_runtime.pool import Pool
 from lowcomm_jax.run_files import RunFiles
 from lowcomm_jax.simulate import make_plan, one_device
 from lowcomm_jax.workdir import holds_lock

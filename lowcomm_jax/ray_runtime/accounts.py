@@ -1,0 +1,72 @@
+"""The Ray runtime's records: a job in flight (`Job`) and the run's accounts (`Counts`,
+checkpointed as JSON)."""
+
+import dataclasses
+
+from lowcomm_jax.sim import GLOBAL
+
+
+@dataclasses.dataclass
+class Job:
+  worker: int
+  order: int  # dispatch order (apply_order='dispatch' takes results in this order)
+  lr_step: int
+  steps: int
+  version: object  # ObjectRef of the pulled version (an int); a micro-batch's: the int
+  meta: object  # ObjectRef of the job's meta dict
+  sent: object  # ObjectRef of what it sends (Δ, or the codec's payload); None: a micro-batch
+  micro: bool = False  # a collaborative epoch's micro-batch (its θ is not the server's hold)
+  server: str = GLOBAL  # the server it pulled from and pushes to
+
+  def record(self, version: int) -> dict:
+    """What a checkpoint keeps of a job in flight (a resumed run starts it again)."""
+    return {"worker": self.worker, "order": self.order, "lr_step": self.lr_step,
+            "steps": self.steps, "version": version, "server": self.server}
+
+
+@dataclasses.dataclass
+class Counts:
+  """The run's accounts (JSON: checkpointed in the meta)."""
+  dispatched_steps: int = 0  # of jobs started and not lost
+  applied_steps: int = 0  # of contributions applied (or in a closed round)
+  pushes: int = 0  # contributions applied (asynchronous) or taken into a round (quorum)
+  rounds: int = 0  # quorum rounds closed
+  late: int = 0  # quorum: contributions computed from an older round's θ
+  staleness_sum: int = 0
+  staleness_histogram: dict = dataclasses.field(default_factory=dict)  # staleness -> pushes
+  drift_sum: float = 0.0
+  drift_count: int = 0
+  loss_sum: float = 0.0  # since the last reading
+  loss_count: int = 0
+  last_train_loss: float | None = None
+  workers_joined: int = 0  # after the start
+  workers_lost: int = 0
+  pushes_dropped: int = 0
+  global_pushes: int = 0  # HALoS: regional servers' pushes to the global server
+  micro_batches: int = 0  # collaborative epochs: micro-batches counted
+  samples: int = 0  # collaborative epochs: samples in closed epochs
+  samples_lost: int = 0  # of peers lost mid-epoch, and micro-batches past the grace window
+  server_restarts: int = 0
+  pushes_replayed: int = 0
+  next_order: int = 0
+  next_worker: int = 0  # the id a new worker gets
+  pushes_per_worker: dict = dataclasses.field(default_factory=dict)
+  compute_seconds: dict = dataclasses.field(default_factory=dict)
+  recoveries: list = dataclasses.field(default_factory=list)  # {"what", "seconds", ...}
+  chaos_done: int = 0  # chaos events already fired
+
+  def contributed(self, worker: int, meta: dict, staleness: int, drift,
+                  weight: float = 1.0) -> None:
+    """One contribution taken; its train loss counts `weight` times (an epoch's: its
+    samples)."""
+    w = str(worker)
+    self.pushes += 1
+    self.staleness_sum += staleness
+    self.staleness_histogram[str(staleness)] = self.staleness_histogram.get(str(staleness), 0) + 1
+    if drift is not None:
+      self.drift_sum += drift
+      self.drift_count += 1
+    self.loss_sum += weight * meta["loss"]
+    self.loss_count += weight
+    self.pushes_per_worker[w] = self.pushes_per_worker.get(w, 0) + 1
+    self.compute_seconds[w] = self.compute_seconds.get(w, 0.0) + meta["compute_seconds"]
