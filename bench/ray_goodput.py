@@ -4,7 +4,7 @@ and on the lockstep runtime (`launch/local.py --restarts`), against the same run
 failures.
 
   python bench/ray_goodput.py [--parts ray_free,ray_chaos,spmd_free,spmd_chaos]
-      [--rounds 40] [--out ray_goodput.jsonl]
+      [--rounds 40] [--seed 0] [--standby_server] [--out ray_goodput.jsonl]
 
 Both run DiLoCo (H = 10, `small` model on bytes, batch 8 × 64) for the same budget of
 `rounds` rounds of 8 workers; on Ray in quorum rounds of every live worker that is up
@@ -143,27 +143,49 @@ def loss_at(run: dict, t: float) -> float | None:
   return seen[-1] if seen else None
 
 
+def _mean_sd(xs: list[float]) -> str:
+  mean = sum(xs) / len(xs)
+  sd = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
+  return f"{mean:.3f} ± {sd:.3f} (n={len(xs)})"
+
+
 def report(path: str) -> None:
+  """Each seed's table, then over the seeds: mean ± sd of each runtime's goodput and of
+  the paired difference Ray − lockstep (a Ray run with a standby server is its own row)."""
   runs = {}
   for line in open(path):
     row = json.loads(line)
-    runs[(row["seed"], row["part"])] = row
-  for seed in sorted({s for s, _ in runs}):
+    runtime = row["part"].split("_")[0] + ("+standby" if row.get("standby_server") else "")
+    runs[(row["seed"], runtime, row["part"].split("_")[1])] = row
+  goodputs = {}  # runtime -> {seed: goodput}
+  for seed in sorted({s for s, _, _ in runs}):
     print(f"seed {seed}:")
-    for runtime in ("ray", "spmd"):
-      free, chaos = runs.get((seed, f"{runtime}_free")), runs.get((seed, f"{runtime}_chaos"))
+    for runtime in sorted({r for _, r, _ in runs}):
+      free, chaos = runs.get((seed, runtime, "free")), runs.get((seed, runtime, "chaos"))
       if not (free and chaos):
         continue
       rate = lambda r: r["tokens"] / (r["seconds"] - r["first_row_s"])
+      goodputs.setdefault(runtime, {})[seed] = rate(chaos) / rate(free)
       print(f"  {runtime}: free {free['seconds']:.0f} s (training {free['seconds'] - free['first_row_s']:.0f} s)"
             f", chaos {chaos['seconds']:.0f} s (training {chaos['seconds'] - chaos['first_row_s']:.0f} s); "
             f"tokens {free['tokens']} / {chaos['tokens']}; goodput {rate(chaos) / rate(free):.3f}; "
             f"eval loss free {free['eval_loss']:.4f}, chaos {chaos['eval_loss']:.4f}")
-    ends = [runs[(seed, p)]["seconds"] for p in ("ray_chaos", "spmd_chaos") if (seed, p) in runs]
-    if len(ends) == 2:
-      t = min(ends)
-      print(f"  at {t:.0f} s (the first chaos run's end): eval loss ray "
-            f"{loss_at(runs[(seed, 'ray_chaos')], t)}, spmd {loss_at(runs[(seed, 'spmd_chaos')], t)}")
+      ups = [e["seconds"] for e in chaos["events"] if e["event"] == "worker_up"]
+      servers = [e["seconds"] for e in chaos["events"] if e["event"] == "server_restarted"]
+      if ups or servers:
+        print(f"    start-up of {len(ups)} rejoined workers: mean "
+              f"{sum(ups) / max(len(ups), 1):.1f} s; server recovery {servers} s")
+      if runtime != "spmd" and (seed, "spmd", "chaos") in runs:
+        t = min(chaos["seconds"], runs[(seed, "spmd", "chaos")]["seconds"])
+        print(f"    at {t:.0f} s (the first chaos run's end): eval loss {runtime} "
+              f"{loss_at(chaos, t)}, spmd {loss_at(runs[(seed, 'spmd', 'chaos')], t)}")
+  print("over seeds:")
+  for runtime, by_seed in sorted(goodputs.items()):
+    print(f"  {runtime} goodput {_mean_sd(list(by_seed.values()))}")
+    if runtime != "spmd" and "spmd" in goodputs:
+      paired = [g - goodputs["spmd"][s] for s, g in by_seed.items() if s in goodputs["spmd"]]
+      if paired:
+        print(f"  {runtime} − spmd, paired: {_mean_sd(paired)}")
 
 
 def main() -> None:
@@ -171,6 +193,8 @@ def main() -> None:
   parser.add_argument("--parts", default="ray_free,ray_chaos,spmd_free,spmd_chaos")
   parser.add_argument("--rounds", type=int, default=40)
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--standby_server", action="store_true",
+                      help="Ray: keep a server process built and idle (ray.standby_server)")
   parser.add_argument("--out", default="ray_goodput.jsonl")
   parser.add_argument("--report", action="store_true", help="print the table of --out")
   args = parser.parse_args()
@@ -188,7 +212,8 @@ def main() -> None:
     kills = ()
     if part.startswith("ray"):
       flags += ["--config.runtime=ray", "--config.mesh.replica=1",
-                "--config.ray.apply_order=arrival", "--config.ray.min_quorum=0"]
+                "--config.ray.apply_order=arrival", "--config.ray.min_quorum=0",
+                f"--config.ray.standby_server={args.standby_server}"]
       if part == "ray_chaos":
         flags.append("--config.ray.chaos=" + repr(tuple(ray_chaos(args.rounds))))
       cmd = [sys.executable, "-m", "lowcomm_jax.main", *flags]
@@ -203,6 +228,7 @@ def main() -> None:
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     first = min((r["_t"] for r in rows if "step" in r and "event" not in r), default=None)
     out = {"part": part, "seed": args.seed, "rounds": args.rounds, "returncode": code,
+           "standby_server": part.startswith("ray") and args.standby_server,
            "seconds": seconds, "first_row_s": first, "eval_loss": summary.get("eval_loss"),
            "evals": evals(rows),
            "events": [{k: v for k, v in r.items() if k in ("event", "worker", "seconds", "_t",

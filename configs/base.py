@@ -144,12 +144,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.ray.apply_order = "arrival"  # 'arrival': pushes applied as they come | 'dispatch': in
   # | the order their jobs started (reproducible runs: tests, comparison with the simulator)
   c.ray.step_sleep_s = ()  # per worker: seconds slept per inner step (imposed slowness)
+  c.ray.batch_sizes = ()  # collaborative epochs: per worker, its micro-batch in samples (a
+  # | bigger GPU, a bigger batch); () or a worker that joins later: data.batch_size
   # Quorum rounds (synchronous algorithms): a round closes once min_quorum workers have
   # contributed from its θ and grace_s seconds have passed since, or when every live worker
   # has; later contributions fold into the next round (weighted by tokens, staleness kept).
   c.ray.min_quorum = 0  # workers a round needs (0: every live worker)
   c.ray.grace_s = 0.0  # seconds a reached quorum waits for the others
   c.ray.recover_timeout_s = 120.0  # a restarted server or worker must answer within this
+  c.ray.standby_server = False  # keep a server process built and idle: a dead server's
+  # | successor skips the process start (one more process and θ's memory on its node)
   c.ray.chaos = ()  # failures on cue (tests, benchmarks), each 'what@N' (N pushes applied):
   # | 'kill_worker=K@N', 'add_worker@N' (the next free id joins), 'rejoin_worker=K@N' (a
   # | killed worker back where its data stream was), 'kill_server@N' (once: it restarts from

@@ -76,6 +76,14 @@ def test_config_problems_name_their_field():
              for p in _problems(runtime="ray", algorithm="diloco",
                                 **{"ray.min_quorum": 2, "ray.apply_order": "dispatch"}))
   assert any(p.startswith("ray.step_sleep_s") for p in bad)
+  # per-worker batch sizes: one per worker, collaborative epochs only
+  assert any(p.startswith("ray.batch_sizes") and "collaborative" in p
+             for p in _problems(runtime="ray", algorithm="async_dn",
+                                **{"mesh.replica": 1, "ray.batch_sizes": (4, 8)}))
+  assert any(p.startswith("ray.batch_sizes") and "one batch size >= 1 per worker" in p
+             for p in _problems(runtime="ray", algorithm="ddp", inner_steps=1,
+                                **{"mesh.replica": 1, "collab.target_batch_size": 16,
+                                   "ray.batch_sizes": (4,)}))
   # collaborative epochs are DDP's: on Ray too, and only there without collab
   collab = {"runtime": "ray", "inner_steps": 1, "mesh.replica": 1,
             "collab.target_batch_size": 16}
@@ -95,6 +103,28 @@ def test_chaos_events_parse_or_name_the_form():
   for bad in ("kill_worker@3", "add_worker=1@3", "kill_server@0", "delay_worker=1@2", "boom@1"):
     with pytest.raises(ValueError, match="is not a chaos event"):
       chaos.parse([bad])
+
+
+def test_a_checkpoints_meta_gives_a_resumed_driver_what_it_counted_and_dylus_h():
+  """The driver's part of a checkpoint's meta, through JSON, into a new driver (no actor):
+  counts, membership, chaos delays, and DyLU's measured speeds and settled H, so a resumed
+  run keeps its workers' H instead of measuring them again."""
+  from lowcomm_jax.ray_runtime.driver import RayDriver
+  config = _config(**{"outer.dylu": True})
+  before = RayDriver(config)
+  pool = before.pool
+  pool.speeds, pool.inner_steps = {0: 40.0, 1: 10.0}, {0: 4, 1: 1}
+  pool.delays, pool.lost, pool.data = {1: 0.5}, [2], {"0": {"position": 7}}
+  before.counts.pushes, before.counts.applied_steps = 5, 10
+  meta = json.loads(json.dumps(before._meta(wall=3.0, last=False)))
+  after = RayDriver(config)
+  assert after.pool.inner_steps_of(0) == after.pool.inner_steps_of(1) == 2  # (config's H)
+  after._resume_from(meta)
+  assert [after.pool.inner_steps_of(w) for w in (0, 1)] == [4, 1]
+  assert after.pool.speeds == pool.speeds and after.pool.delays == pool.delays
+  assert after.pool.lost == [2] and after.pool.data == pool.data
+  assert after.counts == before.counts
+  assert after.wall_before() == 3.0 and not after.finished
 
 
 # --- runs on a local Ray ----------------------------------------------------------------
@@ -247,7 +277,9 @@ def _collab_config(**overrides):
 
 def test_a_collaborative_epoch_completes_without_a_killed_peer_and_counts_a_joined_one(
     cluster, tmp_path):
-  """Peer 1 is killed after the epoch's second micro-batch (its samples go with it), a
+  """Peer 2 brings micro-batches of 8, the others of 4 (`ray.batch_sizes`; peer 3, joining
+  later, data.batch_size's). Peer 1 is killed after the epoch's second micro-batch (its
+  samples go with it), a
   new peer 3 joins after the fourth and is counted from its first, and the server dies
   after the sixth (it is rebuilt: nothing of the open epoch was its). The epoch ends at its
   target (peer 3's first micro-batch, queued while its process starts, is running then
@@ -257,8 +289,9 @@ def test_a_collaborative_epoch_completes_without_a_killed_peer_and_counts_a_join
   from test_collab import _flat_grad
   from lowcomm_jax.build import build
   from lowcomm_jax.simulate import one_device
+  batch = {0: 4, 1: 4, 2: 8, 3: 4}
   config = _collab_config(**{"ray.chaos": ("kill_worker=1@2", "add_worker@4",
-                                           "kill_server@6")})
+                                           "kill_server@6"), "ray.batch_sizes": (4, 4, 8)})
   summary, events = _run(config, tmp_path)
   assert summary["rounds_closed"] == 1 and summary["workers_lost"] == 1
   assert summary["workers_joined"] == 1 and summary["server_restarts"] == 1
@@ -270,18 +303,25 @@ def test_a_collaborative_epoch_completes_without_a_killed_peer_and_counts_a_join
   assert summary["samples"] == sum(counts.values()) >= 48
   assert summary["collab"] == {"target_batch_size": 48, "epochs": 1,
                                "samples": summary["samples"]}
-  # every micro-batch counted is in the step or was lost with its peer
-  assert summary["micro_batches"] * 4 == summary["samples"] + summary["samples_lost"]
+  assert counts[2] % 8 == 0 and counts[0] % 4 == 0
+  # every micro-batch counted is in the step or was lost with its peer (of batch 4)
+  assert (summary["micro_batches"] == sum(counts[w] // batch[w] for w in counts)
+          + summary["samples_lost"] // 4)
 
   params = _ray_checkpointed_params(config, tmp_path)
   r = build(one_device(config), check_memory=False)
   theta = r.state_spec.initial_params()
   grad = _flat_grad(r.model.graphdef, r.model.layout)
   total = np.zeros(theta.shape, np.float64)
+  runs = {4: r}  # by batch size: the streams of a peer with micro-batches of 8
   for w, samples in counts.items():
-    stream = r.data.streams[0].of_workers([w])
-    for _ in range(samples // 4):
-      total += 4 * np.asarray(grad(theta, stream.next_round(1)[0, 0]))
+    if batch[w] not in runs:
+      peer = config.copy_and_resolve_references()
+      peer.data.batch_size = batch[w]
+      runs[batch[w]] = build(one_device(peer), check_memory=False)
+    stream = runs[batch[w]].data.streams[0].of_workers([w])
+    for _ in range(samples // batch[w]):
+      total += batch[w] * np.asarray(grad(theta, stream.next_round(1)[0, 0]))
   update = -config.optimizer.lr * total / summary["samples"]
   np.testing.assert_allclose(params - np.asarray(theta), update, rtol=1e-4, atol=1e-7)
 
@@ -366,12 +406,14 @@ def test_halos_servers_exchange_as_the_simulators_do():
 
 
 def test_halos_on_ray_survives_its_global_server(cluster, tmp_path):
-  """HALoS on Ray: the global server is killed after push 3 and rebuilt from the checkpoint
-  of push 2 (the regional servers' exchanges since replayed to it): the run ends where the
-  uninterrupted one does, to the last bit."""
+  """HALoS on Ray: the global server is killed after push 3, and the standby server
+  process takes the checkpoint of push 2 (the regional servers' exchanges since replayed
+  to it): the run ends where the uninterrupted one does, to the last bit."""
   plain, events = _run(_halos_config(), tmp_path / "plain")
   assert plain["pushes"] == 6 and plain["global_pushes"] == 6 and events == []
-  killed, events = _run(_halos_config(**{"ray.chaos": ("kill_server@3",)}), tmp_path / "killed")
+  killed, events = _run(_halos_config(**{"ray.chaos": ("kill_server@3",),
+                                          "ray.standby_server": True}), tmp_path / "killed")
   assert [e["event"] for e in events] == ["server_restarted"]
   assert events[0]["server"] == "global" and events[0]["replayed"] == 1
+  assert events[0]["standby"] is True  # (the async_dn test above starts a new process)
   assert killed["eval_loss"] == plain["eval_loss"]

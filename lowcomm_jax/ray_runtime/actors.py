@@ -62,22 +62,34 @@ class ServerProcess:
   run's jobs start again from them)."""
 
   def __init__(self, config: ml_collections.ConfigDict, restored: dict | None = None,
-               name: str = GLOBAL):
+               name: str = GLOBAL, *, standby: bool = False):
+    """Server `name` from `restored` (a checkpoint's) or fresh. A `standby` is built (its
+    process started, the run built, nothing compiled yet) and holds no state: `load` makes
+    it a server when one dies (`ray.standby_server`)."""
     self.r, self.programs = r, _ = _built(config)
-    self.name = name
-    rule = server_rules(r)[name]
-    self._apply = jax.jit(parameter_server.make_apply(rule))
     codec = r.sync.codec
     self._decode = (jax.jit(parameter_server.make_decode(codec, r.model.layout)) if codec
                     else None)
     self._norm = jax.jit(lambda p: jnp.sqrt(jnp.sum(jnp.square(p))))
+    self._lps_delta = jax.jit(outer.pseudo_gradient)  # θ_ref − θ_LPS
+    self._merge = jax.jit(outer.merge_global, static_argnums=3)
     self.mesh = r.topology.mesh
+    self.windows = jax.device_put(r.data.eval_windows)
+    self.version = -1  # (a standby: no state yet)
+    if not standby:
+      self.load(restored, name)
+
+  def load(self, restored: dict | None, name: str = GLOBAL) -> int:
+    """Becomes server `name`: its state from `restored`, or fresh. Returns its version."""
+    self.name = name
+    rule = server_rules(self.r)[name]
+    self._apply = jax.jit(parameter_server.make_apply(rule))
     self.snapshots = {}  # version -> [params, jobs out that pulled it]
     self._expected = {}  # version -> jobs out that pulled it from a server before this one
     self._round_sum, self._round_tokens = None, 0.0  # a quorum round's Σ tokens·Δ, Σ tokens
     self._replaying = False
     if restored is None:
-      params = _initial_state(r).params
+      params = _initial_state(self.r).params
       self.params, self.opt_state = params, rule.init(params)
       self.version = 0
       # A regional server (HALoS's LPS): its model after the last merge, and at its last
@@ -92,9 +104,7 @@ class ServerProcess:
       self.reference = (jnp.asarray(restored["reference"]) if "reference" in restored
                         else None)
       self.at_push = jnp.asarray(restored["at_push"]) if "at_push" in restored else None
-    self._lps_delta = jax.jit(outer.pseudo_gradient)  # θ_ref − θ_LPS
-    self._merge = jax.jit(outer.merge_global, static_argnums=3)
-    self.windows = jax.device_put(r.data.eval_windows)
+    return self.version
 
   def ping(self) -> int:
     return self.version
@@ -387,5 +397,6 @@ class WorkerProcess:
       sent = self._to_send(epoch["view"], epoch["sums"] / epoch["samples"], meta)
     meta.update(samples=epoch["samples"], tokens=epoch["samples"] * self.r.config.data.seq_len,
                 loss=epoch["loss_sum"] / epoch["samples"], micro=epoch["micro"],
+                batch_size=self.r.config.data.batch_size,
                 compute_seconds=epoch["seconds"], data=self.streams.get_state())
     return meta, sent

@@ -43,6 +43,12 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
   check(y.recover_timeout_s > 0, "ray.recover_timeout_s", "must be > 0")
   check(y.min_quorum >= 0, "ray.min_quorum", "must be >= 0 (0: every live worker)")
   check(y.grace_s >= 0, "ray.grace_s", "must be >= 0")
+  sizes = list(y.batch_sizes)
+  check(not sizes or (len(sizes) == c.num_workers and min(sizes) >= 1), "ray.batch_sizes",
+        f"give one batch size >= 1 per worker ({c.num_workers}), or () for data.batch_size")
+  check(not sizes or collab, "ray.batch_sizes", "per-worker batch sizes are for "
+        "collaborative epochs (collab.target_batch_size > 0), where samples weigh each "
+        "peer; other runs share data.batch_size: use ()")
   sleeps = list(y.step_sleep_s)
   check(not sleeps or (len(sleeps) == c.num_workers and min(sleeps) >= 0),
         "ray.step_sleep_s", f"give one non-negative number per worker ({c.num_workers})")

@@ -28,24 +28,20 @@ import math
 import pathlib
 import time
 
-import jax
 import ml_collections
 
 from lowcomm_jax import config_check, run_loop
 from lowcomm_jax.build import build
 from lowcomm_jax.checkpoint import CheckpointMismatch
-from lowcomm_jax.parallel import mesh as mesh_lib
-from lowcomm_jax.ray_runtime import cluster
+from lowcomm_jax.ray_runtime import checkpoints, cluster
+from lowcomm_jax.ray_runtime.accounts import Counts
 from lowcomm_jax.ray_runtime.actors import server_rules
+from lowcomm_jax.ray_runtime.pool import Pool
 from lowcomm_jax.ray_runtime.regions import Regions
 from lowcomm_jax.sim import GLOBAL
-from lowcomm_jax.ray_runtime.accounts import Counts
-from lowcomm_jax.ray_runtime.pool import Pool
 from lowcomm_jax.run_files import RunFiles
 from lowcomm_jax.simulate import make_plan, one_device
 from lowcomm_jax.workdir import holds_lock
-
-_FORMAT = 1  # of the checkpoint's meta
 
 
 @holds_lock  # one run per workdir (workdir.py)
@@ -277,65 +273,31 @@ class RayDriver:
   def wall_before(self) -> float:
     return self._wall_before
 
-  # --- checkpoints ------------------------------------------------------------------------
+  # --- checkpoints (their layout: checkpoints.py) ----------------------------------------
 
-  def _abstract(self, meta: dict):
-    """Shapes (with this process's shardings) of the checkpoint described by `meta`: the
-    server's tree, and the live workers' states."""
-    r = self.r
-    rep = mesh_lib.replicated(r.topology.mesh)
-    placed = lambda tree: jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), tree)
-    params = r.state_spec.abstract.params
-    rules = server_rules(r)
-
-    def one_server(name):
-      out = {"params": params, "opt_state": jax.eval_shape(rules[name].init, params)}
-      if name != GLOBAL:
-        out.update(reference=params, at_push=params)
-      pulled = [j for j in meta["in_flight"] if j.get("server", GLOBAL) == name]
-      if pulled:
-        out["snapshots"] = {str(j["version"]): params for j in pulled}
-      return out
-    server = one_server(GLOBAL)
-    if self.regions is not None:
-      server["regions"] = {name: one_server(name) for name in self.regions.names}
-    one_row = lambda tree: jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct((1,) + a.shape[1:], a.dtype), tree)
-    worker = {"state": one_row(r.abstract_workers()[0])}
-    if r.sync.codec is not None:
-      worker["codec"] = jax.eval_shape(
-          lambda: jax.tree.map(lambda x: x[None], r.sync.codec.init(r.model.layout.abstract)))
-    return placed(server), placed({str(w): worker for w in meta["live"]})
+  def _region_names(self) -> tuple:
+    return self.regions.names if self.regions is not None else ()
 
   def _restore(self, mark: int) -> tuple[dict, dict, dict]:
-    """(the server's restored state, the meta, each live worker's restored state)."""
-    ckpt = self.files.ckpt
-    meta = ckpt.restore_meta(mark)
-    server, workers = self._abstract(meta)
-    tree, meta, workers, data = ckpt.restore(mark, server, workers)
-    workers = {int(w): {**jax.device_get(s), "data": data["streams"][w]}
-               for w, s in workers.items()}
-    tree = jax.device_get(tree)
-    versions = meta.get("versions", {GLOBAL: meta["version"]})
-    servers = {GLOBAL: {k: v for k, v in tree.items() if k != "regions"}}
-    servers.update(tree.get("regions", {}))
-    return ({name: {**state, "version": versions[name]} for name, state in servers.items()},
-            meta, workers)
+    """(each server's restored state by name, the meta, each live worker's state)."""
+    return checkpoints.restore(self.files.ckpt, self.r, self._region_names(), mark)
 
   def _restore_latest(self, server: str = GLOBAL) -> tuple[dict | None, int | None]:
     """Server `server`'s state in the newest checkpoint, and its mark."""
     ckpt = self.files.ckpt
     ckpt.wait()
     latest = ckpt.latest_round()
-    return (self._restore(latest)[0][server] if latest is not None else None), latest
+    if latest is None:
+      return None, None
+    servers = checkpoints.restore_servers(ckpt, self.r, self._region_names(), latest)
+    return servers[server], latest
 
   def open(self, files: RunFiles, latest: int | None) -> dict | None:
     self.files, ckpt, pool = files, files.ckpt, self.pool
     servers, meta, workers, in_flight = {}, None, {}, []
     if latest is not None:
       meta = ckpt.restore_meta(latest)
-      if meta.get("format") != _FORMAT or meta.get("runtime") != "ray":
+      if not checkpoints.written_here(meta):
         ckpt.close()
         raise CheckpointMismatch(f"the checkpoint in {ckpt.directory} was not written by "
                                  "this version of the Ray runtime; pass another --workdir")
@@ -347,23 +309,19 @@ class RayDriver:
         return summary
       ckpt.discard_after(latest)
       servers, meta, workers = self._restore(latest)
-      self.counts.__dict__.update(Counts(**meta["counts"]).__dict__)
-      if self.regions is not None:
-        self.regions.unsent = dict(meta["unsent"])
-      pool.data, pool.lost = meta["data"], list(meta["lost"])
-      pool.delays = {int(k): v for k, v in meta["delays"].items()}
-      self._wall_before, self.finished = meta["wall_seconds"], meta["finished"]
+      self._resume_from(meta)
       in_flight = meta["in_flight"]  # started again as they were
     self.started_ray = cluster.connect(self.c)
     t0 = time.perf_counter()
     pool.start_server(servers.get(GLOBAL))
-    for name in self.regions.names if self.regions is not None else ():
+    for name in self._region_names():
       pool.start_server(servers.get(name), name)
     live = (sorted(int(w) for w in meta["live"]) if meta is not None
             else list(range(self.c.num_workers)))
     for w in live:
       pool.start_worker(w, workers.get(w))
     self.ray.get([pool.actors[w].ping.remote() for w in live])
+    pool.start_standby()
     logging.info("ray: server and %d workers up in %.1fs (%s)", len(live),
                  time.perf_counter() - t0, "resumed" if meta else "fresh")
     self._open_round()
@@ -400,27 +358,33 @@ class RayDriver:
         for name in list(pool.servers):
           if not pool.server_alive(name):
             pool.recover_server(f"save failed: {type(e).__name__}", name)
-
-    def tree_of(state):
-      out = {k: state[k] for k in ("params", "opt_state", "reference", "at_push") if k in state}
-      if state["snapshots"]:
-        out["snapshots"] = state["snapshots"]
-      return out
-    tree = tree_of(states[GLOBAL])
-    if self.regions is not None:
-      tree["regions"] = {name: tree_of(states[name]) for name in self.regions.names}
-    meta = {"format": _FORMAT, "runtime": "ray", "version": states[GLOBAL]["version"],
-            "versions": {name: st["version"] for name, st in states.items()},
-            "unsent": self.regions.unsent if self.regions is not None else {},
-            "counts": dataclasses.asdict(self.counts), "data": pool.data, "lost": pool.lost,
-            "live": [str(w) for w in workers], "in_flight": in_flight,
-            "delays": {str(k): v for k, v in pool.delays.items()},
-            "wall_seconds": wall, "finished": last and self.finished}
-    ckpt.save(mark + 1 if last and self.finished else mark, tree, meta,
-              {str(w): {k: v for k, v in s.items() if k != "data" and jax.tree.leaves(v)}
-               for w, s in workers.items()},
-              {"streams": {str(w): s["data"] for w, s in workers.items()}})
+    checkpoints.save(ckpt, mark + 1 if last and self.finished else mark, states, workers,
+                     {**self._meta(wall, last), "in_flight": in_flight})
     pool.checkpointed()
+
+  def _meta(self, wall: float, last: bool) -> dict:
+    """What the driver keeps in a checkpoint's meta, besides the servers' versions and the
+    jobs in flight: its counts, the workers' data positions, membership, chaos delays and
+    DyLU's measured speeds and settled H (a resumed run keeps them)."""
+    pool = self.pool
+    return {"unsent": self.regions.unsent if self.regions is not None else {},
+            "counts": dataclasses.asdict(self.counts), "data": pool.data, "lost": pool.lost,
+            "delays": {str(k): v for k, v in pool.delays.items()},
+            "speeds": {str(k): v for k, v in pool.speeds.items()},
+            "inner_steps": {str(k): v for k, v in pool.inner_steps.items()},
+            "wall_seconds": wall, "finished": last and self.finished}
+
+  def _resume_from(self, meta: dict) -> None:
+    """The driver's part of a checkpoint's meta (`_meta`), taken back."""
+    pool, as_ints = self.pool, lambda d: {int(k): v for k, v in d.items()}
+    self.counts.__dict__.update(Counts(**meta["counts"]).__dict__)
+    if self.regions is not None:
+      self.regions.unsent = dict(meta["unsent"])
+    pool.data, pool.lost = meta["data"], list(meta["lost"])
+    pool.delays = as_ints(meta["delays"])
+    pool.speeds = as_ints(meta.get("speeds", {}))  # (not in checkpoints before DyLU kept them)
+    pool.inner_steps = as_ints(meta.get("inner_steps", {}))
+    self._wall_before, self.finished = meta["wall_seconds"], meta["finished"]
 
   def _jobs_to_resume(self) -> list:
     """The jobs in flight a checkpoint keeps (a resumed run starts them again)."""

@@ -141,7 +141,8 @@ class EpochDriver(RayDriver):
       # before the collect) were computed at this θ: they count.
       counted = self.epoch_samples.get(w, 0)
       n.samples_lost += max(counted - meta["samples"], 0)
-      n.micro_batches += max(meta["samples"] - counted, 0) // self.c.data.batch_size
+      n.micro_batches += (max(meta["samples"] - counted, 0)
+                          // meta.get("batch_size", self.c.data.batch_size))
       if meta["samples"] == 0:
         continue
       info = pool.call("contribute", meta, sent_ref, changes=True)

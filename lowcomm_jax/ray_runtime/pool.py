@@ -35,6 +35,7 @@ class Pool:
     self.ray = cluster.import_ray()
     self.events = chaos_lib.parse(config.ray.chaos)
     self.servers: dict[str, object] = {}
+    self.standby = None  # a server process with no state yet (ray.standby_server)
     self.server_of: Callable[[int], str] = lambda worker: GLOBAL
     self.actors: dict[int, object] = {}  # live workers
     self.jobs: dict[int, Job] = {}  # worker -> its job in flight
@@ -60,10 +61,31 @@ class Pool:
     """The global server's actor."""
     return self.servers.get(GLOBAL)
 
-  def start_server(self, restored: dict | None, name: str = GLOBAL) -> None:
-    remote = self.ray.remote(**cluster.actor_options(self.c, worker=False))(ServerProcess)
-    self.servers[name] = remote.remote(self.c, restored, name)
+  def start_server(self, restored: dict | None, name: str = GLOBAL) -> bool:
+    """Server `name` from `restored` (or fresh): the standby takes it if there is one (and
+    is alive), else a new process. Returns whether the standby took it."""
+    standby, self.standby = self.standby, None
+    if standby is not None:
+      try:
+        self.ray.get(standby.load.remote(restored, name), timeout=self.c.ray.recover_timeout_s)
+        self.servers[name] = standby
+        return True
+      except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError) as e:
+        logging.warning("ray: the standby server is gone (%s); starting a new one",
+                        type(e).__name__)
+        self.ray.kill(standby, no_restart=True)
+    self.servers[name] = self._server_remote().remote(self.c, restored, name)
     self.ray.get(self.servers[name].ping.remote(), timeout=self.c.ray.recover_timeout_s)
+    return False
+
+  def _server_remote(self):
+    return self.ray.remote(**cluster.actor_options(self.c, worker=False))(ServerProcess)
+
+  def start_standby(self) -> None:
+    """With `ray.standby_server`, a server process built beside the live ones, without
+    waiting for it: a dead server's successor then skips the process start."""
+    if self.c.ray.standby_server and self.standby is None:
+      self.standby = self._server_remote().remote(self.c, standby=True)
 
   def start_worker(self, worker: int, restored: dict | None = None) -> None:
     """Starts `worker`'s process: from `restored` (a checkpoint's), else where its data
@@ -75,10 +97,19 @@ class Pool:
     # Two threads: a checkpoint reads the worker's state while a job runs.
     remote = self.ray.remote(max_concurrency=2,
                              **cluster.actor_options(self.c, worker=True))(WorkerProcess)
-    self.actors[worker] = remote.remote(self.c, worker, restored, sleep)
+    self.actors[worker] = remote.remote(self._config_of(worker), worker, restored, sleep)
     self.jobs_done[worker] = 0  # of this process (its first compiles)
     if worker in self.delays:
       self.actors[worker].delay.remote(self.delays[worker])
+
+  def _config_of(self, worker: int) -> ml_collections.ConfigDict:
+    """The run's config as `worker` builds it: with its own batch size (ray.batch_sizes)."""
+    sizes = list(self.c.ray.batch_sizes)
+    if worker >= len(sizes) or sizes[worker] == self.c.data.batch_size:
+      return self.c
+    config = self.c.copy_and_resolve_references()
+    config.data.batch_size = sizes[worker]
+    return config
 
   def join(self, worker: int) -> None:
     """Starts `worker` mid-run and gives it its first job at once, without waiting for its
@@ -151,12 +182,13 @@ class Pool:
                          "from its last checkpoint when workers are back")
 
   def close(self) -> None:
-    for actor in list(self.actors.values()) + list(self.servers.values()):
+    standby = [self.standby] if self.standby is not None else []
+    for actor in list(self.actors.values()) + list(self.servers.values()) + standby:
       try:
         self.ray.kill(actor, no_restart=True)
       except Exception:  # noqa: BLE001 - already gone
         pass
-    self.actors, self.servers, self.jobs = {}, {}, {}
+    self.actors, self.servers, self.jobs, self.standby = {}, {}, {}, None
 
   # --- jobs -------------------------------------------------------------------------------
 
@@ -279,7 +311,7 @@ class Pool:
     except Exception:  # noqa: BLE001 - already gone
       pass
     restored, mark = self.restore_latest(server)
-    self.start_server(restored, server)
+    standby = self.start_server(restored, server)
     actor = self.servers[server]
     # Jobs out that pulled from the dead server keep their models (drift, checkpoints);
     # those whose pull failed start again, as they were, once the calls are replayed.
@@ -304,10 +336,10 @@ class Pool:
       self.dispatch(job.worker, job.lr_step, job.steps, job.order)
     seconds = time.perf_counter() - t0
     n.recoveries.append({"what": "server", "server": server, "seconds": seconds,
-                         "replayed": replayed,
-                         "from_checkpoint": mark})
+                         "replayed": replayed, "from_checkpoint": mark, "standby": standby})
     self.note("server_restarted", server=server, why=why, seconds=round(seconds, 3),
-              replayed=replayed, checkpoint=mark)
+              replayed=replayed, checkpoint=mark, standby=standby)
+    self.start_standby()  # the next one (built while the run goes on)
 
   def checkpointed(self) -> None:
     self.since_checkpoint = []
