@@ -30,6 +30,7 @@ import os
 import pathlib
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -144,9 +145,8 @@ def loss_at(run: dict, t: float) -> float | None:
 
 
 def _mean_sd(xs: list[float]) -> str:
-  mean = sum(xs) / len(xs)
-  sd = (sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) ** 0.5 if len(xs) > 1 else 0.0
-  return f"{mean:.3f} ± {sd:.3f} (n={len(xs)})"
+  sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+  return f"{statistics.mean(xs):.3f} ± {sd:.3f} (n={len(xs)})"
 
 
 def report(path: str) -> None:

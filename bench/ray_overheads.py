@@ -59,7 +59,7 @@ def throughput(args, ray) -> None:
   from lowcomm_jax import parameter_server
   from lowcomm_jax.build import build
   from lowcomm_jax.ray_runtime import cluster
-  from lowcomm_jax.ray_runtime.actors import ServerProcess
+  from lowcomm_jax.ray_runtime.server import ServerProcess
   from lowcomm_jax.simulate import one_device
   for model, tokenizer, vocab in SIZES:
     for codec in ("none", "int8"):
@@ -102,7 +102,8 @@ def throughput(args, ray) -> None:
 
 def overhead(args, ray) -> None:
   from lowcomm_jax.ray_runtime import cluster
-  from lowcomm_jax.ray_runtime.actors import ServerProcess, WorkerProcess
+  from lowcomm_jax.ray_runtime.server import ServerProcess
+  from lowcomm_jax.ray_runtime.worker import WorkerProcess
   c = config(num_workers=1)
   bare_worker, bare_server = WorkerProcess(c, 0), ServerProcess(c)
   version, params = bare_server.pull()

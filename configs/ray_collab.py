@@ -24,9 +24,9 @@ _collab = runpy.run_path(str(pathlib.Path(__file__).with_name("collab_lora.py"))
 def get_config():
   c = _collab["get_config"]()
   c.runtime = "ray"
-  c.hosts = []  # Ray peers share one batch size (no host table on Ray)
+  c.hosts = []  # no host table on Ray (a peer's own micro-batch: ray.batch_sizes)
   c.num_workers = 3  # peers
-  c.data.batch_size = 8  # every peer's micro-batch
+  c.data.batch_size = 8  # each peer's micro-batch (unless ray.batch_sizes)
   c.collab.target_batch_size = 48
   c.log_every = 1
   c.ray.grace_s = 5.0  # the longest anyone waits for a micro-batch once the target is in

@@ -181,7 +181,7 @@ def test_the_ray_server_applies_pushes_as_the_simulator_does(cluster, tmp_path):
   import jax
   from lowcomm_jax import simulate
   from lowcomm_jax.ray_runtime import cluster as cluster_lib
-  from lowcomm_jax.ray_runtime.actors import ServerProcess
+  from lowcomm_jax.ray_runtime.server import ServerProcess
   from lowcomm_jax.sim import GLOBAL, Job
 
   config = _config(**{"outer.dn_buffer": 2})  # Δ as they are: no codec
@@ -371,7 +371,7 @@ def test_halos_servers_exchange_as_the_simulators_do():
   the simulator's backend: bit-identical models at every server."""
   import jax
   from lowcomm_jax import simulate
-  from lowcomm_jax.ray_runtime.actors import ServerProcess
+  from lowcomm_jax.ray_runtime.server import ServerProcess
   from lowcomm_jax.sim import GLOBAL, Job
   from lowcomm_jax.sim.schedules import region_server
 

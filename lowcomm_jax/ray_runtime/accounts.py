@@ -70,3 +70,28 @@ class Counts:
     self.loss_count += weight
     self.pushes_per_worker[w] = self.pushes_per_worker.get(w, 0) + 1
     self.compute_seconds[w] = self.compute_seconds.get(w, 0.0) + meta["compute_seconds"]
+
+  def figures(self, tokens: int, delta_bytes: int, num_workers: int, quorum: bool) -> dict:
+    """The figures both a metrics row and the summary report (`delta_bytes`: one push's Δ
+    at full width)."""
+    out = {"total_inner_steps": self.applied_steps, "tokens": tokens, "pushes": self.pushes,
+           "bytes_sent": self.pushes * delta_bytes // num_workers,
+           "mean_staleness": self.staleness_sum / max(self.pushes, 1),
+           "mean_drift": self.drift_sum / max(self.drift_count, 1),
+           "workers_joined": self.workers_joined, "workers_lost": self.workers_lost,
+           "pushes_dropped": self.pushes_dropped}
+    if quorum:
+      out["late_contributions"] = self.late
+    return out
+
+  def run_figures(self, plan, num_workers: int) -> dict:
+    """What only the summary reports: per worker, staleness, recoveries and bytes."""
+    return {
+        "train_loss": self.last_train_loss, "pushes_per_worker": self.pushes_per_worker,
+        "staleness_histogram": dict(sorted(self.staleness_histogram.items(),
+                                           key=lambda kv: int(kv[0]))),
+        "server_restarts": self.server_restarts, "pushes_replayed": self.pushes_replayed,
+        "recoveries": self.recoveries, "compute_seconds_per_worker": self.compute_seconds,
+        "bytes_sent_total": self.pushes * plan.delta_bytes,
+        "server_bytes_sent": self.pushes * plan.param_bytes,
+        "bytes_sent_ddp_equivalent": plan.param_bytes * self.applied_steps // num_workers}

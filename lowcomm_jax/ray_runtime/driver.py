@@ -37,6 +37,7 @@ from lowcomm_jax.ray_runtime import checkpoints, cluster
 from lowcomm_jax.ray_runtime.accounts import Counts
 from lowcomm_jax.ray_runtime.actors import server_rules
 from lowcomm_jax.ray_runtime.pool import Pool
+from lowcomm_jax.ray_runtime.quorum import QuorumRound
 from lowcomm_jax.ray_runtime.regions import Regions
 from lowcomm_jax.sim import GLOBAL
 from lowcomm_jax.run_files import RunFiles
@@ -85,7 +86,7 @@ class RayDriver:
     self.started_ray = False
     self.files: RunFiles | None = None
     self.finished, self.mark, self._wall_before = False, 0, 0.0
-    self._open_round()
+    self.round = QuorumRound(self.counts, config.ray.min_quorum, config.ray.grace_s)
 
   def _note(self, event: str, **fields) -> None:
     """A membership or recovery event: a metrics.jsonl row and a log line."""
@@ -133,7 +134,7 @@ class RayDriver:
     if self.quorum:
       info = self.pool.call("contribute", meta, job.sent, changes=True)
       n.late += info["staleness"] > 0
-      self._round_steps += job.steps
+      self.round.steps += job.steps
       drift = None
     else:
       info = self.pool.call("push", meta, job.sent, server=job.server, changes=True)
@@ -148,36 +149,12 @@ class RayDriver:
       self._idle_start()  # this worker's next job (and any steps a lost one left)
     return True
 
-  def _round_due(self) -> bool:
-    """Whether the open quorum round closes now."""
-    pool, n = self.pool, self.counts
-    live = set(pool.up())  # (a worker still starting is not waited for)
-    if not live and pool.joining:  # nobody is up yet: a round of nothing would be empty
-      return False
-    if not pool.jobs.keys() & live:  # every live worker has contributed (or none is left)
-      return True
-    fresh = n.pushes - self._round_opened_at_push - self._late_this_round()
-    need = min(self.c.ray.min_quorum or len(live), len(live))
-    if fresh < need:
-      return False
-    self.quorum_at = self.quorum_at or time.monotonic()
-    return time.monotonic() - self.quorum_at >= self.c.ray.grace_s
-
-  def _late_this_round(self) -> int:
-    return self.counts.late - self._round_opened_late
-
-  def _open_round(self) -> None:
-    """Quorum: a new round is open (its contributions so far: none)."""
-    self._round_opened_at_push, self._round_opened_late = self.counts.pushes, self.counts.late
-    self._round_steps = 0
-    self.quorum_at = None  # when the open round reached its quorum (time.monotonic)
-
   def _close_round(self) -> None:
     n = self.counts
     self.pool.call("close_round", changes=True)
     n.rounds += 1
-    n.applied_steps += self._round_steps
-    self._open_round()
+    n.applied_steps += self.round.steps
+    self.round.open()
     self._idle_start()  # every worker that contributed starts from the new θ
 
   # --- the run loop's driver --------------------------------------------------------------
@@ -211,13 +188,10 @@ class RayDriver:
     or the end of the budget; `finished` says which."""
     if self.quorum:
       while not self._budget_spent():
-        if self._round_due():
+        if self.round.due(set(self.pool.up()), bool(self.pool.joining), self.pool.jobs):
           self._close_round()
           break
-        # Waiting for results; once the quorum is in, no longer than the grace left.
-        timeout = (None if self.quorum_at is None else
-                   max(self.c.ray.grace_s - (time.monotonic() - self.quorum_at), 0.0))
-        job = self.pool.next_done(timeout)
+        job = self.pool.next_done(self.round.wait_s())
         if job is not None:
           self._take(job)
       self.finished = self._budget_spent()
@@ -249,17 +223,8 @@ class RayDriver:
 
   def _accounts(self) -> dict:
     """The figures both a metrics row and the summary report."""
-    n = self.counts
-    out = {"total_inner_steps": n.applied_steps, "tokens": self._tokens(),
-           "pushes": n.pushes,
-           "bytes_sent": n.pushes * self.plan.delta_bytes // self.c.num_workers,
-           "mean_staleness": n.staleness_sum / max(n.pushes, 1),
-           "mean_drift": n.drift_sum / max(n.drift_count, 1),
-           "workers_joined": n.workers_joined, "workers_lost": n.workers_lost,
-           "pushes_dropped": n.pushes_dropped}
-    if self.quorum:
-      out["late_contributions"] = n.late
-    return out
+    return self.counts.figures(self._tokens(), self.plan.delta_bytes, self.c.num_workers,
+                               self.quorum)
 
   def read(self, handle: run_loop.Reading) -> run_loop.Reading:
     return handle
@@ -324,7 +289,7 @@ class RayDriver:
     pool.start_standby()
     logging.info("ray: server and %d workers up in %.1fs (%s)", len(live),
                  time.perf_counter() - t0, "resumed" if meta else "fresh")
-    self._open_round()
+    self.round.open()
     for j in sorted(in_flight, key=lambda j: j["order"]):
       pool.dispatch(j["worker"], j["lr_step"], j["steps"], j["order"], j["version"])
     self._idle_start()
@@ -397,24 +362,13 @@ class RayDriver:
     return {"stopped_at": self.mark, "pushes": self.counts.pushes}
 
   def summary(self, eval_loss: float, scalars: dict, wall: float) -> dict:
-    n, c = self.counts, self.c
-    out = {
-        "algorithm": c.algorithm, "runtime": "ray", "num_workers": c.num_workers,
-        "inner_steps": c.inner_steps, "rounds": c.rounds, "model": self.r.model.name,
-        "params": self.r.model.param_count + self.r.model.frozen_count,
-        "trainable_params": self.r.model.param_count, "codec": c.compress.codec,
-        "eval_loss": eval_loss, "train_loss": n.last_train_loss, **self._accounts(),
-        "pushes_per_worker": n.pushes_per_worker,
-        "staleness_histogram": dict(sorted(n.staleness_histogram.items(),
-                                           key=lambda kv: int(kv[0]))),
-        "server_restarts": n.server_restarts,
-        "pushes_replayed": n.pushes_replayed, "recoveries": n.recoveries,
-        "compute_seconds_per_worker": n.compute_seconds,
-        "bytes_sent_total": n.pushes * self.plan.delta_bytes,
-        "server_bytes_sent": n.pushes * self.plan.param_bytes,
-        "bytes_sent_ddp_equivalent": self.plan.param_bytes * n.applied_steps // c.num_workers,
-        "wall_seconds": wall,
-    }
+    n, c, model = self.counts, self.c, self.r.model
+    out = {"algorithm": c.algorithm, "runtime": "ray", "num_workers": c.num_workers,
+           "inner_steps": c.inner_steps, "rounds": c.rounds, "model": model.name,
+           "params": model.param_count + model.frozen_count,
+           "trainable_params": model.param_count, "codec": c.compress.codec,
+           "eval_loss": eval_loss, **self._accounts(),
+           **n.run_figures(self.plan, c.num_workers), "wall_seconds": wall}
     if self.quorum:
       out["rounds_closed"] = n.rounds
     if self.regions is not None:

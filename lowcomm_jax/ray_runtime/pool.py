@@ -17,7 +17,8 @@ import ml_collections
 from lowcomm_jax.hosts import settle_inner_steps
 from lowcomm_jax.ray_runtime import chaos as chaos_lib, cluster
 from lowcomm_jax.ray_runtime.accounts import Counts, Job
-from lowcomm_jax.ray_runtime.actors import ServerProcess, WorkerProcess
+from lowcomm_jax.ray_runtime.server import ServerProcess
+from lowcomm_jax.ray_runtime.worker import WorkerProcess
 from lowcomm_jax.sim import GLOBAL
 
 
