@@ -171,8 +171,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.sim.network = ml_collections.ConfigDict()
   c.sim.network.regions = 1  # workers fill regions in contiguous blocks
   c.sim.network.worker_regions = ()  # or: the region of each worker
-  c.sim.network.server_region = 0  # where the global parameter server sits
-  c.sim.network.intra_gbps = 100.0  # bandwidth inside a region
+  c.sim.network.server_region = -1  # where the global parameter server sits: -1: a region
+  # | of its own (linked to every region at inter_gbps, inter_latency_s); r: in region r,
+  # | with its workers (the summary records which)
+  c.sim.network.region_gbps = 0.0  # each region's uplink and downlink, shared by all its
+  # | inter-region transfers (sim/flows.py: max-min fair); 0: its fastest link's bandwidth
+  c.sim.network.collective = "auto"  # synchronous rounds: ring | hierarchical (inside each
+  # | region, then across regions) | auto (the faster; sim/collectives.py)
+  c.sim.network.intra_gbps = 100.0  # bandwidth inside a region: each node's NIC
   c.sim.network.intra_latency_s = 1e-4  # seconds, inside a region
   c.sim.network.inter_gbps = 1.0  # bandwidth between any two regions
   c.sim.network.inter_latency_s = 0.05  # seconds, between any two regions

@@ -48,7 +48,9 @@ def make_plan(c: ml_collections.ConfigDict, r: Run) -> Plan:
       num_workers=c.num_workers, regions=n.regions, worker_regions=tuple(n.worker_regions),
       intra_gbps=n.intra_gbps, intra_latency_s=n.intra_latency_s,
       inter_gbps=n.inter_gbps_matrix or n.inter_gbps,
-      inter_latency_s=n.inter_latency_matrix or n.inter_latency_s, bytes_scale=n.bytes_scale)
+      inter_latency_s=n.inter_latency_matrix or n.inter_latency_s, bytes_scale=n.bytes_scale,
+      region_gbps=n.region_gbps, server_region=None if n.server_region < 0 else n.server_region,
+      server_link=(n.inter_gbps, n.inter_latency_s))
   params = r.model.layout.abstract
   wire = r.sync.payload_bytes
   first = r.segments(c.inner_steps)[0]
@@ -57,7 +59,7 @@ def make_plan(c: ml_collections.ConfigDict, r: Run) -> Plan:
               network=network,
               delta_bytes=wire(params),
               param_bytes=ledger.tree_bytes(params), compressed=r.sync.codec is not None,
-              server_region=n.server_region, sync_every=c.outer.halos.sync_every,
+              collective=n.collective, sync_every=c.outer.halos.sync_every,
               merge_alpha=c.outer.halos.merge_alpha,
               fragment_bytes=tuple(wire(r.model.layout.fragment(p).abstract)
                                    for p in range(r.model.layout.num_fragments)),
@@ -106,8 +108,9 @@ class _Simulation:
     """What a checkpoint must agree with to be continued by this config."""
     p = self.plan
     # format 2: worker states hold θ_w, messages record their shapes (issue 15); format 3:
-    # asynchronous workers' inner lr schedules run on the run's clock (backend started_steps).
-    return {"format": 3, "algorithm": self.c.algorithm, "inner_steps": p.inner_steps,
+    # asynchronous workers' inner lr schedules run on the run's clock (backend started_steps);
+    # format 4: transfers share links (sim/flows.py), the schedules checkpoint their flows.
+    return {"format": 4, "algorithm": self.c.algorithm, "inner_steps": p.inner_steps,
             "total_steps": p.total_steps, "speeds": list(p.speeds.speeds),
             "worker_region": list(p.network.worker_region), "sync_every": p.sync_every,
             "codec": self.c.compress.codec}
@@ -303,8 +306,27 @@ def _summary(sim: _Simulation, eval_loss: float, wall: float) -> dict:
       # DDP would all-reduce dense fp32 gradients at every inner step.
       "bytes_sent_ddp_equivalent": plan.param_bytes * a.applied_steps // c.num_workers,
       "wall_seconds": wall,
+      "server_region": plan.network.server_region,
+      # The global server shares a region with workers (an explicit choice: sim.network).
+      "server_colocated": plan.network.server_region in plan.network.worker_region,
+      "collective": sim.schedule.collective_used,
+      "regions": _regional(a, plan.network.worker_region),
       "workers": workers,
   }
+
+
+def _regional(a, worker_region) -> list[dict]:
+  """Per region with workers: their share of the applied inner steps, and the mean
+  staleness of their applied contributions."""
+  out = []
+  for region in sorted(set(worker_region)):
+    members = [w for w, r in enumerate(worker_region) if r == region]
+    stale = [s for w, s, _ in a.contributions if worker_region[w] == region]
+    out.append({"region": region, "workers": members,
+                "applied_step_share": (sum(a.applied_steps_by_worker[w] for w in members)
+                                       / max(a.applied_steps, 1)),
+                "mean_staleness": float(np.mean(stale)) if stale else None})
+  return out
 
 
 def final_global_params(config: ml_collections.ConfigDict, workdir: str | pathlib.Path):

@@ -11,6 +11,7 @@ from conftest import load_config, train_rounds
 from lowcomm_jax import config_check, simulate
 from lowcomm_jax.checkpoint import CheckpointMismatch
 from lowcomm_jax.run_identity import ResumeRefused
+from lowcomm_jax.sim import Network, collectives
 from lowcomm_jax.sim_backend import SimBackend
 
 
@@ -51,8 +52,13 @@ def test_synchronous_diloco_in_the_simulator_equals_the_real_runner(tmp_path):
   assert summary["bytes_sent"] == 3 * param_bytes and summary["server_bytes_sent"] == 0
   assert summary["bytes_sent_total"] == 4 * 3 * param_bytes
   assert summary["bytes_sent_ddp_equivalent"] == 3 * 2 * param_bytes  # DDP: every step
-  # Virtual time: the slowest (speed 0.2) worker's 2 steps of 0.1 s per round, plus a ring.
-  assert summary["virtual_seconds"] > 3 * 2 * 0.1 / 0.2
+  # Virtual time: the slowest (speed 0.2) worker's 2 steps of 0.1 s per round, plus the
+  # faster collective of 2 regions x 2 workers (the defaults' links; sim/collectives.py).
+  net = Network.build(num_workers=4, regions=2, intra_gbps=100.0, intra_latency_s=1e-4,
+                      inter_gbps=1.0, inter_latency_s=0.05)
+  comm, used = collectives.seconds(net, "allreduce", range(4), param_bytes)
+  assert summary["collective"] == used
+  assert summary["virtual_seconds"] == pytest.approx(3 * (2 * 0.1 / 0.2 + comm))
   assert summary["mean_staleness"] == 0 and summary["total_inner_steps"] == 3 * 4 * 2
   # The slowest worker computes 3 x 1 s and only waits for the all-reduces; the fastest
   # (5x faster) idles at every barrier as well.
@@ -164,6 +170,13 @@ def test_halos_trains_and_logs_virtual_time(tmp_path, monkeypatch):
   assert summary["train_loss"] == [r["train_loss"] for r in records if "train_loss" in r][-1]
   assert all(0.0 <= w["idle_fraction"] < 1.0 for w in summary["workers"])
   assert (tmp_path / "tensorboard").is_dir()
+  # The global server sits in a region of its own (2, after the workers' 0 and 1); each
+  # region's share of the applied steps and its staleness are reported.
+  assert summary["server_region"] == 2 and not summary["server_colocated"]
+  regions = summary["regions"]
+  assert [r["region"] for r in regions] == [0, 1] and regions[1]["workers"] == [2, 3]
+  assert sum(r["applied_step_share"] for r in regions) == pytest.approx(1.0)
+  assert all(r["mean_staleness"] >= 0 for r in regions)
 
 
 def test_divergence_keeps_the_last_good_checkpoint_and_a_changed_plan_is_refused(tmp_path):
@@ -195,6 +208,9 @@ def test_divergence_keeps_the_last_good_checkpoint_and_a_changed_plan_is_refused
     ({"sim.network.inter_gbps_matrix": ((1.0, 2.0),)}, "sim.network.inter_gbps_matrix"),
     ({"sim.network.inter_latency_s": -1.0}, "sim.network.inter_latency_s"),
     ({"sim.network.worker_regions": (0, 0, 1, 3)}, "sim.network.worker_regions"),
+    ({"sim.network.server_region": 2}, "sim.network.server_region"),
+    ({"sim.network.region_gbps": -1.0}, "sim.network.region_gbps"),
+    ({"sim.network.collective": "tree"}, "sim.network.collective"),
     ({"algorithm": "async", "data.batch_mode": "same"}, "data.batch_mode"),
     ({"algorithm": "async_dn", "outer.dn_c": 0.5}, "outer.dn_c"),
     ({"algorithm": "halos", "outer.halos.merge_alpha": 1.5}, "outer.halos.merge_alpha"),

@@ -29,7 +29,7 @@ class AsyncLocalSGD(DiLoCo):
     return simulator_only(c, self.name, self.runs_on_ray) + super().problems(c)
 
   def schedule(self, plan, backend):
-    from lowcomm_jax.sim.schedules import AsyncWorkers
+    from lowcomm_jax.sim.async_schedules import AsyncWorkers
     return AsyncWorkers(plan, backend)
 
   def server_rules(self, c, plan):

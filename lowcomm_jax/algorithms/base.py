@@ -124,7 +124,7 @@ class Algorithm:
 
   def schedule(self, plan, backend):
     """The simulator's schedule (lowcomm_jax/sim/schedules.py) for this algorithm."""
-    from lowcomm_jax.sim.schedules import SyncRounds
+    from lowcomm_jax.sim.sync_schedules import SyncRounds
     return SyncRounds(plan, backend)
 
   def server_rules(self, c: ml_collections.ConfigDict,

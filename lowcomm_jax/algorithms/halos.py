@@ -41,7 +41,7 @@ class Halos(AsyncLocalSGD):
     return out
 
   def schedule(self, plan, backend):
-    from lowcomm_jax.sim.schedules import Halos as HalosSchedule
+    from lowcomm_jax.sim.async_schedules import Halos as HalosSchedule
     return HalosSchedule(plan, backend)
 
   def server_rules(self, c, plan):

@@ -177,7 +177,7 @@ class NoLoCo(Algorithm):
     return NoLoCoWorkers()
 
   def schedule(self, plan, backend):
-    from lowcomm_jax.sim.schedules import GossipRounds
+    from lowcomm_jax.sim.sync_schedules import GossipRounds
     seed = backend.config.seed
     pools = pairings(plan.num_workers, seed)
     return GossipRounds(plan, backend, lambda t: peers(pools, seed, t))

@@ -35,7 +35,7 @@ class OneStepDelay(DiLoCo):
                           keep_applied=self.keep_applied)
 
   def schedule(self, plan, backend):
-    from lowcomm_jax.sim.schedules import StreamingRounds
+    from lowcomm_jax.sim.sync_schedules import StreamingRounds
     # One fragment whose average is needed only when the next round ends: a whole round of
     # compute hides its transfer.
     return StreamingRounds(dataclasses.replace(plan, overlap_steps=max(plan.inner_steps)),

@@ -105,7 +105,7 @@ class StreamingDiLoCo(DiLoCo):
     return float(c.streaming.mix)
 
   def schedule(self, plan, backend):
-    from lowcomm_jax.sim.schedules import StreamingRounds
+    from lowcomm_jax.sim.sync_schedules import StreamingRounds
     return StreamingRounds(plan, backend)
 
 

@@ -2,9 +2,10 @@
 when things happen. What happens (real inner steps, outer rules) is lowcomm_jax/sim_backend.py, driven by
 lowcomm_jax/simulate.py."""
 
+from lowcomm_jax.sim.async_schedules import AsyncWorkers, Halos
 from lowcomm_jax.sim.events import Event, EventLoop
 from lowcomm_jax.sim.network import Network
-from lowcomm_jax.sim.schedules import (GLOBAL, Accounting, AsyncWorkers, Backend, Halos, Job, Plan,
-                                       Schedule, StreamingRounds, SyncRounds,
+from lowcomm_jax.sim.schedules import (GLOBAL, Accounting, Backend, Job, Plan, Schedule,
                                        region_server)
 from lowcomm_jax.sim.speeds import HETEROGENEITY, SpeedModel, level_speeds
+from lowcomm_jax.sim.sync_schedules import GossipRounds, StreamingRounds, SyncRounds

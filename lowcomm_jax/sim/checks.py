@@ -7,6 +7,7 @@ import math
 import ml_collections
 
 from lowcomm_jax.config_error import Problems
+from lowcomm_jax.sim.collectives import COLLECTIVES
 from lowcomm_jax.sim.speeds import HETEROGENEITY
 
 
@@ -47,8 +48,11 @@ def problems(c: ml_collections.ConfigDict, num_processes: int) -> list[str]:
     check(len(placed) == c.num_workers and all(0 <= r < n.regions for r in placed),
           "sim.network.worker_regions",
           f"give one region in [0, {n.regions}) per worker ({c.num_workers}), or ()")
-  check(0 <= n.server_region < n.regions, "sim.network.server_region",
-        f"must be in [0, {n.regions})")
+  check(n.server_region == -1 or 0 <= n.server_region < n.regions, "sim.network.server_region",
+        f"use -1 (a region of its own) or a region in [0, {n.regions})")
+  check(n.region_gbps >= 0, "sim.network.region_gbps",
+        "must be >= 0 (0: each region's fastest link)")
+  check(n.collective in COLLECTIVES, "sim.network.collective", f"use one of {list(COLLECTIVES)}")
   check(n.intra_gbps > 0, "sim.network.intra_gbps", "must be > 0")
   check(n.intra_latency_s >= 0, "sim.network.intra_latency_s", "must be >= 0")
   check(n.inter_gbps > 0, "sim.network.inter_gbps", "must be > 0")

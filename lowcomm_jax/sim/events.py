@@ -31,6 +31,13 @@ class EventLoop:
     heapq.heappush(self._heap, Event(float(at), self._seq, kind, data))
     self._seq += 1
 
+  def cancel(self, kind: str) -> None:
+    """Drops every pending event of `kind` (a rescheduled timer)."""
+    kept = [e for e in self._heap if e.kind != kind]
+    if len(kept) != len(self._heap):
+      self._heap = kept
+      heapq.heapify(self._heap)
+
   def __len__(self) -> int:
     return len(self._heap)
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from lowcomm_jax.sim import EventLoop, Network, SpeedModel, level_speeds
+from lowcomm_jax.sim import EventLoop, Network, SpeedModel, collectives, level_speeds
 
 
 def test_events_pop_in_time_then_scheduling_order_and_survive_a_state_round_trip():
@@ -37,14 +37,15 @@ def test_transfer_time_is_latency_plus_bits_over_bandwidth():
 
 def test_ring_times_by_hand():
   net = _two_regions()
-  # All-reduce of 4 MB over 4 workers: 2·3 steps of 1 MB; the slowest link is inter-region:
-  # 6 · (0.05 + 8e6/1e9) = 6 · 0.058.
-  assert net.ring_allreduce_seconds(range(4), 4_000_000) == pytest.approx(0.348)
+  # All-reduce of 4 MB over 4 workers: 2·3 steps of 1 MB; each step has one transfer
+  # crossing each way between the regions (no two share a link): 6 · (0.05 + 8e6/1e9).
+  assert collectives.ring_allreduce_seconds(net, range(4), 4_000_000) == pytest.approx(0.348)
   # All-gather of 4 MB payloads: 3 steps of 4 MB: 3 · (0.05 + 0.032).
-  assert net.ring_allgather_seconds(range(4), 4_000_000) == pytest.approx(0.246)
+  assert collectives.ring_allgather_seconds(net, range(4), 4_000_000) == pytest.approx(0.246)
   # Inside one region only: 2 · (1e-4 + 8·2e6/100e9).
-  assert net.ring_allreduce_seconds([0, 1], 4_000_000) == pytest.approx(2 * (1e-4 + 16e6 / 100e9))
-  assert net.ring_allreduce_seconds([3], 4_000_000) == 0.0
+  assert collectives.ring_allreduce_seconds(net, [0, 1], 4_000_000) == pytest.approx(
+      2 * (1e-4 + 16e6 / 100e9))
+  assert collectives.ring_allreduce_seconds(net, [3], 4_000_000) == 0.0
 
 
 def test_best_ring_avoids_slow_links_when_another_region_order_exists():
@@ -54,7 +55,7 @@ def test_best_ring_avoids_slow_links_when_another_region_order_exists():
   gbps[0, 1] = gbps[1, 0] = gbps[2, 3] = gbps[3, 2] = 0.1
   net = Network.build(num_workers=4, regions=4, intra_gbps=100.0, intra_latency_s=0.0,
                       inter_gbps=gbps, inter_latency_s=0.0)
-  ring, step = net.best_ring(range(4), 1e6)
+  ring, step = collectives.best_ring(net, range(4), 1e6)
   assert step == pytest.approx(8e6 / 10e9)
   links = {frozenset(p) for p in zip(ring, ring[1:] + ring[:1])}
   assert frozenset((0, 1)) not in links and frozenset((2, 3)) not in links

@@ -50,16 +50,17 @@ class FakeBackend:
 
 
 def _plan(speeds, *, regions=1, inner=2, total=None, rounds=2, inter_seconds_per_byte=1.0,
-          **kw):
+          server_region=0, worker_regions=(), **kw):
+  """Bandwidth 8e-9 Gb/s = 8 bits/s: one byte takes one second on a NIC; latency 0."""
   w = len(speeds)
   return Plan(inner_steps=[inner] * w, rounds=rounds, total_steps=total or w * rounds * inner,
               speeds=SpeedModel.build(num_workers=w, level="none", explicit=speeds,
                                       step_seconds=1.0, jitter=0.0, straggler_prob=0.0,
                                       straggler_slowdown=1.0, seed=0),
               network=Network.build(num_workers=w, regions=regions, intra_gbps=8e-9,
-                                    intra_latency_s=0.0,
+                                    worker_regions=worker_regions, intra_latency_s=0.0,
                                     inter_gbps=8e-9 / inter_seconds_per_byte,
-                                    inter_latency_s=0.0),
+                                    inter_latency_s=0.0, server_region=server_region),
               delta_bytes=1, param_bytes=1, compressed=False, **kw)
 
 
@@ -71,7 +72,8 @@ def _run(algorithm, plan):
   while len(loop):
     for event in loop.pop_simultaneous():
       schedule.handle(event, loop)
-      times.append((loop.now, event.kind))
+      if event.kind not in ("flows", "pulled", "computed"):
+        times.append((loop.now, event.kind))
   return schedule, backend, times
 
 
@@ -85,11 +87,15 @@ def test_sync_rounds_wait_for_the_slowest_worker_and_the_ring():
 
 
 def test_async_workers_pull_latest_and_count_staleness_until_the_budget():
-  # Worker 0 (speed 1) and worker 1 (speed 0.5), H = 2, one byte each way (1 s + 1 s):
-  # worker 0 arrives at t = 4, 8, 12, ...; worker 1 at t = 6, 12, ...
+  # Worker 0 (speed 1: H = 2 in 2 s) and worker 1 (speed 0.5: 4 s), one byte each way; the
+  # server's NIC carries 1 byte/s each way, shared by the transfers in flight.
+  # t=0: both pull at once, half the NIC each: pulled at 2. w0 computes to 4, sends alone
+  # (arrives 5), pulls alone (6), computes to 8. w1 computes to 6, arrives 7, pulls (8),
+  # computes to 12. w0 arrives 9, pulls (10), computes to 12. At 12 both send at once:
+  # half the NIC each, both arrive at 14 (w1's first: its send started first).
   schedule, backend, times = _run("async_dn", _plan((1.0, 0.5), total=10))
-  assert times == [(4.0, "arrive"), (6.0, "arrive"), (8.0, "arrive"), (12.0, "arrive"),
-                   (12.0, "arrive")]
+  assert times == [(5.0, "arrive"), (7.0, "arrive"), (9.0, "arrive"), (14.0, "arrive"),
+                   (14.0, "arrive")]
   starts = [c for c in backend.calls if c[0] == "start"]
   # (worker, pulled version, steps): the last job is cut to the 2 steps left of 10.
   assert [(w, v, s) for _, w, _, v, s in starts] == [(0, 0, 2), (1, 0, 2), (0, 1, 2), (1, 2, 2),
@@ -116,21 +122,27 @@ def test_halos_pushes_every_k_local_updates_merges_and_flushes_at_the_end():
 
 
 def test_halos_push_timing_by_hand():
-  # Both workers in region 0, the GPS in region 1: worker <-> LPS transfers take 1 s, LPS <->
-  # GPS 5 s. K = 2, H = 2, a 12-step budget. Worker 0 (speed 1) arrives at 4, 8, 12; worker
-  # 1 (speed 0.5: 4 s a job) at 6, 12, 18. Push 1 at 6 (w0@4, w1@6), at the GPS at 11,
-  # reply at 16. At 12 two more are unsent but a push is out: push 2 goes when the reply
-  # lands, at 16, with 3 (w0@8, w1@12, w0@12). w1@18 is the last job: once push 2's reply
-  # is merged (26) the LPS flushes it, push 3 with 1 update (at the GPS at 31, back at 36).
-  plan = _plan((1.0, 0.5), regions=2, total=12, sync_every=2, server_region=1)
-  plan.network = Network.build(num_workers=2, regions=2, worker_regions=(0, 0),
-                               intra_gbps=8e-9, intra_latency_s=0.0, inter_gbps=8e-9 / 5,
-                               inter_latency_s=0.0)
+  # Both workers in region 0 with their LPS, the GPS in region 1. NICs carry 1 byte/s each
+  # way, the link between the regions 1/5 byte/s; every transfer is 1 byte. K = 2, H = 2,
+  # a 12-step budget; w0 computes a job in 2 s, w1 in 4 s.
+  #  0     both pull at once, half the LPS's NIC each: pulled at 2.
+  #  4, 6  w0 arrives at 5 (v1), pulls alone (6), computes to 8. w1 arrives at 7 (v2).
+  #  7     w1 pulls while push 1 (2 updates) leaves: the push is held to 1/5 by the link,
+  #        the pull gets the other 4/5 of the NIC (1.25 s): pulled at 8.25, computes to
+  #        12.25. Push 1 is at the GPS at 12, its reply back at 17.
+  #  8     w0 arrives at 9 (v3), pulls beside the push (1.25 s, 10.25), computes to 12.25.
+  #  12.25 w1 and w0 send beside the reply (1/5 on the link): 2/5 each, arrive at 14.75.
+  #        w1 pulls the last job (alone, 15.75) and computes to 19.75; w0 has no budget.
+  #  17    the reply lands: push 2 with the 3 updates unsent (at 22, back at 27).
+  #  19.75 w1 arrives at 20.75; it is the last: push 3 goes when push 2's reply lands, at
+  #        27 (at the GPS at 32, back at 37).
+  plan = _plan((1.0, 0.5), regions=2, total=12, sync_every=2, server_region=1,
+               worker_regions=(0, 0), inter_seconds_per_byte=5.0)
   schedule, backend, times = _run("halos", plan)
   at = lambda kind: [t for t, k in times if k == kind]
-  assert at("arrive") == [4.0, 6.0, 8.0, 12.0, 12.0, 18.0]
-  assert at("push_arrive") == [11.0, 21.0, 31.0]
-  assert at("params_arrive") == [16.0, 26.0, 36.0]
+  assert at("arrive") == pytest.approx([5.0, 7.0, 9.0, 14.75, 14.75, 20.75])
+  assert at("push_arrive") == pytest.approx([12.0, 22.0, 32.0])
+  assert at("params_arrive") == pytest.approx([17.0, 27.0, 37.0])
   assert backend.push_sizes == [2, 3, 1]
   assert [c[0] for c in backend.calls if c[0] in ("push", "apply_push", "merge")] == [
       "push", "apply_push", "merge"] * 3
@@ -250,7 +262,7 @@ def test_streaming_segments_hide_transfers_behind_tau_steps(tau, expected):
 def test_gossip_rounds_wait_only_for_the_peer():
   # Computes of H = 2 take 2, 2, 4, 4 s; a swap of 1 byte with a peer takes 1 s each way at
   # once. Fixed pairs (0,1), (2,3): the fast pair runs ahead of the slow one.
-  from lowcomm_jax.sim.schedules import GossipRounds
+  from lowcomm_jax.sim.sync_schedules import GossipRounds
 
   def run(peers):
     backend, loop = FakeBackend(), EventLoop()
@@ -275,3 +287,19 @@ def test_gossip_rounds_wait_only_for_the_peer():
   again = GossipRounds(_plan([1.0] * 4), FakeBackend(), lambda t: [1, 0, 3, 2])
   again.load_state(schedule.state_dict())
   assert again.ready == schedule.ready
+
+
+def test_the_server_in_a_region_of_its_own_evens_out_the_regions_shares_of_the_steps():
+  # Four equal workers in two regions, links between regions 10x slower than NICs.
+  def region0_share(server_region):
+    plan = _plan((1.0,) * 4, regions=2, total=80, inter_seconds_per_byte=10.0,
+                 server_region=server_region)
+    schedule, _, _ = _run("async_dn", plan)
+    steps = schedule.acct.applied_steps_by_worker
+    assert sum(steps) == schedule.acct.applied_steps == 80
+    return (steps[0] + steps[1]) / 80
+
+  # Beside the server, region 0's workers wait ~2 s per job on the wire, region 1's ~20 s.
+  assert region0_share(0) > 0.7
+  # In a region of its own, every worker is equally far from it.
+  assert region0_share(None) == 0.5

@@ -1,0 +1,154 @@
+"""Asynchronous schedules: Local-SGD workers behind one server (async, async_dn) and HALoS's
+regional servers. Every transfer (a pull, a contribution, a push between servers) is a flow
+sharing the links with the others in flight (sim/flows.py)."""
+
+import dataclasses
+
+from lowcomm_jax.sim.collectives import node
+from lowcomm_jax.sim.events import Event, EventLoop
+from lowcomm_jax.sim.flows import TICK, Flows
+from lowcomm_jax.sim.schedules import GLOBAL, Backend, Job, Plan, Schedule, region_server
+
+
+class AsyncWorkers(Schedule):
+  """Asynchronous Local-SGD: a worker pulls the latest parameters of its server (their
+  version is the one when it asks), computes H steps, sends its pseudo-gradient; the
+  server applies it on arrival (outer rule: plain Nesterov or Delayed Nesterov, the
+  backend's) and the worker pulls again, until the budget of inner steps is spent.
+  Events: 'pulled' (the parameters arrived), 'computed', 'arrive' (at the server)."""
+
+  def __init__(self, plan: Plan, backend: Backend):
+    super().__init__(plan, backend)
+    self.flows = Flows(plan.network)
+
+  def server_of(self, worker: int) -> str:
+    return GLOBAL
+
+  def server_region(self, server: str) -> int:
+    return self.plan.network.server_region
+
+  def _send(self, loop: EventLoop, src, dst, nbytes: int, kind: str, **data) -> None:
+    """A transfer between nodes, workers (ints) or servers (names); `kind` with `data` is
+    the event at its arrival."""
+    ends = [(node(n), self.plan.network.worker_region[n]) if isinstance(n, int)
+            else (n, self.server_region(n)) for n in (src, dst)]
+    self.flows.send(loop, *ends[0], *ends[1], nbytes, kind, data)
+
+  def start(self, loop: EventLoop) -> None:
+    for w in range(self.plan.num_workers):
+      self._dispatch(loop, w)
+
+  def _dispatch(self, loop: EventLoop, worker: int) -> bool:
+    p = self.plan
+    remaining = p.total_steps - self.dispatched_steps
+    if remaining <= 0:
+      return False
+    job = self._new_job(loop, worker, self.server_of(worker),
+                        min(p.inner_steps[worker], remaining))
+    self.acct.bytes_sent += p.delta_bytes
+    self.acct.server_bytes_sent += p.param_bytes
+    self._send(loop, job.server, worker, p.param_bytes, "pulled", job=dataclasses.asdict(job))
+    return True
+
+  def handle(self, event: Event, loop: EventLoop) -> None:
+    if event.kind == TICK:
+      self.flows.handle(loop)
+    elif event.kind == "pulled":
+      job = event.data["job"]
+      loop.schedule(loop.now + job["compute_seconds"], "computed", job=job)
+    elif event.kind == "computed":
+      job = event.data["job"]
+      self._send(loop, job["worker"], job["server"], self.plan.delta_bytes, "arrive", job=job)
+    elif event.kind == "arrive":
+      self._on_arrival(loop, Job(**event.data["job"]))
+    else:
+      self._server_event(event, loop)
+
+  def _on_arrival(self, loop: EventLoop, job: Job) -> None:
+    self._arrive(loop, job)
+
+  def _server_event(self, event: Event, loop: EventLoop) -> None:
+    raise ValueError(f"unexpected event {event.kind!r}")
+
+  def _arrive(self, loop: EventLoop, job: Job) -> None:
+    staleness = self.backend.version(job.server) - job.version
+    drift, loss = self.backend.apply_job(job)
+    self._applied(job, staleness, drift, loss)
+    self._dispatch(loop, job.worker)
+
+  def state_dict(self) -> dict:
+    return {**super().state_dict(), "flows": self.flows.state_dict()}
+
+  def load_state(self, state: dict) -> None:
+    super().load_state(state)
+    self.flows.load_state(state["flows"])
+
+
+class Halos(AsyncWorkers):
+  """HALoS: asynchronous workers behind one local parameter server per region; an LPS
+  pushes its change to the global server once `sync_every` updates are unsent (and no push
+  is in flight) and merges the model it gets back. Updates applied while a push is in
+  flight go with the next push; when the budget is spent, LPSs push what they have left."""
+
+  def __init__(self, plan: Plan, backend: Backend):
+    super().__init__(plan, backend)
+    regions = sorted(set(plan.network.worker_region))
+    # unsent: updates applied at the LPS and not yet in a push (those applied while a push
+    # is in flight stay unsent and go with the next one).
+    self.lps = {region_server(r): {"region": r, "unsent": 0, "pushing": False,
+                                   "running": 0} for r in regions}
+
+  def server_of(self, worker: int) -> str:
+    return region_server(self.plan.network.worker_region[worker])
+
+  def server_region(self, server: str) -> int:
+    return self.plan.network.server_region if server == GLOBAL else self.lps[server]["region"]
+
+  def _dispatch(self, loop: EventLoop, worker: int) -> bool:
+    started = super()._dispatch(loop, worker)
+    if started:
+      self.lps[self.server_of(worker)]["running"] += 1
+    return started
+
+  def _on_arrival(self, loop: EventLoop, job: Job) -> None:
+    lps = self.lps[job.server]
+    lps["running"] -= 1
+    lps["unsent"] += 1
+    self._arrive(loop, job)
+    self._maybe_push(loop, job.server)
+
+  def _server_event(self, event: Event, loop: EventLoop) -> None:
+    p = self.plan
+    if event.kind == "push_arrive":  # at the GPS: apply, reply with its model
+      self.backend.apply_push(GLOBAL, event.data["msg"])
+      reply = self.new_id()
+      self.backend.send_params(GLOBAL, reply)
+      self.acct.server_bytes_sent += p.param_bytes
+      self._send(loop, GLOBAL, event.data["lps"], p.param_bytes, "params_arrive",
+                 lps=event.data["lps"], msg=reply)
+    elif event.kind == "params_arrive":  # back at the LPS
+      dst = event.data["lps"]
+      self.backend.merge(dst, event.data["msg"], p.merge_alpha)
+      self.lps[dst]["pushing"] = False
+      self._maybe_push(loop, dst)
+    else:
+      raise ValueError(f"unexpected event {event.kind!r}")
+
+  def _maybe_push(self, loop: EventLoop, server: str) -> None:
+    p, lps = self.plan, self.lps[server]
+    finished = self.dispatched_steps >= p.total_steps and lps["running"] == 0
+    due = lps["unsent"] >= p.sync_every or (finished and lps["unsent"] > 0)
+    if lps["pushing"] or not due:
+      return
+    msg = self.new_id()
+    self.backend.push_update(server, msg)
+    lps["pushing"], lps["unsent"] = True, 0
+    self.acct.server_bytes_sent += p.param_bytes
+    self._send(loop, server, GLOBAL, p.param_bytes, "push_arrive", lps=server, msg=msg)
+
+  def state_dict(self) -> dict:
+    return {**super().state_dict(), "lps": self.lps}
+
+  def load_state(self, state: dict) -> None:
+    super().load_state(state)
+    self.lps = state["lps"]
