@@ -1,7 +1,7 @@
 """The simulator: many virtual workers on one machine, on a virtual clock.
 
 `run(config, workdir)` (when `sim.enabled`) builds the run as the real runner does, then
-lets the event loop (sim/events.py) and the algorithm's schedule (sim/schedules.py) decide
+lets the event loop (sim/events.py) and the algorithm's schedule (sim/*_schedules.py) decide
 when each worker pulls, computes and sends, while sim_backend.py does the real training.
 Each batch of simultaneous events is followed by one `flush` that runs the jobs they
 started. Progress is counted in round-equivalents (W·H inner steps applied, or synchronous

@@ -123,7 +123,7 @@ class Algorithm:
     return None
 
   def schedule(self, plan, backend):
-    """The simulator's schedule (lowcomm_jax/sim/schedules.py) for this algorithm."""
+    """The simulator's schedule (lowcomm_jax/sim/sync_schedules.py, async_schedules.py)."""
     from lowcomm_jax.sim.sync_schedules import SyncRounds
     return SyncRounds(plan, backend)
 

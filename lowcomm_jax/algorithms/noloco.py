@@ -25,7 +25,7 @@ fixed when the program compiles), one drawn per round from the round key. θ is 
 replicas' mean, computed only on rounds that log, evaluate or checkpoint (an all-reduce for
 evaluation, outside the ledger's training bytes); no worker reads it. In the simulator a
 pair waits for its own slower member and their swap over the link between their regions,
-not for the slowest worker (sim/schedules.GossipRounds); the math is the runner's sync.
+not for the slowest worker (sim/sync_schedules.GossipRounds); the math is the runner's sync.
 """
 
 from typing import NamedTuple

@@ -4,7 +4,7 @@ Workers pull from and push to their region's server (its Delayed Nesterov rule);
 regional server has `outer.halos.sync_every` updates unsent it pushes its change since the
 last merge to the global server, which applies it with its own rule and answers with its
 model, and the regional server merges that (weight `outer.halos.merge_alpha`). The three
-calls are the simulator's (sim/schedules.Halos: `lps_push`, `apply_lps_push`, `merge` are
+calls are the simulator's (sim/async_schedules.Halos: `lps_push`, `apply_lps_push`, `merge` are
 SimBackend's push_update, apply_push and merge), made one after the other by the driver: the
 simulator's schedule with instant transfers, so no push is ever in flight when a
 checkpoint is taken. When the budget is spent, a regional server whose workers are all done
