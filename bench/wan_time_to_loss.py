@@ -1,27 +1,43 @@
-"""Time to a target loss over a slow wide-area network, in the simulator.
+"""Time to fixed target losses over a slow wide-area network, in the simulator, against tuned
+baselines, over seeds.
 
-16 workers in 4 regions (100 Gb/s inside a region; 1 Gb/s and 50 ms between regions),
-`moderate` speeds (0.5–1×), the same tokens for every method: DDP, DiLoCo, Streaming
-DiLoCo, one-step-delay, eager, Overlap Local-SGD, async DN + DyLU and HALoS (+ DyLU), each
-dense, with its best codec (DeMo for DDP, SparseLoCo for the rest; see DEMO, SPARSELOCO) and
-dense with free communication (its compute-only floor).
+16 workers in 4 regions (100 Gb/s NICs; 1 Gb/s and 50 ms between regions, each region's
+uplink and downlink 1 Gb/s), the parameter server in a fifth region of its own, transfers
+sharing links max-min fairly (sim/flows.py), synchronous collectives ring or hierarchical,
+whichever is faster (sim/collectives.py). `moderate` speeds (0.5–1×). The same tokens for
+every method: 150 inner steps per worker.
 
 The CPU trains the byte-level `small` model, but the clock is that of `gpt2_124m` on
 A100-class GPUs: an inner step takes STEP_SECONDS at speed 1 and every payload travels as
-if it were BYTES_SCALE times larger (sim.network.bytes_scale), so the ratio of communication
-to computation is that of the large model over these links (see `_scales`).
+if it were BYTES_SCALE times larger (sim.network.bytes_scale), so the ratio of
+communication to computation is that of the large model over these links.
 
-Reported per case: virtual time to L* (the eval loss dense DiLoCo ends at; "never" if the
-case does not reach it), that time over the method's compute-only floor's, the speed-up
-over DiLoCo, and the eval loss after a fixed virtual-time budget; a plot of eval loss
-against virtual time.
+What is measured, per method at its tuned point and per seed:
+- the targets: the tuned DDP's mean final eval loss over the seeds, +1%, +3%, +10%;
+- the time to each target, interpolated linearly in virtual time between the two
+  evaluations around the crossing (evaluations every round-equivalent);
+- the compute-only floor: the virtual time the same schedule needs, with free
+  communication, to apply as many inner steps as the run had applied at the crossing
+  (a replay of the schedule, sim/replay.py: time never depends on the math);
+- synchronous methods' variants that change only the clock (DDP's gradients in bf16:
+  half the bytes; a flat ring instead of the faster collective) are replays of the same
+  trained run.
 
-  python bench/wan_time_to_loss.py [--jobs 16] [--rounds 15] [--workdir DIR]
+Tuning (seed 0; BENCHMARKS.md lists each grid): DDP's lr, with and without gradient
+accumulation (3 micro-batches per step: 3× the batch, a third of the steps); DiLoCo's H,
+outer lr/momentum, with and without DyLU; async DN + DyLU's outer lr/momentum and H;
+HALoS's outer lr/momentum. DDP is tuned by final loss (it sets the targets); the others by
+the most targets reached, then the time to the tightest of them. The tuned points then run
+on the other seeds.
 
-Writes <workdir>/wan.md, wan.png and result.json (bench/results/wan by default).
+  python bench/wan_time_to_loss.py [--jobs 2] [--seeds 3] [--workdir DIR]
+
+Writes <workdir>/wan.md and result.json (bench/results/wan by default); finished runs are
+reused, so a cut-off run continues where it stopped.
 """
 
 import argparse
+import itertools
 import json
 import os
 import pathlib
@@ -34,168 +50,277 @@ sys.path.insert(0, str(REPO / "bench"))
 os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 
 import sim_grid  # noqa: E402
+import stats  # noqa: E402
 
 GPT2_PARAMS = 124_475_904  # gpt2_124m (vocab 50304), as bench/mfu.py counts it
 # gpt2_124m on an A100 (312 TFLOP/s bf16 dense) at 40% MFU, 16 × 1024 tokens per step:
 # 855 MFLOP per token (model/flops.py) -> 16384 · 855e6 / (0.4 · 312e12) s.
 STEP_SECONDS = 16384 * 855e6 / (0.4 * 312e12)
-# The best codec for each method, as its authors configure it: DDP sends DeMo's top DCT
-# coefficients of its momentum and steps on their sign (configs/ddp_demo.py); the others
-# send SparseLoCo's top-k 2-bit pseudo-gradients with error feedback, under SparseLoCo's
-# outer SGD at lr 1 without momentum (configs/diloco_sparseloco.py; Overlap Local-SGD's
-# anchor rule has no lr, and keeps its own).
-DEMO = ("demo", {"compress.codec": "demo", "compress.beta": 0.999, "compress.chunk": 64,
-                 "compress.k": 32, "optimizer.lr": 1e-3})
-SPARSELOCO = ("sparseloco", {"compress.codec": "sparseloco", "compress.beta": 0.95,
-                             "compress.chunk": 64, "compress.k": 64, "outer.lr": 1.0,
-                             "outer.momentum": 0.0})
-METHODS = {
-    "ddp": {"algorithm": "ddp"},
-    "diloco": {"algorithm": "diloco"},
-    "streaming": {"algorithm": "streaming", "streaming.fragments": 2,
-                  "streaming.overlap_steps": 1},
-    # The delayed outer steps diverge with DiLoCo's outer momentum 0.9 (BENCHMARKS.md,
-    # overlapped variants): they run without momentum.
-    "one_step_delay": {"algorithm": "one_step_delay", "outer.momentum": 0.0},
-    "eager": {"algorithm": "eager", "outer.momentum": 0.0},
-    "overlap": {"algorithm": "overlap"},
-    "async_dn_dylu": {"algorithm": "async_dn", "outer.dylu": True},
-    "halos": {"algorithm": "halos", "outer.dylu": True, "outer.halos.sync_every": 4},
-}
+SMALL_PARAMS = 858_880  # the byte-level `small` model
+STEPS = 150  # inner steps per worker: the same tokens for every method
+TARGETS = (1.01, 1.03, 1.10)  # × the tuned DDP's final eval loss
+OUTER = {"o07m09": {"outer.lr": 0.7, "outer.momentum": 0.9},
+         "o10m05": {"outer.lr": 1.0, "outer.momentum": 0.5}}
 FREE = {"sim.network.bytes_scale": 1e-12, "sim.network.intra_latency_s": 0.0,
         "sim.network.inter_latency_s": 0.0}
 
 
-def cases(args) -> dict[str, dict]:
-  out = {}
-  for m, fields in METHODS.items():
-    out[m] = fields
-    name, codec = DEMO if m == "ddp" else SPARSELOCO
-    if m == "overlap":
-      codec = {k: v for k, v in codec.items() if not k.startswith("outer.")}
-    out[f"{m}+{name}"] = {**fields, **codec}
-    out[f"{m}@free"] = {**fields, **FREE}
-  return out
+def _ddp(lr: float, accumulate: int) -> dict:
+  # Gradient accumulation: `accumulate` micro-batches per step is a batch that many times
+  # larger for that many times the compute, and a third of the syncs.
+  return {"algorithm": "ddp", "optimizer.lr": lr, "inner_steps": 1,
+          "rounds": STEPS // accumulate, "data.batch_size": 8 * accumulate,
+          "sim.step_seconds": STEP_SECONDS * accumulate,
+          "optimizer.decay_steps": STEPS // accumulate, "eval_every": 10 // accumulate or 1,
+          "log_every": 10 // accumulate or 1, "optimizer.warmup_steps": 20 // accumulate}
 
 
-def _scales(args) -> tuple[float, int]:
-  """(sim.network.bytes_scale, the small model's parameters): payloads as gpt2_124m's."""
-  from lowcomm_jax.build import build
-  small = build(config("diloco", METHODS["diloco"], args, 1.0)).model.param_count
-  return GPT2_PARAMS / small, small
+def _local(algorithm: str, h: int, outer: str, **fields) -> dict:
+  return {"algorithm": algorithm, "inner_steps": h, "rounds": STEPS // h, **OUTER[outer],
+          **fields}
 
 
-def config(name: str, fields: dict, args, bytes_scale: float):
+# method -> {point name: fields}; the first point of each is its authors' default.
+GRIDS = {
+    "ddp": {f"lr{lr:g}": _ddp(lr, 1) for lr in (1e-3, 3e-3, 1e-2)},
+    "ddp_accum3": {f"lr{lr:g}": _ddp(lr, 3) for lr in (3e-3, 1e-2)},
+    "diloco": {**{f"H{h}_{o}": _local("diloco", h, o) for h, o in
+                  itertools.product((10, 5, 25, 50), OUTER)},
+               **{f"H{h}_{o}_dylu": _local("diloco", h, o, **{"outer.dylu": True})
+                  for h, o in itertools.product((10, 25), OUTER)}},
+    "async_dn_dylu": {f"H{h}_{o}": _local("async_dn", h, o, **{"outer.dylu": True})
+                      for h, o in itertools.product((10, 25), OUTER)},
+    "halos": {f"H10_{o}": _local("halos", 10, o, **{"outer.dylu": True,
+                                                    "outer.halos.sync_every": 4})
+              for o in OUTER},
+}
+SYNCHRONOUS = ("ddp", "ddp_accum3", "diloco")
+
+
+def case_name(method: str, point: str, seed: int) -> str:
+  return f"{method}.{point}.s{seed}"
+
+
+def config(fields: dict, seed: int):
   c = runpy.run_path(str(REPO / "configs" / "base.py"))["get_config"]()
-  ddp = fields["algorithm"] == "ddp"
   c.update_from_flattened_dict({
       "num_workers": 16, "model.name": "small", "data.tokenizer": "byte",
       "data.batch_size": 8, "data.seq_len": 32, "optimizer.warmup_steps": 20,
-      # Equal tokens: DDP takes rounds·H single steps.
-      "rounds": args.rounds * (args.inner_steps if ddp else 1),
-      "inner_steps": 1 if ddp else args.inner_steps,
-      "optimizer.decay_steps": args.rounds * args.inner_steps,
-      "eval_every": args.inner_steps if ddp else 1, "eval_batches": 4,
-      "checkpoint_every": 0, "log_every": args.inner_steps if ddp else 1,
+      "optimizer.decay_steps": STEPS, "eval_every": 1, "eval_batches": 4,
+      "checkpoint_every": 0, "log_every": 1,
       "sim.enabled": True, "sim.heterogeneity": "moderate", "sim.step_seconds": STEP_SECONDS,
       "sim.network.regions": 4, "sim.network.intra_gbps": 100.0,
       "sim.network.inter_gbps": 1.0, "sim.network.inter_latency_s": 0.05,
-      "sim.network.bytes_scale": bytes_scale, "seed": args.seed})
+      "sim.network.bytes_scale": GPT2_PARAMS / SMALL_PARAMS, "seed": seed})
   c.update_from_flattened_dict(fields)
   return c
 
 
-def _curve(workdir: pathlib.Path) -> list[tuple[float, float]]:
-  rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
-  return [(r["virtual_seconds"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+def all_cases(seeds: int) -> dict[str, tuple[dict, int]]:
+  """Every case this bench may run: name -> (fields, seed)."""
+  out = {}
+  for method, grid in GRIDS.items():
+    for point, fields in grid.items():
+      for seed in range(seeds):
+        out[case_name(method, point, seed)] = (fields, seed)
+  return out
 
 
-def _time_to(curve, target: float) -> float | None:
-  return next((t for t, loss in curve if loss <= target), None)
+# --- reading runs ---------------------------------------------------------------------
+
+def _rows(workdir: pathlib.Path, name: str) -> list[dict]:
+  lines = (workdir / name / "metrics.jsonl").read_text().splitlines()
+  return [r for r in map(json.loads, lines) if "eval_loss" in r]
 
 
-def _loss_at(curve, budget: float) -> float | None:
-  seen = [loss for t, loss in curve if t <= budget]
-  return seen[-1] if seen else None
+def _summary(workdir: pathlib.Path, name: str) -> dict:
+  return json.loads((workdir / name / "summary.json").read_text())
 
 
-def report(args, grid: dict[str, dict]) -> str:
-  curves = {n: _curve(args.workdir / n) for n in grid}
-  summaries = {n: json.loads((args.workdir / n / "summary.json").read_text()) for n in grid}
-  target = summaries["diloco"]["eval_loss"]
-  budget = 2 * summaries["diloco@free"]["virtual_seconds"]
-  dil = _time_to(curves["diloco"], target)
-  fmt = lambda x, f="{:.1f}": "never" if x is None else f.format(x)
-  lines = [f"L* = {target:.4f} (dense DiLoCo's final eval loss); fixed budget "
-           f"{budget:.1f} virtual s (2 × DiLoCo's compute-only time). Floor: the method's "
-           "run with free communication (`@free`): its time to L*, or where it never gets "
-           "there its whole compute time.", "",
-           "| case | final eval loss | virtual s | time to L* | floor | × floor | vs DiLoCo | "
-           "eval loss at budget | MiB sent/worker |", "|---|---|---|---|---|---|---|---|---|"]
-  for n in grid:
-    if n.endswith("@free"):
-      continue
-    method = n.split("+")[0]
-    t = _time_to(curves[n], target)
-    free = f"{method}@free"
-    floor = _time_to(curves[free], target) or summaries[free]["virtual_seconds"]
-    s = summaries[n]
-    lines.append(
-        f"| {n} | {s['eval_loss']:.4f} | {s['virtual_seconds']:.1f} | {fmt(t)} | "
-        f"{floor:.1f} | {fmt(t / floor if t else None, '{:.2f}')} | "
-        f"{fmt(dil / t if t and dil else None, '{:.2f}×')} | "
-        f"{fmt(_loss_at(curves[n], budget), '{:.4f}')} | {s['bytes_sent'] / 2**20:.1f} |")
-  lines += ["", "Compute-only runs (free communication): " + ", ".join(
-      f"{n.split('@')[0]} eval {summaries[n]['eval_loss']:.4f} in "
-      f"{summaries[n]['virtual_seconds']:.1f} s, L* at {fmt(_time_to(curves[n], target))}"
-      for n in grid if n.endswith("@free"))]
+def crossing(rows: list[dict], target: float) -> tuple[float, float] | None:
+  """(virtual seconds, inner steps applied) where the eval loss first reaches `target`,
+  linear between the evaluations on either side; None if it never does."""
+  before = None
+  for r in rows:
+    if r["eval_loss"] <= target:
+      if before is None:
+        return r["virtual_seconds"], r["total_inner_steps"]
+      f = (before["eval_loss"] - target) / (before["eval_loss"] - r["eval_loss"])
+      lerp = lambda k: before[k] + f * (r[k] - before[k])
+      return lerp("virtual_seconds"), lerp("total_inner_steps")
+    before = r
+  return None
+
+
+def _clock(fields: dict, seed: int, network: dict):
+  """The schedule's (virtual seconds, steps applied) points under `network` overrides."""
+  from lowcomm_jax import algorithms
+  from lowcomm_jax.build import build
+  from lowcomm_jax.sim import replay
+  from lowcomm_jax.simulate import make_plan, one_device
+  c = config({**fields, **network}, seed)
+  r = build(one_device(c))
+  plan = make_plan(r.config, r)
+  return replay.clock(plan, algorithms.get(c.algorithm).schedule)
+
+
+class Clocks:
+  """Replays, cached per (case fields, seed, network)."""
+
+  def __init__(self):
+    self.cache = {}
+
+  def seconds_at(self, fields: dict, seed: int, network: dict, steps: float) -> float | None:
+    from lowcomm_jax.sim import replay
+    key = json.dumps([fields, seed, network], sort_keys=True)
+    if key not in self.cache:
+      self.cache[key] = _clock(fields, seed, network)
+    return replay.seconds_at(self.cache[key], steps)
+
+
+# --- tuning and the report -------------------------------------------------------------
+
+def targets(workdir: pathlib.Path, seeds: int, ddp_point: str) -> list[float]:
+  losses = [_summary(workdir, case_name("ddp", ddp_point, s))["eval_loss"] for s in range(seeds)]
+  base = stats.mean_sd(losses)[0]
+  return [base * t for t in TARGETS]
+
+
+def tuned_ddp(workdir: pathlib.Path, seeds: int) -> str:
+  """DDP's lr by its mean final loss over the seeds (it sets the targets)."""
+  return min(GRIDS["ddp"], key=lambda p: stats.mean_sd(
+      _summary(workdir, case_name("ddp", p, s))["eval_loss"] for s in range(seeds))[0])
+
+
+def score(rows: list[dict], goals: list[float]) -> tuple:
+  """Smaller is better: more targets reached, then sooner at the tightest, then lower loss."""
+  reached = [crossing(rows, g) for g in goals]
+  hits = [c for c in reached if c is not None]
+  return (-len(hits), hits[0][0] if hits else 0.0, rows[-1]["eval_loss"])
+
+
+def tuned(workdir: pathlib.Path, method: str, goals: list[float]) -> str:
+  grid = GRIDS[method]
+  return min(grid, key=lambda p: score(_rows(workdir, case_name(method, p, 0)), goals))
+
+
+def method_rows(workdir, method, point, seeds, goals, clocks) -> list[dict]:
+  """Per seed: time, steps and floor at each target, final loss, virtual seconds."""
+  fields = GRIDS[method][point]
+  out = []
+  for seed in range(seeds):
+    name = case_name(method, point, seed)
+    rows, summary = _rows(workdir, name), _summary(workdir, name)
+    per = {"seed": seed, "eval_loss": summary["eval_loss"],
+           "virtual_seconds": summary["virtual_seconds"],
+           "collective": summary.get("collective"), "regions": summary.get("regions"),
+           "targets": []}
+    for goal in goals:
+      hit = crossing(rows, goal)
+      if hit is None:
+        per["targets"].append(None)
+        continue
+      t, steps = hit
+      entry = {"seconds": t, "steps": steps,
+               "floor": clocks.seconds_at(fields, seed, FREE, steps)}
+      if method in SYNCHRONOUS:  # clock-only variants of the same trained run
+        entry["ring"] = clocks.seconds_at(fields, seed, {"sim.network.collective": "ring"},
+                                          steps)
+      if method.startswith("ddp"):
+        entry["bf16"] = clocks.seconds_at(fields, seed, {
+            "sim.network.bytes_scale": GPT2_PARAMS / SMALL_PARAMS / 2}, steps)
+      per["targets"].append(entry)
+    out.append(per)
+  return out
+
+
+def _fmt(values, f="{:.1f}"):
+  if any(v is None for v in values):
+    reached = sum(v is not None for v in values)
+    return f"never ({reached}/{len(values)} seeds reach it)" if reached else "never"
+  m, sd = stats.mean_sd(values)
+  return f"{f.format(m)} ± {f.format(sd)}"
+
+
+def report(workdir: pathlib.Path, seeds: int, picks: dict, goals: list[float],
+           results: dict) -> str:
+  lines = [f"Targets (the tuned DDP `{picks['ddp']}`'s mean final eval loss over {seeds} seeds, "
+           f"+1% / +3% / +10%): " + ", ".join(f"{g:.4f}" for g in goals), "",
+           "| method (tuned point) | final eval loss | virtual s (whole run) | "
+           + " | ".join(f"time to +{round((t - 1) * 100)}% | × floor" for t in TARGETS)
+           + " |", "|---|---|---|" + "---|---|" * len(TARGETS)]
+  for method, per_seed in results.items():
+    cells = [f"{method} (`{picks[method]}`)",
+             _fmt([p["eval_loss"] for p in per_seed], "{:.4f}"),
+             _fmt([p["virtual_seconds"] for p in per_seed])]
+    for i in range(len(goals)):
+      hits = [p["targets"][i] for p in per_seed]
+      cells.append(_fmt([h and h["seconds"] for h in hits]))
+      cells.append(_fmt([h and h["seconds"] / h["floor"] for h in hits], "{:.2f}"))
+    lines.append("| " + " | ".join(cells) + " |")
+  lines += ["", "Paired over seeds (time to target, seconds; the claim: the method is faster):",
+            "", "| method | against | target | difference (mean ± sd) | 95% interval | "
+            "speed-up (mean ± sd) | verdict |", "|---|---|---|---|---|---|---|"]
+  for method, per_seed in results.items():
+    for base in ("diloco", "ddp"):
+      if method == base or base not in results:
+        continue
+      for i, t in enumerate(TARGETS):
+        a = [p["targets"][i] for p in per_seed]
+        b = [p["targets"][i] for p in results[base]]
+        if any(x is None for x in a + b):
+          verdict = ("neither reaches it" if all(x is None for x in a + b) else
+                     f"{'only ' + base if any(x is None for x in a) else 'only ' + method}"
+                     " reaches it on every seed")
+          lines.append(f"| {method} | {base} | +{round((t - 1) * 100)}% | | | | {verdict} |")
+          continue
+        d = stats.paired([x["seconds"] for x in a], [x["seconds"] for x in b],
+                         higher_is_better=False)
+        ratio = [y["seconds"] / x["seconds"] for x, y in zip(a, b)]
+        lines.append(f"| {method} | {base} | +{round((t - 1) * 100)}% | "
+                     f"{d['mean']:+.1f} ± {d['sd']:.1f} | {d['ci95'][0]:+.1f} to "
+                     f"{d['ci95'][1]:+.1f} | {_fmt(ratio, '{:.2f}')}× | {d['verdict']} |")
   return "\n".join(lines)
-
-
-def plot(args, grid, path):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(9, 5.5))
-  colours = {m: f"C{i}" for i, m in enumerate(METHODS)}  # one per method; codec dashed
-  for n in grid:
-    if n.endswith("@free"):
-      continue
-    t, loss = zip(*_curve(args.workdir / n))
-    ax.plot(t, loss, "--" if "+" in n else "-", color=colours[n.split("+")[0]], label=n)
-  ax.set_xscale("log")
-  ax.set_xlabel("virtual seconds (gpt2_124m on A100s over 1 Gb/s between regions)")
-  ax.set_ylabel("eval loss")
-  ax.legend(fontsize=7, ncol=2)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
 
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--rounds", type=int, default=15)
-  p.add_argument("--inner_steps", type=int, default=10)
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--seeds", type=int, default=3)
   p.add_argument("--jobs", type=int, default=2)
   p.add_argument("--workdir", type=pathlib.Path, default=REPO / "bench/results/wan")
   p.add_argument("--only", help=argparse.SUPPRESS)
   args = p.parse_args()
-  grid = cases(args)
-  bytes_scale, small = _scales(args)
+  cases = all_cases(args.seeds)
   if args.only:
-    sim_grid.run_case(config(args.only, grid[args.only], args, bytes_scale),
-                      args.workdir / args.only)
+    fields, seed = cases[args.only]
+    sim_grid.run_case(config(fields, seed), args.workdir / args.only)
     return
-  print(f"bytes_scale {bytes_scale:.1f} (gpt2_124m {GPT2_PARAMS:,} / small {small:,} params), "
-        f"step {STEP_SECONDS:.3f} virtual s", flush=True)
-  failed = sim_grid.run_grid(__file__, list(grid), args.workdir, args.jobs,
-                             [a for a in sys.argv[1:]])
-  if failed:
+  forward = [a for a in sys.argv[1:]]
+  # 1. DDP's grid on every seed (the targets), every other grid on seed 0.
+  first = [n for n in cases if n.startswith("ddp.") or n.endswith(".s0")]
+  if failed := sim_grid.run_grid(__file__, first, args.workdir, args.jobs, forward):
     sys.exit(f"failed: {failed} (logs in {args.workdir / 'logs'})")
-  table = report(args, grid)
+  picks = {"ddp": tuned_ddp(args.workdir, args.seeds)}
+  goals = targets(args.workdir, args.seeds, picks["ddp"])
+  for method in GRIDS:
+    if method != "ddp":
+      picks[method] = tuned(args.workdir, method, goals)
+  print("tuned:", picks, "targets:", [round(g, 4) for g in goals], flush=True)
+  # 2. The tuned points on every seed.
+  second = [case_name(m, pt, s) for m, pt in picks.items() for s in range(args.seeds)]
+  if failed := sim_grid.run_grid(__file__, second, args.workdir, args.jobs, forward):
+    sys.exit(f"failed: {failed} (logs in {args.workdir / 'logs'})")
+  clocks = Clocks()
+  results = {m: method_rows(args.workdir, m, pt, args.seeds, goals, clocks)
+             for m, pt in picks.items()}
+  tuning = {m: {pt: score(_rows(args.workdir, case_name(m, pt, 0)), goals)
+                for pt in GRIDS[m]} for m in GRIDS if m != "ddp"}
+  table = report(args.workdir, args.seeds, picks, goals, results)
   print(table)
   (args.workdir / "wan.md").write_text(table + "\n")
-  plot(args, grid, args.workdir / "wan.png")
+  (args.workdir / "result.json").write_text(json.dumps(
+      {"picks": picks, "targets": goals, "results": results, "tuning_seed0": tuning},
+      indent=1))
 
 
 if __name__ == "__main__":

@@ -177,6 +177,16 @@ def test_halos_trains_and_logs_virtual_time(tmp_path, monkeypatch):
   assert [r["region"] for r in regions] == [0, 1] and regions[1]["workers"] == [2, 3]
   assert sum(r["applied_step_share"] for r in regions) == pytest.approx(1.0)
   assert all(r["mean_staleness"] >= 0 for r in regions)
+  # Time never depends on the math: the schedule replayed without training ends when the
+  # simulation did, having applied the same steps (sim/replay.py).
+  from lowcomm_jax.build import build
+  from lowcomm_jax.sim import replay
+  r = build(simulate.one_device(config))
+  points = replay.clock(simulate.make_plan(r.config, r), r.algorithm.schedule)
+  assert points[-1] == (pytest.approx(summary["virtual_seconds"]), summary["total_inner_steps"])
+  # Every metrics row was written at an instant of the replay's clock.
+  for row in records:
+    assert (pytest.approx(row["virtual_seconds"]), row["total_inner_steps"]) in points
 
 
 def test_divergence_keeps_the_last_good_checkpoint_and_a_changed_plan_is_refused(tmp_path):
