@@ -3,14 +3,16 @@
 At equal inner steps, the same data and the same slow network (every worker in its own
 region, 1 Gb/s and 50 ms between regions), 4 workers at `moderate` speeds: DiLoCo,
 Streaming DiLoCo (P = 2, τ = 1, 2, 5), one-step-delay, eager, Overlap Local-SGD, async,
-async DN, async DN + DyLU and HALoS, two seeds each. Drift of a contribution is
+async DN, async DN + DyLU and HALoS, three seeds each. Drift of a contribution is
 ‖θ_apply − θ_pull‖ / ‖θ_apply‖: how far the global model moved between the state the
 contribution was computed from and the state it is applied to (BUILD_NOTES.md).
 
-Reported per method (mean of the seeds, ± half their difference): final eval loss and its
-degradation relative to DiLoCo, mean and 90th-percentile drift, mean staleness, virtual
-time; the Spearman rank correlation between degradation and mean drift; a scatter plot of
-degradation against drift and the per-worker drift distributions (PNG).
+Reported per method (mean ± sd over the seeds): final eval loss, its degradation relative
+to DiLoCo paired by seed (with the 95% t interval and a verdict, bench/stats.py), mean and
+90th-percentile drift, mean staleness, virtual time; the Spearman rank correlation (ties
+at their mean rank, with its p-value: scipy.stats.spearmanr) between degradation and each
+of mean drift, p90 drift and staleness; a scatter plot of degradation against drift and
+the per-worker drift distributions (PNG).
 
   python bench/drift_study.py [--jobs 16] [--rounds 20] [--workdir DIR]
 """
@@ -30,8 +32,9 @@ sys.path.insert(0, str(REPO / "bench"))
 os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 
 import sim_grid  # noqa: E402
+import stats  # noqa: E402
 
-SEEDS = (0, 1)
+SEEDS = (0, 1, 2)
 METHODS = {
     "diloco": {"algorithm": "diloco"},
     **{f"streaming_tau{t}": {"algorithm": "streaming", "streaming.fragments": 2,
@@ -66,52 +69,55 @@ def config(fields: dict, args):
   return c
 
 
-def spearman(x, y) -> float:
-  rank = lambda v: np.argsort(np.argsort(v)).astype(float)
-  return float(np.corrcoef(rank(np.asarray(x)), rank(np.asarray(y)))[0, 1])
-
-
 def report(args) -> tuple[str, dict]:
   s = {n: json.loads((args.workdir / n / "summary.json").read_text()) for n in cases()}
   rows = {}
+  base = [s[f"diloco_s{seed}"]["eval_loss"] for seed in SEEDS]
   for m in METHODS:
     per_seed = [s[f"{m}_s{seed}"] for seed in SEEDS]
-    base = [s[f"diloco_s{seed}"]["eval_loss"] for seed in SEEDS]
-    deg = [r["eval_loss"] / b - 1 for r, b in zip(per_seed, base)]
     pick = lambda k: [r[k] if r[k] is not None else np.nan for r in per_seed]
-    rows[m] = {"loss": pick("eval_loss"), "degradation": deg, "drift": pick("mean_drift"),
-               "drift_p90": pick("drift_p90"), "staleness": pick("mean_staleness"),
-               "virtual_s": pick("virtual_seconds"),
+    rows[m] = {"loss": pick("eval_loss"),
+               "degradation": [r["eval_loss"] / b - 1 for r, b in zip(per_seed, base)],
+               "drift": pick("mean_drift"), "drift_p90": pick("drift_p90"),
+               "staleness": pick("mean_staleness"), "virtual_s": pick("virtual_seconds"),
                "per_worker": [r["drift_per_worker"] for r in per_seed]}
-  pm = lambda v, f="{:.4f}": f"{f.format(np.mean(v))} ± {f.format(abs(v[0] - v[1]) / 2)}"
-  lines = ["| method | eval loss | degradation vs DiLoCo | mean drift | p90 drift | "
-           "mean staleness | virtual s |", "|---|---|---|---|---|---|---|"]
+  def pm(values, f="{:.4f}"):
+    mean, sd = stats.mean_sd(values)
+    return f"{f.format(mean)} ± {f.replace('+', '').format(sd)}"
+
+  lines = ["| method | eval loss | degradation vs DiLoCo (paired) | 95% interval | verdict "
+           "(worse than DiLoCo?) | mean drift | p90 drift | mean staleness | virtual s |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for m, r in rows.items():
-    lines.append(f"| {m} | {pm(r['loss'])} | {pm(np.asarray(r['degradation']) * 100, '{:+.1f}')} % | "
-                 f"{pm(r['drift'])} | {pm(r['drift_p90'])} | {np.mean(r['staleness']):.2f} | "
+    if m == "diloco":
+      cells = ["", "", ""]
+    else:  # the claim tested: the method is worse (a higher loss) than DiLoCo
+      d = stats.paired(np.asarray(r["loss"]), base, higher_is_better=True)
+      pct = np.asarray(r["degradation"]) * 100
+      cells = [f"{pm(pct, '{:+.1f}')} %",
+               f"{d['ci95'][0]:+.4f} to {d['ci95'][1]:+.4f}",
+               {"holds": "worse", "reversed": "better"}.get(d["verdict"], d["verdict"])]
+    lines.append(f"| {m} | {pm(r['loss'])} | " + " | ".join(cells) + f" | {pm(r['drift'])} | "
+                 f"{pm(r['drift_p90'])} | {np.mean(r['staleness']):.2f} | "
                  f"{np.mean(r['virtual_s']):.1f} |")
   others = [m for m in rows if m != "diloco"]
   deg = [np.mean(rows[m]["degradation"]) for m in others]
-  rho = {k: spearman([np.mean(rows[m][k]) for m in others], deg)
+  rho = {k: stats.spearman([np.nanmean(rows[m][k]) for m in others], deg)
          for k in ("drift", "drift_p90", "staleness")}
   # Streaming's drift is the whole model's: it counts the other fragments' syncs, which
   # move parameters its fragment's pseudo-gradient does not touch.
   whole = [m for m in others if not m.startswith("streaming")]
-  rho_whole = spearman([np.mean(rows[m]["drift"]) for m in whole],
-                       [np.mean(rows[m]["degradation"]) for m in whole])
-  noise = abs(rows["diloco"]["loss"][0] - rows["diloco"]["loss"][1])
-  spread = {m: abs(r["loss"][0] - r["loss"][1]) / np.mean(r["loss"]) * 100
-            for m, r in rows.items()}
+  rho_whole = stats.spearman([np.mean(rows[m]["drift"]) for m in whole],
+                             [np.mean(rows[m]["degradation"]) for m in whole])
+  fmt = lambda rp: f"ρ = {rp[0]:+.2f} (p = {rp[1]:.2g})"
   lines += ["", f"Spearman rank correlation with the degradation, over the {len(others)} "
-            f"non-DiLoCo methods: mean drift {rho['drift']:+.2f}, p90 drift "
-            f"{rho['drift_p90']:+.2f}, staleness {rho['staleness']:+.2f}; mean drift without "
-            f"the Streaming rows ({len(whole)} methods): {rho_whole:+.2f}. Seed noise: "
-            f"DiLoCo's two seeds differ by {noise:.4f} in eval loss; over all methods the "
-            f"seeds differ by a median {np.median(list(spread.values())):.2f} % of the loss "
-            f"(largest: {max(spread, key=spread.get)}, {max(spread.values()):.1f} %); the ± "
-            "above are half the seeds' difference."]
+            f"non-DiLoCo methods (their means over {len(SEEDS)} seeds): mean drift "
+            f"{fmt(rho['drift'])}, p90 drift {fmt(rho['drift_p90'])}, staleness "
+            f"{fmt(rho['staleness'])}; mean drift without the Streaming rows "
+            f"({len(whole)} methods): {fmt(rho_whole)}. A p above 0.05 is not "
+            "distinguishable from no correlation."]
   return "\n".join(lines), {"rows": rows, "spearman": {**rho, "drift_without_streaming":
-                                                        rho_whole}, "seed_spread_pct": spread}
+                                                         rho_whole}}
 
 
 def plot(rows: dict, path: pathlib.Path) -> None:

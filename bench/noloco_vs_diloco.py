@@ -4,12 +4,14 @@ and virtual time, each method at its best outer lr, over seeds.
 
     python bench/noloco_vs_diloco.py --out results.jsonl            # runs, one line each
     python bench/noloco_vs_diloco.py --out results.jsonl --report   # the table
+    python bench/noloco_vs_diloco.py --clock     # virtual times only (sim/replay.py)
 
 Each run is the real command line in its own process. The model is `tiny` on bytes, and
 `sim.network.bytes_scale` makes its payload take a 124M-parameter model's time on the wire
 (the ledger's bytes stay the tiny model's). Both methods send one model-sized message per
-worker per round (DiLoCo's ring all-reduce, NoLoCo's swap with one peer); the network has no
-contention model, so a region's concurrent transfers do not slow each other.
+worker per round (DiLoCo's all-reduce, NoLoCo's swap with one peer); concurrent transfers
+share the links (sim/flows.py). Virtual time depends only on the schedule, so `--clock`
+replays both schedules without training, per seed (NoLoCo's pairings depend on it).
 """
 
 import argparse
@@ -75,11 +77,42 @@ def report(rows: list[dict]) -> None:
           f"virtual time ratio {ratio.mean():.3f} ± {ratio.std(ddof=1):.3f}")
 
 
+def clock() -> None:
+  """NoLoCo's virtual time over DiLoCo's for the runs' 20 rounds, per seed."""
+  import runpy
+  sys.path.insert(0, str(ROOT))
+  from lowcomm_jax import algorithms
+  from lowcomm_jax.build import build
+  from lowcomm_jax.sim import replay
+  from lowcomm_jax.simulate import make_plan, one_device
+  ratios = []
+  for seed in SEEDS:
+    seconds = {}
+    for method in METHODS:
+      c = runpy.run_path(str(ROOT / "configs" / "sim_geo.py"))["get_config"]("diloco")
+      c.update_from_flattened_dict({
+          "algorithm": method, "seed": seed, "model.name": "tiny", "data.tokenizer": "byte",
+          "data.seq_len": 64, "rounds": 20,
+          "sim.network.bytes_scale": float(f"{124_000_000 / TINY_PARAMS:.1f}")})
+      r = build(one_device(c))
+      seconds[method] = replay.clock(make_plan(r.config, r),
+                                     algorithms.get(method).schedule, r.config)[-1][0]
+    ratios.append(seconds["noloco"] / seconds["diloco"])
+    print(f"seed {seed}: diloco {seconds['diloco']:.1f} s, noloco {seconds['noloco']:.1f} s, "
+          f"ratio {ratios[-1]:.3f}", flush=True)
+  print(f"noloco / diloco virtual time: {np.mean(ratios):.3f} ± {np.std(ratios, ddof=1):.3f}")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", required=True)
+  parser.add_argument("--out")
   parser.add_argument("--report", action="store_true", help="print the table of --out")
+  parser.add_argument("--clock", action="store_true", help="virtual times only, no training")
   a = parser.parse_args()
+  if a.clock:
+    return clock()
+  if not a.out:
+    parser.error("--out is required (or --clock)")
   out = pathlib.Path(a.out)
   rows = [json.loads(l) for l in out.read_text().splitlines()] if out.exists() else []
   if not a.report:

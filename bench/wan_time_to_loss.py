@@ -161,7 +161,7 @@ def _clock(fields: dict, seed: int, network: dict):
   c = config({**fields, **network}, seed)
   r = build(one_device(c))
   plan = make_plan(r.config, r)
-  return replay.clock(plan, algorithms.get(c.algorithm).schedule)
+  return replay.clock(plan, algorithms.get(c.algorithm).schedule, r.config)
 
 
 class Clocks:
@@ -242,6 +242,36 @@ def _fmt(values, f="{:.1f}"):
   return f"{f.format(m)} ± {f.format(sd)}"
 
 
+def _first_hit(per_seed: list[dict]) -> dict:
+  return next((h for p in per_seed for h in p["targets"] if h), {})
+
+
+def fastest(results: dict, goals: list[float]) -> list[str]:
+  """Per target: the method with the least mean time among those reaching it on every
+  seed, its ratio to its floor, and the goal (≤ 1.2× floor, ≥ 2× faster than DiLoCo)."""
+  out = []
+  for i, t in enumerate(TARGETS):
+    times = {m: [p["targets"][i] for p in per_seed] for m, per_seed in results.items()}
+    every = {m: h for m, h in times.items() if all(h)}
+    if not every:
+      out.append(f"- +{round((t - 1) * 100)}%: no method reaches it on every seed.")
+      continue
+    best = min(every, key=lambda m: stats.mean_sd(h["seconds"] for h in every[m])[0])
+    mean = stats.mean_sd(h["seconds"] for h in every[best])[0]
+    floor = stats.mean_sd(h["seconds"] / h["floor"] for h in every[best])[0]
+    line = (f"- +{round((t - 1) * 100)}%: fastest **{best}**, {mean:.1f} virtual s, "
+            f"{floor:.2f}× its floor (goal ≤ 1.2×: {'met' if floor <= 1.2 else 'not met'})")
+    if "diloco" in every and best != "diloco":
+      speedup = stats.mean_sd(d["seconds"] / b["seconds"]
+                              for b, d in zip(every[best], every["diloco"]))[0]
+      line += f"; {speedup:.2f}× faster than tuned DiLoCo (goal ≥ 2×: " \
+              f"{'met' if speedup >= 2 else 'not met'})"
+    elif "diloco" not in every:
+      line += "; tuned DiLoCo does not reach it on every seed"
+    out.append(line)
+  return out
+
+
 def report(workdir: pathlib.Path, seeds: int, picks: dict, goals: list[float],
            results: dict) -> str:
   lines = [f"Targets (the tuned DDP `{picks['ddp']}`'s mean final eval loss over {seeds} seeds, "
@@ -250,20 +280,25 @@ def report(workdir: pathlib.Path, seeds: int, picks: dict, goals: list[float],
            + " | ".join(f"time to +{round((t - 1) * 100)}% | × floor" for t in TARGETS)
            + " |", "|---|---|---|" + "---|---|" * len(TARGETS)]
   for method, per_seed in results.items():
-    cells = [f"{method} (`{picks[method]}`)",
-             _fmt([p["eval_loss"] for p in per_seed], "{:.4f}"),
-             _fmt([p["virtual_seconds"] for p in per_seed])]
-    for i in range(len(goals)):
-      hits = [p["targets"][i] for p in per_seed]
-      cells.append(_fmt([h and h["seconds"] for h in hits]))
-      cells.append(_fmt([h and h["seconds"] / h["floor"] for h in hits], "{:.2f}"))
-    lines.append("| " + " | ".join(cells) + " |")
-  lines += ["", "Paired over seeds (time to target, seconds; the claim: the method is faster):",
+    variants = [("seconds", f"{method} (`{picks[method]}`)")]
+    variants += [(k, f"{method}, {label} (clock replay)") for k, label in
+                 (("bf16", "bf16 gradients"), ("ring", "flat ring")) if k in _first_hit(per_seed)]
+    for key, label in variants:
+      whole = key == "seconds"
+      cells = [label, _fmt([p["eval_loss"] for p in per_seed], "{:.4f}") if whole else "same",
+               _fmt([p["virtual_seconds"] for p in per_seed]) if whole else ""]
+      for i in range(len(goals)):
+        hits = [p["targets"][i] for p in per_seed]
+        cells.append(_fmt([h and h[key] for h in hits]))
+        cells.append(_fmt([h and h["floor"] and h[key] / h["floor"] for h in hits], "{:.2f}"))
+      lines.append("| " + " | ".join(cells) + " |")
+  lines += ["", *fastest(results, goals), "",
+            "Paired over seeds (time to target, seconds; the claim: the method is faster):",
             "", "| method | against | target | difference (mean ± sd) | 95% interval | "
             "speed-up (mean ± sd) | verdict |", "|---|---|---|---|---|---|---|"]
   for method, per_seed in results.items():
     for base in ("diloco", "ddp"):
-      if method == base or base not in results:
+      if method in (base, "ddp") or base not in results:
         continue
       for i, t in enumerate(TARGETS):
         a = [p["targets"][i] for p in per_seed]
@@ -280,6 +315,28 @@ def report(workdir: pathlib.Path, seeds: int, picks: dict, goals: list[float],
         lines.append(f"| {method} | {base} | +{round((t - 1) * 100)}% | "
                      f"{d['mean']:+.1f} ± {d['sd']:.1f} | {d['ci95'][0]:+.1f} to "
                      f"{d['ci95'][1]:+.1f} | {_fmt(ratio, '{:.2f}')}× | {d['verdict']} |")
+  return "\n".join(lines)
+
+
+def tuning_table(workdir: pathlib.Path, seeds: int, picks: dict, goals: list[float]) -> str:
+  """Every grid point: DDP's by its mean final loss over the seeds, the others on seed 0 by
+  the targets they reach and how soon."""
+  lines = ["| method | point | seeds | final eval loss | "
+           + " | ".join(f"time to +{round((t - 1) * 100)}%" for t in TARGETS)
+           + " | picked |", "|---|---|---|---|" + "---|" * len(TARGETS) + "---|"]
+  for method, grid in GRIDS.items():
+    for point in grid:
+      runs = range(seeds) if method == "ddp" else (0,)
+      rows = [_rows(workdir, case_name(method, point, s)) for s in runs]
+      losses = [_summary(workdir, case_name(method, point, s))["eval_loss"] for s in runs]
+      loss = _fmt(losses, "{:.4f}") if len(losses) > 1 else f"{losses[0]:.4f}"
+      times = []
+      for g in goals:
+        hits = [crossing(r, g) for r in rows]
+        times.append(_fmt([h and h[0] for h in hits]) if len(hits) > 1 else
+                     "never" if hits[0] is None else f"{hits[0][0]:.1f}")
+      lines.append(f"| {method} | {point} | {len(losses)} | {loss} | " + " | ".join(times)
+                   + f" | {'**yes**' if picks.get(method) == point else ''} |")
   return "\n".join(lines)
 
 
@@ -315,7 +372,8 @@ def main() -> None:
              for m, pt in picks.items()}
   tuning = {m: {pt: score(_rows(args.workdir, case_name(m, pt, 0)), goals)
                 for pt in GRIDS[m]} for m in GRIDS if m != "ddp"}
-  table = report(args.workdir, args.seeds, picks, goals, results)
+  table = (report(args.workdir, args.seeds, picks, goals, results) + "\n\nTuning:\n\n"
+           + tuning_table(args.workdir, args.seeds, picks, goals))
   print(table)
   (args.workdir / "wan.md").write_text(table + "\n")
   (args.workdir / "result.json").write_text(json.dumps(

@@ -3,10 +3,13 @@
     python -m lowcomm_jax.main --config=configs/sim_geo.py:halos
 
 Inside a region 100 Gb/s; between regions 0.1-1 Gb/s and 30-150 ms (the matrix below);
-worker speeds 'moderate' (0.5-1x). Methods at the same budget of inner steps:
-  diloco         synchronous DiLoCo, one ring all-reduce across all regions per round
-  async_dn_dylu  asynchronous Delayed Nesterov + DyLU behind one global server (region 0)
-  halos          HALoS: a local server per region, a global one in region 0
+worker speeds 'moderate' (0.5-1x). The global server sits in a fifth region of its own,
+1 Gb/s and 50 ms from each (sim.network.inter_gbps, inter_latency_s); transfers share the
+links (sim/flows.py). Methods at the same budget of inner steps:
+  diloco         synchronous DiLoCo, one all-reduce across all regions per round (ring or
+                 hierarchical, the faster)
+  async_dn_dylu  asynchronous Delayed Nesterov + DyLU behind one global server
+  halos          HALoS: a local server per region, and the global one
 """
 
 import pathlib

@@ -15,8 +15,9 @@ from lowcomm_jax.sim.schedules import GLOBAL, Plan
 class CountingBackend:
   """The Backend protocol with no training: versions move as the real servers' would."""
 
-  def __init__(self, segments: int = 1):
+  def __init__(self, segments: int = 1, config=None):
     self.versions, self.segments = {}, segments
+    self.config = config  # what some schedules read (NoLoCo's pairings: its seed)
 
   def version(self, server):
     return self.versions.setdefault(server, 0)
@@ -53,11 +54,11 @@ class CountingBackend:
     pass
 
 
-def clock(plan: Plan, make_schedule) -> list[tuple[float, int]]:
+def clock(plan: Plan, make_schedule, config=None) -> list[tuple[float, int]]:
   """[(virtual seconds, inner steps applied)] at each instant the count changed, and when
   the schedule drained, for the schedule `make_schedule(plan, backend)` builds (an
   Algorithm's `schedule`)."""
-  backend = CountingBackend(max(len(plan.fragment_bytes), 1))
+  backend = CountingBackend(max(len(plan.fragment_bytes), 1), config)
   schedule, loop = make_schedule(plan, backend), EventLoop()
   schedule.start(loop)
   points = [(0.0, 0)]
