@@ -2,10 +2,18 @@
 launch/fetch_smollm2.py) fine-tuned on TinyShakespeare with LoRA, target batch 128.
 
   python bench/collab_experiments.py [--workdir DIR] [--epochs N] [--only NAME ...]
+                                     [--repeats 3] [--random_init]
+
+`--random_init` runs SmolLM2-135M's shape from random weights with a byte tokenizer (no
+download): the same compute and bytes, so the same seconds, but not the same losses.
 
 1. One peer vs two peers of different speeds (real processes, each pinned to one core;
-   peer 1 is slowed to half speed, an emulated slower GPU): validation loss against training
-   time and against epochs, and seconds per epoch.
+   peer 1 is slowed to half speed, an emulated slower GPU), over an emulated link
+   (collab.link_gbps / link_latency_s: each epoch's sync waits a ring all-reduce of its
+   bytes over it, LINK below), and against the baseline without counting: a static split
+   of the target batch in proportion to speed (collab.static_split). `--repeats` runs the
+   three in turn that many times; the speed-ups are paired by repeat (bench/stats.py).
+   Validation loss against training time and against epochs, and seconds per epoch.
 2. Per-device batch 1, 4 and 8 at the same target batch (and batch 8 with another seed, for
    the noise): at a fixed target batch the curves per epoch should coincide.
 3. LAMB vs AdamW at the same target batch, two learning rates each (the reference run b8
@@ -41,10 +49,14 @@ RUNS = {
     "lamb_1e-2": ([(8, 1.0)], {"optimizer.name": "lamb", "optimizer.lr": 1e-2}),
     "adamw_3e-4": ([(8, 1.0)], {"optimizer.lr": 3e-4}),
 }
-PEERS = {  # real processes, one core each
-    "one_peer": [(8, 1.0)],
-    "two_peers": [(8, 1.0), (8, 0.5)],
+PEERS = {  # real processes, one core each: (hosts, overrides)
+    "one_peer": ([(8, 1.0)], {}),
+    "two_peers": ([(8, 1.0), (8, 0.5)], {}),
+    "two_peers_static": ([(8, 1.0), (8, 0.5)], {"collab.static_split": True}),
 }
+# The peers' emulated link: 100 Mb/s and 50 ms (an office uplink). Sent per epoch: a ring
+# all-reduce of the adapters' gradient.
+LINK = {"collab.link_gbps": 0.1, "collab.link_latency_s": 0.05}
 CONFIG = '''import runpy
 from lowcomm_jax.hosts import host
 _base = runpy.run_path({base!r})
@@ -59,9 +71,10 @@ def get_config():
 
 
 def _args(name, gguf, epochs, overrides):
+  model = ({"model.init_from": str(gguf), "data.tokenizer": str(gguf)} if gguf else
+           {"model.name": "smollm2_135m", "data.tokenizer": "byte"})
   values = {**COMMON, "rounds": epochs, "eval_every": 2, "checkpoint_every": epochs,
-            "optimizer.name": "adamw", "optimizer.lr": 1e-3, "model.init_from": str(gguf),
-            "data.tokenizer": str(gguf), **overrides}
+            "optimizer.name": "adamw", "optimizer.lr": 1e-3, **model, **overrides}
   return [f"--config.{k}={v}" for k, v in values.items()]
 
 
@@ -83,8 +96,9 @@ def run_virtual(workdir, name, gguf, epochs):
 
 
 def run_peers(workdir, name, gguf, epochs):
-  """Each peer a process pinned to its own core (taskset), joined by jax.distributed."""
-  hosts = PEERS[name]
+  """Each peer a process pinned to its own core (taskset), joined by jax.distributed.
+  `name` is a PEERS key, with `_r<k>` for the k-th repeat."""
+  hosts, overrides = PEERS[name.rsplit("_r", 1)[0]]
   out = workdir / name
   if (out / "summary.json").exists():
     return
@@ -100,7 +114,7 @@ def run_peers(workdir, name, gguf, epochs):
                  JAX_PROCESS_ID=str(i))
     procs.append(subprocess.Popen(
         ["taskset", "-c", str(i), sys.executable, "-m", "lowcomm_jax.main", f"--config={config}",
-         f"--workdir={out}", *_args(name, gguf, epochs, {})],
+         f"--workdir={out}", *_args(name, gguf, epochs, {**LINK, **overrides})],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL))
   codes = [p.wait() for p in procs]
   if any(codes):
@@ -133,7 +147,7 @@ def plot(result: dict, workdir: pathlib.Path) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  panels = [("collab_peers.png", ["one_peer", "two_peers"], True),
+  panels = [("collab_peers.png", ["one_peer_r0", "two_peers_r0", "two_peers_static_r0"], True),
             ("collab_batch.png", ["b1", "b4", "b8", "b8_seed1"], False),
             ("collab_optimizers.png", ["b8", "adamw_3e-4", "lamb_1e-3", "lamb_1e-2"], False)]
   for file, names, with_time in panels:
@@ -161,28 +175,53 @@ def plot(result: dict, workdir: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def speedups(result: dict, repeats: int) -> list[str]:
+  """Seconds per epoch of one peer over two, per repeat, for counting and the static split,
+  and their paired difference."""
+  sys.path.insert(0, str(REPO / "bench"))
+  import stats
+  ratio = {kind: [result[f"one_peer_r{k}"]["seconds_per_epoch"]
+                  / result[f"{kind}_r{k}"]["seconds_per_epoch"] for k in range(repeats)]
+           for kind in ("two_peers", "two_peers_static")}
+  lines = [f"{kind}: speed-up over one peer {m:.3f} ± {sd:.3f} ({', '.join(f'{x:.3f}' for x in v)})"
+           for kind, v in ratio.items() for m, sd in [stats.mean_sd(v)]]
+  if repeats > 1:
+    d = stats.paired(ratio["two_peers"], ratio["two_peers_static"], higher_is_better=True)
+    lines.append(f"counting − static split: {d['mean']:+.3f} ± {d['sd']:.3f} (95% interval "
+                 f"{d['ci95'][0]:+.3f} to {d['ci95'][1]:+.3f}): {d['verdict']}")
+  return lines
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--workdir", type=pathlib.Path, default=REPO / "runs" / "bench_collab")
   p.add_argument("--epochs", type=int, default=12)
   p.add_argument("--gguf", type=pathlib.Path)
+  p.add_argument("--random_init", action="store_true")
+  p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--only", nargs="*")
   args = p.parse_args()
   os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
-  import fetch_smollm2
-  gguf = args.gguf or fetch_smollm2.fetch()
+  gguf = None
+  if not args.random_init:
+    import fetch_smollm2
+    gguf = args.gguf or fetch_smollm2.fetch()
   args.workdir.mkdir(parents=True, exist_ok=True)
-  names = args.only or [*PEERS, *RUNS]  # the timed runs first, on an idle machine
+  # The timed runs first, on an idle machine, the three kinds in turn.
+  timed = [f"{kind}_r{k}" for k in range(args.repeats) for kind in PEERS]
+  names = args.only or [*timed, *RUNS]
   for name in names:
     print(f"running {name}…", flush=True)
-    (run_peers if name in PEERS else run_virtual)(args.workdir, name, gguf, args.epochs)
-  result = {n: curves(args.workdir / n) for n in [*RUNS, *PEERS]
+    (run_peers if name in timed else run_virtual)(args.workdir, name, gguf, args.epochs)
+  result = {n: curves(args.workdir / n) for n in [*RUNS, *timed]
             if (args.workdir / n / "summary.json").exists()}
   (args.workdir / "result.json").write_text(json.dumps(result, indent=1))
   plot(result, args.workdir)
   for n, r in result.items():
-    print(f"{n:12s} final val {r['eval_loss'][-1]:.4f}  {r['seconds_per_epoch']:.1f} s/epoch  "
+    print(f"{n:18s} final val {r['eval_loss'][-1]:.4f}  {r['seconds_per_epoch']:.1f} s/epoch  "
           f"samples/epoch {r['samples_per_epoch']:.0f} {r['samples_per_peer']}")
+  if all(n in result for n in timed):
+    print("\n".join(speedups(result, args.repeats)))
 
 
 if __name__ == "__main__":

@@ -239,6 +239,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.collab = ml_collections.ConfigDict()
   c.collab.target_batch_size = 0  # samples per epoch over all peers; 0: off
   c.collab.wait_timeout_s = 600.0  # a peer waits this long for the others' counts, then fails
+  c.collab.static_split = False  # baseline: each peer takes a fixed share of the target, in
+  # | proportion to hosts[i].speed, instead of counting toward it together
+  c.collab.link_gbps = 0.0  # emulate a slow link between peer processes: each epoch's sync
+  # | also waits a ring all-reduce of its bytes at this bandwidth; 0: no emulation
+  c.collab.link_latency_s = 0.0  # that link's latency, paid per ring step
   # Tensor parallelism inside each worker (lowcomm_jax/model/tp.py), over the mesh's 'model' axis.
   c.model.tp = ml_collections.ConfigDict()
   c.model.tp.size = 1  # devices on 'model' (heads and FFN split over them); 1: no TP

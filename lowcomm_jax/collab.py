@@ -31,6 +31,12 @@ last checkpoint.
 
 Checkpoints are written at epoch ends. A run stopped mid-epoch loses that epoch's partial
 sums and redoes the epoch from the checkpointed data position.
+
+Two switches serve measurements. `collab.static_split` is the baseline without counting:
+each peer takes a fixed quota of micro-batches, its share of the target in proportion to
+its `speed`. `collab.link_gbps` (with `link_latency_s`) emulates a slow link between
+peer processes: each epoch's sync also waits as long as a ring all-reduce of its bytes
+would take over that link (`link_seconds`), as `speed` emulates a slower GPU.
 """
 
 import dataclasses
@@ -70,13 +76,30 @@ class HostEpoch:
   seconds: float  # its compute time in the epoch
 
 
+def link_seconds(peers: int, sent_bytes: float, gbps: float, latency_s: float) -> float:
+  """A ring all-reduce among `peers` over a link of `gbps` and `latency_s`, each peer
+  sending `sent_bytes` in all (2(P−1) steps); 0 without a link or a second peer."""
+  if peers <= 1 or gbps <= 0:
+    return 0.0
+  return 2 * (peers - 1) * latency_s + 8.0 * sent_bytes / (gbps * 1e9)
+
+
+def quotas(target: int, samples: list[int], speeds: list[float]) -> list[int]:
+  """A static split: host i's micro-batches per epoch, its share of the target in proportion
+  to its speed (at least one, so every host contributes)."""
+  total = sum(speeds)
+  return [max(1, math.ceil(target * v / total / n)) for n, v in zip(samples, speeds)]
+
+
 class VirtualProgress:
   """Turns for the hosts of one process on a virtual clock: host i's k-th micro-batch runs
   from k/speed_i to (k+1)/speed_i; micro-batches that started before the target was reached
-  count. `samples[i]`: host i's samples per micro-batch (its workers × batch size)."""
+  count. `samples[i]`: host i's samples per micro-batch (its workers × batch size). With
+  `quota`, host i takes exactly quota[i] micro-batches instead (a static split)."""
 
-  def __init__(self, target: int, samples: list[int], speeds: list[float]):
-    self.target, self.samples, self.speeds = target, samples, speeds
+  def __init__(self, target: int, samples: list[int], speeds: list[float],
+               quota: list[int] | None = None):
+    self.target, self.samples, self.speeds, self.quota = target, samples, speeds, quota
 
   def begin(self, epoch: int) -> None:
     del epoch
@@ -86,7 +109,8 @@ class VirtualProgress:
 
   def next_host(self) -> int | None:
     """The local host whose micro-batch ends next, or None: the epoch is full."""
-    running = [i for i, m in enumerate(self.micro) if m / self.speeds[i] < self.closed_at]
+    running = [i for i, m in enumerate(self.micro)
+               if (m < self.quota[i] if self.quota else m / self.speeds[i] < self.closed_at)]
     if not running:
       return None
     return min(running, key=lambda i: ((self.micro[i] + 1) / self.speeds[i], i))
@@ -119,8 +143,9 @@ class StoreProgress:
   messages beside the run's collectives, never through them."""
 
   def __init__(self, target: int, samples: int, host: int, num_hosts: int, timeout_s: float,
-               client=None, run: int = 0):
+               client=None, run: int = 0, quota: int | None = None):
     self.target, self.samples, self.host, self.num_hosts = target, samples, host, num_hosts
+    self.quota = quota  # a static split: this peer's micro-batches per epoch, not counting
     self.timeout_ms = int(timeout_s * 1000)
     self.client = client or _client()
     self.root = f"lowcomm/collab/{run}/"
@@ -130,6 +155,8 @@ class StoreProgress:
     self.micro, self.closed = 0, False
 
   def next_host(self) -> int | None:
+    if self.quota is not None:
+      return 0 if self.micro < self.quota else None
     if not self.closed:  # an increment by 0 reads the counter (0 before anyone wrote it)
       self.closed = self.client.key_value_increment(self.prefix + "samples", 0) >= self.target
     return None if self.closed else 0
@@ -173,11 +200,14 @@ def make_progress(r):
   c, topo = r.config, r.topology
   samples = [len(h.worker_ids) * h.batch_size for h in topo.hosts]
   speeds = [h.speed or 1.0 for h in topo.hosts]
+  quota = (quotas(c.collab.target_batch_size, samples, speeds) if c.collab.static_split
+           else None)
   if jax.process_count() > 1:
     host = topo.local_hosts[0]
     return StoreProgress(c.collab.target_batch_size, samples[host], host, len(topo.hosts),
-                         c.collab.wait_timeout_s, run=next(_INVOCATIONS))
-  return VirtualProgress(c.collab.target_batch_size, samples, speeds)
+                         c.collab.wait_timeout_s, run=next(_INVOCATIONS),
+                         quota=quota and quota[host])
+  return VirtualProgress(c.collab.target_batch_size, samples, speeds, quota)
 
 
 class CollabDriver(RoundDriver):
@@ -196,6 +226,7 @@ class CollabDriver(RoundDriver):
     fastest = max(h.speed or 1.0 for h in topo.hosts)
     self.stretch = ([fastest / (topo.hosts[i].speed or 1.0) for i in topo.local_hosts]
                     if jax.process_count() > 1 else [1.0] * len(topo.local_hosts))
+    self.link_s = 0.0  # the emulated link's seconds per epoch (open)
     per_worker = mesh_lib.per_worker(topo.local_mesh)
     self.ids = [worker_ids(r, i) for i in topo.local_hosts]
     self.batch_sharding = NamedSharding(topo.local_mesh, P("replica", "data"))
@@ -213,6 +244,12 @@ class CollabDriver(RoundDriver):
     out = super().open(files, latest)
     if out is not None:
       return out
+    # The emulated link (several processes only, like `stretch`): a ring all-reduce of what
+    # each worker sends per epoch.
+    co = self.c.collab
+    if jax.process_count() > 1:
+      self.link_s = link_seconds(len(self.r.topology.hosts), self.round_bytes.sent,
+                                 co.link_gbps, co.link_latency_s)
     if self.writes_files:
       self.live = JsonlWriter(pathlib.Path(files.workdir) / PROGRESS_FILE)
       if latest is not None:  # rows of epochs after the checkpoint are redone from here
@@ -280,6 +317,8 @@ class CollabDriver(RoundDriver):
           self.live.write({"epoch": epoch, "live": True, "time": time.time(),
                            "samples": progress.live(), "target": self.c.collab.target_batch_size})
     shares = progress.agree([(float(ls.sum()), s) for ls, s in zip(loss_sums, seconds)])
+    if self.link_s:
+      time.sleep(self.link_s)  # the sync's transfer over the emulated link
     return self._step(epoch, mark_due, shares, accs, loss_sums, time.perf_counter() - start)
 
   def _step(self, epoch, mark_due, shares: list[HostEpoch], accs, loss_sums, wall):
@@ -314,7 +353,7 @@ class CollabDriver(RoundDriver):
     total = sum(s.samples for s in shares)
     self.sched.tokens += total * c.data.seq_len
     extra = {"tokens": self.sched.tokens, "samples": total, "epoch_seconds": wall,
-             "samples_per_s": total / wall if wall else 0.0,
+             "samples_per_s": total / wall if wall else 0.0, "link_seconds": self.link_s,
              "train_loss": sum(s.loss_sum for s in shares) / max(total, 1)}
     for i, s in enumerate(shares):
       self.sched.compute_seconds[i] += s.seconds

@@ -291,6 +291,8 @@ def _check_collab(c, check, problems: list) -> None:
   check(co.target_batch_size >= 0, "collab.target_batch_size",
         "must be >= 0 (0: no collaborative epochs)")
   check(co.wait_timeout_s > 0, "collab.wait_timeout_s", "must be > 0 seconds")
+  check(co.link_gbps >= 0, "collab.link_gbps", "must be >= 0 (0: no emulated link)")
+  check(co.link_latency_s >= 0, "collab.link_latency_s", "must be >= 0 seconds")
   if co.target_batch_size <= 0:
     return
   off = " (or set --config.collab.target_batch_size=0)"

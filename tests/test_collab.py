@@ -111,6 +111,29 @@ def test_unequal_peers_average_weighted_by_samples(tmp_path, hosts):
   assert rows[-1]["samples"] == [12, 4] and rows[-1]["target"] == 12
 
 
+def test_a_static_split_gives_each_peer_its_speeds_share(tmp_path):
+  # The baseline without counting: target 12 split 2:1 by speed, in micro-batches of 4 and
+  # 2 samples: host 0 takes ceil(8 / 4) = 2, host 1 ceil(4 / 2) = 2, whatever the clock.
+  assert collab.quotas(12, [4, 2], [1.0, 0.5]) == [2, 2]
+  assert collab.quotas(12, [4, 2], [1.0, 0.01]) == [3, 1]  # at least one each
+  config = _config()
+  config.collab.static_split = True
+  train.run(config, tmp_path)
+  row = _metrics(tmp_path)[-1]
+  assert (row["samples_host_0"], row["samples_host_1"]) == (8, 4)
+  (state, _), _ = checkpointed_state(config, tmp_path)
+  theta, update, _ = _hand_step(config, [2, 2])
+  np.testing.assert_allclose(np.asarray(state.params) - theta, update, rtol=1e-4, atol=1e-7)
+
+
+def test_the_emulated_link_is_a_ring_all_reduce_of_the_epochs_bytes():
+  # 2 peers, 1 MB sent each, 0.1 Gb/s and 50 ms: 2 steps' latency + 8e6 bits / 1e8 bit/s.
+  assert collab.link_seconds(2, 1e6, 0.1, 0.05) == pytest.approx(0.1 + 0.08)
+  assert collab.link_seconds(3, 1e6, 0.1, 0.05) == pytest.approx(0.2 + 0.08)
+  assert collab.link_seconds(1, 1e6, 0.1, 0.05) == 0.0  # nobody to talk to
+  assert collab.link_seconds(2, 1e6, 0.0, 0.05) == 0.0  # no emulation
+
+
 class _LateHostOne(collab.VirtualProgress):
   """Host 1 is still busy (compiling, loading) while host 0 fills the batch."""
 
@@ -245,6 +268,19 @@ def test_store_progress_counts_across_peers_and_gives_a_late_one_weight_zero():
   assert not any(k.startswith("lowcomm/collab/1/") for k in store.values)  # cleaned up
 
 
+def test_a_peer_with_a_quota_takes_exactly_it_whatever_the_counter_says():
+  store = _Store()
+  peers = [collab.StoreProgress(16, samples, q, 2, timeout_s=5, client=store, quota=quota)
+           for q, (samples, quota) in enumerate(((8, 1), (2, 4)))]
+  for p in peers:
+    p.begin(1)
+  for p in peers:
+    while p.next_host() is not None:
+      p.done(0)
+  assert [p.micro for p in peers] == [1, 4]  # 8 + 8 samples, past nothing, short of nothing
+  assert peers[0].live() == [8, 8]
+
+
 def test_a_silent_peer_times_out_with_a_clear_error():
   store = _Store()
   peer = collab.StoreProgress(8, 8, 0, 2, timeout_s=0.2, client=store)
@@ -258,6 +294,8 @@ def test_a_silent_peer_times_out_with_a_clear_error():
     ("algorithm", "diloco", "algorithm='diloco'.*use --config.algorithm=ddp"),
     ("collab.target_batch_size", -1, "collab.target_batch_size=-1: must be >= 0"),
     ("collab.wait_timeout_s", 0.0, "collab.wait_timeout_s=0.0: must be > 0"),
+    ("collab.link_gbps", -1.0, "collab.link_gbps=-1.0: must be >= 0"),
+    ("collab.link_latency_s", -0.1, "collab.link_latency_s=-0.1: must be >= 0"),
     ("aggregate.rule", "median", "aggregate.rule='median': an epoch weighs workers"),
     ("data.batch_mode", "same", "data.batch_mode='same': peers reading the same windows")])
 def test_bad_collab_fields_are_refused_by_name(field, value, message):

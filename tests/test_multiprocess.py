@@ -194,9 +194,12 @@ def test_streaming_two_unequal_processes_match_one_process(tmp_path):
 def test_collaborative_lora_peers_and_their_monitor(tmp_path):
   # Two unequal peers (batch 8, and batch 2 at half speed) fill a target batch of 32 samples
   # per epoch through the coordination service's key-value store; the monitor watches.
+  # Their link is emulated: each epoch's sync also waits 2 steps of 0.1 s latency and the
+  # adapters' bytes at 1 Gb/s.
   proc = _launch("--num_processes", "2", "--monitor", "--", "--config=configs/collab_lora.py",
                  f"--workdir={tmp_path}", "--config.rounds=4", "--config.eval_every=0",
-                 "--config.checkpoint_every=4", "--config.data.seq_len=32")
+                 "--config.checkpoint_every=4", "--config.data.seq_len=32",
+                 "--config.collab.link_gbps=1.0", "--config.collab.link_latency_s=0.1")
   out, err = proc.communicate(timeout=420)
   assert proc.returncode == 0, (out + err)[-4000:]
   assert "[monitor] epoch 4/4" in out and "[monitor] the run finished" in out
@@ -213,6 +216,11 @@ def test_collaborative_lora_peers_and_their_monitor(tmp_path):
   assert (per_peer > 0).all(), per_peer
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["tokens"] == 32 * sum(sum(row["samples"]) for row in epochs)
+  metrics = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  link = summary["bytes_sent"] / 4 * 8 / 1e9 + 0.2  # 4 epochs
+  logged = [m["link_seconds"] for m in metrics if "link_seconds" in m]
+  assert logged and logged == [pytest.approx(link)] * len(logged)
+  assert all(row["epoch_seconds"] >= link for row in epochs)
   assert 0 < summary["trainable_params"] < summary["param_count"]
   # Only the adapters' averaged gradient crosses the network: at most a ring all-reduce's 2x.
   assert 0 < summary["bytes_sent"] <= 2 * 4 * summary["trainable_params"] * 4
