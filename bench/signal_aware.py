@@ -1,7 +1,7 @@
 """Signal-aware and robust aggregation against bad data and bad intent (issue 18).
 
   python bench/signal_aware.py [--part seed|diloco|eight|robust|all] [--jobs 2] [--workdir DIR]
-                               [--signals loss_ema probe_loss ...] [--report]
+                               [--signals loss_ema probe_loss ...] [--seeds 3] [--report]
 
 seed    configs/sadp.py as the original ran it: DDP, 2 workers, worker 1 reading text with 30%
         of its tokens swapped; iid / noniid data; uniform weights or each signal; and the
@@ -12,9 +12,13 @@ robust  8 workers, DDP, one attacker (worker 0: scale ×100, sign flip, random o
         norm) against every rule (mean, median, trimmed mean, centered clipping), and each
         rule without the attacker. Goal: the robust rules within 5% of their clean run.
 
-Reported per run: final eval loss, the clean workers' total weight, effective N (1/Σw²),
-wall seconds; tables in <workdir>/signal_aware.md, eval-loss curves in signal_aware.png.
-Finished runs are reused (bench/sim_grid.py runs each in its own process).
+Every cell runs on `--seeds` seeds (3 by default; the seed moves the init and the data
+order). Reported per cell: final eval loss (mean ± sd), its difference from the cell's
+reference paired by seed (the group's uniform or mean run; a robust rule's own run without
+the attacker) with the 95% t interval and a verdict (bench/stats.py), the clean workers'
+total weight, effective N (1/Σw²); tables in <workdir>/signal_aware_<part>.md, eval-loss
+curves (seed 0) in signal_aware_<part>.png. Finished runs are reused (bench/sim_grid.py
+runs each in its own process).
 """
 
 import argparse
@@ -31,6 +35,7 @@ sys.path.insert(0, str(REPO / "bench"))
 os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 
 import sim_grid  # noqa: E402
+import stats  # noqa: E402
 
 SIGNALS = ("loss_ema", "grad_norm_stability", "cosine", "probe_loss")
 RULES = ("mean", "median", "trimmed_mean", "centered_clip")
@@ -52,8 +57,15 @@ def _seed_grid(prefix: str, extra: dict, signals=SIGNALS) -> dict:
   return grid
 
 
-def cases(part: str, signals=SIGNALS) -> dict[str, tuple[str, dict, str, str]]:
-  """name -> (configs/sadp.py case, overrides, group, label within the group)."""
+def cases(part: str, signals=SIGNALS, seeds: int = 1) -> dict[str, tuple[str, dict, str, str]]:
+  """name -> (configs/sadp.py case, overrides, group, label within the group), each cell
+  on `seeds` seeds (name suffix `_s<k>`)."""
+  return {f"{name}_s{k}": (case, {**fields, "seed": k}, group, label)
+          for name, (case, fields, group, label) in _cells(part, signals).items()
+          for k in range(seeds)}
+
+
+def _cells(part: str, signals=SIGNALS) -> dict[str, tuple[str, dict, str, str]]:
   out = {}
   if part in ("seed", "all"):
     out.update(_seed_grid("ddp2", {}, signals))
@@ -103,58 +115,80 @@ def _summary(workdir: pathlib.Path, name: str) -> dict:
   return s
 
 
+def _cell(name: str) -> str:
+  return name.rsplit("_s", 1)[0]
+
+
 def report(grid: dict, workdir: pathlib.Path) -> str:
-  """A table per group (vs the group's uniform run; a robust rule vs its run without the
-  attacker), then the seed's success test for each signal: the clean workers' weight above
-  their uniform share (0.5 of 2), weighted beats uniform when corrupted, matches it (within
-  1%) on clean data."""
-  groups: dict[str, list[str]] = {}
+  """A table per group: each cell against its reference, paired by seed (the group's uniform
+  or mean run; a robust rule against its own run without the attacker); then the seed's
+  success test for each signal: the clean workers' weight above their uniform share on
+  every seed, weighted below uniform when corrupted (the paired claim holds), within 1% of
+  uniform on clean data (mean)."""
+  cells: dict[str, list[str]] = {}  # cell -> its seeds' run names
+  groups: dict[str, list[str]] = {}  # group -> its cells
   for name, (_, _, group, _) in grid.items():
-    groups.setdefault(group, []).append(name)
+    cells.setdefault(_cell(name), []).append(name)
+    if _cell(name) not in groups.setdefault(group, []):
+      groups[group].append(_cell(name))
+  label = {_cell(n): v[3] for n, v in grid.items()}
+  runs = {cell: [_summary(workdir, n) for n in names] for cell, names in cells.items()}
+  loss = lambda cell: [r["eval_loss"] for r in runs[cell]]
+
+  def reference(group: str, cell: str) -> str | None:
+    if group.startswith("robust8_"):
+      return f"robust8_{label[cell]}_none"
+    return next((c for c in groups[group] if label[c] in ("uniform", "mean")), None)
+
+  def versus(cell: str, ref: str) -> dict:  # the claim: the cell's loss is below ref's
+    return stats.paired(loss(cell), loss(ref), higher_is_better=False)
+
   out = []
-  for group, names in groups.items():
-    ref = next((n for n in names if grid[n][3] in ("uniform", "mean")), None)
-    base = _summary(workdir, ref)["eval_loss"] if ref else None
-    if group.startswith("robust8_"):  # each rule against its own run without an attacker
-      base = None
+  for group, members in groups.items():
     out += [f"**{group}**", "",
-            "| run | final eval loss | vs reference | clean workers' weight | effective N | wall s |",
-            "|---|---|---|---|---|---|"]
-    for n in names:
-      s = _summary(workdir, n)
-      ref_loss = base
-      if group.startswith("robust8_"):
-        ref_loss = _summary(workdir, f"robust8_{grid[n][3]}_none")["eval_loss"]
-      vs = f"{100 * (s['eval_loss'] / ref_loss - 1):+.1f}%" if ref_loss else ""
-      out.append(f"| {grid[n][3]} | {s['eval_loss']:.4f} | {vs} | {s['clean_weight']:.3f} | "
-                 f"{s['effective']:.2f} | {s['wall_seconds']:.0f} |")
+            "| cell | seeds | final eval loss | vs reference (paired) | 95% interval | verdict "
+            "(lower than the reference?) | clean workers' weight | effective N |",
+            "|---|---|---|---|---|---|---|---|"]
+    for cell in members:
+      ref = reference(group, cell)
+      m, sd = stats.mean_sd(loss(cell))
+      cols = ["", "", ""]
+      if ref and ref != cell and len(loss(cell)) == len(loss(ref)):
+        d = versus(cell, ref)
+        pct = [100 * (a / b - 1) for a, b in zip(loss(cell), loss(ref))]
+        pm, psd = stats.mean_sd(pct)
+        cols = [f"{pm:+.2f} ± {psd:.2f}%", f"{d['ci95'][0]:+.4f} to {d['ci95'][1]:+.4f}",
+                d["verdict"]]
+      weight = stats.mean_sd(r["clean_weight"] for r in runs[cell])[0]
+      effective = stats.mean_sd(r["effective"] for r in runs[cell])[0]
+      out.append(f"| {label[cell]} | {len(runs[cell])} | {m:.4f} ± {sd:.4f} | "
+                 + " | ".join(cols) + f" | {weight:.3f} | {effective:.2f} |")
     out.append("")
   verdicts = []
-  for group in groups:
-    if group.endswith("_clean") or group.startswith("robust8_"):
-      continue
+  for group, members in groups.items():
     clean_group = f"{group}_clean"
-    if clean_group not in groups:
+    if group.endswith("_clean") or group.startswith("robust8_") or clean_group not in groups:
       continue
-    uni = _summary(workdir, f"{group}_uniform")["eval_loss"]
-    uni_clean = _summary(workdir, f"{clean_group}_uniform")["eval_loss"]
-    for n in groups[group]:
-      label = grid[n][3]
-      if label == "uniform" or f"{clean_group}_{label}" not in grid:
+    uni, uni_clean = f"{group}_uniform", f"{clean_group}_uniform"
+    for cell in members:
+      clean = f"{clean_group}_{label[cell]}"
+      if label[cell] == "uniform" or clean not in cells:
         continue
-      s, c = _summary(workdir, n), _summary(workdir, f"{clean_group}_{label}")
-      # "Clean weight above 0.5" of two workers: above the clean workers' uniform share.
-      share = _summary(workdir, f"{group}_uniform")["clean_weight"]
-      ok = (s["clean_weight"] > share and s["eval_loss"] < uni
-            and abs(c["eval_loss"] / uni_clean - 1) <= 0.01)
-      verdicts.append(f"| {group} | {label} | {s['clean_weight']:.3f} | "
-                      f"{100 * (s['eval_loss'] / uni - 1):+.2f}% | "
-                      f"{100 * (c['eval_loss'] / uni_clean - 1):+.2f}% | "
-                      f"{'yes' if ok else 'no'} |")
+      share = stats.mean_sd(r["clean_weight"] for r in runs[uni])[0]
+      above = all(r["clean_weight"] > share for r in runs[cell])
+      corrupted = versus(cell, uni)
+      on_clean = stats.mean_sd(100 * (a / b - 1) for a, b in zip(loss(clean), loss(uni_clean)))
+      ok = above and corrupted["verdict"] == "holds" and abs(on_clean[0]) <= 1.0
+      verdicts.append(
+          f"| {group} | {label[cell]} | {'yes' if above else 'no'} | "
+          f"{stats.mean_sd(100 * (a / b - 1) for a, b in zip(loss(cell), loss(uni)))[0]:+.2f}% "
+          f"({corrupted['verdict']}) | {on_clean[0]:+.2f} ± {on_clean[1]:.2f}% | "
+          f"{'yes' if ok else 'no'} |")
   if verdicts:
-    out += ["**The seed's success test** (clean weight above its uniform share; corrupted: "
-            "weighted below uniform; clean data: within 1% of uniform)", "",
-            "| setting | signal | clean workers' weight | corrupted vs uniform | "
+    out += ["**The seed's success test** (clean weight above its uniform share on every seed; "
+            "corrupted: weighted below uniform, paired over seeds; clean data: within 1% of "
+            "uniform on average)", "",
+            "| setting | signal | clean weight above its share | corrupted vs uniform | "
             "clean data vs uniform | passes |", "|---|---|---|---|---|---|", *verdicts]
   return "\n".join(out)
 
@@ -166,7 +200,8 @@ def plot(grid: dict, workdir: pathlib.Path, path: pathlib.Path) -> None:
   import matplotlib.pyplot as plt
   groups: dict[str, list[str]] = {}
   for name, (_, _, group, _) in grid.items():
-    groups.setdefault(group, []).append(name)
+    if name.endswith("_s0"):  # one seed's curves
+      groups.setdefault(group, []).append(name)
   cols = min(4, len(groups))
   rows = -(-len(groups) // cols)
   fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
@@ -193,10 +228,12 @@ def main() -> None:
   p.add_argument("--workdir", type=pathlib.Path, default=REPO / "bench/results/signal_aware")
   p.add_argument("--signals", nargs="+", choices=SIGNALS, default=list(SIGNALS),
                  help="the signals of the seed/diloco/eight grids (default: all)")
+  p.add_argument("--seeds", type=int, default=3)
   p.add_argument("--report", action="store_true", help="only write the report and plot")
   p.add_argument("--only", help=argparse.SUPPRESS)
   args = p.parse_args()
-  grid = cases("all" if args.only else args.part, signals=SIGNALS if args.only else args.signals)
+  grid = cases("all" if args.only else args.part, signals=SIGNALS if args.only else args.signals,
+               seeds=args.seeds)
   if args.only:
     run_one(config_of(*grid[args.only][:2]), args.workdir / args.only)
     return
