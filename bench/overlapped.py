@@ -5,12 +5,14 @@ time each takes over a slow and a fast network.
     python bench/overlapped.py --workers 2 --rounds 6
     python bench/overlapped.py --only one_step_delay eager --set outer.momentum=0.0 --tag mom0
 
-Each case is one simulator run (`simulate.run`) on the `small` model with the same workers,
-rounds, H and data: DiLoCo, Streaming DiLoCo (P = 2, τ = 1), one-step-delay, eager updates
-and Overlap Local-SGD (α = 0.2). Networks: `slow`, every worker in its own region joined
-by 1 Gb/s, 50 ms links; `fast`, one region at 100 Gb/s. The loss does not depend on the
-network (the simulator's math never does), so it is reported once per case. Results go to
-bench/results/overlapped.json.
+Each case is one simulator run (`simulate.run`) per seed (`--seeds`, 3 by default) on the
+`small` model with the same workers, rounds, H and data: DiLoCo, Streaming DiLoCo (P = 2,
+τ = 1), one-step-delay, eager updates and Overlap Local-SGD (α = 0.2). Each case's loss is
+compared with DiLoCo's paired by seed (95% t interval and verdict, bench/stats.py).
+Networks: `slow`, every worker in its own region joined by 1 Gb/s, 50 ms links; `fast`,
+one region at 100 Gb/s. The loss does not depend on the network (the simulator's math never
+does): each case trains once per seed, and its virtual time on each network is a replay of
+its schedule (sim/replay.py). Results go to bench/results/overlapped.json.
 """
 
 import argparse
@@ -23,6 +25,9 @@ import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "bench"))
+
+import stats  # noqa: E402
 
 CASES = {
     "diloco": {"algorithm": "diloco"},
@@ -50,6 +55,7 @@ def main() -> None:
   parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                       help="config overrides for every case (numbers parsed as floats)")
   parser.add_argument("--tag", default="", help="suffix of the results file")
+  parser.add_argument("--seeds", type=int, default=3)
   args = parser.parse_args()
   overrides = {}
   for item in args.set:
@@ -59,6 +65,8 @@ def main() -> None:
     except ValueError:
       overrides[field] = value
   from lowcomm_jax import simulate
+  from lowcomm_jax.build import build
+  from lowcomm_jax.sim import replay
   w = args.workers
   common = {"sim.enabled": True, "num_workers": w, "rounds": args.rounds,
             "inner_steps": args.inner_steps, "model.name": "small", "eval_every": 0,
@@ -69,26 +77,38 @@ def main() -> None:
               "fast": {"sim.network.regions": 1, "sim.network.intra_gbps": 100.0}}
   compute = args.rounds * args.inner_steps * args.step_seconds  # no communication at all
   print(f"compute-only floor: {compute:.2f} virtual s\n")
-  print("| case | eval loss | virtual s, 1 Gb/s 50 ms | virtual s, 100 Gb/s | wall s |")
-  print("|---|---|---|---|---|")
+  names = [n for n in CASES if not args.only or n in args.only]
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
-    for name, fields in CASES.items():
-      if args.only and name not in args.only:
-        continue
-      row = {"case": name}
-      t0 = time.perf_counter()
-      for net, net_fields in networks.items():
-        s = simulate.run(_config(**common, **fields, **net_fields),
-                         pathlib.Path(tmp) / f"{len(rows)}_{net}")
-        row[f"virtual_seconds_{net}"] = s["virtual_seconds"]
-        # The network decides when, never what: the same loss on both.
-        assert row.setdefault("eval_loss", s["eval_loss"]) == s["eval_loss"], (name, s)
+    for name in names:
+      row = {"case": name, "eval_loss": [], "wall_seconds": 0.0}
+      for seed in range(args.seeds):
+        t0 = time.perf_counter()
+        config = _config(**common, **CASES[name], **networks["slow"], seed=seed)
+        s = simulate.run(config, pathlib.Path(tmp) / f"{name}_{seed}")
+        row["eval_loss"].append(s["eval_loss"])
         row["total_inner_steps"] = s["total_inner_steps"]
-      row["wall_seconds"] = time.perf_counter() - t0
+        row["wall_seconds"] += time.perf_counter() - t0
+      for net, net_fields in networks.items():  # the clock alone, by replay
+        r = build(simulate.one_device(_config(**common, **CASES[name], **net_fields)))
+        points = replay.clock(simulate.make_plan(r.config, r), r.algorithm.schedule, r.config)
+        row[f"virtual_seconds_{net}"] = points[-1][0]
       rows.append(row)
-      print(f"| {name} | {row['eval_loss']:.4f} | {row['virtual_seconds_slow']:.2f} | "
-            f"{row['virtual_seconds_fast']:.2f} | {row['wall_seconds']:.0f} |", flush=True)
+  base = next((r for r in rows if r["case"] == "diloco"), None)
+  print("| case | eval loss (mean ± sd) | vs DiLoCo (paired) | 95% interval | verdict (worse "
+        "than DiLoCo?) | virtual s, 1 Gb/s 50 ms | virtual s, 100 Gb/s | wall s |")
+  print("|---|---|---|---|---|---|---|---|")
+  for row in rows:
+    m, sd = stats.mean_sd(row["eval_loss"])
+    cols = ["", "", ""]
+    if base and row is not base and len(row["eval_loss"]) > 1:
+      d = stats.paired(row["eval_loss"], base["eval_loss"], higher_is_better=True)
+      row["vs_diloco"] = d
+      cols = [f"{d['mean']:+.4f} ± {d['sd']:.4f}", f"{d['ci95'][0]:+.4f} to {d['ci95'][1]:+.4f}",
+              {"holds": "worse", "reversed": "better"}.get(d["verdict"], d["verdict"])]
+    print(f"| {row['case']} | {m:.4f} ± {sd:.4f} | " + " | ".join(cols)
+          + f" | {row['virtual_seconds_slow']:.2f} | {row['virtual_seconds_fast']:.2f} | "
+          f"{row['wall_seconds']:.0f} |", flush=True)
   out = REPO / "bench" / "results" / f"overlapped{'_' + args.tag if args.tag else ''}.json"
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps({"args": vars(args), "compute_only_seconds": compute,
