@@ -5,7 +5,8 @@ baselines, over seeds.
 uplink and downlink 1 Gb/s), the parameter server in a fifth region of its own, transfers
 sharing links max-min fairly (sim/flows.py), synchronous collectives ring or hierarchical,
 whichever is faster (sim/collectives.py). `moderate` speeds (0.5–1×). The same tokens for
-every method: 150 inner steps per worker.
+every method: 150 inner steps per worker (`--budget 3`: the methods other than DDP may
+run 3× as long, to reach targets they cannot reach at equal tokens).
 
 The CPU trains the byte-level `small` model, but the clock is that of `gpt2_124m` on
 A100-class GPUs: an inner step takes STEP_SECONDS at speed 1 and every payload travels as
@@ -30,7 +31,7 @@ HALoS's outer lr/momentum. DDP is tuned by final loss (it sets the targets); the
 the most targets reached, then the time to the tightest of them. The tuned points then run
 on the other seeds.
 
-  python bench/wan_time_to_loss.py [--jobs 2] [--seeds 3] [--workdir DIR]
+  python bench/wan_time_to_loss.py [--jobs 2] [--seeds 3] [--budget 1] [--workdir DIR]
 
 Writes <workdir>/wan.md and result.json (bench/results/wan by default); finished runs are
 reused, so a cut-off run continues where it stopped.
@@ -75,25 +76,33 @@ def _ddp(lr: float, accumulate: int) -> dict:
           "log_every": 10 // accumulate or 1, "optimizer.warmup_steps": 20 // accumulate}
 
 
-def _local(algorithm: str, h: int, outer: str, **fields) -> dict:
-  return {"algorithm": algorithm, "inner_steps": h, "rounds": STEPS // h, **OUTER[outer],
-          **fields}
+def _local(algorithm: str, h: int, outer: str, budget: float, **fields) -> dict:
+  rounds = int(STEPS * budget) // h
+  return {"algorithm": algorithm, "inner_steps": h, "rounds": rounds, **OUTER[outer],
+          "optimizer.decay_steps": rounds * h, **fields}
 
 
-# method -> {point name: fields}; the first point of each is its authors' default.
-GRIDS = {
-    "ddp": {f"lr{lr:g}": _ddp(lr, 1) for lr in (1e-3, 3e-3, 1e-2)},
-    "ddp_accum3": {f"lr{lr:g}": _ddp(lr, 3) for lr in (3e-3, 1e-2)},
-    "diloco": {**{f"H{h}_{o}": _local("diloco", h, o) for h, o in
-                  itertools.product((10, 5, 25, 50), OUTER)},
-               **{f"H{h}_{o}_dylu": _local("diloco", h, o, **{"outer.dylu": True})
-                  for h, o in itertools.product((10, 25), OUTER)}},
-    "async_dn_dylu": {f"H{h}_{o}": _local("async_dn", h, o, **{"outer.dylu": True})
-                      for h, o in itertools.product((10, 25), OUTER)},
-    "halos": {f"H10_{o}": _local("halos", 10, o, **{"outer.dylu": True,
-                                                    "outer.halos.sync_every": 4})
-              for o in OUTER},
-}
+def grids(budget: float = 1.0) -> dict:
+  """method -> {point name: fields}; the first point of each is its authors' default. The
+  methods other than DDP get `budget` times DDP's tokens (DDP sets the targets at 1×)."""
+  x = "" if budget == 1 else f"_x{budget:g}"
+  local = lambda *a, **f: _local(*a, budget, **f)
+  return {
+      "ddp": {f"lr{lr:g}": _ddp(lr, 1) for lr in (1e-3, 3e-3, 1e-2)},
+      "ddp_accum3": {f"lr{lr:g}": _ddp(lr, 3) for lr in (3e-3, 1e-2)},
+      "diloco": {**{f"H{h}_{o}{x}": local("diloco", h, o) for h, o in
+                    itertools.product((10, 5, 25, 50), OUTER)},
+                 **{f"H{h}_{o}_dylu{x}": local("diloco", h, o, **{"outer.dylu": True})
+                    for h, o in itertools.product((10, 25), OUTER)}},
+      "async_dn_dylu": {f"H{h}_{o}{x}": local("async_dn", h, o, **{"outer.dylu": True})
+                        for h, o in itertools.product((10, 25), OUTER)},
+      "halos": {f"H10_{o}{x}": local("halos", 10, o, **{"outer.dylu": True,
+                                                        "outer.halos.sync_every": 4})
+                for o in OUTER},
+  }
+
+
+GRIDS = grids()
 SYNCHRONOUS = ("ddp", "ddp_accum3", "diloco")
 
 
@@ -345,8 +354,12 @@ def main() -> None:
   p.add_argument("--seeds", type=int, default=3)
   p.add_argument("--jobs", type=int, default=2)
   p.add_argument("--workdir", type=pathlib.Path, default=REPO / "bench/results/wan")
+  p.add_argument("--budget", type=float, default=1.0,
+                 help="the tokens of the methods other than DDP, in DDP's (1: equal tokens)")
   p.add_argument("--only", help=argparse.SUPPRESS)
   args = p.parse_args()
+  global GRIDS
+  GRIDS = grids(args.budget)
   cases = all_cases(args.seeds)
   if args.only:
     fields, seed = cases[args.only]
