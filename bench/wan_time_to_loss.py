@@ -313,9 +313,8 @@ def report(workdir: pathlib.Path, seeds: int, picks: dict, goals: list[float],
         a = [p["targets"][i] for p in per_seed]
         b = [p["targets"][i] for p in results[base]]
         if any(x is None for x in a + b):
-          verdict = ("neither reaches it" if all(x is None for x in a + b) else
-                     f"{'only ' + base if any(x is None for x in a) else 'only ' + method}"
-                     " reaches it on every seed")
+          reached = lambda hits: f"{sum(x is not None for x in hits)}/{len(hits)} seeds"
+          verdict = f"not compared: {method} reaches it on {reached(a)}, {base} on {reached(b)}"
           lines.append(f"| {method} | {base} | +{round((t - 1) * 100)}% | | | | {verdict} |")
           continue
         d = stats.paired([x["seconds"] for x in a], [x["seconds"] for x in b],
@@ -356,10 +355,17 @@ def main() -> None:
   p.add_argument("--workdir", type=pathlib.Path, default=REPO / "bench/results/wan")
   p.add_argument("--budget", type=float, default=1.0,
                  help="the tokens of the methods other than DDP, in DDP's (1: equal tokens)")
+  p.add_argument("--picks_from", type=pathlib.Path,
+                 help="a result.json: run only the points it picked (tuned at another budget)")
   p.add_argument("--only", help=argparse.SUPPRESS)
   args = p.parse_args()
   global GRIDS
   GRIDS = grids(args.budget)
+  if args.picks_from:  # the local methods' picked points only, at this budget
+    picked = json.loads(args.picks_from.read_text())["picks"]
+    x = "" if args.budget == 1 else f"_x{args.budget:g}"
+    GRIDS = {m: grid if m.startswith("ddp") else {picked[m] + x: grid[picked[m] + x]}
+             for m, grid in GRIDS.items()}
   cases = all_cases(args.seeds)
   if args.only:
     fields, seed = cases[args.only]
@@ -388,8 +394,9 @@ def main() -> None:
   table = (report(args.workdir, args.seeds, picks, goals, results) + "\n\nTuning:\n\n"
            + tuning_table(args.workdir, args.seeds, picks, goals))
   print(table)
-  (args.workdir / "wan.md").write_text(table + "\n")
-  (args.workdir / "result.json").write_text(json.dumps(
+  tag = "" if args.budget == 1 else f"_x{args.budget:g}"
+  (args.workdir / f"wan{tag}.md").write_text(table + "\n")
+  (args.workdir / f"result{tag}.json").write_text(json.dumps(
       {"picks": picks, "targets": goals, "results": results, "tuning_seed0": tuning},
       indent=1))
 
