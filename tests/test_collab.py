@@ -111,6 +111,16 @@ def test_unequal_peers_average_weighted_by_samples(tmp_path, hosts):
   assert rows[-1]["samples"] == [12, 4] and rows[-1]["target"] == 12
 
 
+def _assert_one_epoch(config, workdir, micro_batches, samples):
+  """The run's one epoch took `samples` from the two hosts, and its step is the hand step of
+  `micro_batches` per host."""
+  row = _metrics(workdir)[-1]
+  assert (row["samples_host_0"], row["samples_host_1"]) == samples
+  (state, _), _ = checkpointed_state(config, workdir)
+  theta, update, _ = _hand_step(config, micro_batches)
+  np.testing.assert_allclose(np.asarray(state.params) - theta, update, rtol=1e-4, atol=1e-7)
+
+
 def test_a_static_split_gives_each_peer_its_speeds_share(tmp_path):
   # The baseline without counting: target 12 split 2:1 by speed, in micro-batches of 4 and
   # 2 samples: host 0 takes ceil(8 / 4) = 2, host 1 ceil(4 / 2) = 2, whatever the clock.
@@ -119,11 +129,7 @@ def test_a_static_split_gives_each_peer_its_speeds_share(tmp_path):
   config = _config()
   config.collab.static_split = True
   train.run(config, tmp_path)
-  row = _metrics(tmp_path)[-1]
-  assert (row["samples_host_0"], row["samples_host_1"]) == (8, 4)
-  (state, _), _ = checkpointed_state(config, tmp_path)
-  theta, update, _ = _hand_step(config, [2, 2])
-  np.testing.assert_allclose(np.asarray(state.params) - theta, update, rtol=1e-4, atol=1e-7)
+  _assert_one_epoch(config, tmp_path, micro_batches=[2, 2], samples=(8, 4))
 
 
 def test_the_emulated_link_is_a_ring_all_reduce_of_the_epochs_bytes():
@@ -144,12 +150,8 @@ class _LateHostOne(collab.VirtualProgress):
 def test_a_late_peer_joins_with_weight_zero(tmp_path):
   config = _config()
   _run(config, tmp_path, _LateHostOne)
-  row = _metrics(tmp_path)[-1]
-  assert (row["samples_host_0"], row["samples_host_1"]) == (12, 0)
-  (state, _), _ = checkpointed_state(config, tmp_path)
   # Exactly host 0's three micro-batches: host 1's zero Δ carried no weight.
-  theta, update, _ = _hand_step(config, [3, 0])
-  np.testing.assert_allclose(np.asarray(state.params) - theta, update, rtol=1e-4, atol=1e-7)
+  _assert_one_epoch(config, tmp_path, micro_batches=[3, 0], samples=(12, 0))
 
 
 def _lora_config():
