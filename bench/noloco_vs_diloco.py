@@ -81,10 +81,7 @@ def clock() -> None:
   """NoLoCo's virtual time over DiLoCo's for the runs' 20 rounds, per seed."""
   import runpy
   sys.path.insert(0, str(ROOT))
-  from lowcomm_jax import algorithms
-  from lowcomm_jax.build import build
-  from lowcomm_jax.sim import replay
-  from lowcomm_jax.simulate import make_plan, one_device
+  from lowcomm_jax import simulate
   ratios = []
   for seed in SEEDS:
     seconds = {}
@@ -94,9 +91,7 @@ def clock() -> None:
           "algorithm": method, "seed": seed, "model.name": "tiny", "data.tokenizer": "byte",
           "data.seq_len": 64, "rounds": 20,
           "sim.network.bytes_scale": float(f"{124_000_000 / TINY_PARAMS:.1f}")})
-      r = build(one_device(c))
-      seconds[method] = replay.clock(make_plan(r.config, r),
-                                     algorithms.get(method).schedule, r.config)[-1][0]
+      seconds[method] = simulate.clock(c)[-1][0]
     ratios.append(seconds["noloco"] / seconds["diloco"])
     print(f"seed {seed}: diloco {seconds['diloco']:.1f} s, noloco {seconds['noloco']:.1f} s, "
           f"ratio {ratios[-1]:.3f}", flush=True)

@@ -65,8 +65,6 @@ def main() -> None:
     except ValueError:
       overrides[field] = value
   from lowcomm_jax import simulate
-  from lowcomm_jax.build import build
-  from lowcomm_jax.sim import replay
   w = args.workers
   common = {"sim.enabled": True, "num_workers": w, "rounds": args.rounds,
             "inner_steps": args.inner_steps, "model.name": "small", "eval_every": 0,
@@ -90,9 +88,8 @@ def main() -> None:
         row["total_inner_steps"] = s["total_inner_steps"]
         row["wall_seconds"] += time.perf_counter() - t0
       for net, net_fields in networks.items():  # the clock alone, by replay
-        r = build(simulate.one_device(_config(**common, **CASES[name], **net_fields)))
-        points = replay.clock(simulate.make_plan(r.config, r), r.algorithm.schedule, r.config)
-        row[f"virtual_seconds_{net}"] = points[-1][0]
+        clock = simulate.clock(_config(**common, **CASES[name], **net_fields))
+        row[f"virtual_seconds_{net}"] = clock[-1][0]
       rows.append(row)
   base = next((r for r in rows if r["case"] == "diloco"), None)
   print("| case | eval loss (mean ± sd) | vs DiLoCo (paired) | 95% interval | verdict (worse "

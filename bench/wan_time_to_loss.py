@@ -161,18 +161,6 @@ def crossing(rows: list[dict], target: float) -> tuple[float, float] | None:
   return None
 
 
-def _clock(fields: dict, seed: int, network: dict):
-  """The schedule's (virtual seconds, steps applied) points under `network` overrides."""
-  from lowcomm_jax import algorithms
-  from lowcomm_jax.build import build
-  from lowcomm_jax.sim import replay
-  from lowcomm_jax.simulate import make_plan, one_device
-  c = config({**fields, **network}, seed)
-  r = build(one_device(c))
-  plan = make_plan(r.config, r)
-  return replay.clock(plan, algorithms.get(c.algorithm).schedule, r.config)
-
-
 class Clocks:
   """Replays, cached per (case fields, seed, network)."""
 
@@ -183,7 +171,8 @@ class Clocks:
     from lowcomm_jax.sim import replay
     key = json.dumps([fields, seed, network], sort_keys=True)
     if key not in self.cache:
-      self.cache[key] = _clock(fields, seed, network)
+      from lowcomm_jax import simulate
+      self.cache[key] = simulate.clock(config({**fields, **network}, seed))
     return replay.seconds_at(self.cache[key], steps)
 
 

@@ -14,7 +14,8 @@ import ml_collections
 import numpy as np
 from flax import nnx
 
-from lowcomm_jax import algorithms, config_check, memory, optimizers, program_cache, steps
+from lowcomm_jax import (algorithms, config_check, memory, optimizers, program_cache, steps,
+                         sync_program)
 from lowcomm_jax.data import (WorkerStreams, eval_windows, open_corpus, other_corpus,
                               probe_windows)
 from lowcomm_jax.hosts import host_table
@@ -150,10 +151,10 @@ def build(config: ml_collections.ConfigDict, *, check_memory: bool = True) -> Ru
     step = sync.probe_step(algorithm.local_steps)
     # The plain model (no TP plan): the probe runs inside the sync, replicated over 'model'.
     probe_loss = loss_fn_of(graphdef, model_cfg, None, mesh)
-    probes = [steps.make_probe(probe_loss, layout, p, windows, step) for p in fragments]
+    probes = [sync_program.make_probe(probe_loss, layout, p, windows, step) for p in fragments]
   rules = [sync.outer(rule, probe) for rule, probe in zip(rules, probes)]
   segments = algorithm.segments(c, c.inner_steps)
-  syncs = [steps.make_sync(aggregators[s.sync], rules[s.sync], nested=sync.nested,
+  syncs = [sync_program.make_sync(aggregators[s.sync], rules[s.sync], nested=sync.nested,
                            weigh_tokens=sync.weigh_tokens, layout=layout, fragment=s.sync,
                            count=len(segments), last=k == len(segments) - 1,
                            map_workers=sync.map_workers, consensus=sync.consensus,

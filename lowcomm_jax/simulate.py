@@ -66,6 +66,14 @@ def make_plan(c: ml_collections.ConfigDict, r: Run) -> Plan:
               overlap_steps=first.mix_at)
 
 
+def clock(config: ml_collections.ConfigDict) -> list[tuple[float, int]]:
+  """The simulation's clock without its training: [(virtual seconds, inner steps applied)]
+  (sim/replay.py). Builds the run (data, model shapes) but compiles and trains nothing."""
+  from lowcomm_jax.sim import replay
+  r = build(one_device(config))
+  return replay.clock(make_plan(r.config, r), r.algorithm.schedule, r.config)
+
+
 def one_device(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """Virtual workers share one device (vmapped), whatever the machine has."""
   c = copy.deepcopy(config)

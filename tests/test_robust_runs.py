@@ -75,7 +75,7 @@ def test_signal_weighted_centered_clipping_trains_reports_and_resumes_exactly(tm
 def test_the_probe_scores_each_workers_proposal_by_hand():
   import jax.numpy as jnp
   from lowcomm_jax.parallel.flat import ParamLayout
-  from lowcomm_jax.steps import make_probe
+  from lowcomm_jax.sync_program import make_probe
   tree = {"a": jnp.zeros((2,)), "b": jnp.zeros((3,))}
   layout = ParamLayout.of(tree, [0, 1])  # two fragments: 'a' then 'b'
   target = jnp.arange(5.0)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import checkpointed_state, load_config, train_rounds
-from lowcomm_jax import algorithms, config_check, optimizers, outer, steps, train
+from lowcomm_jax import algorithms, config_check, optimizers, outer, steps, sync_program, train
 from lowcomm_jax.parallel import mesh as mesh_lib
 from lowcomm_jax.parallel.flat import ParamLayout
 
@@ -68,7 +68,7 @@ def _toy_run(config, rounds):
   local = [jax.jit(steps.make_local_segment(
       loss_fn, inner_tx=inner_tx, hidden=1, d_ff=1, layout=layout, segment=s, index=k,
       count=2, alpha=algorithm.mix(config), local_steps=True)) for k, s in enumerate(segments)]
-  syncs = [jax.jit(steps.make_sync(aggregators[s.sync], rules[s.sync], nested=False,
+  syncs = [jax.jit(sync_program.make_sync(aggregators[s.sync], rules[s.sync], nested=False,
                                    weigh_tokens=False, layout=layout, fragment=s.sync, count=2,
                                    last=k == 1), static_argnames="metrics")
            for k, s in enumerate(segments)]

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conftest import load_config
-from lowcomm_jax import algorithms, optimizers, steps
+from lowcomm_jax import algorithms, optimizers, steps, sync_program
 from lowcomm_jax.parallel import mesh as mesh_lib
 from lowcomm_jax.parallel.flat import ParamLayout
 
@@ -41,7 +41,7 @@ def run(algorithm_name: str, rounds: int, **overrides):
       loss_fn, inner_tx=inner_tx, hidden=1, d_ff=1, layout=layout,
       segment=algorithm.segments(config, H)[0], index=0, count=1, alpha=algorithm.mix(config),
       local_steps=True, keeps_params=keeps, worker_rule=worker_rule))
-  sync = jax.jit(steps.make_sync(aggregator, rule, nested=False, weigh_tokens=False,
+  sync = jax.jit(sync_program.make_sync(aggregator, rule, nested=False, weigh_tokens=False,
                                  layout=layout, fragment=0, count=1, last=True),
                  static_argnames="metrics")
   with jax.set_mesh(mesh_lib.make_mesh(1, 1, 1)):

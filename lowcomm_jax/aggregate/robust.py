@@ -110,11 +110,11 @@ def robust_combine(*, rule: str, signal: str, num_workers: int, trim: int = 1,
   shuffle), `theta` (the global model, flat: what `probe` perturbs).
 
   `probe(updates [W, ...], theta) -> [W]`: the probe loss of each worker's proposal
-  (steps.make_probe), which the `probe_loss` signal needs and only it computes."""
+  (sync_program.make_probe), which the `probe_loss` signal needs and only it computes."""
   if rule not in RULES:
     raise ValueError(f"unknown rule {rule!r}; choose one of {RULES}")
   if signal == "probe_loss" and probe is None:
-    raise ValueError("signal 'probe_loss' needs a probe (steps.make_probe)")
+    raise ValueError("signal 'probe_loss' needs a probe (sync_program.make_probe)")
 
   def init_fn(params):
     return RobustState(jax.tree.map(jnp.zeros_like, params), signal_lib.init(num_workers))

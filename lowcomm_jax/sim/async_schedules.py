@@ -60,12 +60,9 @@ class AsyncWorkers(Schedule):
       job = event.data["job"]
       self._send(loop, job["worker"], job["server"], self.plan.delta_bytes, "arrive", job=job)
     elif event.kind == "arrive":
-      self._on_arrival(loop, Job(**event.data["job"]))
+      self._arrive(loop, Job(**event.data["job"]))
     else:
       self._server_event(event, loop)
-
-  def _on_arrival(self, loop: EventLoop, job: Job) -> None:
-    self._arrive(loop, job)
 
   def _server_event(self, event: Event, loop: EventLoop) -> None:
     raise ValueError(f"unexpected event {event.kind!r}")
@@ -110,11 +107,11 @@ class Halos(AsyncWorkers):
       self.lps[self.server_of(worker)]["running"] += 1
     return started
 
-  def _on_arrival(self, loop: EventLoop, job: Job) -> None:
+  def _arrive(self, loop: EventLoop, job: Job) -> None:
     lps = self.lps[job.server]
     lps["running"] -= 1
     lps["unsent"] += 1
-    self._arrive(loop, job)
+    super()._arrive(loop, job)
     self._maybe_push(loop, job.server)
 
   def _server_event(self, event: Event, loop: EventLoop) -> None:

@@ -94,10 +94,13 @@ class Flows:
         flow["bits"] -= rate * elapsed
     self.updated = now
 
-  def _reschedule(self, loop: EventLoop) -> None:
-    loop.cancel(TICK)
+  def _rerate(self) -> None:
     self.rates = max_min_rates({f: [tuple(r) for r in v["path"]]
                                 for f, v in self.active.items()}, self.network.capacity)
+
+  def _reschedule(self, loop: EventLoop) -> None:
+    loop.cancel(TICK)
+    self._rerate()
     if self.active:
       done = min(v["bits"] / self.rates[f] for f, v in self.active.items())
       loop.schedule(loop.now + done, TICK)
@@ -108,8 +111,7 @@ class Flows:
   def load_state(self, state: dict) -> None:
     self.active, self.updated = state["active"], state["updated"]
     self.next_id = state["next_id"]
-    self.rates = max_min_rates({f: [tuple(r) for r in v["path"]]
-                                for f, v in self.active.items()}, self.network.capacity)
+    self._rerate()  # a function of the flows in flight
 
 
 def deliveries(network: Network, transfers: Sequence[tuple]) -> list[float]:

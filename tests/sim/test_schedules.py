@@ -4,34 +4,35 @@ import pytest
 
 from lowcomm_jax import algorithms
 from lowcomm_jax.sim import GLOBAL, EventLoop, Network, Plan, SpeedModel
+from lowcomm_jax.sim.replay import CountingBackend
 
 
-class FakeBackend:
-  """Counts versions and records calls; the math is not the schedule's business."""
+class FakeBackend(CountingBackend):
+  """Counts versions as the real servers move them (sim/replay.py) and records calls; the
+  math is not the schedule's business."""
 
-  def __init__(self):
-    self.versions = {}
+  def __init__(self, segments: int = 1):
+    super().__init__(segments)
     self.calls = []
     self.unpushed = {}  # per LPS: jobs applied there and not yet in a push
     self.pushed_jobs = 0
     self.push_sizes = []  # jobs carried by each push, in order
 
-  def version(self, server):
-    return self.versions.setdefault(server, 0)
-
   def start_job(self, job):
     self.calls.append(("start", job.worker, job.server, job.version, job.steps))
 
   def apply_job(self, job):
-    self.versions[job.server] = self.version(job.server) + 1
     self.unpushed[job.server] = self.unpushed.get(job.server, 0) + 1
     self.calls.append(("apply", job.worker, job.server))
-    return 0.0, 1.0
+    return super().apply_job(job)
 
   def sync_round(self, jobs):
-    self.versions[GLOBAL] = self.version(GLOBAL) + 1
     self.calls.append(("sync", len(jobs)))
-    return [1.0] * len(jobs), 0.0, 0
+    return super().sync_round(jobs)
+
+  def sync_segment(self, jobs, segment):
+    self.calls.append(("sync_segment", segment, len(jobs)))
+    return super().sync_segment(jobs, segment)
 
   def push_update(self, src, msg):
     self.calls.append(("push", src))
@@ -39,8 +40,8 @@ class FakeBackend:
     self.pushed_jobs += self.unpushed.pop(src, 0)
 
   def apply_push(self, dst, msg):
-    self.versions[dst] = self.version(dst) + 1
     self.calls.append(("apply_push", dst))
+    super().apply_push(dst, msg)
 
   def send_params(self, src, msg):
     self.calls.append(("send_params", src))
@@ -220,20 +221,6 @@ def test_asynchronous_servers_get_their_documented_outer_rules():
   assert jnp.allclose(updates, -0.8 * x / 2)  # two workers per region: N = 2
 
 
-class FakeSegmentBackend(FakeBackend):
-  """Versions count rounds: a round's last segment completes one."""
-
-  def __init__(self, segments):
-    super().__init__()
-    self.segments = segments
-
-  def sync_segment(self, jobs, segment):
-    if segment == self.segments - 1:
-      self.versions[GLOBAL] = self.version(GLOBAL) + 1
-    self.calls.append(("sync_segment", segment, len(jobs)))
-    return [1.0] * len(jobs), 0.0, 0
-
-
 @pytest.mark.parametrize("tau,expected", [
     # τ = 0: each segment waits for the previous fragment. Speeds 1 and 0.5, H = 4 in two
     # segments of 2 steps (2 s and 4 s of compute), each fragment 1 byte: ring 1 s.
@@ -244,7 +231,7 @@ class FakeSegmentBackend(FakeBackend):
 ])
 def test_streaming_segments_hide_transfers_behind_tau_steps(tau, expected):
   plan = _plan((1.0, 0.5), inner=4, fragment_bytes=(1, 1), overlap_steps=tau)
-  backend, loop = FakeSegmentBackend(2), EventLoop()
+  backend, loop = FakeBackend(segments=2), EventLoop()
   schedule = algorithms.get("streaming").schedule(plan, backend)
   schedule.start(loop)
   seen = []
