@@ -5,10 +5,13 @@
   python bench/codecs.py --sweep            # also the SWEEP runs toward the 1000x target
   python bench/codecs.py --long             # the LONG runs: 4x the tokens
   python bench/codecs.py --muloco           # DiLoCo with Muon inside, dense and compressed
+  python bench/codecs.py --muloco --seeds 3 --only ddp_lr5e-3 diloco_muon
+                                            # each method on 3 seeds, paired against DDP
 
 Methods: DDP, DiLoCo (H=20), DiLoCo + int8 / 4-bit / SparseLoCo, DDP + DeMo, DDP + DeMo 1-bit,
 all 2,457,600 tokens. Prints a table of final eval loss, bytes sent per worker and the ratio
-vs DDP, and the encode+decode time of every codec per 10M parameters (ten 1000x1000 fp32
+vs DDP (with `--seeds N`, each method's mean ± sd over seeds 0..N-1 and its difference from
+the reference run, `--reference`, paired by seed: bench/stats.py), and the encode+decode time of every codec per 10M parameters (ten 1000x1000 fp32
 matrices, jitted, median of 5). Writes <workdir>/result.json. Finished runs are reused.
 """
 
@@ -18,13 +21,16 @@ import os
 import pathlib
 import runpy
 import statistics
+import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
 os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 
 import jax  # noqa: E402
 
+import stats  # noqa: E402
 from lowcomm_jax import compress, train  # noqa: E402
 
 METHODS = {  # name: (config file, overrides)
@@ -85,7 +91,9 @@ LONG = {
 # at the runs' 3e-3), at the same tokens.
 _MUON = {"optimizer.name": "muon", "optimizer.lr": 0.02, "optimizer.adam_lr": 3e-3}
 MULOCO = {
-    **{k: METHODS[k] for k in ("diloco", "diloco_int4", "diloco_sparseloco")},
+    **{k: METHODS[k] for k in ("ddp", "diloco", "diloco_int4", "diloco_sparseloco")},
+    # DDP at its tuned AdamW lr (the SWEEP's best of 2e-3 / 3e-3 / 5e-3 / 1e-2).
+    "ddp_lr5e-3": ("ddp", {"optimizer.lr": 5e-3}),
     "diloco_muon": ("diloco_hetero", {"hosts": [], **_MUON}),
     "diloco_muon_int4": ("diloco_hetero", {"hosts": [], "compress.codec": "int4", **_MUON}),
     "diloco_muon_sparseloco": ("diloco_sparseloco", _MUON),
@@ -122,12 +130,58 @@ def codec_speed(repeats: int = 5) -> dict[str, float]:
   return out
 
 
+def _run(file: str, overrides: dict, workdir: pathlib.Path) -> dict:
+  """One run's summary (a finished run is read back, not rerun)."""
+  summary_path = workdir / "summary.json"
+  summary = (json.loads(summary_path.read_text()) if summary_path.exists()
+             else train.run(_config(file, overrides), workdir))
+  return {k: summary[k] for k in ("eval_loss", "bytes_sent", "tokens", "compression_ratio",
+                                  "wall_seconds")}
+
+
+def _print_table(rows: dict[str, list[dict]], reference: str) -> None:
+  """Means over seeds; losses and bytes relative to the reference's means."""
+  mean = lambda runs, k: statistics.fmean(r[k] for r in runs)
+  ref = rows.get(reference)
+  print(f"| method | eval loss | vs {reference} | MiB sent per worker | "
+        f"{reference} bytes / bytes | wall s |")
+  print("|---|---|---|---|---|---|")
+  for name, runs in rows.items():
+    loss, sd = stats.mean_sd(r["eval_loss"] for r in runs)
+    vs = f"{mean(runs, 'eval_loss') / mean(ref, 'eval_loss') - 1:+.1%}" if ref else "-"
+    ratio = f"{mean(ref, 'bytes_sent') / mean(runs, 'bytes_sent'):,.0f}" if ref else "-"
+    spread = f" ± {sd:.4f}" if len(runs) > 1 else ""
+    print(f"| {name} | {loss:.4f}{spread} | {vs} | {mean(runs, 'bytes_sent') / 2**20:.3f} | "
+          f"{ratio} | {mean(runs, 'wall_seconds'):.0f} |")
+
+
+def _print_paired(rows: dict[str, list[dict]], reference: str) -> dict:
+  """Each method's eval loss minus the reference's, paired by seed."""
+  out = {}
+  print(f"\n| method | eval loss − {reference}'s, paired (mean ± sd) | 95% interval | "
+        "lower than the reference? |")
+  print("|---|---|---|---|")
+  ref = [r["eval_loss"] for r in rows[reference]]
+  for name, runs in rows.items():
+    if name == reference:
+      continue
+    d = stats.paired([r["eval_loss"] for r in runs], ref, higher_is_better=False)
+    out[name] = d
+    print(f"| {name} | {d['mean']:+.4f} ± {d['sd']:.4f} | [{d['ci95'][0]:+.4f}, "
+          f"{d['ci95'][1]:+.4f}] | {d['verdict']} |")
+  return out
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--workdir", type=pathlib.Path, default=None,
                  help="default bench/results/codecs (codecs_long with --long)")
   p.add_argument("--only", nargs="*", default=None)
   p.add_argument("--speed_only", action="store_true")
+  p.add_argument("--seeds", type=int, default=1,
+                 help="run each method on seeds 0..N-1 (runs named <method>_s<k>)")
+  p.add_argument("--reference", default="ddp",
+                 help="the method the others are compared with")
   p.add_argument("--sweep", action="store_true", help="also run the SWEEP methods")
   p.add_argument("--long", action="store_true",
                  help="run the LONG methods (4x tokens) instead; default workdir codecs_long")
@@ -140,32 +194,17 @@ def main():
     args.workdir = REPO / "bench/results" / ("codecs_long" if args.long else "codecs")
   result = {"speed_ms_per_10M": {k: v * 1e3 for k, v in codec_speed().items()}}
   if not args.speed_only:
-    rows = {}
     methods = (LONG if args.long else MULOCO if args.muloco
                else {**METHODS, **(SWEEP if args.sweep else {})})
-    for name, (file, overrides) in methods.items():
-      if args.only and name not in args.only:
-        continue
-      workdir = args.workdir / name
-      summary_path = workdir / "summary.json"
-      if summary_path.exists():
-        summary = json.loads(summary_path.read_text())
-      else:
-        summary = train.run(_config(file, overrides), workdir)
-      rows[name] = {k: summary[k] for k in ("eval_loss", "bytes_sent", "tokens",
-                                            "compression_ratio", "wall_seconds")}
-    if "ddp" in rows:
-      ddp = rows["ddp"]
-      for row in rows.values():
-        row["bytes_ratio_vs_ddp"] = ddp["bytes_sent"] / row["bytes_sent"]
-        row["loss_vs_ddp"] = row["eval_loss"] / ddp["eval_loss"] - 1
+    methods = {k: v for k, v in methods.items() if not args.only or k in args.only}
+    rows = {name: [_run(file, {**overrides, **({"seed": k} if args.seeds > 1 else {})},
+                        args.workdir / (f"{name}_s{k}" if args.seeds > 1 else name))
+                   for k in range(args.seeds)]
+            for name, (file, overrides) in methods.items()}
     result["runs"] = rows
-    print("| method | eval loss | vs DDP | MiB sent per worker | DDP bytes / bytes | wall s |")
-    print("|---|---|---|---|---|---|")
-    for name, row in rows.items():
-      print(f"| {name} | {row['eval_loss']:.4f} | {row.get('loss_vs_ddp', 0):+.1%} | "
-            f"{row['bytes_sent'] / 2**20:.3f} | {row.get('bytes_ratio_vs_ddp', 0):,.0f} | "
-            f"{row['wall_seconds']:.0f} |")
+    _print_table(rows, args.reference)
+    if args.seeds > 1 and args.reference in rows:
+      result["paired_vs_reference"] = _print_paired(rows, args.reference)
   args.workdir.mkdir(parents=True, exist_ok=True)
   (args.workdir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
 
