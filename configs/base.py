@@ -92,6 +92,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.streaming.overlap_steps = 0  # tau: inner steps between sending a fragment and applying its update (< H/P)
   c.streaming.mix = 0.0  # alpha: theta_w,p <- (1 - alpha) * theta_p + alpha * theta_w,p when it lands
 
+  # --- Pier (algorithm='pier'; lowcomm_jax/algorithms/pier.py, outer/pier.py) -----------
+  # Rounds [0, warmup*rounds): theta <- the workers' mean, the outer momentum filled
+  # (m <- outer.momentum * m + delta). Then for as many rounds the momentum steps through
+  # decay_momenta and the outer lr ramps 0 -> outer.lr; from final*rounds on it is lr_final.
+  c.pier = ml_collections.ConfigDict()
+  c.pier.warmup = 0.1
+  c.pier.decay_momenta = (0.99, 0.95)
+  c.pier.lr_final = 0.9
+  c.pier.final = 0.8
+
   # --- aggregation of pseudo-gradients --------------------------------------------------
   c.aggregate = ml_collections.ConfigDict()
   c.aggregate.weighting = "uniform"  # 'uniform' | 'tokens' (weight workers by tokens processed)

@@ -34,7 +34,8 @@ CASES = ([(codec, "diloco", tiers) for codec in compress.CODECS if codec != "dem
 # Dense fp32 bytes / bytes sent, per round: bounds from each codec's wire format on the
 # tiny model (its small tensors cost the sparse codecs their per-chunk overheads).
 RATIO = {"none": (1, 1), "int8": (3.5, 4), "fp8": (3.5, 4), "int4": (6.5, 8),
-         "topk": (10, 1e4), "randomk": (30, 100), "sparseloco": (10, 1e4), "demo": (10, 1e4)}
+         "topk": (10, 1e4), "randomk": (30, 100), "sparseloco": (10, 1e4), "demo": (10, 1e4),
+         "muloco": (4, 16)}
 
 
 def _config(codec, algorithm, tiers):

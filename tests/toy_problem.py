@@ -24,7 +24,8 @@ def sgd_steps(x, target, steps_=H):
 
 def run(algorithm_name: str, rounds: int, **overrides):
   """(θ after every sync [rounds, 2], the workers' final states)."""
-  config = load_config("smoke", algorithm=algorithm_name, num_workers=2, inner_steps=H, **{
+  config = load_config("smoke", algorithm=algorithm_name, num_workers=2, inner_steps=H,
+                       rounds=rounds, **{
       "optimizer.name": "sgd", "optimizer.lr": ETA, "optimizer.warmup_steps": 0,
       "optimizer.min_lr_ratio": 1.0, "optimizer.grad_clip": 0.0,
       "outer.lr": LR, "outer.momentum": BETA, **overrides})

@@ -9,14 +9,14 @@ from lowcomm_jax.compress import dct, quantize, sparse
 from lowcomm_jax.compress.codec import Codec, Identity, LeafCodec, TreeCodec
 from lowcomm_jax.compress.dct import DCTTopK, dct_matrix
 from lowcomm_jax.compress.error_feedback import ErrorFeedback, error_feedback
-from lowcomm_jax.compress.quantize import Fp8, Uniform
+from lowcomm_jax.compress.quantize import Fp8, Statistical, Uniform
 from lowcomm_jax.compress.sparse import (RandomK, TopK, kept_per_chunk, randomk_codec,
                                          topk_codec)
 from lowcomm_jax.compress.spec import CodecSpec
 from lowcomm_jax.config_error import Problems
 
 REGISTRY: dict[str, CodecSpec] = {s.name: s for s in (
-    quantize.INT8, quantize.FP8, quantize.INT4,
+    quantize.INT8, quantize.FP8, quantize.INT4, quantize.MULOCO,
     sparse.TOPK, sparse.RANDOMK, sparse.SPARSELOCO,
     dct.DEMO)}
 NONE = "none"  # no codec: the plain mean's all-reduce
@@ -97,6 +97,7 @@ def problems(c: ml_collections.ConfigDict) -> list[str]:
 
 
 __all__ = ["CODECS", "Codec", "CodecSpec", "DCTTopK", "ErrorFeedback", "Fp8", "Identity",
-           "LeafCodec", "REGISTRY", "RandomK", "TopK", "TreeCodec", "Uniform", "dct_matrix",
+           "LeafCodec", "REGISTRY", "RandomK", "Statistical", "TopK", "TreeCodec", "Uniform",
+           "dct_matrix",
            "declared", "error_feedback", "make_codec", "names", "problems", "randomk_codec",
            "spec", "topk_codec"]

@@ -1,4 +1,5 @@
-"""Scaled quantizers: int8, 4-bit uniform, fp8 e4m3 — one fp32 scale per row or per block.
+"""Scaled quantizers: int8, 4-bit uniform, fp8 e4m3 — one fp32 scale per row or per block —
+and MuLoCo's statistical 2-bit quantizer (`Statistical`: bins over mean ± 3σ per group).
 
 Values are divided by their group's scale s = max|x| / L (L the largest level), rounded to
 the nearest level (or stochastically: floor(y + u), unbiased), and sent as int8 / packed
@@ -95,6 +96,47 @@ class Fp8(_Grouped):
     return self._join(q * payload["scale"][:, None])
 
 
+class Statistical(_Grouped):
+  """MuLoCo's quantizer (Thérien et al. 2025; BUILD_NOTES.md): per group, n = 2^bits bins of
+  width 6σ/n centred on the group's mean, code = clip(round((x − mean)·n/(6σ) + n/2), 0,
+  n − 1); each code decodes to the mean of the entries that fell in its bin (a table of n
+  fp32 per group travels with the codes), so a bin's reconstruction is unbiased within it."""
+
+  def __init__(self, shape, bits: int, block: int = 0):
+    super().__init__(shape, block)
+    assert bits in (1, 2, 4), bits
+    self.bits, self.bins = bits, 2 ** bits
+
+  def _codes_and_table(self, x):
+    g = self._split(x)
+    valid = (jnp.arange(self.groups * self.group_size) < self.size).reshape(g.shape)
+    count = jnp.sum(valid, axis=1, keepdims=True)
+    mean = jnp.sum(g, axis=1, keepdims=True) / count
+    sd = jnp.sqrt(jnp.sum(jnp.where(valid, (g - mean) ** 2, 0.0), axis=1, keepdims=True) / count)
+    width = jnp.where(sd > 0, 6.0 * sd / self.bins, 1.0)
+    codes = jnp.clip(jnp.round((g - mean) / width + self.bins / 2), 0, self.bins - 1)
+    codes = codes.astype(jnp.int32)
+    one_hot = (codes[..., None] == jnp.arange(self.bins)) & valid[..., None]  # [G, S, n]
+    members = jnp.sum(one_hot, axis=1)
+    table = jnp.sum(jnp.where(one_hot, g[..., None], 0.0), axis=1) / jnp.maximum(members, 1)
+    return codes, table
+
+  def _lookup(self, codes, table):
+    return self._join(jnp.take_along_axis(table, codes, axis=1))
+
+  def encode(self, x, key):
+    codes, table = self._codes_and_table(x)
+    payload = {"codes": pack_bits(codes.astype(jnp.uint8), self.bits),
+               "table": table.reshape(-1)}
+    return payload, self._lookup(codes, table)
+
+  def decode(self, payload, key):
+    n = self.groups * self.group_size
+    codes = unpack_bits(payload["codes"], self.bits, n).astype(jnp.int32)
+    return self._lookup(codes.reshape(self.groups, self.group_size),
+                        payload["table"].reshape(self.groups, self.bins))
+
+
 def two_bit_values(v, axis=-1):
   """Sparse values -> (uint8 codes 0..3, fp32 scale per row of `axis`): levels ±s, ±s/3
   with s = max|v|; |v − v̂| <= s/3. There is no zero level (top-k values are the large
@@ -137,3 +179,8 @@ INT4 = CodecSpec("int4", "uniform 4-bit (levels -7..7), two per byte, row/block 
                  _uniform(4), stochastic_rounding=True)
 FP8 = CodecSpec("fp8", "float8 e4m3, row/block scaled",
                 lambda z, k: lambda shape: Fp8(shape, z.quant_block))
+# MuLoCo's 2-bit recipe: the statistical quantizer per row, on a decayed error buffer (β 0.9).
+MULOCO = CodecSpec("muloco", "MuLoCo's 2-bit: 4 bins over mean ± 3σ per row (or quant_block), "
+                   "each decoded as its bin's mean; error buffer β 0.9",
+                   lambda z, k: lambda shape: Statistical(shape, 2, z.quant_block),
+                   default_beta=0.9, always_error_feedback=True)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lowcomm_jax.compress import Fp8, Uniform
+from lowcomm_jax.compress import Fp8, Statistical, Uniform
 from lowcomm_jax.compress.packing import index_dtype, pack_bits, unpack_bits
 from lowcomm_jax.compress.quantize import fp8_bound
 
@@ -72,3 +72,32 @@ def test_bit_packing_round_trips(bits):
 def test_index_dtype_is_the_narrowest_that_fits():
   assert index_dtype(256) == np.uint8 and index_dtype(257) == np.uint16
   assert index_dtype(4096) == np.uint16 and index_dtype(70000) == np.uint32
+
+
+@pytest.mark.parametrize("block", [0, 64])
+def test_statistical_bins_decode_to_their_members_mean(block):
+  codec = Statistical(X.shape, 2, block)
+  payload, sent = codec.encode(X, KEY)
+  out = codec.decode(payload, KEY)
+  np.testing.assert_array_equal(out, sent)  # the sender knows exactly what arrives
+  _, groups = _groups_scale(X, 1, block)
+  valid = np.arange(groups.size).reshape(groups.shape) < X.size
+  decoded = np.pad(np.asarray(out).reshape(-1), (0, groups.size - X.size)).reshape(groups.shape)
+  for g, d, v in zip(groups, decoded, valid):  # by hand, one group at a time
+    x = g[v].astype(np.float64)
+    width = 6 * x.std() / 4
+    codes = np.clip(np.round((x - x.mean()) / width + 2), 0, 3)
+    want = np.array([x[codes == c].mean() for c in codes])
+    np.testing.assert_allclose(d[v], want, rtol=1e-5, atol=1e-5)
+  # A group's decoded values have its mean (each bin keeps its members' sum).
+  np.testing.assert_allclose(np.where(valid, decoded, 0).sum(1), np.where(valid, groups, 0).sum(1),
+                             rtol=1e-4, atol=1e-3)
+  # Wire size: 2 bits per entry (packed) + 4 fp32 bin means per group.
+  assert sum(x.nbytes for x in jax.tree.leaves(payload)) == -(-groups.size // 4) + 16 * len(groups)
+
+
+def test_statistical_constant_group_is_exact():
+  x = jnp.full((3, 8), 2.5, jnp.float32)
+  codec = Statistical(x.shape, 2)
+  payload, _ = codec.encode(x, KEY)
+  np.testing.assert_array_equal(codec.decode(payload, KEY), x)
