@@ -102,6 +102,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.pier.lr_final = 0.9
   c.pier.final = 0.8
 
+  # --- DES-LOC (algorithm='desloc'; lowcomm_jax/algorithms/desloc.py) ------------------
+  # Parameters sync every H steps through the outer rule (DES-LOC's plain average:
+  # outer.lr=1, outer.momentum=0); each AdamW moment is averaged over the workers every
+  # this many rounds (0: never, each worker keeps its own as in DiLoCo).
+  c.desloc = ml_collections.ConfigDict()
+  c.desloc.first_moment_rounds = 3  # K_u = 3 H, the paper's recommendation
+  c.desloc.second_moment_rounds = 6  # K_v = 6 H
+
   # --- aggregation of pseudo-gradients --------------------------------------------------
   c.aggregate = ml_collections.ConfigDict()
   c.aggregate.weighting = "uniform"  # 'uniform' | 'tokens' (weight workers by tokens processed)

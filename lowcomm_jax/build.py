@@ -251,7 +251,9 @@ def build(config: ml_collections.ConfigDict, *, check_memory: bool = True) -> Ru
                       accumulate=accumulate,
                       overlapped=steps.make_overlapped(syncs[0], local_programs[0][0],
                                                        reads_rules=worker_rule is not None,
-                                                       reads_own=reads_own))
+                                                       reads_own=reads_own),
+                      state_sync=(steps.make_state_sync(state_sync)
+                                  if (state_sync := algorithm.state_sync(c)) else None))
   programs, init_fn, initial_params = program_cache.same_as_before(
       program_cache.key(c, model_cfg, windows), (programs, init_fn, initial_params))
   run = Run(config=c, algorithm=algorithm, topology=topology, model=model, data=data,

@@ -156,7 +156,8 @@ def main(argv):
     from lowcomm_jax import algorithms
     local_steps = algorithms.get(summary["algorithm"]).local_steps  # DDP is the comparison
     versus = ("" if not local_steps or not sent else
-              f", DDP would have sent {ddp:,.1f} MiB ({ddp / sent:.0f}x more)")
+              f", DDP would have sent {ddp:,.1f} MiB ({ddp / sent:.0f}x more)" if ddp >= sent
+              else f", {sent / ddp:.1f}x what DDP would have sent ({ddp:,.1f} MiB)")
     print(f"eval loss {summary['eval_loss']:.4f} after {summary['tokens']:,} tokens; each worker "
           f"sent {sent:,.1f} MiB{versus}. Workdir: {workdir}")
   print(f"Compare runs: python -m lowcomm_jax.report {workdir} [other workdirs] --plot out.png; "

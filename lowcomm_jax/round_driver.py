@@ -195,7 +195,7 @@ class RoundDriver:
     if not (math.isfinite(scalars["train_loss"]) and math.isfinite(scalars["param_norm"])):
       problem = (f"round {round_} (train_loss={scalars['train_loss']}, "
                  f"param_norm={scalars['param_norm']})")
-    total_bytes = self.round_bytes * round_
+    total_bytes = self.r.bytes_through(round_)
     scalars.update(extra, round=round_,
                    bytes_sent=total_bytes.sent, bytes_received=total_bytes.received,
                    bytes_sent_round=self.round_bytes.sent,
@@ -262,7 +262,8 @@ def _compression_ratio(r: Run, round_bytes) -> float | None:
 def _summary(r: Run, sched: _Schedule, sync_bytes, eval_loss, scalars, wall: float) -> dict:
   c = r.config
   round_bytes = sum(sync_bytes, CommBytes())
-  sent = (round_bytes * c.rounds).sent
+  total_bytes = r.bytes_through(c.rounds)
+  sent = total_bytes.sent
   # DDP all-reduces fp32 gradients every inner step (nothing with a single worker).
   total_steps = c.rounds * c.inner_steps
   ddp_equivalent = r.model.param_bytes * total_steps if c.num_workers > 1 else 0
@@ -284,7 +285,7 @@ def _summary(r: Run, sched: _Schedule, sync_bytes, eval_loss, scalars, wall: flo
       "eval_loss": eval_loss,
       "train_loss": float(scalars["train_loss"]) if scalars else None,
       "tokens": sched.tokens,
-      "bytes_sent": sent, "bytes_received": (round_bytes * c.rounds).received,
+      "bytes_sent": sent, "bytes_received": total_bytes.received,
       # Peak bandwidth: the largest single sync a worker sends (DiLoCo: the whole model's
       # Δ; streaming: one fragment's, about 1/P of it).
       "bytes_sent_peak_sync": max(b.sent for b in sync_bytes),

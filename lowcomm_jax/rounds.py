@@ -58,7 +58,11 @@ def jitted_steps(r: Run, *, donate: bool | None = None) -> Programs:
   accumulate = [Bound(jax.jit(f, donate_argnums=(1,) if donate else (),
                              out_shardings=(per_worker, per_worker)), local_frozen)
                 for f in r.programs.accumulate]
-  return Programs(local, syncs, init, Bound(jax.jit(r.programs.eval), r.frozen), accumulate)
+  state_sync = (jax.jit(r.programs.state_sync, static_argnames="parts",
+                        out_shardings=mesh_lib.per_worker(r.topology.mesh))
+                if r.programs.state_sync is not None else None)
+  return Programs(local, syncs, init, Bound(jax.jit(r.programs.eval), r.frozen), accumulate,
+                  state_sync=state_sync)
 
 
 def init_run(r: Run, fns: Programs) -> tuple[steps.TrainState, tuple]:
@@ -114,6 +118,8 @@ def _round(r: Run, fns: Programs, state, workers, batches_per_host, inner_steps_
   segments = [r.segments(H) for H in inner_steps_per_host]  # per host (all hosts)
   count = len(segments[0])
   assert not hold or count == 1, "only a one-segment round's sync can be held"
+  if fns.state_sync is not None:  # DES-LOC: moments averaged first (it never holds a sync)
+    workers = average_worker_state(r, fns, workers, r.state_sync_due(int(state.round)))
   workers = list(workers)
   losses = [[] for _ in r.topology.local_hosts]
   compute = [0.0] * len(r.topology.local_hosts)
@@ -162,6 +168,28 @@ def run_held(r: Run, fns: Programs, state: steps.TrainState, held: HeldSync):
   """The held sync on its own (before a round that cannot take it): (state, its metrics)."""
   with jax.set_mesh(r.topology.mesh):
     return fns.syncs[0](state, held.deltas_R, held.signals, metrics=held.metrics)
+
+
+def average_worker_state(r: Run, fns: Programs, workers: tuple, parts: tuple[str, ...]) -> tuple:
+  """This process's worker states with `parts` of their inner-optimizer states averaged over
+  every worker of the run (all processes join: DES-LOC's moments, before a round)."""
+  if not parts:
+    return workers
+  opt_states = [w.opt_state for w in workers]
+  sizes = [jax.tree.leaves(o)[0].shape[0] for o in opt_states]
+  local = (opt_states[0] if len(opt_states) == 1 else
+           jax.tree.map(lambda *xs: jnp.concatenate(xs), *opt_states))
+  announce_compile(fns.state_sync, "the workers' state average")
+  with jax.set_mesh(r.topology.mesh):
+    averaged = fns.state_sync(mesh_lib.to_global(local, r.topology.mesh, r.config.num_workers),
+                              parts=parts)
+  averaged = mesh_lib.to_local(averaged, r.topology.local_mesh)
+  out, start = [], 0
+  for w, n in zip(workers, sizes):
+    out.append(w._replace(opt_state=jax.tree.map(lambda x, a=start, b=start + n: x[a:b], averaged)
+                          if len(workers) > 1 else averaged))
+    start += n
+  return tuple(out)
 
 
 def worker_ids(r: Run, host: int) -> jax.Array:

@@ -78,6 +78,9 @@ class Programs:
   # a held sync + the next round's local steps (steps.make_overlapped): run where the
   # algorithm has a delayed sync and rounds.can_overlap allows it
   overlapped: Callable | None = None
+  # (workers' inner-optimizer states [R, ...], parts) -> the same with those parts averaged
+  # (steps.make_state_sync), where the algorithm has a StateSync (DES-LOC)
+  state_sync: Callable | None = None
 
 
 @dataclasses.dataclass
@@ -104,6 +107,7 @@ class Run:
   # passed as an argument (rounds.Bound binds it), never compiled in as a constant.
   frozen: Any = ()
   _placed: dict = dataclasses.field(default_factory=dict)
+  _state_bytes: dict = dataclasses.field(default_factory=dict)  # parts -> CommBytes
 
   def replicated_input(self, x: np.ndarray) -> jax.Array:
     """`x` as a global replicated array, placed once per distinct value.
@@ -196,6 +200,33 @@ class Run:
   def outer_bytes(self) -> ledger.CommBytes:
     """Per-worker bytes of one round's syncs."""
     return sum(self.sync_bytes(), ledger.CommBytes())
+
+  def state_sync_due(self, completed_rounds: int) -> tuple[str, ...]:
+    """The parts of the workers' optimizer states averaged before the round after
+    `completed_rounds` rounds (algorithms.base.StateSync; () without one)."""
+    sync = self.algorithm.state_sync(self.config)
+    return sync.due(completed_rounds) if sync is not None else ()
+
+  def state_sync_bytes(self, parts: tuple[str, ...]) -> ledger.CommBytes:
+    """Per-worker bytes of averaging `parts` of every worker's optimizer state (traced)."""
+    if not parts:
+      return ledger.CommBytes()
+    if parts not in self._state_bytes:
+      r = self.config.num_workers
+      opt_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct((r,) + x.shape[1:], x.dtype),
+                               self.abstract_workers()[0].opt_state)
+      with jax.set_mesh(self.topology.mesh):
+        self._state_bytes[parts] = ledger.count_bytes(
+            functools.partial(self.programs.state_sync, parts=parts), opt_state)
+    return self._state_bytes[parts]
+
+  def bytes_through(self, rounds: int) -> ledger.CommBytes:
+    """Per-worker bytes of the first `rounds` rounds: their syncs, and the optimizer-state
+    averages before rounds 2..`rounds` (DES-LOC)."""
+    total = self.outer_bytes() * rounds
+    for completed in range(1, rounds):
+      total = total + self.state_sync_bytes(self.state_sync_due(completed))
+    return total
 
   def tp_counts(self) -> dict:
     """Tensor parallelism's sync points per forward, and the collectives of one inner step

@@ -112,6 +112,10 @@ class SimBackend:
     self._drift = jax.jit(lambda now, then: optax.tree.norm(optax.tree.sub(now, then))
                           / optax.tree.norm(now))
     self.job_lr_step = {}  # job id -> the schedule step it starts at (until it runs)
+    # DES-LOC: the workers' optimizer states averaged before a synchronous round (the
+    # runner's program); the version last done, so a round's several flushes average once.
+    self.state_sync = programs.state_sync
+    self._state_synced = None
 
   # --- the Backend protocol (lowcomm_jax/sim/schedules.py) ------------------------------
 
@@ -129,6 +133,14 @@ class SimBackend:
   def flush(self, next_batches) -> None:
     """Runs the jobs started since the last flush: one vmapped call per (server state, H).
     `next_batches(worker_ids, steps)` -> [G, steps, B, L+1] training batches."""
+    if self.state_sync is not None and self._queued and not self.rules:
+      version = self._queued[0].version
+      parts = self.r.state_sync_due(version)
+      if parts and version != self._state_synced:
+        with jax.set_mesh(self.r.topology.mesh):
+          self.workers = self.workers._replace(
+              opt_state=self.state_sync(self.workers.opt_state, parts=parts))
+        self._state_synced = version
     groups: dict[tuple, list[Job]] = {}
     for job in self._queued:
       groups.setdefault(self.job_snapshot[job.id] + (job.steps, job.segment), []).append(job)

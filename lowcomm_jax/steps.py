@@ -229,6 +229,15 @@ def make_accumulate(loss_fn: LossFn, *, hidden: int, d_ff: int, layout: ParamLay
   return accumulate
 
 
+def make_state_sync(state_sync):
+  """`average(opt_states[R, ...], parts)` -> the workers' inner-optimizer states with `parts`
+  averaged over all workers (algorithms.base.StateSync; an all-reduce per part)."""
+  def average(opt_state_R, parts: tuple[str, ...]):
+    return jax.vmap(lambda s: state_sync.average(s, parts, "replica"), axis_name="replica",
+                    spmd_axis_name="replica")(opt_state_R)
+  return average
+
+
 def local_input(state: TrainState, reads_rules: bool, reads_own: bool = False) -> TrainState:
   """What a local program reads of the global state: θ and the round key, and the outer
   rules' (replicated) state where the algorithm's workers start from it (`reads_rules`:

@@ -54,8 +54,13 @@ def run(algorithm_name: str, rounds: int, **overrides):
     signals = steps.Signals(jnp.ones(2, jnp.int32), jnp.ones(2, jnp.float32),
                             jnp.zeros(2, jnp.float32))
     batches = jnp.broadcast_to(jnp.asarray(TARGETS)[:, None], (2, H, 2))
+    state_sync = algorithm.state_sync(config)
+    average = (jax.jit(steps.make_state_sync(state_sync), static_argnames="parts")
+               if state_sync is not None else None)
     thetas = []
-    for _ in range(rounds):
+    for r in range(rounds):
+      if average is not None and (parts := state_sync.due(r)):  # DES-LOC's moments
+        workers = workers._replace(opt_state=average(workers.opt_state, parts=parts))
       view = state._replace(outer=steps.OuterState((), state.outer.per_fragment)
                             if worker_rule is not None else ())
       delta, workers, _ = local(view, workers, batches, jnp.arange(2, dtype=jnp.int32))

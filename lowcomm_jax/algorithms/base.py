@@ -58,6 +58,18 @@ class WorkerRule(Protocol):
     `trained`."""
 
 
+class StateSync(Protocol):
+  """What of each worker's own inner-optimizer state is averaged over the workers, and
+  before which rounds (DES-LOC's Adam moments). Parts are names the algorithm defines."""
+
+  def due(self, completed_rounds: int) -> tuple[str, ...]:
+    """The parts averaged before the round that follows `completed_rounds` rounds."""
+
+  def average(self, opt_state, parts: tuple[str, ...], axis_name: str):
+    """One worker's `opt_state` with `parts` replaced by their mean over `axis_name`
+    (through parallel/collectives.py, so the byte ledger counts it)."""
+
+
 class Algorithm:
   """Base: synchronous, one fragment, local steps from θ_w reset to θ every round."""
   name = ""
@@ -120,6 +132,11 @@ class Algorithm:
 
   def worker_rule(self, c: ml_collections.ConfigDict) -> WorkerRule | None:
     """The workers' own start and contribution (one segment, full width), or None."""
+    return None
+
+  def state_sync(self, c: ml_collections.ConfigDict) -> StateSync | None:
+    """Whether, and when, the workers' inner-optimizer states are averaged (None: never;
+    each worker keeps its own, as DiLoCo's do)."""
     return None
 
   def schedule(self, plan, backend):

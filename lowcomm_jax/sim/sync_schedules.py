@@ -22,19 +22,36 @@ class SyncRounds(Schedule):
   """Synchronous DiLoCo: every worker starts a round from the same global version; the
   round ends when the slowest finishes plus one all-reduce (all-gather if compressed)."""
 
-  def __init__(self, plan: Plan, backend: Backend):
+  def __init__(self, plan: Plan, backend: Backend, *, state_due=None,
+               state_part_bytes: int = 0):
     super().__init__(plan, backend)
     self.comm_seconds, self.collective_used = collective_seconds(plan, plan.delta_bytes)
+    # Workers' own state averaged before some rounds (DES-LOC's moments): which parts before
+    # the round after `completed` rounds, and each part's bytes per worker (a dense
+    # all-reduce ahead of the round's compute).
+    self.state_due, self.state_part_bytes = state_due, state_part_bytes
 
   def start(self, loop: EventLoop) -> None:
     self._begin_round(loop)
 
+  def _state_seconds(self) -> float:
+    p = self.plan
+    parts = self.state_due(self.backend.version(GLOBAL)) if self.state_due else ()
+    nbytes = len(parts) * self.state_part_bytes
+    if not nbytes or p.num_workers < 2:
+      return 0.0
+    self.acct.bytes_sent += p.num_workers * nbytes
+    return collectives.seconds(p.network, "allreduce", range(p.num_workers), nbytes,
+                               p.collective)[0]
+
   def _begin_round(self, loop: EventLoop) -> None:
     p = self.plan
+    state_seconds = self._state_seconds()
     jobs = [self._new_job(loop, w, GLOBAL, p.inner_steps[w]) for w in range(p.num_workers)]
     if p.num_workers > 1:  # a lone worker talks to nobody
       self.acct.bytes_sent += p.num_workers * p.delta_bytes
-    end = loop.now + max(j.compute_seconds for j in jobs) + self.comm_seconds
+    end = (loop.now + state_seconds + max(j.compute_seconds for j in jobs)
+           + self.comm_seconds)
     loop.schedule(end, "round_end", jobs=[dataclasses.asdict(j) for j in jobs])
 
   def handle(self, event: Event, loop: EventLoop) -> None:
