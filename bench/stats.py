@@ -32,3 +32,17 @@ def spearman(x, y) -> tuple[float, float]:
   """(ρ, two-sided p), ties ranked by their mean rank."""
   result = scipy_stats.spearmanr(x, y)
   return float(result.statistic), float(result.pvalue)
+
+
+def crossing(rows: list[dict], target: float, keys: tuple[str, ...]) -> tuple | None:
+  """The values of `keys` where `eval_loss` first reaches `target` in `rows` (evaluations in
+  order), linear between the evaluations on either side; None if it never does."""
+  before = None
+  for r in rows:
+    if r["eval_loss"] <= target:
+      if before is None:
+        return tuple(r[k] for k in keys)
+      f = (before["eval_loss"] - target) / (before["eval_loss"] - r["eval_loss"])
+      return tuple(before[k] + f * (r[k] - before[k]) for k in keys)
+    before = r
+  return None

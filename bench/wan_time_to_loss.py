@@ -149,16 +149,7 @@ def _summary(workdir: pathlib.Path, name: str) -> dict:
 def crossing(rows: list[dict], target: float) -> tuple[float, float] | None:
   """(virtual seconds, inner steps applied) where the eval loss first reaches `target`,
   linear between the evaluations on either side; None if it never does."""
-  before = None
-  for r in rows:
-    if r["eval_loss"] <= target:
-      if before is None:
-        return r["virtual_seconds"], r["total_inner_steps"]
-      f = (before["eval_loss"] - target) / (before["eval_loss"] - r["eval_loss"])
-      lerp = lambda k: before[k] + f * (r[k] - before[k])
-      return lerp("virtual_seconds"), lerp("total_inner_steps")
-    before = r
-  return None
+  return stats.crossing(rows, target, ("virtual_seconds", "total_inner_steps"))
 
 
 class Clocks:

@@ -1,0 +1,310 @@
+"""Loss against bytes at a fixed token budget: how many fewer bytes than a tuned DDP does each
+method need to reach DDP's loss (+1%, +3%), within the same inner-optimizer family?
+
+Every run trains the same tokens through the runner (train.run): `--workers` workers,
+`--steps` inner steps each, byte-level TinyShakespeare, model `--model` (`small` on a CPU;
+`gpt2_124m` on a GPU). Bytes are what one worker sends in the whole run, counted by the byte
+ledger (parameters' Δ, codec payloads, DES-LOC's moment averages).
+
+1. Tuning, seed 0, the same grid size for DDP and for the method compared with it:
+   - DDP, AdamW and Muon: inner lr × schedule (cosine to 10%, or held: min_lr_ratio 1);
+   - DiLoCo at H = 50, AdamW and Muon: inner lr × outer (lr, momentum) ∈ {(0.7, 0.9), (1.0, 0.5)}.
+   The DiLoCo family's points below use their optimizer's tuned DiLoCo settings.
+2. The frontier, `--seeds` seeds each:
+   - AdamW: DDP; DiLoCo H ∈ {10, 20, 50, 100}; Streaming DiLoCo (H 50, P 2, τ 1); every codec
+     on DiLoCo H 50 (DDP + DeMo for DeMo); Pier at H 20 (its schedules need rounds); DES-LOC
+     (K_u 3H, K_v 6H, plain average) at H 50;
+   - Muon: DDP; DiLoCo H ∈ {10, 20, 50, 100}; MuLoCo (H 50, its 2-bit codec, outer 0.81 /
+     0.8: MuLoCo's 0.9 with its lr-scaled buffer, BUILD_NOTES.md); Pier at H 20.
+3. The report: per point, final eval loss and bytes per worker (mean ± sd over seeds), the
+   ratio to its family's tuned DDP, the loss gap paired by seed (bench/stats.py), and the
+   bytes at which the eval loss first reaches DDP's mean final loss +1% / +3% (interpolated
+   between evaluations); the goal check (≤ 1% with ≥ 500× fewer bytes; ≤ 3% with ≥ 1,000×);
+   a PNG of loss against log bytes with each family's DDP loss as a line.
+
+  python bench/frontier.py [--jobs 2] [--seeds 3] [--steps 400] [--workdir DIR]
+  python bench/frontier.py --model gpt2_124m --workers 4 --steps 2000 --jobs 1   # on a GPU
+
+Finished runs are reused (bench/sim_grid.py's runner: each in its own process).
+"""
+
+import argparse
+import itertools
+import json
+import os
+import pathlib
+import runpy
+import shutil
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
+
+import sim_grid  # noqa: E402
+import stats  # noqa: E402
+
+TARGETS = (1.01, 1.03)  # × the family's tuned DDP mean final eval loss
+GOALS = {1.01: 500, 1.03: 1000}  # bytes ratio the issue asks for at each target
+LRS = {"adamw": (2e-3, 5e-3, 1e-2), "muon": (0.01, 0.02, 0.05)}
+OUTERS = {"o07m09": (0.7, 0.9), "o10m05": (1.0, 0.5)}
+SCHEDULES = {"cos": 0.1, "flat": 1.0}  # min_lr_ratio
+H_TUNE = 50
+CODECS = ("int8", "fp8", "int4", "topk", "randomk", "sparseloco", "muloco")
+
+
+def inner(opt: str, lr: float) -> dict:
+  if opt == "adamw":
+    return {"optimizer.name": "adamw", "optimizer.lr": lr}
+  # Muon's lr is its hidden matrices'; the embeddings, head, norms and biases train with
+  # AdamW at 5e-3 (the AdamW grid's middle), the same on every point.
+  return {"optimizer.name": "muon", "optimizer.lr": lr, "optimizer.adam_lr": 5e-3}
+
+
+def ddp(steps: int, evals: int, opt: str, lr: float, schedule: str) -> dict:
+  return {"algorithm": "ddp", "inner_steps": 1, "rounds": steps,
+          "eval_every": max(steps // evals, 1), "log_every": max(steps // evals, 1),
+          "optimizer.min_lr_ratio": SCHEDULES[schedule], **inner(opt, lr)}
+
+
+def local(steps: int, algorithm: str, h: int, opt: str, lr: float, outer: tuple,
+          **fields) -> dict:
+  return {"algorithm": algorithm, "inner_steps": h, "rounds": steps // h, "eval_every": 1,
+          "log_every": 1, "outer.lr": outer[0], "outer.momentum": outer[1], **inner(opt, lr),
+          **fields}
+
+
+def tuning_grid(steps: int, evals: int) -> dict[str, dict]:
+  """Seed-0 points: name -> fields, for DDP and DiLoCo (H 50) with each optimizer."""
+  out = {}
+  for opt in LRS:
+    for lr, sched in itertools.product(LRS[opt], SCHEDULES):
+      out[f"ddp_{opt}.lr{lr:g}_{sched}"] = ddp(steps, evals, opt, lr, sched)
+    for lr, o in itertools.product(LRS[opt], OUTERS):
+      out[f"diloco_{opt}.lr{lr:g}_{o}"] = local(steps, "diloco", H_TUNE, opt, lr, OUTERS[o])
+  return out
+
+
+def frontier_points(steps: int, evals: int, picks: dict) -> dict[str, tuple[str, dict]]:
+  """name -> (family, fields) of every frontier point, at the tuned settings."""
+  out = {}
+  for opt in LRS:
+    d, lo = picks[f"ddp_{opt}"], picks[f"diloco_{opt}"]
+    lr, outer = lo["lr"], OUTERS[lo["outer"]]
+    out[f"ddp_{opt}"] = (opt, ddp(steps, evals, opt, d["lr"], d["schedule"]))
+    for h in (10, 20, 50, 100):
+      out[f"diloco_{opt}_h{h}"] = (opt, local(steps, "diloco", h, opt, lr, outer))
+    # Pier at H 20: its schedules need rounds (production, then one per decay momentum).
+    rounds = steps // 20
+    out[f"pier_{opt}_h20"] = (opt, local(steps, "pier", 20, opt, lr, outer,
+                                         **{"pier.warmup": max(0.1, 2 / rounds)}))
+  lr, outer = picks["diloco_adamw"]["lr"], OUTERS[picks["diloco_adamw"]["outer"]]
+  out["streaming_adamw_h50"] = ("adamw", local(
+      steps, "streaming", 50, "adamw", lr, outer, **{"streaming.fragments": 2,
+                                                     "streaming.overlap_steps": 1}))
+  for codec in CODECS:
+    out[f"diloco_adamw_h50_{codec}"] = ("adamw", local(steps, "diloco", 50, "adamw", lr, outer,
+                                                       **{"compress.codec": codec}))
+  d = picks["ddp_adamw"]
+  out["ddp_adamw_demo"] = ("adamw", {**ddp(steps, evals, "adamw", d["lr"], d["schedule"]),
+                                     "compress.codec": "demo"})
+  out["desloc_adamw_h50"] = ("adamw", local(steps, "desloc", 50, "adamw", lr, (1.0, 0.0)))
+  lr = picks["diloco_muon"]["lr"]
+  out["muloco_h50"] = ("muon", local(steps, "diloco", 50, "muon", lr, (0.81, 0.8),
+                                     **{"compress.codec": "muloco"}))
+  return out
+
+
+def config(args, fields: dict, seed: int):
+  c = runpy.run_path(str(REPO / "configs" / "base.py"))["get_config"]()
+  c.update_from_flattened_dict({
+      "num_workers": args.workers, "model.name": args.model, "data.tokenizer": "byte",
+      "data.batch_size": args.batch_size, "data.seq_len": args.seq_len,
+      "optimizer.warmup_steps": args.steps // 20, "eval_batches": 8, "checkpoint_every": 0,
+      "seed": seed})
+  c.update_from_flattened_dict(fields)
+  return c
+
+
+def run_one(args, name: str, fields: dict, seed: int) -> None:
+  from lowcomm_jax import train
+  workdir = args.workdir / name
+  train.run(config(args, fields, seed), workdir)
+  for heavy in ("checkpoints", "tensorboard"):
+    shutil.rmtree(workdir / heavy, ignore_errors=True)
+
+
+def _rows(workdir: pathlib.Path, name: str) -> list[dict]:
+  lines = (workdir / name / "metrics.jsonl").read_text().splitlines()
+  return [r for r in map(json.loads, lines) if "eval_loss" in r]
+
+
+def _summary(workdir: pathlib.Path, name: str) -> dict:
+  return json.loads((workdir / name / "summary.json").read_text())
+
+
+def pick(workdir: pathlib.Path, grid: dict) -> dict:
+  """Each family's best seed-0 point by final eval loss."""
+  picks = {}
+  for family in ("ddp_adamw", "ddp_muon", "diloco_adamw", "diloco_muon"):
+    names = [n for n in grid if n.startswith(family + ".")]
+    best = min(names, key=lambda n: _summary(workdir, n + ".s0")["eval_loss"])
+    point = best.split(".", 1)[1]
+    lr, rest = point[2:].split("_", 1)
+    picks[family] = {"point": point, "lr": float(lr),
+                     **({"schedule": rest} if family.startswith("ddp") else {"outer": rest})}
+  return picks
+
+
+def per_seed(workdir: pathlib.Path, point: str, seeds: int, goals: list[float]) -> list[dict]:
+  """Per seed: final loss, bytes per worker, and the bytes where each goal is first reached."""
+  out = []
+  for seed in range(seeds):
+    name = f"{point}.s{seed}"
+    rows, summary = _rows(workdir, name), _summary(workdir, name)
+    hits = [stats.crossing(rows, g, ("bytes_sent",)) for g in goals]
+    out.append({"eval_loss": summary["eval_loss"], "bytes_sent": summary["bytes_sent"],
+                "bytes_to": [h[0] if h else None for h in hits]})
+  return out
+
+
+def _fmt_bytes(values) -> str:
+  if any(v is None for v in values):
+    reached = sum(v is not None for v in values)
+    return f"never ({reached}/{len(values)})" if reached else "never"
+  m, sd = stats.mean_sd(v / 2**20 for v in values)
+  return f"{m:,.3f} ± {sd:,.3f}"
+
+
+def report(points: dict, results: dict, goals: dict) -> tuple[str, list[str]]:
+  """The markdown table and the goal check's lines."""
+  lines = ["| point | eval loss | vs its DDP, paired (mean ± sd, 95% CI) | MiB per worker | "
+           "DDP bytes / bytes | MiB to DDP +1% | MiB to DDP +3% | DDP's / its bytes to +1% "
+           "| to +3% |", "|---|---|---|---|---|---|---|---|---|"]
+  checks = []
+  for name, (family, _) in points.items():
+    runs, ddp = results[name], results[f"ddp_{family}"]
+    loss, sd = stats.mean_sd(r["eval_loss"] for r in runs)
+    sent = stats.mean_sd(r["bytes_sent"] for r in runs)[0]
+    ddp_sent = stats.mean_sd(r["bytes_sent"] for r in ddp)[0]
+    gap = ("—" if name.startswith("ddp_") and name == f"ddp_{family}" else
+           (lambda d: f"{d['mean']:+.4f} ± {d['sd']:.4f} [{d['ci95'][0]:+.4f}, "
+                      f"{d['ci95'][1]:+.4f}], {d['verdict']}")(
+               stats.paired([r["eval_loss"] for r in runs], [r["eval_loss"] for r in ddp],
+                            higher_is_better=False)))
+    ratios = []
+    for i, t in enumerate(TARGETS):
+      mine = [r["bytes_to"][i] for r in runs]
+      theirs = [r["bytes_to"][i] for r in ddp]
+      if all(mine) and all(theirs):
+        ratio = stats.mean_sd(b / a for a, b in zip(mine, theirs))
+        ratios.append(f"{ratio[0]:,.0f} ± {ratio[1]:,.0f}")
+        if ratio[0] >= GOALS[t] and name != f"ddp_{family}":
+          checks.append(f"- +{round((t - 1) * 100)}%: **{name}** reaches it on every seed "
+                        f"with {ratio[0]:,.0f}× fewer bytes than DDP (goal {GOALS[t]:,}×).")
+      else:
+        ratios.append("—")
+    lines.append(f"| {name} | {loss:.4f} ± {sd:.4f} | {gap} | {sent / 2**20:,.3f} | "
+                 f"{ddp_sent / sent if sent else float('nan'):,.0f} | "
+                 f"{_fmt_bytes([r['bytes_to'][0] for r in runs])} | "
+                 f"{_fmt_bytes([r['bytes_to'][1] for r in runs])} | {ratios[0]} | {ratios[1]} |")
+  if not checks:
+    checks.append("- No point reaches the goals (≤ 1% above its DDP with ≥ 500× fewer bytes, "
+                  "≤ 3% with ≥ 1,000×) on every seed.")
+  return "\n".join(lines), checks
+
+
+def plot(points: dict, results: dict, path: pathlib.Path) -> None:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib missing (pip install -e '.[plot]'): no PNG", flush=True)
+    return
+  fig, ax = plt.subplots(figsize=(9, 6))
+  colors = {"adamw": "tab:blue", "muon": "tab:orange"}
+  for name, (family, _) in points.items():
+    runs = results[name]
+    x = stats.mean_sd(r["bytes_sent"] for r in runs)[0]
+    y, sd = stats.mean_sd(r["eval_loss"] for r in runs)
+    if name == f"ddp_{family}":
+      ax.axhline(y, color=colors[family], ls="--", lw=1, label=f"DDP ({family}) {y:.4f}")
+    ax.errorbar(x, y, yerr=sd, fmt="o", color=colors[family], ms=4, capsize=2)
+    ax.annotate(name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+  ax.set_xscale("log")
+  ax.set_xlabel("bytes sent per worker (whole run)")
+  ax.set_ylabel("final eval loss (mean ± sd over seeds)")
+  ax.set_title("loss against bytes at equal tokens")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=130)
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--seeds", type=int, default=3)
+  p.add_argument("--jobs", type=int, default=2)
+  p.add_argument("--steps", type=int, default=400, help="inner steps per worker (tokens)")
+  p.add_argument("--workers", type=int, default=4)
+  p.add_argument("--model", default="small")
+  p.add_argument("--batch_size", type=int, default=8)
+  p.add_argument("--seq_len", type=int, default=32)
+  p.add_argument("--evals", type=int, default=20, help="DDP's evaluations per run")
+  p.add_argument("--workdir", type=pathlib.Path, default=REPO / "bench/results/frontier")
+  p.add_argument("--only", help=argparse.SUPPRESS)
+  args = p.parse_args()
+  grid = tuning_grid(args.steps, args.evals)
+  picks_path = args.workdir / "picks.json"
+  if args.only:  # one run, in its own process (sim_grid.run_grid)
+    point, seed = args.only.rsplit(".s", 1)
+    if point in grid:
+      fields = grid[point]
+    else:
+      fields = frontier_points(args.steps, args.evals,
+                               json.loads(picks_path.read_text()))[point][1]
+    run_one(args, args.only, fields, int(seed))
+    return
+  forward = sys.argv[1:]
+  # 1. Tuning on seed 0.
+  if failed := sim_grid.run_grid(__file__, [f"{n}.s0" for n in grid], args.workdir,
+                                 args.jobs, forward):
+    sys.exit(f"failed: {failed} (logs in {args.workdir / 'logs'})")
+  picks = pick(args.workdir, grid)
+  picks_path.write_text(json.dumps(picks, indent=1))
+  print("tuned:", picks, flush=True)
+  # 2. The frontier on every seed; seed 0 of a tuned point is its tuning run.
+  points = frontier_points(args.steps, args.evals, picks)
+  for family in ("ddp_adamw", "ddp_muon", "diloco_adamw", "diloco_muon"):
+    alias = family if family.startswith("ddp") else f"{family}_h{H_TUNE}"
+    link = args.workdir / f"{alias}.s0"
+    if not link.exists():
+      link.symlink_to(f"{family}.{picks[family]['point']}.s0")
+  names = [f"{n}.s{s}" for n in points for s in range(args.seeds)]
+  if failed := sim_grid.run_grid(__file__, names, args.workdir, args.jobs, forward):
+    sys.exit(f"failed: {failed} (logs in {args.workdir / 'logs'})")
+  results = {}
+  goals = {}
+  for family in LRS:
+    ddp_loss = stats.mean_sd(_summary(args.workdir, f"ddp_{family}.s{s}")["eval_loss"]
+                             for s in range(args.seeds))[0]
+    goals[family] = [ddp_loss * t for t in TARGETS]
+  for name, (family, _) in points.items():
+    results[name] = per_seed(args.workdir, name, args.seeds, goals[family])
+  table, checks = report(points, results, goals)
+  tuning = ["| tuning point (seed 0) | eval loss |", "|---|---|"] + [
+      f"| {n} | {_summary(args.workdir, n + '.s0')['eval_loss']:.4f} |" for n in grid]
+  text = "\n".join([table, "", *checks, "", "Tuned: " + json.dumps(picks), "",
+                    "Targets (tuned DDP's mean final loss × 1.01, 1.03): " + json.dumps(
+                        {f: [round(g, 4) for g in v] for f, v in goals.items()}), "",
+                    *tuning])
+  print(text)
+  (args.workdir / "frontier.md").write_text(text + "\n")
+  (args.workdir / "result.json").write_text(json.dumps(
+      {"picks": picks, "goals": goals, "results": results}, indent=1))
+  plot(points, results, args.workdir / "frontier.png")
+
+
+if __name__ == "__main__":
+  main()
