@@ -109,7 +109,7 @@ def frontier_points(steps: int, evals: int, picks: dict) -> dict[str, tuple[str,
   d = picks["ddp_adamw"]
   out["ddp_adamw_demo"] = ("adamw", {**ddp(steps, evals, "adamw", d["lr"], d["schedule"]),
                                      "compress.codec": "demo"})
-  out["desloc_adamw_h50"] = ("adamw", local(steps, "desloc", 50, "adamw", lr, (1.0, 0.0)))
+  out["desloc_adamw_h50"] = ("adamw", local(steps, "desloc", 50, "adamw", lr, outer))
   lr = picks["diloco_muon"]["lr"]
   out["muloco_h50"] = ("muon", local(steps, "diloco", 50, "muon", lr, (0.81, 0.8),
                                      **{"compress.codec": "muloco"}))
@@ -128,9 +128,18 @@ def config(args, fields: dict, seed: int):
 
 
 def run_one(args, name: str, fields: dict, seed: int) -> None:
+  """One run; a diverged one leaves a summary with an infinite loss (a grid point that
+  is too aggressive is a result, not a failure of the bench)."""
   from lowcomm_jax import train
+  from lowcomm_jax.run_files import TrainingDiverged
   workdir = args.workdir / name
-  train.run(config(args, fields, seed), workdir)
+  try:
+    train.run(config(args, fields, seed), workdir)
+  except TrainingDiverged as e:
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    sent = max((r.get("bytes_sent", 0) for r in rows), default=0)
+    (workdir / "summary.json").write_text(json.dumps(
+        {"eval_loss": float("inf"), "bytes_sent": sent, "diverged": str(e)}))
   for heavy in ("checkpoints", "tensorboard"):
     shutil.rmtree(workdir / heavy, ignore_errors=True)
 
@@ -252,9 +261,14 @@ def main() -> None:
   p.add_argument("--batch_size", type=int, default=8)
   p.add_argument("--seq_len", type=int, default=32)
   p.add_argument("--evals", type=int, default=20, help="DDP's evaluations per run")
-  p.add_argument("--workdir", type=pathlib.Path, default=REPO / "bench/results/frontier")
+  p.add_argument("--workdir", type=pathlib.Path, default=None,
+                 help="default bench/results/frontier_<model>_<workers>x<steps>")
   p.add_argument("--only", help=argparse.SUPPRESS)
   args = p.parse_args()
+  if args.workdir is None:  # runs are reused by name: one directory per setup
+    args.workdir = (REPO / "bench/results" /
+                    f"frontier_{args.model}_{args.workers}x{args.steps}_b{args.batch_size}"
+                    f"_l{args.seq_len}")
   grid = tuning_grid(args.steps, args.evals)
   picks_path = args.workdir / "picks.json"
   if args.only:  # one run, in its own process (sim_grid.run_grid)
@@ -278,9 +292,11 @@ def main() -> None:
   points = frontier_points(args.steps, args.evals, picks)
   for family in ("ddp_adamw", "ddp_muon", "diloco_adamw", "diloco_muon"):
     alias = family if family.startswith("ddp") else f"{family}_h{H_TUNE}"
-    link = args.workdir / f"{alias}.s0"
-    if not link.exists():
-      link.symlink_to(f"{family}.{picks[family]['point']}.s0")
+    link, target = args.workdir / f"{alias}.s0", f"{family}.{picks[family]['point']}.s0"
+    if link.is_symlink() and os.readlink(link) != target:
+      link.unlink()  # the picks changed: the old alias names another run
+    if not link.exists() and not link.is_symlink():
+      link.symlink_to(target)
   names = [f"{n}.s{s}" for n in points for s in range(args.seeds)]
   if failed := sim_grid.run_grid(__file__, names, args.workdir, args.jobs, forward):
     sys.exit(f"failed: {failed} (logs in {args.workdir / 'logs'})")

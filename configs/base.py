@@ -93,20 +93,23 @@ def get_config() -> ml_collections.ConfigDict:
   c.streaming.mix = 0.0  # alpha: theta_w,p <- (1 - alpha) * theta_p + alpha * theta_w,p when it lands
 
   # --- Pier (algorithm='pier'; lowcomm_jax/algorithms/pier.py, outer/pier.py) -----------
-  # Rounds [0, warmup*rounds): theta <- the workers' mean, the outer momentum filled
+  # Rounds [0, warmup*T): theta <- the workers' mean, the outer momentum filled
   # (m <- outer.momentum * m + delta). Then for as many rounds the momentum steps through
-  # decay_momenta and the outer lr ramps 0 -> outer.lr; from final*rounds on it is lr_final.
+  # decay_momenta and the outer lr ramps up to outer.lr (the authors use 1.1); from final*T
+  # on it is outer.lr * final_lr_ratio (their 0.9 / 1.1). T = total_rounds, or `rounds` (0).
   c.pier = ml_collections.ConfigDict()
   c.pier.warmup = 0.1
   c.pier.decay_momenta = (0.99, 0.95)
-  c.pier.lr_final = 0.9
+  c.pier.final_lr_ratio = 0.82
   c.pier.final = 0.8
+  c.pier.total_rounds = 0  # pins T: a run extended on resume keeps its schedules (0: rounds)
 
   # --- DES-LOC (algorithm='desloc'; lowcomm_jax/algorithms/desloc.py) ------------------
-  # Parameters sync every H steps through the outer rule (DES-LOC's plain average:
-  # outer.lr=1, outer.momentum=0); each AdamW moment is averaged over the workers every
+  # Parameters sync every H steps: the paper's plain average (plain_average=True), or the
+  # outer rule outer.lr/momentum (False). Each AdamW moment is averaged over the workers every
   # this many rounds (0: never, each worker keeps its own as in DiLoCo).
   c.desloc = ml_collections.ConfigDict()
+  c.desloc.plain_average = True
   c.desloc.first_moment_rounds = 3  # K_u = 3 H, the paper's recommendation
   c.desloc.second_moment_rounds = 6  # K_v = 6 H
 
@@ -139,10 +142,10 @@ def get_config() -> ml_collections.ConfigDict:
   # diloco: compresses each round's pseudo-gradients; ddp: every step's gradients ('demo'
   # there is DisTrO-style training: DeMo momentum + DCT top-k, sign descent).
   c.compress = ml_collections.ConfigDict()
-  c.compress.codec = "none"  # none | int8 | fp8 | int4 | topk | randomk | sparseloco | demo
+  c.compress.codec = "none"  # none | int8 | fp8 | int4 | muloco | topk | randomk | sparseloco | demo
   c.compress.error_feedback = True  # keep what was not sent and re-send it (sparseloco/demo always do)
   c.compress.beta = -1.0  # error-buffer decay e = beta*e + x; -1: the codec's (1.0; SparseLoCo 0.95; DeMo momentum 0.999)
-  c.compress.quant_block = 0  # int8/fp8/int4: one scale per row (0) or per this many entries
+  c.compress.quant_block = 0  # int8/fp8/int4/muloco: one scale (muloco: bin table) per row (0) or per this many entries
   c.compress.stochastic_rounding = False  # int8/int4: round to a random neighbour (unbiased)
   c.compress.density = 0.01  # topk (chunk=0) / randomk: fraction of each tensor's entries sent
   c.compress.chunk = 64  # topk/sparseloco/demo: chunk side (chunk x chunk blocks); topk 0 = per tensor

@@ -172,7 +172,7 @@ class RoundDriver:
       else:
         self.state, self.workers, metrics, compute = train_round(
             r, self.fns, self.state, self.workers, batches, sched.inner_steps,
-            timed=self.timed, metrics=mark_due.metrics)
+            timed=self.timed, metrics=mark_due.metrics, completed_rounds=round_ - 1)
     if new_held is not None:
       metrics = _Later()
       self.held = (new_held, round_, metrics)
@@ -195,7 +195,7 @@ class RoundDriver:
     if not (math.isfinite(scalars["train_loss"]) and math.isfinite(scalars["param_norm"])):
       problem = (f"round {round_} (train_loss={scalars['train_loss']}, "
                  f"param_norm={scalars['param_norm']})")
-    total_bytes = self.r.bytes_through(round_)
+    total_bytes = self.r.bytes_through(round_, self.round_bytes)
     scalars.update(extra, round=round_,
                    bytes_sent=total_bytes.sent, bytes_received=total_bytes.received,
                    bytes_sent_round=self.round_bytes.sent,
@@ -262,7 +262,8 @@ def _compression_ratio(r: Run, round_bytes) -> float | None:
 def _summary(r: Run, sched: _Schedule, sync_bytes, eval_loss, scalars, wall: float) -> dict:
   c = r.config
   round_bytes = sum(sync_bytes, CommBytes())
-  total_bytes = r.bytes_through(c.rounds)
+  state_bytes = r.state_bytes_through(c.rounds)  # DES-LOC's moment averages
+  total_bytes = round_bytes * c.rounds + state_bytes
   sent = total_bytes.sent
   # DDP all-reduces fp32 gradients every inner step (nothing with a single worker).
   total_steps = c.rounds * c.inner_steps
@@ -290,6 +291,7 @@ def _summary(r: Run, sched: _Schedule, sync_bytes, eval_loss, scalars, wall: flo
       # Δ; streaming: one fragment's, about 1/P of it).
       "bytes_sent_peak_sync": max(b.sent for b in sync_bytes),
       "bytes_sent_ddp_equivalent": ddp_equivalent,
+      **({"bytes_sent_state_sync": state_bytes.sent} if state_bytes.sent else {}),
       "bytes_ratio_vs_ddp": ddp_equivalent / sent if sent else None,
       "codec": c.compress.codec,
       # Dense fp32 pseudo-gradient (or gradient) bytes per round / the bytes actually sent.

@@ -59,7 +59,8 @@ def jitted_steps(r: Run, *, donate: bool | None = None) -> Programs:
                              out_shardings=(per_worker, per_worker)), local_frozen)
                 for f in r.programs.accumulate]
   state_sync = (jax.jit(r.programs.state_sync, static_argnames="parts",
-                        out_shardings=mesh_lib.per_worker(r.topology.mesh))
+                        out_shardings=mesh_lib.per_worker(r.topology.mesh),
+                        donate_argnums=(0,) if donate else ())
                 if r.programs.state_sync is not None else None)
   return Programs(local, syncs, init, Bound(jax.jit(r.programs.eval), r.frozen), accumulate,
                   state_sync=state_sync)
@@ -88,13 +89,19 @@ class HeldSync:
 
 def train_round(r: Run, fns: Programs, state: steps.TrainState, workers: tuple,
                 batches_per_host, inner_steps_per_host, *, timed: bool = False,
-                metrics: bool = True):
+                metrics: bool = True, completed_rounds: int | None = None):
   """One synchronous round: per segment, this process's hosts' local programs, then the
-  segment's sync.
+  segment's sync. `completed_rounds` (the rounds before this one; read from the state if
+  not given, which waits for it) says which worker-state averages are due first (DES-LOC).
 
   Returns (state, workers, device metrics (empty without `metrics`), per-local-host compute
   seconds if `timed`). Timing blocks on each host's result: that is what measuring it means.
   """
+  if fns.state_sync is not None:  # DES-LOC: the moments averaged first (it never holds)
+    done = int(state.round) if completed_rounds is None else completed_rounds
+    workers = average_worker_state(r, fns, workers, r.state_sync_due(done))
+    if timed:  # the average is not the round's compute
+      jax.block_until_ready(workers)
   state, workers, round_metrics, compute, _ = _round(
       r, fns, state, workers, batches_per_host, inner_steps_per_host, timed=timed,
       metrics=metrics, hold=False)
@@ -118,8 +125,6 @@ def _round(r: Run, fns: Programs, state, workers, batches_per_host, inner_steps_
   segments = [r.segments(H) for H in inner_steps_per_host]  # per host (all hosts)
   count = len(segments[0])
   assert not hold or count == 1, "only a one-segment round's sync can be held"
-  if fns.state_sync is not None:  # DES-LOC: moments averaged first (it never holds a sync)
-    workers = average_worker_state(r, fns, workers, r.state_sync_due(int(state.round)))
   workers = list(workers)
   losses = [[] for _ in r.topology.local_hosts]
   compute = [0.0] * len(r.topology.local_hosts)

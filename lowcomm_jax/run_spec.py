@@ -220,13 +220,22 @@ class Run:
             functools.partial(self.programs.state_sync, parts=parts), opt_state)
     return self._state_bytes[parts]
 
-  def bytes_through(self, rounds: int) -> ledger.CommBytes:
-    """Per-worker bytes of the first `rounds` rounds: their syncs, and the optimizer-state
-    averages before rounds 2..`rounds` (DES-LOC)."""
-    total = self.outer_bytes() * rounds
-    for completed in range(1, rounds):
+  def state_bytes_through(self, rounds: int) -> ledger.CommBytes:
+    """Per-worker bytes of the optimizer-state averages before rounds 2..`rounds` (DES-LOC;
+    nothing for the other algorithms)."""
+    total = ledger.CommBytes()
+    if self.algorithm.state_sync(self.config) is None:
+      return total
+    for completed in range(1, rounds):  # DES-LOC's rounds are few: one H each
       total = total + self.state_sync_bytes(self.state_sync_due(completed))
     return total
+
+  def bytes_through(self, rounds: int, round_bytes: ledger.CommBytes | None = None
+                    ) -> ledger.CommBytes:
+    """Per-worker bytes of the first `rounds` rounds: their syncs (`round_bytes` a round, if
+    the caller has them), and the optimizer-state averages before rounds 2..`rounds`."""
+    per_round = round_bytes if round_bytes is not None else self.outer_bytes()
+    return per_round * rounds + self.state_bytes_through(rounds)
 
   def tp_counts(self) -> dict:
     """Tensor parallelism's sync points per forward, and the collectives of one inner step

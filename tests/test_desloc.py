@@ -18,7 +18,7 @@ from lowcomm_jax.sim import collectives as sim_collectives
 
 ADAM = {"optimizer.name": "adamw", "optimizer.lr": 0.1, "optimizer.b1": 0.9,
         "optimizer.b2": 0.95, "optimizer.weight_decay": 0.0}
-PLAIN_AVERAGE = {"outer.lr": 1.0, "outer.momentum": 0.0}  # the paper's parameter sync
+NESTEROV = {"desloc.plain_average": False}  # the outer rule outer.lr / outer.momentum
 
 
 def test_which_moments_are_due():
@@ -61,7 +61,7 @@ def _by_hand(rounds: int, first: int, second: int):
 
 @pytest.mark.parametrize("first,second", [(1, 2), (0, 0), (2, 3)])
 def test_the_moments_follow_the_hand_computed_trajectory(first, second):
-  got, workers = toy.run("desloc", 6, **ADAM, **PLAIN_AVERAGE, **{
+  got, workers = toy.run("desloc", 6, **ADAM, **{
       "desloc.first_moment_rounds": first, "desloc.second_moment_rounds": second})
   np.testing.assert_allclose(got, _by_hand(6, first, second), rtol=2e-5, atol=2e-6)
   # After round 6 no average is due yet: the workers' moments differ again.
@@ -73,8 +73,8 @@ def test_without_moment_averages_it_is_diloco_bit_for_bit(smoke_config):
   common = {"num_workers": 2, "inner_steps": 2, "mesh.replica": 1}
   _, s_diloco, w_diloco, _ = train_rounds(smoke_config(**common), 3)
   _, s_desloc, w_desloc, _ = train_rounds(smoke_config(
-      algorithm="desloc", **common, **{"desloc.first_moment_rounds": 0,
-                                       "desloc.second_moment_rounds": 0}), 3)
+      algorithm="desloc", **common, **NESTEROV, **{"desloc.first_moment_rounds": 0,
+                                                   "desloc.second_moment_rounds": 0}), 3)
   np.testing.assert_array_equal(s_desloc.params, s_diloco.params)
   jax.tree.map(np.testing.assert_array_equal, (s_desloc.outer, w_desloc), (s_diloco.outer, w_diloco))
 
@@ -84,10 +84,31 @@ def test_one_worker_averaging_every_round_is_diloco_bit_for_bit(smoke_config):
   common = {"num_workers": 1, "inner_steps": 2}
   _, s_diloco, w_diloco, _ = train_rounds(smoke_config(**common), 3)
   _, s_desloc, w_desloc, _ = train_rounds(smoke_config(
-      algorithm="desloc", **common, **{"desloc.first_moment_rounds": 1,
-                                       "desloc.second_moment_rounds": 1}), 3)
+      algorithm="desloc", **common, **NESTEROV, **{"desloc.first_moment_rounds": 1,
+                                                   "desloc.second_moment_rounds": 1}), 3)
   np.testing.assert_array_equal(s_desloc.params, s_diloco.params)
   jax.tree.map(np.testing.assert_array_equal, w_desloc, w_diloco)
+
+
+def test_two_hosts_in_one_process_average_across_both(smoke_config):
+  # The average gathers every local host's workers into one stack and hands each its rows.
+  moments = {"desloc.first_moment_rounds": 1, "desloc.second_moment_rounds": 1,
+             "mesh.replica": 1}
+  _, s_one, w_one, _ = train_rounds(smoke_config(algorithm="desloc", **moments), 3)
+  _, s_two, w_two, _ = train_rounds(smoke_config(
+      algorithm="desloc", hosts=[host(1.0), host(1.0)], **moments), 3)
+  np.testing.assert_allclose(s_two.params, s_one.params, rtol=1e-5, atol=1e-6)
+  adam = lambda w: [s for s in jax.tree.leaves(w.opt_state, is_leaf=_is_adam) if _is_adam(s)][0]
+  # Averaged before round 3, then each worker's own round-3 steps: not equal, but equal to
+  # the one-host run's workers.
+  nu = lambda w, row: jax.tree.leaves(adam(w).nu)[0][row]
+  for k in range(2):
+    np.testing.assert_allclose(nu(w_two[k], 0), nu(w_one[0], k), rtol=1e-4, atol=1e-9)
+  # ... and not the states the two hosts reach without averaging.
+  _, _, w_apart, _ = train_rounds(smoke_config(
+      algorithm="desloc", hosts=[host(1.0), host(1.0)], **{
+          **moments, "desloc.first_moment_rounds": 0, "desloc.second_moment_rounds": 0}), 3)
+  assert not np.allclose(nu(w_apart[0], 0), nu(w_two[0], 0), rtol=1e-3)
 
 
 def test_a_moment_average_costs_a_model_of_bytes(smoke_config, tmp_path):

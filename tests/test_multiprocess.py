@@ -50,8 +50,14 @@ ROBUST = {"aggregate.rule": "centered_clip", "aggregate.signal": "probe_loss",
           "aggregate.warmup_rounds": 1, "aggregate.probe_batch_size": 4}
 
 
+# - desloc: every worker's Adam moments averaged across the processes before rounds 2 and 3
+#   (rounds.average_worker_state), its bytes in the summary.
+DESLOC = {"desloc.first_moment_rounds": 1, "desloc.second_moment_rounds": 2}
+
+
 @pytest.mark.parametrize("algorithm,codec,extra", [("eager", "none", {}),
-                                                   ("overlap", "sparseloco", ROBUST)])
+                                                   ("overlap", "sparseloco", ROBUST),
+                                                   ("desloc", "none", DESLOC)])
 def test_two_processes_match_one_process_with_the_same_two_workers(tmp_path, smoke_config,
                                                                    algorithm, codec, extra):
   # With a codec each process holds its worker's error buffer (a shard of the global state).
@@ -66,7 +72,7 @@ def test_two_processes_match_one_process_with_the_same_two_workers(tmp_path, smo
   one = train.run(config, tmp_path / "one")
   two = json.loads((tmp_path / "two" / "summary.json").read_text())
   assert two["bytes_sent"] == one["bytes_sent"] and two["tokens"] == one["tokens"]
-  if extra:
+  if extra is ROBUST:
     np.testing.assert_allclose(two["worker_weights"], one["worker_weights"], rtol=1e-5)
   np.testing.assert_allclose(two["eval_loss"], one["eval_loss"], rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=5e-6),

@@ -12,9 +12,9 @@ from lowcomm_jax import config_check, train
 from lowcomm_jax.outer.pier import boundaries
 
 # 10 rounds: 2 of momentum production, 2 of decay (0.99, then 0.95) with the lr ramp
-# (η/2, then η), 4 at η and β, the last 2 at lr_final.
+# (η/2, then η), 4 at η and β, the last 2 at η/2.
 SCHEDULE = {"pier.warmup": 0.2, "pier.decay_momenta": (0.99, 0.95), "pier.final": 0.8,
-            "pier.lr_final": 0.3}
+            "pier.final_lr_ratio": 0.5}
 OFF = {"pier.warmup": 0.0, "pier.decay_momenta": (), "pier.final": 1.0}
 
 
@@ -23,7 +23,7 @@ def _by_hand(rounds: int):
   then the round's rule."""
   theta, m, out = toy.THETA0.astype(np.float64), np.zeros(2), []
   mu = [toy.BETA, toy.BETA, 0.99, 0.95] + [toy.BETA] * 6  # production uses β
-  eta = [None, None, toy.LR / 2, toy.LR] + [toy.LR] * 4 + [0.3, 0.3]
+  eta = [None, None, toy.LR / 2, toy.LR] + [toy.LR] * 4 + [toy.LR * 0.5] * 2
   for r in range(rounds):
     delta = np.mean([theta - toy.sgd_steps(theta, t) for t in toy.TARGETS], axis=0)
     m = mu[r] * m + delta
@@ -80,8 +80,9 @@ def test_the_simulator_equals_the_runner(tmp_path):
 @pytest.mark.parametrize("overrides,message", [
     ({"pier.warmup": 0.6}, "pier.warmup=0.6: the fraction of rounds"),
     ({"pier.decay_momenta": (1.2,)}, "pier.decay_momenta=(1.2,): each momentum"),
-    ({"pier.final": 0.1}, "pier.final=0.1: the fraction where"),
-    ({"pier.lr_final": 0.0}, "pier.lr_final=0.0: must be > 0"),
+    ({"pier.final": 0.1}, "pier.final=0.1: the lr drop at round 2 must come after"),
+    ({"pier.final_lr_ratio": 1.2}, "pier.final_lr_ratio=1.2: the final outer lr"),
+    ({"pier.total_rounds": -1}, "pier.total_rounds=-1: use 0"),
     ({"rounds": 3}, "pier.warmup=0.1: 3 rounds give 0 of momentum production"),
 ])
 def test_bad_pier_configs_name_the_field(smoke_config, overrides, message):

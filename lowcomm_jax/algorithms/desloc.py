@@ -3,8 +3,8 @@ Adam's two moments are averaged over the workers on periods of their own.
 
 Each worker runs AdamW on its own data. With K_x = H (a round), K_u and K_v multiples of it:
 
-    every K_x steps:  θ ← outer rule on the mean Δ      (DES-LOC's plain average: outer lr 1,
-                                                           momentum 0; any DiLoCo outer rule here)
+    every K_x steps:  θ ← mean of the workers' θ_w      (desloc.plain_average; False: the
+                                                           outer rule outer.lr/momentum on Δ̄)
     every K_u steps:  every worker's first moment  m_w ← mean over workers of m_w
     every K_v steps:  every worker's second moment v_w ← mean over workers of v_w
 
@@ -21,6 +21,7 @@ by the byte ledger and timed by the simulator.
 import jax
 import optax
 
+from lowcomm_jax import outer
 from lowcomm_jax.algorithms.base import field_problem
 from lowcomm_jax.algorithms.diloco import DiLoCo
 from lowcomm_jax.parallel import collectives
@@ -72,6 +73,11 @@ class DesLoc(DiLoCo):
       out.append(field_problem(c, "hosts", "DES-LOC averages every worker's moments, which "
                                "need one shape: give every host tier 1.0"))
     return out
+
+  def outer_rule(self, c, inner_tx, layout):
+    if c.desloc.plain_average:  # θ ← θ − 1·Δ̄ = the workers' mean
+      return outer.diloco_outer(1.0, 0.0)
+    return super().outer_rule(c, inner_tx, layout)
 
   def state_sync(self, c):
     d = c.desloc

@@ -1,13 +1,15 @@
 """Pier (Fan & Zhang 2025): DiLoCo whose outer momentum is produced before it is used and
 then decayed, with a warmup and a final drop of the outer lr (outer/pier.py).
 
-Rounds are DiLoCo's; only the outer rule differs. Its schedules read the round over
-`rounds` (the run's length), so a resumed run continues them where it stopped.
+Rounds are DiLoCo's; only the outer rule differs. Its schedules read the round count (in the
+outer rule's state) over T = `pier.total_rounds` or `rounds`, so a resumed run continues them
+where it stopped; one resumed with more `rounds` re-stretches them unless
+`pier.total_rounds` pins T (as optimizer.decay_steps pins the inner schedule).
 """
 
 from lowcomm_jax.algorithms.base import field_problem
 from lowcomm_jax.algorithms.diloco import DiLoCo
-from lowcomm_jax.outer.pier import pier_outer
+from lowcomm_jax.outer.pier import boundaries, pier_outer
 
 
 class Pier(DiLoCo):
@@ -20,27 +22,36 @@ class Pier(DiLoCo):
   def problems(self, c):
     p = c.pier
     out = super().problems(c)
+    total = p.total_rounds or c.rounds
     if not 0.0 <= p.warmup < 0.5:
       out.append(field_problem(c, "pier.warmup", "the fraction of rounds that fill the outer "
                                "momentum must be in [0, 0.5) (the paper's 0.1)"))
     if any(not 0.0 <= m < 1.0 for m in p.decay_momenta):
       out.append(field_problem(c, "pier.decay_momenta", "each momentum must be in [0, 1)"))
-    if not p.warmup * 2 <= p.final <= 1.0:
-      out.append(field_problem(c, "pier.final", "the fraction where the outer lr drops to "
-                               "pier.lr_final must be in [2 * pier.warmup, 1]"))
-    if p.lr_final <= 0:
-      out.append(field_problem(c, "pier.lr_final", "must be > 0"))
-    if (p.decay_momenta or p.warmup) and round(p.warmup * c.rounds) < max(len(p.decay_momenta), 1):
-      out.append(field_problem(c, "pier.warmup", f"{c.rounds} rounds give "
-                               f"{round(p.warmup * c.rounds)} of momentum production; use "
-                               "more rounds or pier.warmup=0 with pier.decay_momenta=()"))
+    if not 0.0 < p.final_lr_ratio <= 1.0:
+      out.append(field_problem(c, "pier.final_lr_ratio", "the final outer lr as a fraction of "
+                               "outer.lr must be in (0, 1] (the authors' 0.9 / 1.1)"))
+    if p.total_rounds < 0:
+      out.append(field_problem(c, "pier.total_rounds", "use 0 (the run's rounds) or the "
+                               "schedules' length in rounds"))
+      return out
+    produce, ramp, last = boundaries(total, p.warmup, tuple(p.decay_momenta), p.final)
+    if not produce + ramp <= last <= total:
+      out.append(field_problem(c, "pier.final", f"the lr drop at round {last} must come after "
+                               f"the momentum decay (round {produce + ramp}) and by round "
+                               f"{total}"))
+    if (p.decay_momenta or p.warmup) and produce < max(len(p.decay_momenta), 1):
+      out.append(field_problem(c, "pier.warmup", f"{total} rounds give {produce} of momentum "
+                               "production; use more rounds or pier.warmup=0 with "
+                               "pier.decay_momenta=()"))
     return out
 
   def outer_rule(self, c, inner_tx, layout):
     p = c.pier
-    return pier_outer(c.outer.lr, c.outer.momentum, c.rounds, warmup=p.warmup,
-                      decay_momenta=tuple(p.decay_momenta), lr_final=p.lr_final,
-                      final=p.final, nesterov=c.outer.nesterov)
+    return pier_outer(c.outer.lr, c.outer.momentum, p.total_rounds or c.rounds,
+                      warmup=p.warmup, decay_momenta=tuple(p.decay_momenta),
+                      lr_final=c.outer.lr * p.final_lr_ratio, final=p.final,
+                      nesterov=c.outer.nesterov)
 
 
 ALGORITHM = Pier()

@@ -1,5 +1,6 @@
 """Scaled quantizers: int8, 4-bit uniform, fp8 e4m3 — one fp32 scale per row or per block —
-and MuLoCo's statistical 2-bit quantizer (`Statistical`: bins over mean ± 3σ per group).
+and MuLoCo's statistical 2-bit quantizer (`Statistical`: levels 1.5σ apart around each
+group's mean, each decoded as its members' mean).
 
 Values are divided by their group's scale s = max|x| / L (L the largest level), rounded to
 the nearest level (or stochastically: floor(y + u), unbiased), and sent as int8 / packed
@@ -97,10 +98,13 @@ class Fp8(_Grouped):
 
 
 class Statistical(_Grouped):
-  """MuLoCo's quantizer (Thérien et al. 2025; BUILD_NOTES.md): per group, n = 2^bits bins of
-  width 6σ/n centred on the group's mean, code = clip(round((x − mean)·n/(6σ) + n/2), 0,
-  n − 1); each code decodes to the mean of the entries that fell in its bin (a table of n
-  fp32 per group travels with the codes), so a bin's reconstruction is unbiased within it."""
+  """MuLoCo's statistical quantizer (Thérien et al. 2025; BUILD_NOTES.md), per group (row, or
+  `block` entries): with n = 2^bits levels of width 6σ/n (σ the group's population sd),
+  code = clip(round((x − mean)·n/(6σ)) + n/2, 0, n − 1), so code k is centred at
+  (k − n/2)·6σ/n from the mean and the top code takes the upper tail (at 2 bits: −3σ,
+  −1.5σ, 0, +1.5σ). Each code decodes to the mean of the entries that fell in it (a table of
+  n fp32 per group travels with the codes), so every level is unbiased for its members.
+  MuLoCo's reference code does the same per tensor or per row; rows here."""
 
   def __init__(self, shape, bits: int, block: int = 0):
     super().__init__(shape, block)
@@ -180,7 +184,7 @@ INT4 = CodecSpec("int4", "uniform 4-bit (levels -7..7), two per byte, row/block 
 FP8 = CodecSpec("fp8", "float8 e4m3, row/block scaled",
                 lambda z, k: lambda shape: Fp8(shape, z.quant_block))
 # MuLoCo's 2-bit recipe: the statistical quantizer per row, on a decayed error buffer (β 0.9).
-MULOCO = CodecSpec("muloco", "MuLoCo's 2-bit: 4 bins over mean ± 3σ per row (or quant_block), "
-                   "each decoded as its bin's mean; error buffer β 0.9",
+MULOCO = CodecSpec("muloco", "MuLoCo's 2-bit: 4 levels 1.5σ apart around each row's mean "
+                   "(or quant_block's), each decoded as its members' mean; error buffer β 0.9",
                    lambda z, k: lambda shape: Statistical(shape, 2, z.quant_block),
                    default_beta=0.9, always_error_feedback=True)

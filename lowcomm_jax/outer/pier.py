@@ -8,10 +8,10 @@ Round r of T (the count of syncs applied), f = r / T, w = `warmup` (a fraction o
 
 μ_r steps down through `decay_momenta` in equal parts of the next wT rounds, then stays at β
 (the outer momentum). η_r ramps linearly from η/n to η over those n = wT rounds, stays at η
-until round `final`·T, then is `lr_final`. The defaults are the authors' code's (the paper's
-body was not available): w = 0.1, μ 0.99 then 0.95, β = 0.9, η = 1.1, lr_final 0.9 from
-f = 0.8. Where Pier trains its first wT rounds as DDP, this rule averages the workers'
-rounds instead (BUILD_NOTES.md, "Pier").
+until round `final`·T, then is `lr_final`. The authors' code (the paper's body was not
+available) uses w = 0.1, μ 0.99 then 0.95, β = 0.9, η = 1.1 and 0.9 from f = 0.8. Where
+Pier trains its first wT rounds as DDP, this rule averages the workers' rounds instead
+(BUILD_NOTES.md, "Pier").
 
 With warmup 0, no decay momenta and lr_final = lr (or final = 1) it is DiLoCo's
 `diloco_outer(lr, β)`: the same operations in the same order (equal to float rounding: μ and
@@ -33,8 +33,7 @@ class PierState(NamedTuple):
 def boundaries(total_rounds: int, warmup: float, decay_momenta: tuple, final: float):
   """(rounds of momentum production, rounds of the decay and lr ramp, first round at lr_final)."""
   produce = int(round(warmup * total_rounds))
-  ramp = produce if decay_momenta or produce else 0
-  return produce, ramp, int(round(final * total_rounds))
+  return produce, produce, int(round(final * total_rounds))
 
 
 def schedules(total_rounds: int, *, lr: float, momentum: float, warmup: float,
