@@ -64,6 +64,13 @@ def test_the_moments_follow_the_hand_computed_trajectory(first, second):
   got, workers = toy.run("desloc", 6, **ADAM, **{
       "desloc.first_moment_rounds": first, "desloc.second_moment_rounds": second})
   np.testing.assert_allclose(got, _by_hand(6, first, second), rtol=2e-5, atol=2e-6)
+  # It differs from Local Adam without averages (DiLoCo at a plain average) exactly from
+  # the first round that follows an average.
+  apart, _ = toy.run("desloc", 6, **ADAM, **{"desloc.first_moment_rounds": 0,
+                                             "desloc.second_moment_rounds": 0})
+  first_average = min([k for k in (first, second) if k], default=6)
+  np.testing.assert_array_equal(got[:first_average], apart[:first_average])
+  assert first_average == 6 or not np.allclose(got[first_average], apart[first_average])
   # After round 6 no average is due yet: the workers' moments differ again.
   (adam,) = [s for s in jax.tree.leaves(workers.opt_state, is_leaf=_is_adam) if _is_adam(s)]
   assert not np.allclose(adam.mu["w"][0], adam.mu["w"][1])
