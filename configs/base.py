@@ -98,10 +98,10 @@ def get_config() -> ml_collections.ConfigDict:
   # decay_momenta and the outer lr ramps up to outer.lr (the authors use 1.1); from final*T
   # on it is outer.lr * final_lr_ratio (their 0.9 / 1.1). T = total_rounds, or `rounds` (0).
   c.pier = ml_collections.ConfigDict()
-  c.pier.warmup = 0.1
-  c.pier.decay_momenta = (0.99, 0.95)
-  c.pier.final_lr_ratio = 0.82
-  c.pier.final = 0.8
+  c.pier.warmup = 0.1  # fraction of the rounds that fill the momentum (the authors' 0.1)
+  c.pier.decay_momenta = (0.99, 0.95)  # outer momentum in equal parts of the next warmup*T rounds
+  c.pier.final_lr_ratio = 0.82  # outer lr from final*T on, as a fraction of outer.lr (0.9 / 1.1)
+  c.pier.final = 0.8  # fraction of the rounds where the outer lr drops
   c.pier.total_rounds = 0  # pins T: a run extended on resume keeps its schedules (0: rounds)
 
   # --- DES-LOC (algorithm='desloc'; lowcomm_jax/algorithms/desloc.py) ------------------
@@ -109,7 +109,7 @@ def get_config() -> ml_collections.ConfigDict:
   # outer rule outer.lr/momentum (False). Each AdamW moment is averaged over the workers every
   # this many rounds (0: never, each worker keeps its own as in DiLoCo).
   c.desloc = ml_collections.ConfigDict()
-  c.desloc.plain_average = True
+  c.desloc.plain_average = True  # theta <- the workers' mean (False: outer.lr/momentum on the mean delta)
   c.desloc.first_moment_rounds = 3  # K_u = 3 H, the paper's recommendation
   c.desloc.second_moment_rounds = 6  # K_v = 6 H
 

@@ -156,13 +156,14 @@ def test_memory_estimate_counts_adamw_states_and_codec_buffers(smoke_config):
     # never of its name: each message names the algorithms that do qualify.
     ({"algorithm": "async", "sim.enabled": True, "attack.workers": (1,)},
      "attack.workers=(1,): attacks are applied in synchronous syncs; use one of ['ddp', "
-     "'diloco', 'streaming', 'one_step_delay', 'eager', 'overlap', 'noloco']"),
+     "'diloco', 'streaming', 'one_step_delay', 'eager', 'overlap', 'noloco', 'pier', "
+     "'desloc']"),
     ({"collab.target_batch_size": 32, "data.batch_mode": "different"},
      "algorithm='diloco': collaborative epochs average gradients at θ and take one optimizer "
      "step per epoch; use --config.algorithm=ddp (or set --config.collab.target_batch_size=0)"),
     ({"algorithm": "halos", "sim.enabled": True, "aggregate.rule": "median"},
      "aggregate.rule='median': halos combines contributions its own way; use one of ['ddp', "
-     "'diloco', 'streaming', 'one_step_delay', 'overlap']"),
+     "'diloco', 'streaming', 'one_step_delay', 'overlap', 'pier', 'desloc']"),
 ])
 def test_what_an_algorithm_declares_decides_what_it_may_be_combined_with(overrides, expected):
   assert expected in _problems(load_config("smoke", **overrides))
