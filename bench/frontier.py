@@ -133,6 +133,7 @@ def run_one(args, name: str, fields: dict, seed: int) -> None:
   from lowcomm_jax import train
   from lowcomm_jax.run_files import TrainingDiverged
   workdir = args.workdir / name
+  shutil.rmtree(workdir, ignore_errors=True)  # a run cut off earlier starts again, whole
   try:
     train.run(config(args, fields, seed), workdir)
   except TrainingDiverged as e:
