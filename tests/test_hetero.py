@@ -139,9 +139,10 @@ def test_dylu_measures_speeds_in_round_two(tmp_path, monkeypatch):
   # H = [6, ceil(6 / 2.5)] = [6, 3] (round 1's would give [6, 1]; never measuring, [6, 6]).
   real_round, rounds_run = round_driver.train_round, []
 
-  def timed_round(r, fns, state, workers, batches, weights, *, timed=False, metrics=True):
+  def timed_round(r, fns, state, workers, batches, weights, *, timed=False, metrics=True,
+                  **kwargs):
     state, workers, metrics_, compute = real_round(r, fns, state, workers, batches, weights,
-                                                   timed=timed, metrics=metrics)
+                                                   timed=timed, metrics=metrics, **kwargs)
     rounds_run.append([b.shape[1] for b in batches])
     step_seconds = [0.1, 1.0] if len(rounds_run) == 1 else [0.1, 0.25]
     if timed:

@@ -47,7 +47,7 @@ def _backend(algorithm, workers=2, regions=(0, 0), **overrides):
                               topology=topology, sync=algo.sync(config, hosts=(), d_ff=1))
   state = steps.TrainState(jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(0)),
                            jnp.asarray(THETA0), ())
-  programs = types.SimpleNamespace(local=[[_local_round]], syncs=[None])
+  programs = types.SimpleNamespace(local=[[_local_round]], syncs=[None], state_sync=None)
   # No schedule in the opt state: the backend's lr-clock placement leaves it as it is.
   pool = steps.WorkerState((), (), jnp.zeros((workers,), jnp.int32))
   return SimBackend(run, programs, plan, state, pool)
