@@ -110,7 +110,8 @@ def frontier_points(steps: int, evals: int, picks: dict) -> dict[str, tuple[str,
   d = picks["ddp_adamw"]
   out["ddp_adamw_demo"] = ("adamw", {**ddp(steps, evals, "adamw", d["lr"], d["schedule"]),
                                      "compress.codec": "demo"})
-  out["desloc_adamw_h50"] = ("adamw", local(steps, "desloc", 50, "adamw", lr, outer))
+  # DES-LOC's parameter sync is its plain average (desloc.plain_average): outer lr 1, no momentum.
+  out["desloc_adamw_h50"] = ("adamw", local(steps, "desloc", 50, "adamw", lr, (1.0, 0.0)))
   lr = picks["diloco_muon"]["lr"]
   out["muloco_h50"] = ("muon", local(steps, "diloco", 50, "muon", lr, (0.81, 0.8),
                                      **{"compress.codec": "muloco"}))

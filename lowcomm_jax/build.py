@@ -262,7 +262,7 @@ def build(config: ml_collections.ConfigDict, *, check_memory: bool = True) -> Ru
                                  shardings=state_shardings),
             programs=programs, sync=sync, outer_rules=rules,
             local_reads_rules=worker_rule is not None,
-            local_reads_own=reads_own,
+            local_reads_own=reads_own, worker_state_sync=state_sync,
             partitioner=lambda: partitioner(plan), frozen=frozen)
   # Nothing but a LoRA base is allocated yet: refuse in seconds, not at RESOURCE_EXHAUSTED.
   if check_memory:

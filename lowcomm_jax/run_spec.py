@@ -101,6 +101,9 @@ class Run:
   # Local programs also read the outer rules' state (the algorithm has a worker rule).
   local_reads_rules: bool = False
   local_reads_own: bool = False  # local programs read their rows of the per-worker state
+  # What of the workers' optimizer states is averaged, and before which rounds (the
+  # algorithm's StateSync: DES-LOC's moments; None for the rest).
+  worker_state_sync: algorithms.StateSync | None = None
   # Enter around compiling and running the run's programs (model/tp.py: GSPMD under TP).
   partitioner: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
   # Weights every program reads and none trains (a LoRA run's base, replicated on the mesh);
@@ -204,7 +207,7 @@ class Run:
   def state_sync_due(self, completed_rounds: int) -> tuple[str, ...]:
     """The parts of the workers' optimizer states averaged before the round after
     `completed_rounds` rounds (algorithms.base.StateSync; () without one)."""
-    sync = self.algorithm.state_sync(self.config)
+    sync = self.worker_state_sync
     return sync.due(completed_rounds) if sync is not None else ()
 
   def state_sync_bytes(self, parts: tuple[str, ...]) -> ledger.CommBytes:
@@ -224,7 +227,7 @@ class Run:
     """Per-worker bytes of the optimizer-state averages before rounds 2..`rounds` (DES-LOC;
     nothing for the other algorithms)."""
     total = ledger.CommBytes()
-    if self.algorithm.state_sync(self.config) is None:
+    if self.worker_state_sync is None:
       return total
     for completed in range(1, rounds):  # DES-LOC's rounds are few: one H each
       total = total + self.state_sync_bytes(self.state_sync_due(completed))
