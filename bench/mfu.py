@@ -317,7 +317,14 @@ def main():
         print(f"runner failed: {type(e).__name__}: {e}", file=sys.stderr)
         rows[name] = {"na": f"failed: {type(e).__name__}: {e}"}
     else:
-      rate, memory = bare_variant(c, config, mode, args.batch, seq, args.steps)
+      try:
+        rate, memory = bare_variant(c, config, mode, args.batch, seq, args.steps)
+      except jax.errors.JaxRuntimeError as e:  # e.g. XLA attention at batch 64 on an H200
+        if "RESOURCE_EXHAUSTED" not in str(e):
+          raise
+        print(f"{name}: out of device memory", file=sys.stderr)
+        rows[name] = {"na": "out of device memory"}
+        continue
       rows[name] = {"steps_per_s": rate, "memory": memory}
       stats = jax.devices()[0].memory_stats() or {}
       if "peak_bytes_in_use" in stats:  # a running peak: XLA cannot reset it
