@@ -1,9 +1,14 @@
-"""A real pretrained model through lowcomm_jax's importer: SmolLM2-135M-Instruct (GGUF,
-Q4_1, fetched by launch/fetch_smollm2.py) continues a prompt greedily, and its tokenizer
-(built from the GGUF's vocabulary and merges by the `tokenizers` library) is checked against
-byte-level BPE applied by hand to the same merges.
+"""Greedy generation through lowcomm_jax's importer, at any MatFormer width.
 
-  python bench/smollm2_generate.py [--gguf PATH] [--prompt "The capital of France is"]
+By default a real pretrained model: SmolLM2-135M-Instruct (GGUF, Q4_1, fetched by
+launch/fetch_smollm2.py) continues a prompt, and its tokenizer (built from the GGUF's
+vocabulary and merges by the `tokenizers` library) is checked against byte-level BPE applied
+by hand to the same merges. `--model` takes another GGUF or a safetensors model (one that
+`python -m lowcomm_jax.export` wrote, say), `--workdir` a run's latest checkpoint, and
+`--width` runs the first width × d_ff FFN units of every block only.
+
+  python bench/smollm2_generate.py [--gguf PATH | --model PATH | --workdir RUN] [--width 0.25]
+                                   [--prompt "The capital of France is"] [--new_tokens 8]
 """
 
 import argparse
@@ -56,44 +61,86 @@ def check_tokenizer(gguf_path: pathlib.Path, text: str) -> tuple[int, int]:
   return ok, len(pieces)
 
 
+def load_model(args):
+  """(GPTConfig, parameter tree, tokenizer name, label) of what to generate from: a run's
+  latest checkpoint (--workdir), an exported or pretrained model (--model: safetensors or
+  GGUF), or SmolLM2's GGUF by default; cut to --width's FFN units (MatFormer: any width of
+  a nested model is a model)."""
+  import dataclasses
+  from lowcomm_jax.model import pretrained
+  from lowcomm_jax.model.matformer import hidden_units, slice_tier, width_problems
+  if args.workdir:
+    from lowcomm_jax import export, train
+    config = export.config_of(args.workdir)
+    r = train.build(config, check_memory=False)
+    step, params = export.latest_params(r, args.workdir)
+    cfg, tokenizer, label = r.model.cfg, config.data.tokenizer, f"{args.workdir} (round {step})"
+  else:
+    import fetch_smollm2
+    path = args.model or fetch_smollm2.fetch()
+    start = pretrained.load(path)
+    cfg, params, label = start.cfg, start.params, start.source
+    tokenizer = args.tokenizer or (str(path) if str(path).endswith(".gguf")
+                                   else _stored_tokenizer(pretrained.file_of(path)))
+  if problems := width_problems("--width", [args.width], cfg.d_ff):
+    sys.exit(problems[0])
+  m = hidden_units(cfg.d_ff, args.width)
+  if m != cfg.d_ff:
+    params, cfg = slice_tier(params, m), dataclasses.replace(cfg, d_ff=m)
+  return cfg, params, args.tokenizer or tokenizer, f"{label}, width {args.width:g} ({m} FFN units)"
+
+
+def _stored_tokenizer(file: pathlib.Path) -> str:
+  """The tokenizer lowcomm_jax.export recorded in the safetensors metadata ('gpt2' if none)."""
+  from safetensors import safe_open
+  with safe_open(str(file), framework="numpy") as f:
+    return (f.metadata() or {}).get("tokenizer", "gpt2")
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--gguf", type=pathlib.Path)
+  where = p.add_mutually_exclusive_group()
+  where.add_argument("--gguf", "--model", dest="model", type=pathlib.Path,
+                     help="a GGUF or safetensors model (a folder: its model.safetensors), "
+                     "e.g. one lowcomm_jax.export wrote; default: SmolLM2-135M's GGUF")
+  where.add_argument("--workdir", type=pathlib.Path, help="a run: its latest checkpoint")
+  p.add_argument("--width", type=float, default=1.0, help="MatFormer FFN width to run")
+  p.add_argument("--tokenizer", help="override the tokenizer (name or tokenizer.json)")
   p.add_argument("--prompt", default="The capital of France is")
   p.add_argument("--new_tokens", type=int, default=8)
   args = p.parse_args()
-  import fetch_smollm2
-  path = args.gguf or fetch_smollm2.fetch()
 
   import jax
   import jax.numpy as jnp
   from flax import nnx
   from lowcomm_jax.data.tokenizers import get_tokenizer
   from lowcomm_jax.model import GPT, generate
-  from lowcomm_jax.model import pretrained
 
   t0 = time.perf_counter()
-  start = pretrained.load(path)
-  model = nnx.eval_shape(lambda: GPT(start.cfg, rngs=nnx.Rngs(0)))
+  cfg, params, tokenizer, label = load_model(args)
+  model = nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(model, nnx.Param)
-  nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, start.params))
+  nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
   load_s = time.perf_counter() - t0
-  tok = get_tokenizer(str(path))
+  tok = get_tokenizer(tokenizer)
   prompt = jnp.asarray(tok.encode(args.prompt), jnp.int32)[None]
   logits_fn = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))
   t0 = time.perf_counter()
   out = generate(lambda t: logits_fn(state, t), prompt, args.new_tokens)
   continuation = tok.decode(list(out[0, prompt.shape[1]:]))
   gen_s = time.perf_counter() - t0
-  ok, checked = check_tokenizer(path, SAMPLE)
-  print(f"model: {start.source} ({sum(x.size for x in jax.tree.leaves(start.params)):,} "
-        f"parameters, loaded and dequantized in {load_s:.1f} s)")
+  print(f"model: {label} ({sum(x.size for x in jax.tree.leaves(params)):,} parameters, "
+        f"loaded in {load_s:.1f} s)")
   print(f"prompt: {args.prompt!r} -> {continuation!r} ({args.new_tokens} greedy tokens, "
         f"{gen_s:.1f} s)")
-  print(f"tokenizer: {ok}/{checked} pre-tokenized pieces of the sample encode exactly as the "
-        "GGUF's merges applied by hand")
+  smollm2 = args.model is None and args.workdir is None
+  if smollm2 or str(args.model).endswith(".gguf"):  # its tokenizer against the merges by hand
+    import fetch_smollm2
+    ok, checked = check_tokenizer(args.model or fetch_smollm2.fetch(), SAMPLE)
+    print(f"tokenizer: {ok}/{checked} pre-tokenized pieces of the sample encode exactly as the "
+          "GGUF's merges applied by hand")
   says_paris = bool(re.match(r"\s*Paris", continuation))
-  if args.prompt == p.get_default("prompt") and not says_paris:
+  if smollm2 and args.width == 1.0 and args.prompt == p.get_default("prompt") and not says_paris:
     sys.exit("expected the continuation to start with 'Paris'")
 
 

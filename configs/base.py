@@ -28,6 +28,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.seed = 0  # every random stream derives from (seed, worker_id, step)
   c.eval_every = 5  # rounds between evaluations on the validation split (0: only at the end)
   c.eval_batches = 8  # validation batches per evaluation (fixed windows, same every time)
+  c.eval = ml_collections.ConfigDict()
+  c.eval.widths = ()  # MatFormer FFN widths evaluated beside the trained tiers, e.g. (0.375,
+  # | 0.5): every evaluation reports eval_loss/tier_<w> for the hosts' tiers and these
+  # | (Mix'n'Match: any width is a model); () with every host at 1.0: the full width alone
   c.checkpoint_every = 10  # rounds between checkpoints (0: only at the end)
   c.keep_checkpoints = 2  # how many checkpoints orbax keeps
   c.log_every = 1  # rounds between metric writes (TensorBoard + metrics.jsonl)

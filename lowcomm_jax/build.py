@@ -21,7 +21,7 @@ from lowcomm_jax.data import (WorkerStreams, eval_windows, open_corpus, other_co
 from lowcomm_jax.hosts import host_table
 from lowcomm_jax.model import GPT, GPTConfig, count_params, get_preset
 from lowcomm_jax.model import attention, cross_entropy, lora, pretrained
-from lowcomm_jax.model.matformer import slice_tier
+from lowcomm_jax.model.matformer import eval_widths, hidden_units, slice_tier
 from lowcomm_jax.model.objective import loss_fn_of
 from lowcomm_jax.model.tp import SyncPlan, partitioner
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
@@ -89,6 +89,7 @@ def build(config: ml_collections.ConfigDict, *, check_memory: bool = True) -> Ru
   # Token files are read window by window: each is checked against the vocabulary too.
   window_vocab = model_cfg.vocab_size if corpus.files is not None else None
   hosts = host_table(c, model_cfg.d_ff, nproc)
+  widths = eval_widths([h.tier for h in hosts], c.eval.widths)
   if nproc > 1:  # one host per process, each on all of its devices
     local_hosts = [jax.process_index()]
     mesh = mesh_lib.make_mesh(jax.device_count() // (c.mesh.data * c.model.tp.size),
@@ -224,6 +225,7 @@ def build(config: ml_collections.ConfigDict, *, check_memory: bool = True) -> Ru
                           else c.model.name), cfg=model_cfg,
                     graphdef=graphdef, layout=layout, param_count=count_params(layout.abstract),
                     param_bytes=ledger.tree_bytes(layout.abstract), tier_bytes=tier_bytes,
+                    eval_widths=widths,
                     frozen_count=count_params(frozen))
   # Workers whose data is corrupted on purpose (robust-aggregation tests and benchmarks).
   other = (other_corpus(c.data.corruption_path, c.data.tokenizer, window=c.data.seq_len + 1)
@@ -246,8 +248,11 @@ def build(config: ml_collections.ConfigDict, *, check_memory: bool = True) -> Ru
                                      layout=layout, mesh=worker_mesh)
                 for i in local_hosts] if collab else []
   programs = Programs(local=local_programs, syncs=syncs, init_workers=init_workers,
-                      eval=program_cache.shared(steps.make_eval_step,
-                                                loss_of(model_cfg.d_ff, mesh), layout),
+                      eval=program_cache.shared(
+                          steps.make_eval_step,
+                          tuple((m, loss_of(m, mesh))
+                                for m in (hidden_units(model_cfg.d_ff, w) for w in widths)),
+                          model_cfg.d_ff, layout),
                       accumulate=accumulate,
                       overlapped=steps.make_overlapped(syncs[0], local_programs[0][0],
                                                        reads_rules=worker_rule is not None,

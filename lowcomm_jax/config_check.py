@@ -10,7 +10,7 @@ import ml_collections
 from lowcomm_jax import algorithms, compress, config_doc, optimizers, run_identity
 from lowcomm_jax.config_error import ConfigError, Problems  # noqa: F401 - ConfigError re-exported
 from lowcomm_jax.data.tokenizers import TOKENIZER_VOCAB, is_tokenizer_file
-from lowcomm_jax.model.matformer import hidden_units
+from lowcomm_jax.model.matformer import hidden_units, width_problems
 from lowcomm_jax.model import attention, pretrained
 from lowcomm_jax.model.presets import PRESETS
 from lowcomm_jax.model.tp import SYNC_PLANS, SyncPlan, plan_problems
@@ -129,6 +129,7 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
         if hidden % tp:
           problems.append(f"hosts: tier {row.tier} trains {hidden} FFN units, not divisible "
                           f"by model.tp.size={tp}; pick a tier whose width tp divides")
+    problems.extend(width_problems("eval.widths", c.eval.widths, preset.d_ff, tp))
     check(1 <= c.data.seq_len <= preset.block_size, "data.seq_len",
           f"must be in [1, {preset.block_size}] (the block size of {model_label})")
     vocab = c.model.vocab_size or preset.vocab_size

@@ -1,34 +1,87 @@
-"""`--export_merged`: a LoRA run's model as one Hugging Face checkpoint (base + scaled
-adapters), from the run's latest checkpoint."""
+"""A run's model as one Hugging Face checkpoint (model.safetensors + config.json), from the
+run's latest checkpoint.
 
+  python -m lowcomm_jax.export --workdir=RUN [--width=0.25] --out=DIR
+
+`--width` picks a MatFormer width (default 1.0, the whole model): the first m = width × d_ff
+FFN units of every block, the model a tier of that width trains and `eval_loss/tier_<w>`
+evaluates, written as a standalone model (GPT-2's layout with `n_inner` = m, Llama's with
+`intermediate_size` = m). A LoRA run's export is its base with the adapters merged
+(W + (α/r)·A·B), then cut to the width. The run is rebuilt from RUN/config.json, so its
+data must be where it was. `--export_merged` on the main command line writes the same for a
+LoRA run at full width when the run ends.
+"""
+
+import argparse
+import dataclasses
 import json
 import pathlib
+import sys
 
 import jax
+import ml_collections
 
+from lowcomm_jax import run_identity
 from lowcomm_jax.checkpoint import Checkpointer, abstract_with_shardings
 from lowcomm_jax.model import hf_export, lora
+from lowcomm_jax.model.matformer import hidden_units, slice_tier, width_problems
 
 
-def export_merged(r, workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path:
-  """Writes `out`/model.safetensors + config.json: the frozen base with every adapted
-  kernel replaced by W + (α/r)·A·B, A and B from the workdir's latest checkpoint. The
-  safetensors metadata names the base and the checkpoint's round. `r`: the run, built."""
+class ExportError(ValueError):
+  """The run cannot be exported as asked (one line: what and how to fix it)."""
+
+
+def config_of(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
+  """The run's config from `workdir`/config.json, for a single process (a run of several
+  processes is exported by one: every host's program runs in it)."""
+  path = pathlib.Path(workdir) / run_identity.FILE
+  try:
+    stored = json.loads(path.read_text())["config"]
+  except (OSError, ValueError, KeyError) as e:
+    raise ExportError(f"{path}: no readable run config ({type(e).__name__}); point --workdir "
+                      "at a run's folder") from e
+
+  def typed(value):  # JSON lists back to the tuples (and host rows) the config had
+    if isinstance(value, dict):
+      return ml_collections.ConfigDict({k: typed(v) for k, v in value.items()})
+    if isinstance(value, list):
+      return [typed(v) for v in value] if value and isinstance(value[0], dict) else tuple(
+          typed(v) for v in value)
+    return value
+  config = typed(stored)
+  config.distributed.num_processes, config.distributed.process_id = 1, -1
+  config.distributed.coordinator_address = ""
+  return config
+
+
+def latest_params(r, workdir: str | pathlib.Path) -> tuple[int, dict]:
+  """(round, the model's parameter tree) of the workdir's latest checkpoint: the global θ,
+  or for LoRA the base with the adapters merged in. `r`: the run, built."""
   c = r.config
-  if c.lora.rank == 0:
-    raise ValueError("--export_merged needs a LoRA run (lora.rank > 0)")
   ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=c.keep_checkpoints)
   try:
     step = ckpt.latest_round()
     if step is None:
-      raise ValueError(f"{workdir}: no checkpoint to export; run it first")
+      raise ExportError(f"{workdir}: no checkpoint to export; run it first")
     state = ckpt.restore_state(step, abstract_with_shardings(r.state_spec.abstract,
                                                              r.state_spec.shardings))
   finally:
     ckpt.close()
-  adapters = r.model.layout.unravel(state.params)
-  base = jax.tree.map(lambda x: x.astype("float32"), r.frozen)
-  merged = lora.merge(base, adapters, scale=c.lora.alpha / c.lora.rank)
+  params = r.model.layout.unravel(state.params)
+  if c.lora.rank > 0:
+    base = jax.tree.map(lambda x: x.astype("float32"), r.frozen)
+    params = lora.merge(base, params, scale=c.lora.alpha / c.lora.rank)
+  return step, params
+
+
+def export_merged(r, workdir: str | pathlib.Path, out: str | pathlib.Path) -> pathlib.Path:
+  """`--export_merged`: `out`/model.safetensors + config.json, the frozen base with every
+  adapted kernel replaced by W + (α/r)·A·B of the workdir's latest checkpoint. The
+  safetensors metadata names the base and the checkpoint's round. `r`: the run, built."""
+  c = r.config
+  if c.lora.rank == 0:
+    raise ValueError("--export_merged needs a LoRA run (lora.rank > 0)")
+  step, merged = latest_params(r, workdir)
   meta = {"lora_base": c.model.init_from or f"seeded init (seed {c.seed})",
           # a bfloat16-stored base is exported as it was trained on: bfloat16-rounded
           "lora_base_dtype": c.lora.base_dtype,
@@ -36,3 +89,61 @@ def export_merged(r, workdir: str | pathlib.Path, out: str | pathlib.Path) -> pa
                               "targets": list(c.lora.targets)}),
           "round": str(step)}
   return hf_export.save_safetensors(out, r.model.cfg, merged, metadata=meta)
+
+
+def export_width(workdir: str | pathlib.Path, width: float,
+                 out: str | pathlib.Path) -> pathlib.Path:
+  """`out`/model.safetensors + config.json: the width-`width` model of the workdir's latest
+  checkpoint (module docstring). Returns the safetensors file."""
+  from lowcomm_jax import train  # the runner's stack, loaded only when exporting
+  if sim_run := stored_flag(workdir, "sim", "enabled"):
+    raise ExportError(f"{workdir}: a simulator run (sim.enabled={sim_run}); export reads the "
+                      "runner's checkpoints: train the config without sim.enabled")
+  config = config_of(workdir)
+  r = train.build(config, check_memory=False)
+  if problems := width_problems("--width", [width], r.model.cfg.d_ff):
+    raise ExportError(problems[0])
+  step, params = latest_params(r, workdir)
+  m = hidden_units(r.model.cfg.d_ff, width)
+  cfg = dataclasses.replace(r.model.cfg, d_ff=m)
+  meta = {"run": str(pathlib.Path(workdir).resolve()), "round": str(step),
+          "width": f"{width:g}", "ffn_units": str(m), "full_ffn_units": str(r.model.cfg.d_ff),
+          "tokenizer": config.data.tokenizer}  # what bench/smollm2_generate.py encodes with
+  if config.lora.rank > 0:
+    meta["lora_base"] = config.model.init_from or f"seeded init (seed {config.seed})"
+  return hf_export.save_safetensors(out, cfg, slice_tier(params, m) if m != r.model.cfg.d_ff
+                                    else params, metadata=meta)
+
+
+def stored_flag(workdir, *path):
+  """A field of the workdir's stored config (None where it or the file is missing)."""
+  try:
+    node = json.loads((pathlib.Path(workdir) / run_identity.FILE).read_text())["config"]
+    for key in path:
+      node = node[key]
+    return node
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(prog="python -m lowcomm_jax.export",
+                              description=__doc__.splitlines()[0])
+  p.add_argument("--workdir", required=True, type=pathlib.Path, help="the run's folder")
+  p.add_argument("--width", type=float, default=1.0,
+                 help="MatFormer FFN width to export (fraction of d_ff; default 1.0)")
+  p.add_argument("--out", required=True, type=pathlib.Path,
+                 help="folder for model.safetensors and config.json")
+  args = p.parse_args(argv)
+  from lowcomm_jax.config_error import ConfigError
+  from lowcomm_jax.checkpoint import CheckpointMismatch
+  try:
+    written = export_width(args.workdir, args.width, args.out)
+  except (ExportError, ConfigError, CheckpointMismatch, OSError) as e:
+    print(f"lowcomm_jax.export: error: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(f"width {args.width:g} of {args.workdir} written to {written}")
+
+
+if __name__ == "__main__":
+  main()

@@ -127,10 +127,22 @@ def _bytes_unit(largest: float) -> tuple[str, int]:
   return ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
 
 
+def _last_by_width(records) -> dict[float, float]:
+  """{width: eval loss} of the last row that has per-width eval losses (Run.evaluation's
+  `eval_loss/tier_<w>`), widths ascending; {} where none has."""
+  for row in reversed(records):
+    found = {float(k.rsplit("_", 1)[1]): v for k, v in row.items()
+             if k.startswith("eval_loss/tier_")}
+    if found:
+      return dict(sorted(found.items()))
+  return {}
+
+
 def plot(workdirs, out: pathlib.Path):
   """Writes the PNG and returns the matplotlib figure. Panels: eval loss vs bytes sent per
   worker (log x when the runs' totals differ more than tenfold), eval loss vs tokens, and
-  train loss vs tokens, or for simulated runs eval loss vs virtual seconds."""
+  train loss vs tokens, or for simulated runs eval loss vs virtual seconds; where a run
+  evaluated several MatFormer widths, also its last eval loss vs FFN width."""
   try:
     import matplotlib
     matplotlib.use("Agg")
@@ -151,9 +163,18 @@ def plot(workdirs, out: pathlib.Path):
                 if simulated else
                 ("tokens", "train_loss", "tokens (all workers)",
                  "train loss (mean over workers) vs tokens"))
+  widths = {name: _last_by_width(records) for name, records in runs.items()}
+  if any(widths.values()):
+    panels.append(("width", "eval_loss", "FFN width (fraction of the full model's)",
+                   "last eval loss vs MatFormer width"))
   fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2))
   for name, records in runs.items():
+    if widths[name]:
+      ax = axes[-1]
+      ax.plot(list(widths[name]), list(widths[name].values()), marker="o", label=name)
     for ax, (x, y, _, _) in zip(axes, panels):
+      if x == "width":  # drawn above, from the last evaluation
+        continue
       points = [r for r in records if y in r and x in r]
       if x == "bytes_sent":
         points = [r for r in points if r[x] > 0 or not log_bytes]  # log axes drop zeros

@@ -205,10 +205,10 @@ class RoundDriver:
     return run_loop.Reading(round_ * self.c.inner_steps, scalars,
                             self.ready.ready_time(round_), problem)
 
-  def evaluate(self) -> float:
+  def evaluate(self) -> dict[str, float]:
     announce_compile(self.fns.eval, "evaluation")
     with jax.set_mesh(self.r.topology.mesh):
-      return float(self.fns.eval(self.state.params, self.eval_windows))
+      return self.r.evaluation(self.fns.eval(self.state.params, self.eval_windows))
 
   def save(self, ckpt, mark: int, *, last: bool, wall: float) -> None:
     ckpt.save(mark, self.state,

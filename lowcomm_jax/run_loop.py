@@ -84,8 +84,9 @@ class Driver(Protocol):
   def read(self, handle) -> Reading:
     """Blocks on a mark's metrics."""
 
-  def evaluate(self) -> float:
-    """The global model's loss on the evaluation windows."""
+  def evaluate(self) -> dict[str, float]:
+    """The global model's loss on the evaluation windows: {"eval_loss": ...}, plus one
+    `eval_loss/tier_<w>` per width where the run evaluates several (Run.evaluation)."""
 
   def save(self, ckpt: Checkpointer, mark: int, *, last: bool, wall: float) -> None:
     """Checkpoints everything needed to continue from `mark`."""
@@ -130,7 +131,7 @@ def run(driver: Driver, files: RunFiles, *, t_start: float,
   clock = {"step": step, "tokens": tokens, "time": time.perf_counter(), "paused": 0.0}
   first = None  # (mark, time) of the first reading: compilation is behind from there
 
-  def report(mark: Mark, reading: Reading | None, eval_loss: float | None = None) -> dict:
+  def report(mark: Mark, reading: Reading | None, evals: dict | None = None) -> dict:
     nonlocal first
     if reading is None:
       return {}
@@ -143,8 +144,8 @@ def run(driver: Driver, files: RunFiles, *, t_start: float,
     clock.update(step=reading.step, tokens=scalars["tokens"], time=reading.ready_time,
                  paused=0.0)
     first = first or (mark.index, reading.ready_time)
-    if eval_loss is not None:
-      scalars["eval_loss"] = eval_loss
+    eval_loss = evals["eval_loss"] if evals else None
+    scalars.update(evals or {})
     if mark.due.write:
       logger.write(reading.step, scalars)
       left = ((c.rounds - mark.index) * (reading.ready_time - first[1]) / (mark.index - first[0])
@@ -156,7 +157,7 @@ def run(driver: Driver, files: RunFiles, *, t_start: float,
 
   due = lambda mark, **last: due_at(c, mark, **last)
   pending = None  # a mark whose metrics are read one mark late
-  scalars, eval_loss, saved = {}, None, 0
+  scalars, evals, saved = {}, None, 0
   startup = None  # seconds until the first mark's programs were compiled and dispatched
   try:
     while (mark := driver.advance(due)) is not None:
@@ -177,11 +178,11 @@ def run(driver: Driver, files: RunFiles, *, t_start: float,
       if reading is not None and reading.problem is not None:
         raise files.diverged(reading.problem, unit=driver.unit)
       paused_at = time.perf_counter()
-      eval_loss = driver.evaluate() if mark.due.evaluate else None
-      if eval_loss is not None and not math.isfinite(eval_loss):
-        raise files.diverged(f"{driver.unit} {mark.index} (eval_loss={eval_loss})",
+      evals = driver.evaluate() if mark.due.evaluate else None
+      if evals is not None and not math.isfinite(evals["eval_loss"]):
+        raise files.diverged(f"{driver.unit} {mark.index} (eval_loss={evals['eval_loss']})",
                              unit=driver.unit)
-      scalars = report(mark, reading, eval_loss)
+      scalars = report(mark, reading, evals)
       if mark.due.checkpoint:
         driver.save(files.ckpt, mark.index, last=mark.due.last, wall=wall())
         saved += 1
@@ -193,13 +194,16 @@ def run(driver: Driver, files: RunFiles, *, t_start: float,
         return driver.stopped()
     if not driver.complete():
       return driver.stopped()
-    if eval_loss is None:  # resumed at the end: the summary was lost, its evaluation too
-      eval_loss = driver.evaluate()
+    if evals is None:  # resumed at the end: the summary was lost, its evaluation too
+      evals = driver.evaluate()
     wall_seconds = wall()  # as the last checkpoint's, not counting the wait for its save
   finally:  # also on errors: saves in flight complete, files are flushed
     driver.close()
     files.close()  # raises if a save in flight failed (WorkdirError)
-  summary = driver.summary(eval_loss, scalars, wall_seconds)
+  summary = driver.summary(evals["eval_loss"], scalars, wall_seconds)
+  if len(evals) > 1:  # the last evaluation at every width (Run.evaluation's rows)
+    summary["eval_loss_by_width"] = {k.rsplit("_", 1)[1]: v for k, v in evals.items()
+                                     if k != "eval_loss"}
   compiled, loaded = (now - before for now, before in zip(compile_cache.counts(),
                                                           compiled_before))
   # This invocation's start-up: compiles (or cache loads), data, the first mark's dispatch.

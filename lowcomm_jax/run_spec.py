@@ -25,6 +25,11 @@ from lowcomm_jax.parallel.flat import ParamLayout
 from lowcomm_jax.sync import Sync
 
 
+def width_key(width: float) -> str:
+  """The metric name of the eval loss at FFN width `width` (eval_loss/tier_0.25)."""
+  return f"eval_loss/tier_{width:g}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Topology:
   """Where a run's workers are: the meshes, the host table and which hosts this process runs."""
@@ -46,6 +51,8 @@ class ModelSpec:
   param_bytes: int
   tier_bytes: dict[float, dict[str, int]]  # per tier: parameter and optimizer bytes per worker
   frozen_count: int = 0  # parameters of the frozen base (LoRA), beside the trained ones
+  # FFN widths the eval program evaluates, the full width first (build.eval_widths)
+  eval_widths: tuple[float, ...] = (1.0,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +155,16 @@ class Run:
     start = sum(sizes[:k])
     rows = jax.tree.map(lambda x: x[start:start + sizes[k]], view.outer.per_worker)
     return view._replace(outer=view.outer._replace(per_worker=rows))
+
+  def evaluation(self, losses_W) -> dict[str, float]:
+    """The eval program's losses (one per width of model.eval_widths, full width first) as
+    metric rows: eval_loss, and eval_loss/tier_<w> for every width where a run evaluates
+    more than the full width."""
+    losses = [float(x) for x in np.asarray(losses_W).reshape(-1)]
+    out = {"eval_loss": losses[0]}
+    if len(self.model.eval_widths) > 1:
+      out.update({width_key(w): x for w, x in zip(self.model.eval_widths, losses)})
+    return out
 
   def tokens(self, inner_steps: int, host: int = 0) -> int:
     """Tokens in `inner_steps` inner steps of workers of host `host` (the one way both

@@ -254,11 +254,11 @@ class SimDriver:
   def read(self, handle: run_loop.Reading) -> run_loop.Reading:
     return handle
 
-  def evaluate(self) -> float:
+  def evaluate(self) -> dict[str, float]:
     fns, sim = self.sim.programs, self.sim
     announce_compile(fns.eval, "evaluation")
     with jax.set_mesh(sim.r.topology.mesh):
-      return float(fns.eval(sim.backend.global_params(), self.windows))
+      return sim.r.evaluation(fns.eval(sim.backend.global_params(), self.windows))
 
   def save(self, ckpt, mark: int, *, last: bool, wall: float) -> None:
     # The finished state goes one past the last mark, so it is always the newest.

@@ -262,13 +262,19 @@ def make_overlapped(sync, local, *, reads_rules: bool, reads_own: bool = False):
   return overlapped
 
 
-def make_eval_step(loss_fn: LossFn, layout: ParamLayout):
-  """`eval_step(flat params, windows[N, B, L+1]) -> mean loss` over N fixed batches."""
+def make_eval_step(widths: tuple[tuple[int, LossFn], ...], d_ff: int, layout: ParamLayout):
+  """`eval_step(flat params, windows[N, B, L+1]) -> losses[W]`: the mean loss over N fixed
+  batches of each MatFormer width in `widths` ((hidden units, its loss fn), full width
+  first), the first m FFN units of every block, as a tier's worker trains them. One
+  program for all widths: they read the same batches."""
 
   def eval_step(flat_params, windows_NxBxL1, *, frozen=()):
     params = layout.unravel(flat_params)
-    return jax.lax.map(lambda batch: loss_fn(params, batch, None, frozen),
-                       windows_NxBxL1).mean()
+
+    def losses(batch):
+      return jnp.stack([loss_fn(params if m == d_ff else slice_tier(params, m), batch, None,
+                                frozen) for m, loss_fn in widths])
+    return jax.lax.map(losses, windows_NxBxL1).mean(axis=0)
 
   return eval_step
 

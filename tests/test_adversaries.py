@@ -100,7 +100,7 @@ def test_a_scaled_attacker_breaks_the_mean_and_not_the_robust_rules():
 
   def eval_loss(state) -> float:
     with jax.set_mesh(r.topology.mesh):
-      return float(eval_step(state.params, r.data.eval_windows))
+      return float(eval_step(state.params, r.data.eval_windows)[0])
 
   losses = {}
   for rule in ("mean", "median", "centered_clip"):

@@ -28,7 +28,7 @@ def test_only_adapters_train_cross_the_network_and_fill_checkpoints(tmp_path):
   with r.partitioner():
     fns = train.jitted_steps(r)
     state, workers = train.init_run(r, fns)
-    start_loss = float(fns.eval(state.params, r.data.eval_windows))
+    start_loss = float(fns.eval(state.params, r.data.eval_windows)[0])
     # The base is an argument of the compiled local program, not a constant inside it.
     batches = r.data.streams[0].next_round(r.topology.hosts[0].inner_steps)
     compiled = fns.local[0][0].lower(r.local_input(state), workers[0], batches,
@@ -38,7 +38,7 @@ def test_only_adapters_train_cross_the_network_and_fill_checkpoints(tmp_path):
     # B = 0: the first model is the base itself.
     plain = train.build(load_config("smoke", algorithm="diloco"))
     plain_loss = float(jax.jit(plain.programs.eval)(plain.state_spec.initial_params(),
-                                                    plain.data.eval_windows))
+                                                    plain.data.eval_windows)[0])
   assert start_loss == pytest.approx(plain_loss, rel=1e-6)
   summary = train.run(config, tmp_path / "run")
   assert summary["trainable_params"] == r.model.param_count == 2048
@@ -65,7 +65,7 @@ def test_only_adapters_train_cross_the_network_and_fill_checkpoints(tmp_path):
                                      **{"model.init_from": str(tmp_path / "merged")}))
   with exported.partitioner():
     loss = float(train.jitted_steps(exported).eval(exported.state_spec.initial_params(),
-                                                   exported.data.eval_windows))
+                                                   exported.data.eval_windows)[0])
   assert loss == pytest.approx(summary["eval_loss"], rel=1e-5)
 
 

@@ -34,7 +34,7 @@ def test_a_run_starts_from_the_checkpoints_weights_and_trains(tiny_gguf, tmp_pat
   np.testing.assert_array_equal(np.asarray(state.params),
                                 np.asarray(r.model.layout.ravel(params)))
   with jax.set_mesh(r.topology.mesh):
-    start_loss = float(jax.jit(r.programs.eval)(state.params, r.data.eval_windows))
+    start_loss = float(jax.jit(r.programs.eval)(state.params, r.data.eval_windows)[0])
   summary = train.run(config, tmp_path / "run")
   assert summary["model"] == f"gguf:{path}"
   assert summary["params"] == sum(x.size for x in jax.tree.leaves(params))

@@ -128,8 +128,8 @@ def test_robust_rules_combine_decoded_payloads_of_a_codec():
   np.testing.assert_array_equal(r_attacked.data.eval_windows, r_mean.data.eval_windows)
   with jax.set_mesh(r_mean.topology.mesh):
     eval_loss = jax.jit(r_mean.programs.eval)
-    clean = float(eval_loss(clean_state.params, r_mean.data.eval_windows))
-    attacked = float(eval_loss(attacked_state.params, r_mean.data.eval_windows))
+    clean = float(eval_loss(clean_state.params, r_mean.data.eval_windows)[0])
+    attacked = float(eval_loss(attacked_state.params, r_mean.data.eval_windows)[0])
   assert attacked < clean * 1.05, (attacked, clean)
 
 

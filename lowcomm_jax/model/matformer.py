@@ -52,6 +52,34 @@ class NestedMLP(nnx.Module):
     return y_BxLxD
 
 
+def width_problems(field: str, widths, d_ff: int, tp: int = 1) -> list[str]:
+  """One line per width in `widths` (config field `field`) that is no model of this FFN:
+  outside (0, 1], not a whole number of its d_ff units (the FFN's granularity: 1/d_ff), or a
+  number of units that tensor parallelism over `tp` devices cannot split."""
+  out = []
+  for w in widths:
+    try:
+      units = float(w) * d_ff
+    except (TypeError, ValueError):
+      out.append(f"{field}: {w!r} is not a number; give FFN fractions such as 0.25")
+      continue
+    if not 0.0 < float(w) <= 1.0:
+      out.append(f"{field}: {w} is not an FFN fraction; use values in (0, 1]")
+    elif abs(units - round(units)) > 1e-6:
+      out.append(f"{field}: {w} of {d_ff} FFN units is {units:g}, not a whole number; use a "
+                 f"multiple of 1/{d_ff} (e.g. {max(1, round(units)) / d_ff:g})")
+    elif round(units) % tp:
+      out.append(f"{field}: {w} keeps {round(units)} FFN units, not divisible by "
+                 f"model.tp.size={tp}; pick a width whose units tp divides")
+  return out
+
+
+def eval_widths(tiers, extra=()) -> tuple[float, ...]:
+  """The FFN fractions a run evaluates, widest first: the full width, every host's tier and
+  each of `extra` (Mix'n'Match widths no host trains); (1.0,) when nothing is narrower."""
+  return tuple(sorted({1.0, *map(float, tiers), *map(float, extra)}, reverse=True))
+
+
 # --- Tiers as parameter trees ------------------------------------------------------------
 # A tier of width m holds only the first m hidden units of every NestedMLP: its parameters
 # are the full tree with these leaves cut along their hidden axis. The outer step works on

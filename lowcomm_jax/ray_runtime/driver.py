@@ -229,8 +229,8 @@ class RayDriver:
   def read(self, handle: run_loop.Reading) -> run_loop.Reading:
     return handle
 
-  def evaluate(self) -> float:
-    return self.pool.call("evaluate")
+  def evaluate(self) -> dict[str, float]:
+    return self.r.evaluation(self.pool.call("evaluate"))
 
   def position(self) -> tuple[int, int, int]:
     return self.mark, self._step_count(), self._tokens()

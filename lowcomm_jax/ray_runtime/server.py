@@ -188,9 +188,10 @@ class ServerProcess:
       out.update(reference=np.asarray(self.reference), at_push=np.asarray(self.at_push))
     return out
 
-  def evaluate(self) -> float:
+  def evaluate(self) -> list[float]:
+    """The eval loss at each of the run's eval widths (full width first)."""
     with jax.set_mesh(self.mesh):
-      return float(self.programs.eval(self.params, self.windows))
+      return [float(x) for x in np.asarray(self.programs.eval(self.params, self.windows))]
 
   def param_norm(self) -> float:
     return float(self._norm(self.params))

@@ -102,5 +102,5 @@ def test_evaluation_with_pieces_equals_evaluation_without():
     assert r.model.cfg.loss_chunk == chunk
     params = r.state_spec.initial_params()
     losses[chunk] = float(jax.jit(r.programs.eval)(params, jnp.asarray(r.data.eval_windows),
-                                                   frozen=r.frozen))
+                                                   frozen=r.frozen)[0])
   np.testing.assert_allclose(losses[8], losses[0], rtol=1e-6)

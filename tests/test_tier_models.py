@@ -1,0 +1,162 @@
+"""MatFormer tiers as models of their own: every width evaluated during training, any width
+exported as a standalone Hugging Face model that the importer loads back (issue 32)."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import checkpointed_state, load_config
+from lowcomm_jax import config_check, export, train
+from lowcomm_jax.config_check import ConfigError
+from lowcomm_jax.hosts import host
+from lowcomm_jax.model import GPT, next_token_loss, pretrained
+from lowcomm_jax.model.matformer import hidden_units, slice_tier
+
+
+def _tiers_config(**overrides):
+  hosts = [host(1.0), host(0.25)]
+  return load_config("smoke", hosts=hosts, num_workers=len(hosts), rounds=2, inner_steps=2,
+                     eval_every=1, checkpoint_every=2, **overrides)
+
+
+@pytest.fixture(scope="module")
+def tier_run(tmp_path_factory):
+  """(config, summary, workdir) of a full-width host and a 0.25 host, with the Mix'n'Match
+  width 0.5 evaluated too."""
+  config = _tiers_config(**{"eval.widths": (0.5,)})
+  workdir = tmp_path_factory.mktemp("tiers") / "run"
+  return config, train.run(config, workdir), workdir
+
+
+def _hand_eval(r, params, width: float) -> float:
+  """The eval loss at `width` from a model built at that width around the sliced weights."""
+  m = hidden_units(r.model.cfg.d_ff, width)
+  cfg = dataclasses.replace(r.model.cfg, d_ff=m)
+  graphdef = nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))[0]
+  model = nnx.merge(graphdef, slice_tier(params, m))
+  return float(np.mean([next_token_loss(model, jnp.asarray(w)) for w in r.data.eval_windows]))
+
+
+def test_every_width_is_evaluated_and_reported(tier_run):
+  config, summary, workdir = tier_run
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  evaluated = [row for row in rows if "eval_loss" in row]
+  assert len(evaluated) == config.rounds
+  for row in evaluated:  # the trained tiers and the Mix'n'Match width, full width first
+    assert [k for k in row if k.startswith("eval_loss/")] == [
+        "eval_loss/tier_1", "eval_loss/tier_0.5", "eval_loss/tier_0.25"]
+    assert row["eval_loss/tier_1"] == row["eval_loss"]
+  assert summary["eval_loss_by_width"] == {
+      "1": summary["eval_loss"], "0.5": evaluated[-1]["eval_loss/tier_0.5"],
+      "0.25": evaluated[-1]["eval_loss/tier_0.25"]}
+
+
+def test_the_eval_at_a_width_equals_a_hand_sliced_forward_pass(tier_run):
+  config, summary, workdir = tier_run
+  r = train.build(config)
+  (state, _), _ = checkpointed_state(config, workdir)
+  params = r.model.layout.unravel(state.params)
+  for width, loss in summary["eval_loss_by_width"].items():
+    assert loss == pytest.approx(_hand_eval(r, params, float(width)), rel=1e-6), width
+
+
+def test_one_host_evaluates_width_one_as_the_plain_eval(tmp_path):
+  """A run with one full-width host and a width to evaluate: its width-1.0 row is the
+  evaluation a run without widths makes of the same model."""
+  config = load_config("smoke", rounds=2, eval_every=1, **{"eval.widths": (0.5,)})
+  summary = train.run(config, tmp_path / "run")
+  assert set(summary["eval_loss_by_width"]) == {"1", "0.5"}
+  assert summary["eval_loss_by_width"]["1"] == summary["eval_loss"]
+  plain = train.build(load_config("smoke", rounds=2, eval_every=1))
+  (state, _), _ = checkpointed_state(config, tmp_path / "run")
+  with jax.set_mesh(plain.topology.mesh):
+    losses = jax.jit(plain.programs.eval)(state.params, plain.data.eval_windows)
+  assert losses.shape == (1,)  # a run without narrower widths evaluates the full one alone
+  assert float(losses[0]) == pytest.approx(summary["eval_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("width", [0.5, 0.25, 1.0])
+def test_an_exported_width_round_trips_through_the_importer(tier_run, tmp_path, width):
+  """The exported model, loaded back by the importer, gives the logits of the full model
+  run at that width (GPT.__call__'s ffn_fraction slices the same units)."""
+  config, summary, workdir = tier_run
+  written = export.export_width(workdir, width, tmp_path / "out")
+  back = pretrained.load(written)
+  r = train.build(config)
+  m = hidden_units(r.model.cfg.d_ff, width)
+  assert back.cfg.d_ff == m
+  assert json.loads((tmp_path / "out" / "config.json").read_text())["n_inner"] == m
+  (state, _), _ = checkpointed_state(config, workdir)
+  full = nnx.merge(r.model.graphdef, r.model.layout.unravel(state.params))
+  exported = nnx.merge(nnx.split(nnx.eval_shape(lambda: GPT(back.cfg, rngs=nnx.Rngs(0))))[0],
+                       jax.tree.map(jnp.asarray, back.params))
+  tokens = jnp.asarray(r.data.eval_windows[0][:, :-1])
+  np.testing.assert_allclose(np.asarray(exported(tokens)),
+                             np.asarray(full(tokens, ffn_fraction=width)), rtol=1e-5, atol=1e-5)
+  # The run's own evaluation at that width is the exported model's loss.
+  loss = np.mean([next_token_loss(exported, jnp.asarray(w)) for w in r.data.eval_windows])
+  assert float(loss) == pytest.approx(summary["eval_loss_by_width"][f"{width:g}"], rel=1e-5)
+
+
+def test_an_exported_width_loads_in_transformers(tier_run, tmp_path):
+  """Where `transformers` is installed: its GPT2LMHeadModel reads the export and gives the
+  same logits."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  config, _, workdir = tier_run
+  export.export_width(workdir, 0.25, tmp_path / "out")
+  back = pretrained.load(tmp_path / "out" / "model.safetensors")
+  theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()
+  tokens = np.asarray(train.build(config).data.eval_windows[0][:, :-1])
+  ours = nnx.merge(nnx.split(nnx.eval_shape(lambda: GPT(back.cfg, rngs=nnx.Rngs(0))))[0],
+                   jax.tree.map(jnp.asarray, back.params))(jnp.asarray(tokens))
+  with torch.no_grad():
+    logits = theirs(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
+  np.testing.assert_allclose(logits, np.asarray(ours), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("widths, expected", [
+    ((0.3,), "eval.widths: 0.3 of 128 FFN units is 38.4, not a whole number"),
+    ((1.5,), "eval.widths: 1.5 is not an FFN fraction"),
+    ((0.0,), "eval.widths: 0.0 is not an FFN fraction"),
+])
+def test_a_width_off_the_ffn_grain_is_refused_naming_the_field(widths, expected):
+  with pytest.raises(ConfigError) as e:
+    config_check.validate(load_config("smoke", **{"eval.widths": widths}), num_devices=8)
+  assert any(p.startswith(expected) for p in e.value.problems), e.value.problems
+  assert all("\n" not in p for p in e.value.problems)
+
+
+def test_export_refuses_a_width_off_the_grain_and_a_folder_without_a_run(tier_run, tmp_path):
+  _, _, workdir = tier_run
+  with pytest.raises(export.ExportError, match=r"^--width: 0.3 of 128 FFN units"):
+    export.export_width(workdir, 0.3, tmp_path / "out")
+  with pytest.raises(export.ExportError, match="no readable run config"):
+    export.export_width(tmp_path / "nothing", 0.5, tmp_path / "out")
+  assert not (tmp_path / "out").exists()  # nothing written before the checks
+
+
+def test_generation_reads_any_width_of_a_run_or_its_export(tier_run, tmp_path):
+  """bench/smollm2_generate.py's loader: a run's checkpoint at a width, and the export of
+  that width, are the same model (and the export names the run's tokenizer)."""
+  import argparse
+  import importlib
+  import sys
+  from conftest import REPO
+  sys.path.insert(0, str(REPO / "bench"))
+  generate_bench = importlib.import_module("smollm2_generate")
+  config, _, workdir = tier_run
+  export.export_width(workdir, 0.25, tmp_path / "out")
+  ask = dict(model=None, workdir=None, width=0.25, tokenizer=None)
+  load = lambda **kw: generate_bench.load_model(argparse.Namespace(**{**ask, **kw}))  # noqa: E731
+  cfg, params, tokenizer, _ = load(workdir=workdir)
+  cfg2, params2, tokenizer2, _ = load(model=tmp_path / "out", width=1.0)
+  assert cfg.d_ff == cfg2.d_ff == hidden_units(128, 0.25)
+  assert tokenizer == tokenizer2 == config.data.tokenizer
+  for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
