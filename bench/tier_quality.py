@@ -13,10 +13,16 @@ verdict, bench/stats.py):
   - LSSS_diff's and LSSS_same's 25% sub-model against S_alone at width 0.25: does nesting
     cost the small model anything, or help it?
   - LSSS's full width against L_only's (do the narrow hosts help the full model?);
-  - monotone in width: in how many runs every wider width has a lower loss than every
-    narrower one, and the largest violation.
+  - monotone in width: in how many runs no wider width has a higher loss than a narrower
+    one, and the largest violation.
+
+`--eval_cost` measures instead what evaluating every width costs: LSSS_diff's eval program
+with its widths against the full width alone, compiled once each, then timed alternately
+(`--repeats` calls each, median), in one process: the ratio, and the eval's share of a
+run at the config's eval_every.
 
   python bench/tier_quality.py [--jobs 2] [--seeds 3] [--rounds 20] [--workdir DIR]
+  python bench/tier_quality.py --eval_cost [--repeats 7]
 """
 
 import argparse
@@ -105,6 +111,40 @@ def report(args) -> str:
   return "\n".join(lines)
 
 
+def eval_cost(args) -> str:
+  """The eval program's time with the widths of LSSS_diff (1.0, 0.25 and --widths) against
+  the full width alone: one process, alternating calls, the median of each."""
+  import statistics
+  import time
+  import jax
+  from lowcomm_jax import train
+  runs = {}
+  for label, full_only in (("full width only", True), ("every width", False)):
+    c = config(args, "LSSS_diff", 0)
+    if full_only:  # one host of the full width and no eval.widths: the full width alone
+      c.hosts, c.num_workers, c.eval.widths = c.hosts[:1], 1, ()
+    r = train.build(c, check_memory=False)
+    step = jax.jit(r.programs.eval)
+    params = r.state_spec.initial_params()
+    with jax.set_mesh(r.topology.mesh):
+      jax.block_until_ready(step(params, r.data.eval_windows, frozen=r.frozen))  # compile
+    runs[label] = (r, step, params, [])
+  for _ in range(args.repeats):
+    for r, step, params, times in runs.values():
+      with jax.set_mesh(r.topology.mesh):
+        t0 = time.perf_counter()
+        jax.block_until_ready(step(params, r.data.eval_windows, frozen=r.frozen))
+        times.append(time.perf_counter() - t0)
+  med = {label: statistics.median(v[3]) for label, v in runs.items()}
+  widths = runs["every width"][0].model.eval_widths
+  c = runs["every width"][0].config
+  return (f"eval program, {c.model.name}, {c.eval_batches} batches of {c.data.batch_size} x "
+          f"{c.data.seq_len}: full width only {med['full width only'] * 1e3:.1f} ms, widths "
+          f"{', '.join(f'{w:g}' for w in widths)} {med['every width'] * 1e3:.1f} ms "
+          f"({med['every width'] / med['full width only']:.2f}x; median of {args.repeats} "
+          f"alternating calls each, {jax.devices()[0].device_kind})")
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--jobs", type=int, default=2)
@@ -114,8 +154,14 @@ def main():
                  help="Mix'n'Match widths no host trains (eval.widths)")
   p.add_argument("--model", default="", help="override the configs' model (e.g. tiny)")
   p.add_argument("--workdir", type=pathlib.Path, default=REPO / "bench/results/tier_quality")
+  p.add_argument("--eval_cost", action="store_true",
+                 help="time the eval program with every width against the full width alone")
+  p.add_argument("--repeats", type=int, default=7)
   p.add_argument("--only", help=argparse.SUPPRESS)
   args = p.parse_args()
+  if args.eval_cost:
+    print(eval_cost(args))
+    return
   if args.only:  # one run, in its own process (sim_grid.run_grid)
     run_one(args, args.only)
     return

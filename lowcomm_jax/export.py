@@ -91,6 +91,17 @@ def export_merged(r, workdir: str | pathlib.Path, out: str | pathlib.Path) -> pa
   return hf_export.save_safetensors(out, r.model.cfg, merged, metadata=meta)
 
 
+def stored_flag(workdir, *path):
+  """A field of the workdir's stored config (None where it or the file is missing)."""
+  try:
+    node = json.loads((pathlib.Path(workdir) / run_identity.FILE).read_text())["config"]
+    for key in path:
+      node = node[key]
+    return node
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
 def export_width(workdir: str | pathlib.Path, width: float,
                  out: str | pathlib.Path) -> pathlib.Path:
   """`out`/model.safetensors + config.json: the width-`width` model of the workdir's latest
@@ -113,17 +124,6 @@ def export_width(workdir: str | pathlib.Path, width: float,
     meta["lora_base"] = config.model.init_from or f"seeded init (seed {config.seed})"
   return hf_export.save_safetensors(out, cfg, slice_tier(params, m) if m != r.model.cfg.d_ff
                                     else params, metadata=meta)
-
-
-def stored_flag(workdir, *path):
-  """A field of the workdir's stored config (None where it or the file is missing)."""
-  try:
-    node = json.loads((pathlib.Path(workdir) / run_identity.FILE).read_text())["config"]
-    for key in path:
-      node = node[key]
-    return node
-  except (OSError, ValueError, KeyError, TypeError):
-    return None
 
 
 def main(argv=None) -> None:

@@ -20,8 +20,9 @@ from lowcomm_jax.model.matformer import hidden_units, slice_tier
 
 def _tiers_config(**overrides):
   hosts = [host(1.0), host(0.25)]
-  return load_config("smoke", hosts=hosts, num_workers=len(hosts), rounds=2, inner_steps=2,
-                     eval_every=1, checkpoint_every=2, **overrides)
+  return load_config("smoke", **{"hosts": hosts, "num_workers": len(hosts), "rounds": 2,
+                                 "inner_steps": 2, "eval_every": 1, "checkpoint_every": 2,
+                                 **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +55,11 @@ def test_every_width_is_evaluated_and_reported(tier_run):
   assert summary["eval_loss_by_width"] == {
       "1": summary["eval_loss"], "0.5": evaluated[-1]["eval_loss/tier_0.5"],
       "0.25": evaluated[-1]["eval_loss/tier_0.25"]}
+  from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+  events = EventAccumulator(str(workdir / "tensorboard")).Reload()
+  logged = [e.value for e in events.Scalars("eval_loss/tier_0.25")]
+  np.testing.assert_allclose(logged, [row["eval_loss/tier_0.25"] for row in evaluated],
+                             rtol=1e-6)
 
 
 def test_the_eval_at_a_width_equals_a_hand_sliced_forward_pass(tier_run):
@@ -160,3 +166,23 @@ def test_generation_reads_any_width_of_a_run_or_its_export(tier_run, tmp_path):
   assert tokenizer == tokenizer2 == config.data.tokenizer
   for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_llama_width_exports_in_llamas_layout(tmp_path):
+  """The Llama family (RMSNorm, SwiGLU, grouped KV heads, rotary): the export of a width
+  has `intermediate_size` = m and the logits of the full model run at that width."""
+  config = _tiers_config(rounds=1, checkpoint_every=1, **{"model.name": "tiny_llama"})
+  train.run(config, tmp_path / "run")
+  written = export.export_width(tmp_path / "run", 0.25, tmp_path / "out")
+  hf = json.loads((tmp_path / "out" / "config.json").read_text())
+  r = train.build(config)
+  m = hidden_units(r.model.cfg.d_ff, 0.25)
+  assert (hf["model_type"], hf["intermediate_size"]) == ("llama", m)
+  back = pretrained.load(written)
+  (state, _), _ = checkpointed_state(config, tmp_path / "run")
+  full = nnx.merge(r.model.graphdef, r.model.layout.unravel(state.params))
+  exported = nnx.merge(nnx.split(nnx.eval_shape(lambda: GPT(back.cfg, rngs=nnx.Rngs(0))))[0],
+                       jax.tree.map(jnp.asarray, back.params))
+  tokens = jnp.asarray(r.data.eval_windows[0][:, :-1])
+  np.testing.assert_allclose(np.asarray(exported(tokens)),
+                             np.asarray(full(tokens, ffn_fraction=0.25)), rtol=1e-5, atol=1e-5)
