@@ -10,7 +10,8 @@ state and one training step's temporaries. Per model and tier, one row:
                 temp_size): the activations kept for backprop, the gradients and the
                 update's intermediates. Parameters and optimizer state are donated on
                 accelerators, so the step needs no second copy of them there.
-  act. est.     memory.activation_bytes: the runner's pre-flight estimate of the activations
+  estimate      the runner's pre-flight estimate of the temporaries (memory.estimate: its
+                activation_bytes plus two copies of the tier's parameters)
   total         params + optimizer + temporaries: what the device must hold for the step
   peak          GPUs only: the device's peak_bytes_in_use after two steps of this tier. One
                 process per model, tiers from narrow to wide: the peak is a running one
@@ -82,7 +83,8 @@ def tier_row(model: str, fraction: float, batch: int, seq: int, dtype: str) -> d
       (params, opt_state), windows).compile()
   row = {"model": model, "tier": fraction, "hidden_units": m, "d_ff": preset.d_ff,
          "param_bytes": ledger.tree_bytes(params), "optimizer_bytes": ledger.tree_bytes(opt_state),
-         "activation_estimate_bytes": memory.activation_bytes(cfg, batch, seq, 1),
+         "temp_estimate_bytes": (memory.activation_bytes(cfg, batch, seq, 1)
+                                 + 2 * ledger.tree_bytes(params)),
          "attention": impl, "compiled": memory_of(step)}
   row["temp_bytes"] = row["compiled"].get("temp_bytes")
   row["total_bytes"] = row["param_bytes"] + row["optimizer_bytes"] + (row["temp_bytes"] or 0)
@@ -105,11 +107,11 @@ def report(rows: list[dict], meta: dict) -> None:
         f"compute, float32 parameters, AdamW; {meta['device']} ({meta['backend']}), "
         f"jax {meta['jax']}. MiB.")
   print(f"{'model':<13} {'tier':>5} {'m':>5} {'params':>7} {'optim':>7} {'temps':>7} "
-        f"{'act est':>7} {'total':>7} {'peak':>7}")
+        f"{'estim.':>7} {'total':>7} {'peak':>7}")
   for r in rows:
     print(f"{r['model']:<13} {r['tier']:>5g} {r['hidden_units']:>5} {_mib(r['param_bytes']):>7} "
           f"{_mib(r['optimizer_bytes']):>7} {_mib(r['temp_bytes']):>7} "
-          f"{_mib(r['activation_estimate_bytes']):>7} {_mib(r['total_bytes']):>7} "
+          f"{_mib(r['temp_estimate_bytes']):>7} {_mib(r['total_bytes']):>7} "
           f"{_mib(r.get('peak_bytes_in_use')):>7}")
 
 

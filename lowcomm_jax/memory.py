@@ -56,12 +56,25 @@ def available_bytes(devices) -> tuple[int, str]:
   return free // local, f"host RAM available / {local} CPU device(s)"
 
 
-def activation_bytes(model_cfg, batch: int, seq_len: int, tp: int) -> int:
-  """Rough bytes a training step keeps for backprop: per block ~24 d_model-wide and 2
-  attention-score tensors per token, plus the logits, their softmax and gradients."""
-  itemsize = 2 if model_cfg.dtype == "bfloat16" else 4
-  per_block = 24 * model_cfg.d_model / tp + 2 * model_cfg.n_head * seq_len / tp
-  per_token = model_cfg.n_layer * per_block + 4 * (model_cfg.vocab_size or 0)
+def activation_bytes(model_cfg, batch: int, seq_len: int, tp: int,
+                     hidden: int | None = None) -> int:
+  """Rough bytes a training step keeps for backprop. Per block and token: the norms' inputs
+  and the residuals (~6 d_model), the key/value projections (2 × kv heads × head dim), the
+  FFN's hidden activations (2 per unit, 3 with SwiGLU's gate; `hidden`: a tier's units,
+  default d_ff) and, where attention is XLA's, the scores and their softmax (2 per head and
+  position; cuDNN's flash attention keeps none). Per token: the logits' compute-dtype copy
+  where the loss runs in pieces, else float32 logits, softmax and gradient (4 per entry).
+  With the round's two parameter copies (`estimate`), it is 5–29% below XLA's buffer
+  assignment on an H200 for gpt2_124m and smollm2_135m at every tier (BENCHMARKS.md,
+  memory by tier): it errs low, as the check needs."""
+  c = model_cfg
+  itemsize = 2 if c.dtype == "bfloat16" else 4
+  ffn = (3 if c.mlp == "swiglu" else 2) * (c.d_ff if hidden is None else hidden)
+  per_block = 6 * c.d_model + 2 * c.kv_heads * c.head_dim + ffn
+  if c.attention != "cudnn":
+    per_block += 2 * c.n_head * seq_len
+  chunked = 0 < c.loss_chunk < seq_len
+  per_token = c.n_layer * per_block / tp + (1 if chunked else 4) * (c.vocab_size or 0)
   return int(batch * seq_len * per_token * itemsize)
 
 
@@ -95,7 +108,7 @@ def estimate(r) -> dict[str, int]:
     out["deltas"] += per_device * params
     # Hosts run one after another: only the largest round's temporaries count.
     running = per_device * (2 * tier["param_bytes"] + merged + activation_bytes(
-        r.model.cfg, h.batch_size // data, c.data.seq_len, tp))
+        r.model.cfg, h.batch_size // data, c.data.seq_len, tp, hidden=h.hidden))
     out["round_temporaries"] = max(out["round_temporaries"], running)
   return out
 
