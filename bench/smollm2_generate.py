@@ -91,8 +91,11 @@ def load_model(args):
 
 
 def _stored_tokenizer(file: pathlib.Path) -> str:
-  """The tokenizer lowcomm_jax.export recorded in the safetensors metadata ('gpt2' if none)."""
+  """A safetensors model's tokenizer: a tokenizer.json beside it (a Hugging Face folder),
+  else what lowcomm_jax.export recorded in the metadata, else 'gpt2'."""
   from safetensors import safe_open
+  if (beside := file.with_name("tokenizer.json")).is_file():
+    return str(beside)
   with safe_open(str(file), framework="numpy") as f:
     return (f.metadata() or {}).get("tokenizer", "gpt2")
 
@@ -133,14 +136,14 @@ def main() -> None:
         f"loaded in {load_s:.1f} s)")
   print(f"prompt: {args.prompt!r} -> {continuation!r} ({args.new_tokens} greedy tokens, "
         f"{gen_s:.1f} s)")
-  smollm2 = args.model is None and args.workdir is None
-  if smollm2 or str(args.model).endswith(".gguf"):  # its tokenizer against the merges by hand
+  gguf = args.workdir is None and (args.model is None or str(args.model).endswith(".gguf"))
+  if gguf:  # its tokenizer against the merges applied by hand
     import fetch_smollm2
     ok, checked = check_tokenizer(args.model or fetch_smollm2.fetch(), SAMPLE)
     print(f"tokenizer: {ok}/{checked} pre-tokenized pieces of the sample encode exactly as the "
           "GGUF's merges applied by hand")
   says_paris = bool(re.match(r"\s*Paris", continuation))
-  if smollm2 and args.width == 1.0 and args.prompt == p.get_default("prompt") and not says_paris:
+  if gguf and args.width == 1.0 and args.prompt == p.get_default("prompt") and not says_paris:
     sys.exit("expected the continuation to start with 'Paris'")
 
 
