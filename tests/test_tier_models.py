@@ -186,3 +186,11 @@ def test_a_llama_width_exports_in_llamas_layout(tmp_path):
   tokens = jnp.asarray(r.data.eval_windows[0][:, :-1])
   np.testing.assert_allclose(np.asarray(exported(tokens)),
                              np.asarray(full(tokens, ffn_fraction=0.25)), rtol=1e-5, atol=1e-5)
+
+
+def test_widths_to_evaluate_may_change_when_a_run_resumes(tmp_path):
+  """eval.widths changes no trained parameter: a resume may add widths (and reports them)."""
+  train.run(load_config("smoke", rounds=2), tmp_path / "run")
+  summary = train.run(load_config("smoke", rounds=3, **{"eval.widths": (0.5,)}),
+                      tmp_path / "run")
+  assert set(summary["eval_loss_by_width"]) == {"1", "0.5"}
