@@ -72,6 +72,10 @@ def load_model(args):
   if args.workdir:
     from lowcomm_jax import export, train
     config = export.config_of(args.workdir)
+    try:
+      export.check_width(config, args.width)  # a host's tier, or whole FFN units
+    except export.ExportError as e:
+      sys.exit(str(e))
     r = train.build(config, check_memory=False)
     step, params = export.latest_params(r, args.workdir)
     cfg, tokenizer, label = r.model.cfg, config.data.tokenizer, f"{args.workdir} (round {step})"
@@ -82,7 +86,7 @@ def load_model(args):
     cfg, params, label = start.cfg, start.params, start.source
     tokenizer = args.tokenizer or (str(path) if str(path).endswith(".gguf")
                                    else _stored_tokenizer(pretrained.file_of(path)))
-  if problems := width_problems("--width", [args.width], cfg.d_ff):
+  if not args.workdir and (problems := width_problems("--width", [args.width], cfg.d_ff)):
     sys.exit(problems[0])
   m = hidden_units(cfg.d_ff, args.width)
   if m != cfg.d_ff:

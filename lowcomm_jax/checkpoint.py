@@ -114,14 +114,19 @@ def _verify(root: pathlib.Path, name: str) -> str | None:
 class _ProcessStore:
   """One process's own rounds: <dir>/<r>/{workers.npz, data.json}, renamed into place."""
 
-  def __init__(self, directory: pathlib.Path, max_to_keep: int):
+  def __init__(self, directory: pathlib.Path, max_to_keep: int, read_only: bool = False):
     self.directory = directory
     self.max_to_keep = max_to_keep
-    directory.mkdir(parents=True, exist_ok=True)
+    self.read_only = read_only
+    if not read_only:
+      directory.mkdir(parents=True, exist_ok=True)
 
   def steps(self) -> list[int]:
-    for stale in self.directory.glob("*.tmp-*"):  # left by a process killed mid-save
-      shutil.rmtree(stale, ignore_errors=True)
+    if not self.directory.is_dir():
+      return []
+    if not self.read_only:  # a reader may look at a live run: its save in flight stays
+      for stale in self.directory.glob("*.tmp-*"):  # left by a process killed mid-save
+        shutil.rmtree(stale, ignore_errors=True)
     return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
 
   def save(self, step: int, workers, data: dict) -> None:
@@ -155,17 +160,21 @@ class _ProcessStore:
 
 class Checkpointer:
 
-  def __init__(self, directory: pathlib.Path, *, max_to_keep: int):
+  def __init__(self, directory: pathlib.Path, *, max_to_keep: int, read_only: bool = False):
+    """`read_only`: only restores (an export of a run that may still be training): nothing
+    is created, and no save in flight is mistaken for a stale one and removed."""
     self.directory = pathlib.Path(directory).absolute()
     self._sealing = None  # the round whose orbax save is in flight
     self._closed = False
     self._global = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=True, cleanup_tmp_directories=True,
+            max_to_keep=max_to_keep, create=not read_only, read_only=read_only,
+            cleanup_tmp_directories=not read_only,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._seal)),
         item_names=("state", "meta"))
-    self._local = _ProcessStore(self.directory / f"process_{jax.process_index()}", max_to_keep)
+    self._local = _ProcessStore(self.directory / f"process_{jax.process_index()}", max_to_keep,
+                                read_only=read_only)
 
   def latest_round(self) -> int | None:
     """The newest round whose global part and every process's own part were all written.

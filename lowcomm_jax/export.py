@@ -7,15 +7,23 @@ run's latest checkpoint.
 FFN units of every block, the model a tier of that width trains and `eval_loss/tier_<w>`
 evaluates, written as a standalone model (GPT-2's layout with `n_inner` = m, Llama's with
 `intermediate_size` = m). A LoRA run's export is its base with the adapters merged
-(W + (α/r)·A·B), then cut to the width. The run is rebuilt from RUN/config.json, so its
-data must be where it was. `--export_merged` on the main command line writes the same for a
+(W + (α/r)·A·B), then cut to the width. A width must be a whole number of FFN units or one
+of the run's host tiers. `--export_merged` on the main command line writes the same for a
 LoRA run at full width when the run ends.
+
+The run is rebuilt from RUN/config.json in this one process, so its data must be where it
+was, and it must fit one process: the host table's hosts all run here (a run whose hosts
+each had several replica devices, or tensor parallelism over more devices than this machine
+has, is refused by the config check). The checkpoint is opened read-only, so a run that is
+still training can be exported. Runner checkpoints only: simulator and Ray runs keep their
+parameters elsewhere and are refused.
 """
 
 import argparse
 import dataclasses
 import json
 import pathlib
+import runpy
 import sys
 
 import jax
@@ -31,24 +39,51 @@ class ExportError(ValueError):
   """The run cannot be exported as asked (one line: what and how to fix it)."""
 
 
+def _typed(value, like=None):
+  """A config.json value as the config had it: dicts as ConfigDicts, lists of dicts (host
+  rows) as lists, other lists as tuples unless the field (`like`) is a list."""
+  if isinstance(value, dict):
+    return ml_collections.ConfigDict({k: _typed(v) for k, v in value.items()})
+  if isinstance(value, list):
+    items = [_typed(v) for v in value]
+    return items if isinstance(like, list) or (items and isinstance(value[0], dict)) else (
+        tuple(items))
+  return value
+
+
+def _overlay(config: ml_collections.ConfigDict, stored: dict) -> None:
+  """`stored`'s values over `config`'s (fields the stored config lacks keep their
+  defaults: a run written before they were added)."""
+  for key, value in stored.items():
+    here = config.get(key)
+    if isinstance(here, ml_collections.ConfigDict) and isinstance(value, dict):
+      _overlay(here, value)
+    else:
+      with config.unlocked():
+        config[key] = _typed(value, like=here)
+
+
 def config_of(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
-  """The run's config from `workdir`/config.json, for a single process (a run of several
-  processes is exported by one: every host's program runs in it)."""
+  """The run's config from `workdir`/config.json over configs/base.py's defaults, for one
+  process (see the module docstring). Simulator and Ray runs are refused."""
   path = pathlib.Path(workdir) / run_identity.FILE
   try:
     stored = json.loads(path.read_text())["config"]
   except (OSError, ValueError, KeyError) as e:
     raise ExportError(f"{path}: no readable run config ({type(e).__name__}); point --workdir "
                       "at a run's folder") from e
-
-  def typed(value):  # JSON lists back to the tuples (and host rows) the config had
-    if isinstance(value, dict):
-      return ml_collections.ConfigDict({k: typed(v) for k, v in value.items()})
-    if isinstance(value, list):
-      return [typed(v) for v in value] if value and isinstance(value[0], dict) else tuple(
-          typed(v) for v in value)
-    return value
-  config = typed(stored)
+  if stored.get("sim", {}).get("enabled"):
+    raise ExportError(f"{workdir}: a simulator run (sim.enabled=True); export reads the "
+                      "runner's checkpoints: train the config without sim.enabled")
+  if stored.get("runtime", "spmd") != "spmd":
+    raise ExportError(f"{workdir}: a runtime={stored['runtime']!r} run keeps its parameters in "
+                      "its servers' checkpoints; export reads the runner's (runtime='spmd')")
+  from lowcomm_jax import config_doc  # configs/base.py beside the package, where it is
+  try:
+    config = runpy.run_path(str(config_doc.BASE))["get_config"]()
+  except OSError:  # a non-editable install: the stored config alone
+    config = ml_collections.ConfigDict()
+  _overlay(config, stored)
   config.distributed.num_processes, config.distributed.process_id = 1, -1
   config.distributed.coordinator_address = ""
   return config
@@ -58,7 +93,8 @@ def latest_params(r, workdir: str | pathlib.Path) -> tuple[int, dict]:
   """(round, the model's parameter tree) of the workdir's latest checkpoint: the global θ,
   or for LoRA the base with the adapters merged in. `r`: the run, built."""
   c = r.config
-  ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=c.keep_checkpoints)
+  ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=c.keep_checkpoints,
+                      read_only=True)
   try:
     step = ckpt.latest_round()
     if step is None:
@@ -91,15 +127,18 @@ def export_merged(r, workdir: str | pathlib.Path, out: str | pathlib.Path) -> pa
   return hf_export.save_safetensors(out, r.model.cfg, merged, metadata=meta)
 
 
-def stored_flag(workdir, *path):
-  """A field of the workdir's stored config (None where it or the file is missing)."""
-  try:
-    node = json.loads((pathlib.Path(workdir) / run_identity.FILE).read_text())["config"]
-    for key in path:
-      node = node[key]
-    return node
-  except (OSError, ValueError, KeyError, TypeError):
-    return None
+def check_width(config, width: float) -> None:
+  """Raises ExportError unless `width` is a model of the run's FFN: a whole number of its
+  units (matformer.width_problems) or one of its hosts' tiers (which train rounded units)."""
+  from lowcomm_jax.model import pretrained
+  from lowcomm_jax.model.presets import PRESETS
+  tiers = {float(h.tier) for h in config.hosts}
+  if float(width) in tiers:
+    return
+  d_ff = (pretrained.read_config(config.model.init_from).d_ff if config.model.init_from
+          else PRESETS[config.model.name].d_ff)
+  if problems := width_problems("--width", [width], d_ff):
+    raise ExportError(problems[0])
 
 
 def export_width(workdir: str | pathlib.Path, width: float,
@@ -107,13 +146,11 @@ def export_width(workdir: str | pathlib.Path, width: float,
   """`out`/model.safetensors + config.json: the width-`width` model of the workdir's latest
   checkpoint (module docstring). Returns the safetensors file."""
   from lowcomm_jax import train  # the runner's stack, loaded only when exporting
-  if sim_run := stored_flag(workdir, "sim", "enabled"):
-    raise ExportError(f"{workdir}: a simulator run (sim.enabled={sim_run}); export reads the "
-                      "runner's checkpoints: train the config without sim.enabled")
   config = config_of(workdir)
+  check_width(config, width)
+  if not list((pathlib.Path(workdir) / "checkpoints").glob("[0-9]*")):
+    raise ExportError(f"{workdir}: no checkpoint to export; run it first")
   r = train.build(config, check_memory=False)
-  if problems := width_problems("--width", [width], r.model.cfg.d_ff):
-    raise ExportError(problems[0])
   step, params = latest_params(r, workdir)
   m = hidden_units(r.model.cfg.d_ff, width)
   cfg = dataclasses.replace(r.model.cfg, d_ff=m)

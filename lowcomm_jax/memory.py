@@ -61,8 +61,8 @@ def activation_bytes(model_cfg, batch: int, seq_len: int, tp: int,
   """Rough bytes a training step keeps for backprop. Per block and token: the norms' inputs
   and the residuals (~6 d_model), the key/value projections (2 × kv heads × head dim), the
   FFN's hidden activations (2 per unit, 3 with SwiGLU's gate; `hidden`: a tier's units,
-  default d_ff) and, where attention is XLA's, the scores and their softmax (2 per head and
-  position; cuDNN's flash attention keeps none). Per token: the logits' compute-dtype copy
+  default d_ff) and, where attention is XLA's (or has dropout), the scores and their softmax
+  (2 per head and position; cuDNN's flash attention keeps none). Per token: the logits' compute-dtype copy
   where the loss runs in pieces, else float32 logits, softmax and gradient (4 per entry).
   With the round's two parameter copies (`estimate`), it is 5–29% below XLA's buffer
   assignment on an H200 for gpt2_124m and smollm2_135m at every tier (BENCHMARKS.md,
@@ -71,7 +71,7 @@ def activation_bytes(model_cfg, batch: int, seq_len: int, tp: int,
   itemsize = 2 if c.dtype == "bfloat16" else 4
   ffn = (3 if c.mlp == "swiglu" else 2) * (c.d_ff if hidden is None else hidden)
   per_block = 6 * c.d_model + 2 * c.kv_heads * c.head_dim + ffn
-  if c.attention != "cudnn":
+  if c.attention != "cudnn" or c.dropout > 0:  # attention dropout materializes the scores
     per_block += 2 * c.n_head * seq_len
   chunked = 0 < c.loss_chunk < seq_len
   per_token = c.n_layer * per_block / tp + (1 if chunked else 4) * (c.vocab_size or 0)

@@ -16,6 +16,7 @@ import pathlib
 
 from lowcomm_jax import run_identity
 from lowcomm_jax.config_doc import host_row
+from lowcomm_jax.metric_names import widths_of
 
 COLUMNS = [("run", "{}"), ("algorithm", "{}"), ("num_workers", "{}"), ("inner_steps", "{}"),
            ("rounds", "{}"), ("eval_loss", "{:.4f}"), ("tokens", "{:,}"),
@@ -131,8 +132,7 @@ def _last_by_width(records) -> dict[float, float]:
   """{width: eval loss} of the last row that has per-width eval losses (Run.evaluation's
   `eval_loss/tier_<w>`), widths ascending; {} where none has."""
   for row in reversed(records):
-    found = {float(k.rsplit("_", 1)[1]): v for k, v in row.items()
-             if k.startswith("eval_loss/tier_")}
+    found = {float(w): v for w, v in widths_of(row).items()}
     if found:
       return dict(sorted(found.items()))
   return {}

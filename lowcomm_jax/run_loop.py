@@ -16,6 +16,7 @@ from typing import Any, Callable, Protocol
 
 from lowcomm_jax import compile_cache
 from lowcomm_jax.checkpoint import Checkpointer
+from lowcomm_jax.metric_names import widths_of
 from lowcomm_jax.run_files import RunFiles
 
 
@@ -201,9 +202,8 @@ def run(driver: Driver, files: RunFiles, *, t_start: float,
     driver.close()
     files.close()  # raises if a save in flight failed (WorkdirError)
   summary = driver.summary(evals["eval_loss"], scalars, wall_seconds)
-  if len(evals) > 1:  # the last evaluation at every width (Run.evaluation's rows)
-    summary["eval_loss_by_width"] = {k.rsplit("_", 1)[1]: v for k, v in evals.items()
-                                     if k != "eval_loss"}
+  if by_width := widths_of(evals):  # the last evaluation at every width (Run.evaluation)
+    summary["eval_loss_by_width"] = by_width
   compiled, loaded = (now - before for now, before in zip(compile_cache.counts(),
                                                           compiled_before))
   # This invocation's start-up: compiles (or cache loads), data, the first mark's dispatch.

@@ -22,12 +22,8 @@ from lowcomm_jax.model import GPTConfig
 from lowcomm_jax.model.tp import SyncPlan, count_all_reduces
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
 from lowcomm_jax.parallel.flat import ParamLayout
+from lowcomm_jax.metric_names import width_key
 from lowcomm_jax.sync import Sync
-
-
-def width_key(width: float) -> str:
-  """The metric name of the eval loss at FFN width `width` (eval_loss/tier_0.25)."""
-  return f"eval_loss/tier_{width:g}"
 
 
 @dataclasses.dataclass(frozen=True)

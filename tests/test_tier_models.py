@@ -194,3 +194,35 @@ def test_widths_to_evaluate_may_change_when_a_run_resumes(tmp_path):
   summary = train.run(load_config("smoke", rounds=3, **{"eval.widths": (0.5,)}),
                       tmp_path / "run")
   assert set(summary["eval_loss_by_width"]) == {"1", "0.5"}
+
+
+def test_export_reads_a_run_written_before_eval_widths_existed(tier_run, tmp_path):
+  """Fields a run's config.json lacks (added since) take their defaults."""
+  import shutil
+  _, _, workdir = tier_run
+  old = tmp_path / "old_run"
+  shutil.copytree(workdir, old)
+  stored = json.loads((old / "config.json").read_text())
+  del stored["config"]["eval"]
+  (old / "config.json").write_text(json.dumps(stored))
+  assert export.config_of(old).eval.widths == ()
+  back = pretrained.load(export.export_width(old, 0.25, tmp_path / "out"))
+  assert back.cfg.d_ff == hidden_units(128, 0.25)
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"sim": {"enabled": True}}, "a simulator run"),
+    ({"runtime": "ray"}, "a runtime='ray' run keeps its parameters"),
+])
+def test_export_refuses_runs_whose_checkpoints_are_not_the_runners(tmp_path, fields, expected):
+  (tmp_path / "config.json").write_text(json.dumps({"config": fields}))
+  with pytest.raises(export.ExportError, match=expected):
+    export.config_of(tmp_path)
+
+
+def test_a_hosts_tier_exports_even_off_the_ffn_grain():
+  """A host's tier trains round(tier × d_ff) units: that width is a model of the run."""
+  config = load_config("smoke", hosts=[host(1.0), host(0.3)], num_workers=2)
+  export.check_width(config, 0.3)  # 38.4 of 128 units: the host trains 38
+  with pytest.raises(export.ExportError, match="not a whole number"):
+    export.check_width(config, 0.35)

@@ -65,9 +65,9 @@ def width_problems(field: str, widths, d_ff: int, tp: int = 1) -> list[str]:
       continue
     if not 0.0 < float(w) <= 1.0:
       out.append(f"{field}: {w} is not an FFN fraction; use values in (0, 1]")
-    elif abs(units - round(units)) > 1e-6:
+    elif abs(units - round(units)) > 0.01:  # a width printed to 6 digits still passes
       out.append(f"{field}: {w} of {d_ff} FFN units is {units:g}, not a whole number; use a "
-                 f"multiple of 1/{d_ff} (e.g. {max(1, round(units)) / d_ff:g})")
+                 f"multiple of 1/{d_ff} (e.g. {max(1, round(units)) / d_ff:.10g})")
     elif round(units) % tp:
       out.append(f"{field}: {w} keeps {round(units)} FFN units, not divisible by "
                  f"model.tp.size={tp}; pick a width whose units tp divides")
