@@ -143,8 +143,7 @@ def run_one(args, name: str, fields: dict, seed: int) -> None:
     sent = max((r.get("bytes_sent", 0) for r in rows), default=0)
     (workdir / "summary.json").write_text(json.dumps(
         {"eval_loss": float("inf"), "bytes_sent": sent, "diverged": str(e)}))
-  for heavy in ("checkpoints", "tensorboard"):
-    shutil.rmtree(workdir / heavy, ignore_errors=True)
+  sim_grid.trim(workdir)
 
 
 def _rows(workdir: pathlib.Path, name: str) -> list[dict]:

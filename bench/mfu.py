@@ -120,11 +120,13 @@ def memory_of(compiled) -> dict:
       "output_bytes": m.output_size_in_bytes, "alias_bytes": m.alias_size_in_bytes}
 
 
-def bare_variant(cfg, config, mode: str, batch: int, seq: int, steps: int) -> tuple[float, dict]:
-  """(steps/s, compiled memory) of one bare variant (`mode`: train, grad, forward, scanned)
-  on pre-made batches: no data pipeline, no outer step."""
+def bare_step(cfg, config, total_steps: int):
+  """(params, tx, loss_of, train_step) of the bare step: the GPT of `cfg` seeded with
+  config.seed, the run's inner optimizer over `total_steps`, loss_of(params, windows), and
+  train_step((params, opt_state), windows) -> (state, loss), to be jitted by the caller
+  (bench/tier_memory.py compiles the same step per tier)."""
   graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(config.seed)))
-  tx = optimizers.inner_optimizer(config.optimizer, steps + 4 * INNER_STEPS)
+  tx = optimizers.inner_optimizer(config.optimizer, total_steps)
   loss_of = lambda p, windows: next_token_loss(nnx.merge(graphdef, p), windows)  # noqa: E731
 
   def train_step(state, windows):
@@ -132,6 +134,14 @@ def bare_variant(cfg, config, mode: str, batch: int, seq: int, steps: int) -> tu
     loss, grads = jax.value_and_grad(loss_of)(params, windows)
     updates, opt_state = tx.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state), loss
+
+  return params, tx, loss_of, train_step
+
+
+def bare_variant(cfg, config, mode: str, batch: int, seq: int, steps: int) -> tuple[float, dict]:
+  """(steps/s, compiled memory) of one bare variant (`mode`: train, grad, forward, scanned)
+  on pre-made batches: no data pipeline, no outer step."""
+  params, tx, loss_of, train_step = bare_step(cfg, config, steps + 4 * INNER_STEPS)
 
   # A few distinct batches, so no step can reuse another's result.
   batches = [jax.random.randint(jax.random.key(i), (batch, seq + 1), 0, cfg.vocab_size)

@@ -26,7 +26,6 @@ import json
 import os
 import pathlib
 import runpy
-import shutil
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -95,8 +94,7 @@ def config_of(case: str, fields: dict):
 def run_one(config, workdir: pathlib.Path) -> None:
   from lowcomm_jax import train
   train.run(config, workdir)
-  for heavy in ("checkpoints", "tensorboard"):
-    shutil.rmtree(workdir / heavy, ignore_errors=True)
+  sim_grid.trim(workdir)
 
 
 def _curve(workdir: pathlib.Path):

@@ -23,9 +23,15 @@ def run_case(config, workdir: pathlib.Path) -> dict:
   """Runs one case in this process and trims its workdir to what the benches read."""
   from lowcomm_jax import simulate
   summary = simulate.run(config, workdir)
+  trim(workdir)
+  return summary
+
+
+def trim(workdir: pathlib.Path) -> None:
+  """Removes a finished case's checkpoints and event files (large; the benches read
+  summary.json, config.json and metrics.jsonl)."""
   for heavy in ("checkpoints", "tensorboard"):
     shutil.rmtree(workdir / heavy, ignore_errors=True)
-  return summary
 
 
 def run_grid(script: str, names: list[str], workdir: pathlib.Path, jobs: int,

@@ -69,29 +69,28 @@ def load_model(args):
   import dataclasses
   from lowcomm_jax.model import pretrained
   from lowcomm_jax.model.matformer import hidden_units, slice_tier, width_problems
-  if args.workdir:
-    from lowcomm_jax import export, train
-    config = export.config_of(args.workdir)
+  if args.workdir:  # the run's width, as lowcomm_jax.export would write it
+    from lowcomm_jax import export
     try:
-      export.check_width(config, args.width)  # a host's tier, or whole FFN units
+      w = export.width_model(args.workdir, args.width)
     except export.ExportError as e:
       sys.exit(str(e))
-    r = train.build(config, check_memory=False)
-    step, params = export.latest_params(r, args.workdir)
-    cfg, tokenizer, label = r.model.cfg, config.data.tokenizer, f"{args.workdir} (round {step})"
+    cfg, params = w.cfg, w.params
+    tokenizer, label = w.config.data.tokenizer, f"{args.workdir} (round {w.round})"
   else:
     import fetch_smollm2
     path = args.model or fetch_smollm2.fetch()
     start = pretrained.load(path)
+    if problems := width_problems("--width", [args.width], start.cfg.d_ff):
+      sys.exit(problems[0])
+    m = hidden_units(start.cfg.d_ff, args.width)
     cfg, params, label = start.cfg, start.params, start.source
-    tokenizer = args.tokenizer or (str(path) if str(path).endswith(".gguf")
-                                   else _stored_tokenizer(pretrained.file_of(path)))
-  if not args.workdir and (problems := width_problems("--width", [args.width], cfg.d_ff)):
-    sys.exit(problems[0])
-  m = hidden_units(cfg.d_ff, args.width)
-  if m != cfg.d_ff:
-    params, cfg = slice_tier(params, m), dataclasses.replace(cfg, d_ff=m)
-  return cfg, params, args.tokenizer or tokenizer, f"{label}, width {args.width:g} ({m} FFN units)"
+    if m != cfg.d_ff:
+      params, cfg = slice_tier(params, m), dataclasses.replace(cfg, d_ff=m)
+    tokenizer = (str(path) if str(path).endswith(".gguf")
+                 else _stored_tokenizer(pretrained.file_of(path)))
+  return (cfg, params, args.tokenizer or tokenizer,
+          f"{label}, width {args.width:g} ({cfg.d_ff} FFN units)")
 
 
 def _stored_tokenizer(file: pathlib.Path) -> str:

@@ -42,17 +42,15 @@ sys.path.insert(0, str(REPO / "bench"))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # peaks are allocations
 
 import jax  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
 
-from lowcomm_jax import memory, optimizers  # noqa: E402
+from lowcomm_jax import memory  # noqa: E402
 from lowcomm_jax.data import TOKENIZER_VOCAB  # noqa: E402
-from lowcomm_jax.model import GPT, get_preset, next_token_loss  # noqa: E402
+from lowcomm_jax.model import get_preset  # noqa: E402
 from lowcomm_jax.model import attention  # noqa: E402
 from lowcomm_jax.model.cross_entropy import chunk_of  # noqa: E402
 from lowcomm_jax.model.matformer import hidden_units  # noqa: E402
 from lowcomm_jax.parallel import ledger  # noqa: E402
-from mfu import memory_of  # noqa: E402
+from mfu import bare_step, memory_of  # noqa: E402
 
 TOKENIZER = {"gpt2_124m": "gpt2", "smollm2_135m": "gpt2"}  # smollm2's preset has its own vocab
 
@@ -66,17 +64,8 @@ def tier_row(model: str, fraction: float, batch: int, seq: int, dtype: str) -> d
   m = hidden_units(preset.d_ff, fraction)
   cfg = dataclasses.replace(preset, d_ff=m, attention=impl,
                             loss_chunk=chunk_of(config.model.loss_chunk, dtype))
-  graphdef, params = nnx.split(GPT(cfg, rngs=nnx.Rngs(0)))
-  tx = optimizers.inner_optimizer(config.optimizer, 1000)
+  params, tx, _, train_step = bare_step(cfg, config, 1000)  # bench/mfu.py's AdamW step
   opt_state = tx.init(params)
-
-  def train_step(state, windows):
-    p, o = state
-    loss, grads = jax.value_and_grad(
-        lambda q: next_token_loss(nnx.merge(graphdef, q), windows))(p)
-    updates, o = tx.update(grads, o, p)
-    return (optax.apply_updates(p, updates), o), loss
-
   on_gpu = jax.default_backend() == "gpu"
   windows = jax.random.randint(jax.random.key(0), (batch, seq + 1), 0, cfg.vocab_size)
   step = jax.jit(train_step, donate_argnums=(0,) if on_gpu else ()).lower(

@@ -65,8 +65,7 @@ def run_one(args, name: str) -> None:
   workdir = args.workdir / name
   shutil.rmtree(workdir, ignore_errors=True)  # a run cut off earlier starts again, whole
   train.run(config(args, layout, int(seed)), workdir)
-  for heavy in ("checkpoints", "tensorboard"):
-    shutil.rmtree(workdir / heavy, ignore_errors=True)
+  sim_grid.trim(workdir)
 
 
 def by_width(workdir: pathlib.Path) -> dict[float, float]:

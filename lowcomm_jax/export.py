@@ -32,6 +32,7 @@ import ml_collections
 from lowcomm_jax import run_identity
 from lowcomm_jax.checkpoint import Checkpointer, abstract_with_shardings
 from lowcomm_jax.model import hf_export, lora
+from lowcomm_jax.model.presets import GPTConfig
 from lowcomm_jax.model.matformer import hidden_units, slice_tier, width_problems
 
 
@@ -141,10 +142,19 @@ def check_width(config, width: float) -> None:
     raise ExportError(problems[0])
 
 
-def export_width(workdir: str | pathlib.Path, width: float,
-                 out: str | pathlib.Path) -> pathlib.Path:
-  """`out`/model.safetensors + config.json: the width-`width` model of the workdir's latest
-  checkpoint (module docstring). Returns the safetensors file."""
+@dataclasses.dataclass(frozen=True)
+class WidthModel:
+  """One width of a run's latest checkpoint, as a model of its own."""
+  cfg: GPTConfig  # the run's model with d_ff = the width's units
+  params: dict  # its parameter tree: the first d_ff units of every FFN
+  config: ml_collections.ConfigDict  # the run's config (config_of)
+  round: int  # the checkpoint's
+  full_ffn_units: int
+
+
+def width_model(workdir: str | pathlib.Path, width: float) -> WidthModel:
+  """The width-`width` model of the workdir's latest checkpoint (module docstring): what
+  `export_width` writes and bench/smollm2_generate.py --workdir runs."""
   from lowcomm_jax import train  # the runner's stack, loaded only when exporting
   config = config_of(workdir)
   check_width(config, width)
@@ -152,15 +162,25 @@ def export_width(workdir: str | pathlib.Path, width: float,
     raise ExportError(f"{workdir}: no checkpoint to export; run it first")
   r = train.build(config, check_memory=False)
   step, params = latest_params(r, workdir)
-  m = hidden_units(r.model.cfg.d_ff, width)
-  cfg = dataclasses.replace(r.model.cfg, d_ff=m)
-  meta = {"run": str(pathlib.Path(workdir).resolve()), "round": str(step),
-          "width": f"{width:g}", "ffn_units": str(m), "full_ffn_units": str(r.model.cfg.d_ff),
+  d_ff = r.model.cfg.d_ff
+  m = hidden_units(d_ff, width)
+  return WidthModel(dataclasses.replace(r.model.cfg, d_ff=m),
+                    slice_tier(params, m) if m != d_ff else params, config, step, d_ff)
+
+
+def export_width(workdir: str | pathlib.Path, width: float,
+                 out: str | pathlib.Path) -> pathlib.Path:
+  """`out`/model.safetensors + config.json: the width-`width` model of the workdir's latest
+  checkpoint. Returns the safetensors file."""
+  w = width_model(workdir, width)
+  config = w.config
+  meta = {"run": str(pathlib.Path(workdir).resolve()), "round": str(w.round),
+          "width": f"{width:g}", "ffn_units": str(w.cfg.d_ff),
+          "full_ffn_units": str(w.full_ffn_units),
           "tokenizer": config.data.tokenizer}  # what bench/smollm2_generate.py encodes with
   if config.lora.rank > 0:
     meta["lora_base"] = config.model.init_from or f"seeded init (seed {config.seed})"
-  return hf_export.save_safetensors(out, cfg, slice_tier(params, m) if m != r.model.cfg.d_ff
-                                    else params, metadata=meta)
+  return hf_export.save_safetensors(out, w.cfg, w.params, metadata=meta)
 
 
 def main(argv=None) -> None:

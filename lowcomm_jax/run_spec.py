@@ -18,11 +18,11 @@ from flax import nnx
 from lowcomm_jax import algorithms, program_cache, steps
 from lowcomm_jax.data import WorkerStreams
 from lowcomm_jax.hosts import HostSpec
+from lowcomm_jax.metric_names import width_key
 from lowcomm_jax.model import GPTConfig
 from lowcomm_jax.model.tp import SyncPlan, count_all_reduces
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
 from lowcomm_jax.parallel.flat import ParamLayout
-from lowcomm_jax.metric_names import width_key
 from lowcomm_jax.sync import Sync
 
 
