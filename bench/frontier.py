@@ -47,6 +47,9 @@ import sim_grid  # noqa: E402
 import stats  # noqa: E402
 
 TARGETS = (1.01, 1.03)  # × the family's tuned DDP mean final eval loss
+LEVELS = (10, 100, 500, 1000)
+VERDICT_VS_DDP = {"holds": "better", "reversed": "worse",
+                  "not distinguishable": "not distinguishable"}  # compression levels (DDP's bytes over a point's) for recipes
 GOALS = {1.01: 500, 1.03: 1000}  # bytes ratio the issue asks for at each target
 LRS = {"adamw": (2e-3, 5e-3, 1e-2), "muon": (0.01, 0.02, 0.05)}
 OUTERS = {"o07m09": (0.7, 0.9), "o10m05": (1.0, 0.5)}
@@ -230,6 +233,37 @@ def report(points: dict, results: dict, goals: dict) -> tuple[str, list[str]]:
   return "\n".join(lines), checks
 
 
+def best_by_level(points: dict, results: dict) -> list[str]:
+  """Per compression level, the point with the lowest mean final loss among those sending at
+  least that many times fewer bytes than their family's DDP, any family: the recipes
+  (configs/recipe_*.py) are these points. Its loss is also put against the best DDP's, paired
+  by seed, as a user choosing between them would."""
+  ddps = {f: results[f"ddp_{f}"] for f in {family for family, _ in points.values()}}
+  best_ddp = min(ddps, key=lambda f: stats.mean_sd(r["eval_loss"] for r in ddps[f])[0])
+  rows = {}
+  for name, (family, _) in points.items():
+    runs = results[name]
+    sent = stats.mean_sd(r["bytes_sent"] for r in runs)[0]
+    ratio = stats.mean_sd(r["bytes_sent"] for r in ddps[family])[0] / sent
+    rows[name] = (stats.mean_sd(r["eval_loss"] for r in runs)[0], ratio)
+  lines = [f"| compression level | best point | eval loss | DDP bytes / bytes | − ddp_{best_ddp}"
+           " (best DDP), paired |", "|---|---|---|---|---|"]
+  for level in LEVELS:
+    eligible = [n for n, (_, ratio) in rows.items() if ratio >= level]
+    if not eligible:
+      lines.append(f"| ≥ {level:,}× | none | | | |")
+      continue
+    name = min(eligible, key=lambda n: rows[n][0])
+    ddp_losses = [r["eval_loss"] for r in ddps[best_ddp]]
+    d = stats.paired([r["eval_loss"] for r in results[name]], ddp_losses,
+                     higher_is_better=False)
+    pct = 100 * d["mean"] / stats.mean_sd(ddp_losses)[0]
+    lines.append(f"| ≥ {level:,}× | {name} | {rows[name][0]:.4f} | {rows[name][1]:,.0f} | "
+                 f"{d['mean']:+.4f} ± {d['sd']:.4f} ({pct:+.1f}%), "
+                 f"{VERDICT_VS_DDP[d['verdict']]} |")
+  return lines
+
+
 def plot(points: dict, results: dict, path: pathlib.Path) -> None:
   try:
     import matplotlib
@@ -317,7 +351,8 @@ def main() -> None:
   table, checks = report(points, results, goals)
   tuning = ["| tuning point (seed 0) | eval loss |", "|---|---|"] + [
       f"| {n} | {_summary(args.workdir, n + '.s0')['eval_loss']:.4f} |" for n in grid]
-  text = "\n".join([table, "", *checks, "", "Tuned: " + json.dumps(picks), "",
+  text = "\n".join([table, "", *checks, "", *best_by_level(points, results), "",
+                    "Tuned: " + json.dumps(picks), "",
                     "Targets (tuned DDP's mean final loss × 1.01, 1.03): " + json.dumps(
                         {f: [round(g, 4) for g in v] for f, v in goals.items()}), "",
                     *tuning])

@@ -226,3 +226,23 @@ def test_a_hosts_tier_exports_even_off_the_ffn_grain():
   export.check_width(config, 0.3)  # 38.4 of 128 units: the host trains 38
   with pytest.raises(export.ExportError, match="not a whole number"):
     export.check_width(config, 0.35)
+
+
+def test_a_lora_runs_narrow_width_exports_with_its_adapters_merged(tmp_path):
+  """LoRA: the export of a 0.25 width is the base with the adapters merged, then sliced; its
+  loss is the run's own evaluation at that width (which runs the adapters unmerged)."""
+  config = _tiers_config(rounds=1, checkpoint_every=1,
+                         **{"lora.rank": 4, "optimizer.lr": 1e-2, "eval.widths": ()})
+  summary = train.run(config, tmp_path / "run")
+  back = pretrained.load(export.export_width(tmp_path / "run", 0.25, tmp_path / "out"))
+  r = train.build(config)
+  m = hidden_units(r.model.cfg.d_ff, 0.25)
+  exported = nnx.merge(nnx.split(nnx.eval_shape(lambda: GPT(back.cfg, rngs=nnx.Rngs(0))))[0],
+                       jax.tree.map(jnp.asarray, back.params))
+  loss = np.mean([next_token_loss(exported, jnp.asarray(w)) for w in r.data.eval_windows])
+  assert float(loss) == pytest.approx(summary["eval_loss_by_width"]["0.25"], rel=1e-5)
+  # The adapters moved the weights: the export is not the sliced base.
+  base = slice_tier(jax.tree.map(lambda x: np.asarray(x, np.float32), r.frozen), m)
+  changed = [not np.array_equal(np.asarray(a), b)
+             for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(base), strict=True)]
+  assert any(changed) and not all(changed)  # adapted kernels moved; embeddings, norms did not
