@@ -51,7 +51,7 @@ LEVELS = (10, 100, 500, 1000)
 VERDICT_VS_DDP = {"holds": "better", "reversed": "worse",
                   "not distinguishable": "not distinguishable"}  # compression levels (DDP's bytes over a point's) for recipes
 GOALS = {1.01: 500, 1.03: 1000}  # bytes ratio the issue asks for at each target
-LRS = {"adamw": (2e-3, 5e-3, 1e-2), "muon": (0.01, 0.02, 0.05)}
+LRS = {"adamw": (1e-3, 2e-3, 5e-3, 1e-2), "muon": (0.01, 0.02, 0.05)}
 OUTERS = {"o07m09": (0.7, 0.9), "o10m05": (1.0, 0.5)}
 SCHEDULES = {"cos": 0.1, "flat": 1.0}  # min_lr_ratio
 H_TUNE = 50
