@@ -11,11 +11,13 @@ ledger (parameters' Δ, codec payloads, DES-LOC's moment averages).
    - DiLoCo at H = 50, AdamW and Muon: inner lr × outer (lr, momentum) ∈ {(0.7, 0.9), (1.0, 0.5)}.
    The DiLoCo family's points below use their optimizer's tuned DiLoCo settings.
 2. The frontier, `--seeds` seeds each:
-   - AdamW: DDP; DiLoCo H ∈ {10, 20, 50, 100}; Streaming DiLoCo (H 50, P 2, τ 1); every codec
-     on DiLoCo H 50 (DDP + DeMo for DeMo); Pier at H 20 (its schedules need rounds); DES-LOC
-     (K_u 3H, K_v 6H, plain average) at H 50;
-   - Muon: DDP; DiLoCo H ∈ {10, 20, 50, 100}; MuLoCo (H 50, its 2-bit codec, outer 0.81 /
-     0.8: MuLoCo's 0.9 with its lr-scaled buffer, BUILD_NOTES.md); Pier at H 20.
+   - AdamW and Muon alike: DDP; DiLoCo H ∈ {10, 20, 50, 100}; Streaming DiLoCo (H 50, P 2,
+     τ 1); every codec on DiLoCo H 50, and int4 at H 100; Pier at H 20 (its schedules need
+     rounds);
+   - AdamW only: DDP + DeMo; DES-LOC (K_u 3H, K_v 6H, plain average; its moments are Adam's)
+     at H 50;
+   - Muon only: MuLoCo (H 50, its 2-bit codec, outer 0.81 / 0.8: MuLoCo's 0.9 with its
+     lr-scaled buffer, BUILD_NOTES.md).
 3. The report: per point, final eval loss and bytes per worker (mean ± sd over seeds), its
    family's tuned DDP's bytes over its own, the loss gap paired by seed (bench/stats.py),
    whether its mean loss is within 1% / 3% of DDP's, and the bytes at which the eval loss
@@ -103,13 +105,18 @@ def frontier_points(steps: int, evals: int, picks: dict) -> dict[str, tuple[str,
     rounds = steps // 20
     out[f"pier_{opt}_h20"] = (opt, local(steps, "pier", 20, opt, lr, outer,
                                          **{"pier.warmup": max(0.1, 2 / rounds)}))
+  for opt in LRS:
+    lr, outer = picks[f"diloco_{opt}"]["lr"], OUTERS[picks[f"diloco_{opt}"]["outer"]]
+    out[f"streaming_{opt}_h50"] = (opt, local(
+        steps, "streaming", 50, opt, lr, outer, **{"streaming.fragments": 2,
+                                                   "streaming.overlap_steps": 1}))
+    for codec in CODECS:
+      out[f"diloco_{opt}_h50_{codec}"] = (opt, local(steps, "diloco", 50, opt, lr, outer,
+                                                     **{"compress.codec": codec}))
+    # The lossless 4-bit codec at the longest H: the densest point past 500x.
+    out[f"diloco_{opt}_h100_int4"] = (opt, local(steps, "diloco", 100, opt, lr, outer,
+                                                 **{"compress.codec": "int4"}))
   lr, outer = picks["diloco_adamw"]["lr"], OUTERS[picks["diloco_adamw"]["outer"]]
-  out["streaming_adamw_h50"] = ("adamw", local(
-      steps, "streaming", 50, "adamw", lr, outer, **{"streaming.fragments": 2,
-                                                     "streaming.overlap_steps": 1}))
-  for codec in CODECS:
-    out[f"diloco_adamw_h50_{codec}"] = ("adamw", local(steps, "diloco", 50, "adamw", lr, outer,
-                                                       **{"compress.codec": codec}))
   d = picks["ddp_adamw"]
   out["ddp_adamw_demo"] = ("adamw", {**ddp(steps, evals, "adamw", d["lr"], d["schedule"]),
                                      "compress.codec": "demo"})
