@@ -27,6 +27,10 @@ ledger (parameters' Δ, codec payloads, DES-LOC's moment averages).
 
   python bench/frontier.py [--jobs 2] [--seeds 3] [--steps 400] [--workdir DIR]
   python bench/frontier.py --model gpt2_124m --workers 4 --steps 2000 --jobs 1   # on a GPU
+  python bench/frontier.py --steps 800 --picks bench/results/frontier_small_4x400_b8_l32/picks.json --points diloco_muon_h10 diloco_muon_h50
+
+The last is a trend in the token budget: the named points (and their family's DDP) at
+another --steps with the 400-step run's settings, not tuned again.
 
 Finished runs are reused (bench/sim_grid.py's runner: each in its own process).
 """
@@ -217,7 +221,7 @@ def report(points: dict, results: dict, goals: dict) -> tuple[str, list[str]]:
       d = stats.paired([r["eval_loss"] for r in runs], [r["eval_loss"] for r in ddp],
                        higher_is_better=False)
       gap = (f"{d['mean']:+.4f} ± {d['sd']:.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}], "
-             f"{d['verdict']}")
+             f"{VERDICT_VS_DDP[d['verdict']]}")
     within = [loss <= g for g in goals[family]]
     for t, ok in zip(TARGETS, within):
       if ok and not is_ddp and (best[t] is None or ratio > best[t][1]):
@@ -310,6 +314,11 @@ def main() -> None:
   p.add_argument("--evals", type=int, default=20, help="DDP's evaluations per run")
   p.add_argument("--workdir", type=pathlib.Path, default=None,
                  help="default bench/results/frontier_<model>_<workers>x<steps>")
+  p.add_argument("--picks", type=pathlib.Path,
+                 help="another run's picks.json: skip tuning, use its settings (a trend in "
+                      "--steps at fixed hyperparameters)")
+  p.add_argument("--points", nargs="*", help="only these frontier points (with each "
+                 "family's DDP)")
   p.add_argument("--only", help=argparse.SUPPRESS)
   args = p.parse_args()
   if args.workdir is None:  # runs are reused by name: one directory per setup
@@ -328,16 +337,25 @@ def main() -> None:
     run_one(args, args.only, fields, int(seed))
     return
   forward = sys.argv[1:]
-  # 1. Tuning on seed 0.
-  if failed := sim_grid.run_grid(__file__, [f"{n}.s0" for n in grid], args.workdir,
-                                 args.jobs, forward):
-    sys.exit(f"failed: {failed} (logs in {args.workdir / 'logs'})")
-  picks = pick(args.workdir, grid)
+  args.workdir.mkdir(parents=True, exist_ok=True)
+  if args.picks:  # settings tuned elsewhere: no tuning runs, no aliases to them
+    picks, grid = json.loads(args.picks.read_text()), {}
+  else:  # 1. Tuning on seed 0.
+    if failed := sim_grid.run_grid(__file__, [f"{n}.s0" for n in grid], args.workdir,
+                                   args.jobs, forward):
+      sys.exit(f"failed: {failed} (logs in {args.workdir / 'logs'})")
+    picks = pick(args.workdir, grid)
   picks_path.write_text(json.dumps(picks, indent=1))
   print("tuned:", picks, flush=True)
   # 2. The frontier on every seed; seed 0 of a tuned point is its tuning run.
   points = frontier_points(args.steps, args.evals, picks)
-  for family in ("ddp_adamw", "ddp_muon", "diloco_adamw", "diloco_muon"):
+  if args.points:
+    unknown = sorted(set(args.points) - set(points))
+    if unknown:
+      sys.exit(f"--points: unknown {unknown}; known: {sorted(points)}")
+    keep = set(args.points) | {f"ddp_{points[n][0]}" for n in args.points}
+    points = {n: v for n, v in points.items() if n in keep}
+  for family in () if args.picks else ("ddp_adamw", "ddp_muon", "diloco_adamw", "diloco_muon"):
     alias = family if family.startswith("ddp") else f"{family}_h{H_TUNE}"
     link, target = args.workdir / f"{alias}.s0", f"{family}.{picks[family]['point']}.s0"
     if link.is_symlink() and os.readlink(link) != target:
@@ -349,7 +367,7 @@ def main() -> None:
     sys.exit(f"failed: {failed} (logs in {args.workdir / 'logs'})")
   results = {}
   goals = {}
-  for family in LRS:
+  for family in {family for family, _ in points.values()}:
     ddp_loss = stats.mean_sd(_summary(args.workdir, f"ddp_{family}.s{s}")["eval_loss"]
                              for s in range(args.seeds))[0]
     goals[family] = [ddp_loss * t for t in TARGETS]
@@ -357,7 +375,8 @@ def main() -> None:
     results[name] = per_seed(args.workdir, name, args.seeds, goals[family])
   table, checks = report(points, results, goals)
   tuning = ["| tuning point (seed 0) | eval loss |", "|---|---|"] + [
-      f"| {n} | {_summary(args.workdir, n + '.s0')['eval_loss']:.4f} |" for n in grid]
+      f"| {n} | {_summary(args.workdir, n + '.s0')['eval_loss']:.4f} |" for n in grid
+  ] if grid else [f"Settings from {args.picks} (not tuned at this budget)."]
   text = "\n".join([table, "", *checks, "", *best_by_level(points, results), "",
                     "Tuned: " + json.dumps(picks), "",
                     "Targets (tuned DDP's mean final loss × 1.01, 1.03): " + json.dumps(

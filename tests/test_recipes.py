@@ -1,0 +1,43 @@
+"""configs/recipe_*.py are bench/frontier.py's points at the settings its tuning picked
+(BENCHMARKS.md, "DDP's loss at a thousandth of its bytes"): every field equal, so the
+frontier's losses and bytes are what a recipe gives on seed 0."""
+
+import argparse
+import sys
+
+import pytest
+
+from conftest import REPO, load_config
+
+sys.path.insert(0, str(REPO / "bench"))
+import frontier  # noqa: E402
+
+# bench/frontier.py's picks.json of the run BENCHMARKS.md reports (commit d5f0439's grid).
+PICKS = {"ddp_adamw": {"point": "lr0.002_cos", "lr": 0.002, "schedule": "cos"},
+         "ddp_muon": {"point": "lr0.02_cos", "lr": 0.02, "schedule": "cos"},
+         "diloco_adamw": {"point": "lr0.002_o10m05", "lr": 0.002, "outer": "o10m05"},
+         "diloco_muon": {"point": "lr0.02_o10m05", "lr": 0.02, "outer": "o10m05"}}
+RECIPES = {"recipe_ddp": "ddp_muon"}
+# What a run a user starts may differ in without changing a number of the frontier's.
+NOT_COMPARED = {"checkpoint_every"}
+
+
+def _flat(node, prefix=""):
+  out = {}
+  for key, value in node.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+@pytest.mark.parametrize("recipe, point", RECIPES.items())
+def test_a_recipe_is_its_frontier_point(recipe, point):
+  args = argparse.Namespace(workers=4, model="small", batch_size=8, seq_len=32, steps=400)
+  fields = frontier.frontier_points(args.steps, 20, PICKS)[point][1]
+  expected = _flat(frontier.config(args, fields, seed=0).to_dict())
+  got = _flat(load_config(recipe).to_dict())
+  differ = {k: (got.get(k), expected.get(k)) for k in expected.keys() | got.keys()
+            if k not in NOT_COMPARED and got.get(k) != expected.get(k)}
+  assert not differ, f"{recipe} is not the frontier's {point}: {differ}"
