@@ -275,6 +275,19 @@ def best_by_level(points: dict, results: dict) -> list[str]:
   return lines
 
 
+def compare(workdir: pathlib.Path, pairs: list[str], seeds: int) -> list[str]:
+  """`A:B` -> A's final eval loss minus B's, paired by seed (points already run)."""
+  lines = []
+  for pair in pairs:
+    a, b = pair.split(":")
+    x, y = ([_summary(workdir, f"{n}.s{s}")["eval_loss"] for s in range(seeds)] for n in (a, b))
+    d = stats.paired(x, y, higher_is_better=False)
+    lines.append(f"{a} − {b}: {d['mean']:+.4f} ± {d['sd']:.4f} [{d['ci95'][0]:+.4f}, "
+                 f"{d['ci95'][1]:+.4f}] ({100 * d['mean'] / stats.mean_sd(y)[0]:+.2f}%), "
+                 f"{VERDICT_VS_DDP[d['verdict']]}")
+  return lines
+
+
 def plot(points: dict, results: dict, path: pathlib.Path) -> None:
   try:
     import matplotlib
@@ -319,6 +332,8 @@ def main() -> None:
                       "--steps at fixed hyperparameters)")
   p.add_argument("--points", nargs="*", help="only these frontier points (with each "
                  "family's DDP)")
+  p.add_argument("--compare", nargs="*", metavar="A:B",
+                 help="print A − B's final loss, paired by seed, for points already run")
   p.add_argument("--only", help=argparse.SUPPRESS)
   args = p.parse_args()
   if args.workdir is None:  # runs are reused by name: one directory per setup
@@ -327,6 +342,9 @@ def main() -> None:
                     f"_l{args.seq_len}")
   grid = tuning_grid(args.steps, args.evals)
   picks_path = args.workdir / "picks.json"
+  if args.compare:
+    print("\n".join(compare(args.workdir, args.compare, args.seeds)))
+    return
   if args.only:  # one run, in its own process (sim_grid.run_grid)
     point, seed = args.only.rsplit(".s", 1)
     if point in grid:

@@ -37,3 +37,18 @@ def get_config():
   c.log_every = 20
   c.checkpoint_every = 100
   return c
+
+
+def local_sgd(c, inner_steps: int, codec: str = "none"):
+  """`c` turned into the frontier's DiLoCo point: H = `inner_steps` on the same tokens, the
+  outer rule its tuning picked (Nesterov, lr 1.0, momentum 0.5), `codec` on the wire."""
+  c.algorithm = "diloco"
+  c.inner_steps = inner_steps
+  c.rounds = STEPS // inner_steps
+  c.eval_every = 1
+  c.log_every = 1
+  c.checkpoint_every = max(c.rounds // 4, 1)
+  c.outer.lr = 1.0
+  c.outer.momentum = 0.5
+  c.compress.codec = codec
+  return c

@@ -17,7 +17,9 @@ PICKS = {"ddp_adamw": {"point": "lr0.002_cos", "lr": 0.002, "schedule": "cos"},
          "ddp_muon": {"point": "lr0.02_cos", "lr": 0.02, "schedule": "cos"},
          "diloco_adamw": {"point": "lr0.002_o10m05", "lr": 0.002, "outer": "o10m05"},
          "diloco_muon": {"point": "lr0.02_o10m05", "lr": 0.02, "outer": "o10m05"}}
-RECIPES = {"recipe_ddp": "ddp_muon"}
+RECIPES = {"recipe_ddp": "ddp_muon", "recipe_10x": "diloco_muon_h10",
+           "recipe_100x": "diloco_muon_h50_fp8", "recipe_500x": "diloco_muon_h50_muloco",
+           "recipe_1000x": "diloco_muon_h50_sparseloco"}
 # What a run a user starts may differ in without changing a number of the frontier's.
 NOT_COMPARED = {"checkpoint_every"}
 
