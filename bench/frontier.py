@@ -53,9 +53,10 @@ import sim_grid  # noqa: E402
 import stats  # noqa: E402
 
 TARGETS = (1.01, 1.03)  # × the family's tuned DDP mean final eval loss
-LEVELS = (10, 100, 500, 1000)
+LEVELS = (10, 100, 500, 1000)  # compression levels (DDP's bytes over a point's) for recipes
+# bench/stats.py's verdict on "the point is better than B", in words for a loss.
 VERDICT_VS_DDP = {"holds": "better", "reversed": "worse",
-                  "not distinguishable": "not distinguishable"}  # compression levels (DDP's bytes over a point's) for recipes
+                  "not distinguishable": "not distinguishable"}
 GOALS = {1.01: 500, 1.03: 1000}  # bytes ratio the issue asks for at each target
 LRS = {"adamw": (1e-3, 2e-3, 5e-3, 1e-2), "muon": (0.01, 0.02, 0.05)}
 OUTERS = {"o07m09": (0.7, 0.9), "o10m05": (1.0, 0.5)}
@@ -202,6 +203,13 @@ def _fmt_bytes(values) -> str:
   return f"{m:,.3f} ± {sd:,.3f}"
 
 
+def _bytes_ratio(results: dict, name: str, family: str) -> float:
+  """The family's DDP's mean bytes per worker over the point's."""
+  sent = stats.mean_sd(r["bytes_sent"] for r in results[name])[0]
+  return stats.mean_sd(r["bytes_sent"] for r in results[f"ddp_{family}"])[0] / sent \
+      if sent else float("nan")
+
+
 def report(points: dict, results: dict, goals: dict) -> tuple[str, list[str]]:
   """The markdown table and the goal check's lines. A point is within x% of its family's
   tuned DDP when its mean final loss over the seeds is at most DDP's mean × (1 + x); its
@@ -214,7 +222,7 @@ def report(points: dict, results: dict, goals: dict) -> tuple[str, list[str]]:
     runs, ddp = results[name], results[f"ddp_{family}"]
     loss, sd = stats.mean_sd(r["eval_loss"] for r in runs)
     sent = stats.mean_sd(r["bytes_sent"] for r in runs)[0]
-    ratio = stats.mean_sd(r["bytes_sent"] for r in ddp)[0] / sent if sent else float("nan")
+    ratio = _bytes_ratio(results, name, family)
     is_ddp = name == f"ddp_{family}"
     gap = "—"
     if not is_ddp:
@@ -251,12 +259,9 @@ def best_by_level(points: dict, results: dict) -> list[str]:
   by seed, as a user choosing between them would."""
   ddps = {f: results[f"ddp_{f}"] for f in {family for family, _ in points.values()}}
   best_ddp = min(ddps, key=lambda f: stats.mean_sd(r["eval_loss"] for r in ddps[f])[0])
-  rows = {}
-  for name, (family, _) in points.items():
-    runs = results[name]
-    sent = stats.mean_sd(r["bytes_sent"] for r in runs)[0]
-    ratio = stats.mean_sd(r["bytes_sent"] for r in ddps[family])[0] / sent
-    rows[name] = (stats.mean_sd(r["eval_loss"] for r in runs)[0], ratio)
+  rows = {name: (stats.mean_sd(r["eval_loss"] for r in results[name])[0],
+                  _bytes_ratio(results, name, family))
+          for name, (family, _) in points.items()}
   lines = [f"| compression level | best point | eval loss | DDP bytes / bytes | − ddp_{best_ddp}"
            " (best DDP), paired |", "|---|---|---|---|---|"]
   for level in LEVELS:
