@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from conftest import REPO, load_config
+from lowcomm_jax.run_identity import flatten
 
 sys.path.insert(0, str(REPO / "bench"))
 import frontier  # noqa: E402
@@ -24,22 +25,12 @@ RECIPES = {"recipe_ddp": "ddp_muon", "recipe_10x": "diloco_muon_h10",
 NOT_COMPARED = {"checkpoint_every"}
 
 
-def _flat(node, prefix=""):
-  out = {}
-  for key, value in node.items():
-    if isinstance(value, dict):
-      out.update(_flat(value, f"{prefix}{key}."))
-    else:
-      out[f"{prefix}{key}"] = value
-  return out
-
-
 @pytest.mark.parametrize("recipe, point", RECIPES.items())
 def test_a_recipe_is_its_frontier_point(recipe, point):
   args = argparse.Namespace(workers=4, model="small", batch_size=8, seq_len=32, steps=400)
   fields = frontier.frontier_points(args.steps, 20, PICKS)[point][1]
-  expected = _flat(frontier.config(args, fields, seed=0).to_dict())
-  got = _flat(load_config(recipe).to_dict())
+  expected = flatten(frontier.config(args, fields, seed=0).to_dict())
+  got = flatten(load_config(recipe).to_dict())
   differ = {k: (got.get(k), expected.get(k)) for k in expected.keys() | got.keys()
             if k not in NOT_COMPARED and got.get(k) != expected.get(k)}
   assert not differ, f"{recipe} is not the frontier's {point}: {differ}"
