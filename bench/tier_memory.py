@@ -10,8 +10,8 @@ state and one training step's temporaries. Per model and tier, one row:
                 temp_size): the activations kept for backprop, the gradients and the
                 update's intermediates. Parameters and optimizer state are donated on
                 accelerators, so the step needs no second copy of them there.
-  estimate      the runner's pre-flight estimate of the temporaries (memory.estimate: its
-                activation_bytes plus two copies of the tier's parameters)
+  estimate      the runner's pre-flight estimate of the temporaries
+                (memory.step_temporaries, as memory.estimate counts them)
   total         params + optimizer + temporaries: what the device must hold for the step
   peak          GPUs only: the device's peak_bytes_in_use after two steps of this tier. One
                 process per model, tiers from narrow to wide: the peak is a running one
@@ -72,8 +72,8 @@ def tier_row(model: str, fraction: float, batch: int, seq: int, dtype: str) -> d
       (params, opt_state), windows).compile()
   row = {"model": model, "tier": fraction, "hidden_units": m, "d_ff": preset.d_ff,
          "param_bytes": ledger.tree_bytes(params), "optimizer_bytes": ledger.tree_bytes(opt_state),
-         "temp_estimate_bytes": (memory.activation_bytes(cfg, batch, seq, 1)
-                                 + 2 * ledger.tree_bytes(params)),
+         "temp_estimate_bytes": memory.step_temporaries(cfg, ledger.tree_bytes(params),
+                                                        batch, seq, 1),
          "attention": impl, "compiled": memory_of(step)}
   row["temp_bytes"] = row["compiled"].get("temp_bytes")
   row["total_bytes"] = row["param_bytes"] + row["optimizer_bytes"] + (row["temp_bytes"] or 0)

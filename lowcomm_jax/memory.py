@@ -78,6 +78,13 @@ def activation_bytes(model_cfg, batch: int, seq_len: int, tp: int,
   return int(batch * seq_len * per_token * itemsize)
 
 
+def step_temporaries(model_cfg, param_bytes: int, batch: int, seq_len: int, tp: int,
+                     hidden: int | None = None) -> int:
+  """A training step's temporaries for a model (or tier) of `param_bytes`: the activations
+  (activation_bytes) and two parameter-sized copies (the gradients and the update)."""
+  return 2 * param_bytes + activation_bytes(model_cfg, batch, seq_len, tp, hidden=hidden)
+
+
 def estimate(r) -> dict[str, int]:
   """Bytes per replica device of run_spec.Run `r`, by component (see the module docstring)."""
   c = r.config
@@ -107,8 +114,9 @@ def estimate(r) -> dict[str, int]:
       out["worker_params"] += copies * per_device * params
     out["deltas"] += per_device * params
     # Hosts run one after another: only the largest round's temporaries count.
-    running = per_device * (2 * tier["param_bytes"] + merged + activation_bytes(
-        r.model.cfg, h.batch_size // data, c.data.seq_len, tp, hidden=h.hidden))
+    running = per_device * (merged + step_temporaries(
+        r.model.cfg, tier["param_bytes"], h.batch_size // data, c.data.seq_len, tp,
+        hidden=h.hidden))
     out["round_temporaries"] = max(out["round_temporaries"], running)
   return out
 
