@@ -121,13 +121,26 @@ def run_peers(workdir, name, gguf, epochs):
     raise SystemExit(f"{name}: exit codes {codes}")
 
 
+# Epochs whose time holds compilation, left out of the seconds per epoch. Epoch 1 compiles
+# the micro-batch and the optimizer step, epoch 2 ends with the first evaluation's. In a
+# two-process run epochs 2 and 3 also hold the second process's compiles: JAX's persistent
+# cache is written by process 0 only, so peer 1 compiles on every run while peer 0 loads,
+# and peer 0 waits for it at the next collective (measured: +35 s in epoch 2, +2 to 12 s in
+# epoch 3, in 5 of 6 warm two-peer runs).
+WARMUP_EPOCHS = 3
+
+
 def curves(run_dir: pathlib.Path) -> dict:
   """Per evaluated epoch: validation loss, and the training seconds so far (Σ epoch_seconds,
-  compilation of the first epoch excluded: its time is that of the second)."""
+  each warm-up epoch counted at the steady mean of the epochs after it)."""
   rows = [json.loads(l) for l in (run_dir / "collab.jsonl").read_text().splitlines()]
   epochs = {r["epoch"]: r for r in rows if not r.get("live")}
   seconds = [epochs[e]["epoch_seconds"] for e in sorted(epochs)]
-  seconds[0] = seconds[1]  # epoch 1 compiles
+  if len(seconds) <= WARMUP_EPOCHS:
+    raise SystemExit(f"{run_dir.name}: {len(seconds)} epochs; the seconds per epoch need more "
+                     f"than the {WARMUP_EPOCHS} warm-up epochs (--epochs)")
+  steady = sum(seconds[WARMUP_EPOCHS:]) / (len(seconds) - WARMUP_EPOCHS)
+  seconds[:WARMUP_EPOCHS] = [steady] * WARMUP_EPOCHS
   elapsed, total = {}, 0.0
   for e, s in zip(sorted(epochs), seconds):
     total += s
@@ -137,7 +150,7 @@ def curves(run_dir: pathlib.Path) -> dict:
   samples = [sum(epochs[e]["samples"]) for e in sorted(epochs)]
   return {"epochs": [e for e, _ in evals], "eval_loss": [v for _, v in evals],
           "seconds": [elapsed[e] for e, _ in evals],
-          "seconds_per_epoch": sum(seconds[1:]) / max(len(seconds) - 1, 1),
+          "seconds_per_epoch": steady,
           "samples_per_epoch": sum(samples) / len(samples),
           "samples_per_peer": [sum(epochs[e]["samples"][i] for e in epochs) / len(epochs)
                                for i in range(len(epochs[1]["samples"]))]}
