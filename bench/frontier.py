@@ -54,9 +54,10 @@ import stats  # noqa: E402
 
 TARGETS = (1.01, 1.03)  # × the family's tuned DDP mean final eval loss
 LEVELS = (10, 100, 500, 1000)  # compression levels (DDP's bytes over a point's) for recipes
-# bench/stats.py's verdict on "the point is better than B", in words for a loss.
-VERDICT_VS_DDP = {"holds": "better", "reversed": "worse",
-                  "not distinguishable": "not distinguishable"}
+# bench/stats.py's verdict on "A is better than B" (A − B of a loss), in words: the table's
+# point against its DDP, and --compare's pairs.
+LOSS_VERDICT = {"holds": "better", "reversed": "worse",
+                "not distinguishable": "not distinguishable"}
 GOALS = {1.01: 500, 1.03: 1000}  # bytes ratio the issue asks for at each target
 LRS = {"adamw": (1e-3, 2e-3, 5e-3, 1e-2), "muon": (0.01, 0.02, 0.05)}
 OUTERS = {"o07m09": (0.7, 0.9), "o10m05": (1.0, 0.5)}
@@ -229,7 +230,7 @@ def report(points: dict, results: dict, goals: dict) -> tuple[str, list[str]]:
       d = stats.paired([r["eval_loss"] for r in runs], [r["eval_loss"] for r in ddp],
                        higher_is_better=False)
       gap = (f"{d['mean']:+.4f} ± {d['sd']:.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}], "
-             f"{VERDICT_VS_DDP[d['verdict']]}")
+             f"{LOSS_VERDICT[d['verdict']]}")
     within = [loss <= g for g in goals[family]]
     for t, ok in zip(TARGETS, within):
       if ok and not is_ddp and (best[t] is None or ratio > best[t][1]):
@@ -276,7 +277,7 @@ def best_by_level(points: dict, results: dict) -> list[str]:
     pct = 100 * d["mean"] / stats.mean_sd(ddp_losses)[0]
     lines.append(f"| ≥ {level:,}× | {name} | {rows[name][0]:.4f} | {rows[name][1]:,.0f} | "
                  f"{d['mean']:+.4f} ± {d['sd']:.4f} ({pct:+.1f}%), "
-                 f"{VERDICT_VS_DDP[d['verdict']]} |")
+                 f"{LOSS_VERDICT[d['verdict']]} |")
   return lines
 
 
@@ -289,7 +290,7 @@ def compare(workdir: pathlib.Path, pairs: list[str], seeds: int) -> list[str]:
     d = stats.paired(x, y, higher_is_better=False)
     lines.append(f"{a} − {b}: {d['mean']:+.4f} ± {d['sd']:.4f} [{d['ci95'][0]:+.4f}, "
                  f"{d['ci95'][1]:+.4f}] ({100 * d['mean'] / stats.mean_sd(y)[0]:+.2f}%), "
-                 f"{VERDICT_VS_DDP[d['verdict']]}")
+                 f"{LOSS_VERDICT[d['verdict']]}")
   return lines
 
 

@@ -3,12 +3,13 @@ time each takes over a slow and a fast network.
 
     python bench/overlapped.py                    # both networks, 4 workers, small model
     python bench/overlapped.py --workers 2 --rounds 6
-    python bench/overlapped.py --only one_step_delay eager --set outer.momentum=0.0 --tag mom0
+    python bench/overlapped.py --only diloco one_step_delay eager --set outer.momentum=0.0 --tag mom0
 
 Each case is one simulator run (`simulate.run`) per seed (`--seeds`, 3 by default) on the
 `small` model with the same workers, rounds, H and data: DiLoCo, Streaming DiLoCo (P = 2,
 τ = 1), one-step-delay, eager updates and Overlap Local-SGD (α = 0.2). Each case's loss is
-compared with DiLoCo's paired by seed (95% t interval and verdict, bench/stats.py).
+compared with DiLoCo's paired by seed (95% t interval and verdict, bench/stats.py); with
+--only, name diloco too for that column.
 Networks: `slow`, every worker in its own region joined by 1 Gb/s, 50 ms links; `fast`,
 one region at 100 Gb/s. The loss does not depend on the network (the simulator's math never
 does): each case trains once per seed, and its virtual time on each network is a replay of
