@@ -9,8 +9,9 @@ the process; on a CPU the byte-level `tiny` model):
 
     python -m lowcomm_jax.main --config=configs/ray_async.py
 
-On a cluster: `ray start --head` on one host, `ray start --address=HEAD:6379` on the others,
-then add --config.ray.address=auto (README.md: GPUs, ports and who can reach them).
+On a cluster: `RAY_worker_niceness=0 ray start --head` on one host, the same with
+`--address=HEAD:6379` on the others, then add --config.ray.address=auto (README.md: GPUs,
+ports, priority and who can reach them).
 """
 
 import pathlib

@@ -25,13 +25,32 @@ def _config(**overrides):
 
 @pytest.fixture(scope="module")
 def cluster():
-  import warnings
-  with warnings.catch_warnings():  # Ray spawns its services; they run no JAX
-    warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False,
-             namespace="lowcomm_jax_tests")
+  """A local Ray as a run starts one (cluster.connect), on 2 CPUs."""
+  from lowcomm_jax.ray_runtime import cluster as ray_cluster
+  assert ray_cluster.connect(_config(**{"ray.num_cpus": 2}))
   yield
   ray.shutdown()
+
+
+def test_a_ray_the_run_starts_runs_its_actors_at_the_drivers_priority(cluster):
+  """Ray's default niceness 15 would starve the actors of any host that is busy with
+  anything else (this suite's other workers, for one)."""
+  import os
+
+  @ray.remote(num_cpus=0)
+  def niceness():
+    return os.nice(0)
+
+  assert ray.get(niceness.remote()) == os.nice(0)
+
+
+def test_an_actor_below_normal_priority_says_how_to_start_ray(monkeypatch, caplog):
+  import os
+  from lowcomm_jax.ray_runtime import cluster as ray_cluster
+  monkeypatch.setattr(os, "nice", lambda increment: 15)
+  ray_cluster.warn_if_niced("worker 3")
+  assert "worker 3 runs at niceness 15" in caplog.text
+  assert "RAY_worker_niceness=0" in caplog.text
 
 
 def _run(config, workdir, **kwargs):
@@ -342,7 +361,12 @@ def test_collaborative_lora_epochs_on_ray_are_the_runners(cluster, tmp_path):
   config = load_config("smoke", runtime="ray", **same, **{
       "mesh.replica": 1, "ray.grace_s": 30.0, "ray.step_sleep_s": (0.0, 4.0)})
   summary, _ = _run(config, tmp_path / "ray")
-  assert (summary["samples_peer_0"], summary["samples_peer_1"]) == (16, 4)
+  epochs = [(row["samples_peer_0"], row["samples_peer_1"]) for row in map(
+      json.loads, (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines())
+      if "samples_peer_1" in row]
+  # (peer 1's micro-batch came in first, not the premise: a machine far busier than 4 s
+  # for four micro-batches of the tiny model)
+  assert epochs == [(16, 4)] * 2, epochs
   assert summary["collab"]["samples"] == 40
   assert summary["trainable_params"] < summary["params"]  # the adapters, not the base
   runner_config = load_config("smoke", **same)

@@ -18,15 +18,17 @@ from lowcomm_jax import steps
 from lowcomm_jax.sim import GLOBAL
 
 
-def built(config: ml_collections.ConfigDict):
+def built(config: ml_collections.ConfigDict, what: str):
   """The run as the simulator builds it, and its jitted programs (compiled programs shared
   with the other workers through the compilation cache, as hosts of a runner share them)."""
   from lowcomm_jax import compile_cache
   from lowcomm_jax.build import build
   from lowcomm_jax.rounds import jitted_steps
+  from lowcomm_jax.ray_runtime.cluster import warn_if_niced
   from lowcomm_jax.simulate import one_device
   logging.getLogger().setLevel(logging.INFO)
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+  warn_if_niced(what)
   compile_cache.enable(config.compile_cache_dir)
   # The one-device layout puts every worker on this process's device; an actor holds one
   # worker (or the server, no worker): the layout's memory estimate is not this process's.

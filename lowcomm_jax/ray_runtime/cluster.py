@@ -14,6 +14,14 @@ class RayUnavailable(RuntimeError):
   pass
 
 
+# Ray starts its worker processes at niceness 15 (its `worker_niceness`), as if they were
+# background work: on a host with anything else busy at niceness 0 (a data prep, a second
+# job, a test suite) they get a few percent of a core and the run crawls. Here the actors
+# are the training, so a Ray this process starts runs them at the driver's priority. A
+# cluster started by `ray start` takes it from RAY_worker_niceness=0 (README).
+SYSTEM_CONFIG = {"worker_niceness": 0}
+
+
 def import_ray():
   try:
     import ray
@@ -40,9 +48,18 @@ def connect(c: ml_collections.ConfigDict) -> bool:
     kwargs["_node_ip_address"] = y.bind_address
   with warnings.catch_warnings():  # Ray spawns its services; this process runs no JAX in them
     warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
-    ray.init(num_cpus=y.num_cpus or os.cpu_count(), **kwargs)
+    ray.init(num_cpus=y.num_cpus or os.cpu_count(), _system_config=SYSTEM_CONFIG, **kwargs)
   logging.info("started a local Ray: %s", ray.cluster_resources())
   return True
+
+
+def warn_if_niced(what: str) -> None:
+  """Says so when this actor's process runs below normal priority (a cluster started
+  without RAY_worker_niceness=0)."""
+  niceness = os.nice(0)
+  if niceness > 0:
+    logging.warning("ray: %s runs at niceness %d, so other work on this host starves it; "
+                    "start Ray with RAY_worker_niceness=0 ray start ...", what, niceness)
 
 
 def actor_options(c: ml_collections.ConfigDict, *, worker: bool) -> dict:

@@ -21,7 +21,7 @@ class ServerProcess:
     """Server `name` from `restored` (a checkpoint's) or fresh. A `standby` is built (its
     process started, the run built, nothing compiled yet) and holds no state: `load` makes
     it a server when one dies (`ray.standby_server`)."""
-    self.r, self.programs = r, _ = built(config)
+    self.r, self.programs = r, _ = built(config, f"server {name}")
     codec = r.sync.codec
     self._decode = (jax.jit(parameter_server.make_decode(codec, r.model.layout)) if codec
                     else None)

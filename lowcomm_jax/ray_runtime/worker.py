@@ -24,7 +24,7 @@ class WorkerProcess:
     from lowcomm_jax.parallel import mesh as mesh_lib
     restored = restored or {}
     self.worker, self.step_sleep_s, self.delay_s = worker, step_sleep_s, 0.0
-    self.r, programs = r, programs = built(config)
+    self.r, programs = r, programs = built(config, f"worker {worker}")
     state = initial_state(r)
     self.rng = state.rng
     self.local = programs.local[0][0]
