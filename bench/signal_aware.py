@@ -39,6 +39,7 @@ import stats  # noqa: E402
 SIGNALS = ("loss_ema", "grad_norm_stability", "cosine", "probe_loss")
 RULES = ("mean", "median", "trimmed_mean", "centered_clip")
 ATTACKS = ("none", "scale", "sign_flip", "random")
+ROBUST_GOAL_PCT = 5.0  # issue 18: a robust rule under attack within 5% of its clean run
 # 8 workers at the 2-worker runs' global batch (8 x 4 windows a step instead of 2 x 16), so
 # a run costs about what a 2-worker run does on a CPU.
 EIGHT = {"num_workers": 8, "data.batch_size": 4}
@@ -182,6 +183,7 @@ def report(grid: dict, workdir: pathlib.Path) -> str:
           f"{stats.mean_sd(100 * (a / b - 1) for a, b in zip(loss(cell), loss(uni)))[0]:+.2f}% "
           f"({corrupted['verdict']}) | {on_clean[0]:+.2f} ± {on_clean[1]:.2f}% | "
           f"{'yes' if ok else 'no'} |")
+  out += _robust_goal(runs, loss)
   if verdicts:
     out += ["**The seed's success test** (clean weight above its uniform share on every seed; "
             "corrupted: weighted below uniform, paired over seeds; clean data: within 1% of "
@@ -189,6 +191,40 @@ def report(grid: dict, workdir: pathlib.Path) -> str:
             "| setting | signal | clean weight above its share | corrupted vs uniform | "
             "clean data vs uniform | passes |", "|---|---|---|---|---|---|", *verdicts]
   return "\n".join(out)
+
+
+def _robust_goal(runs: dict, loss) -> list[str]:
+  """The robust part's goal, each rule's attacked run within ROBUST_GOAL_PCT of its own run
+  without the attacker (met: the paired % difference's 95% interval lies below it; not met:
+  above it), and what each rule costs without an attacker against the mean."""
+  rows = []
+  for rule in RULES:
+    clean = f"robust8_{rule}_none"
+    if clean not in runs:
+      continue
+    pairs = [(f"{a}", f"robust8_{rule}_{a}", clean) for a in ATTACKS[1:]]
+    if rule != "mean":
+      pairs.append(("none (vs mean)", clean, "robust8_mean_none"))
+    for attack, cell, ref in pairs:
+      if cell not in runs or ref not in runs or len(loss(cell)) != len(loss(ref)):
+        continue
+      pct = [100 * (a / b - 1) for a, b in zip(loss(cell), loss(ref))]
+      m, sd = stats.mean_sd(pct)
+      bound = 0.0 if attack.startswith("none") else ROBUST_GOAL_PCT  # % the claim is against
+      d = stats.paired(pct, [bound] * len(pct), higher_is_better=False)
+      low, high = (x + bound for x in d["ci95"])
+      words = (("cheaper", "costs more", "not distinguishable") if bound == 0 else
+               ("met", "not met", f"not distinguishable from {bound:g}%"))
+      goal = dict(zip(("holds", "reversed", "not distinguishable"), words))[d["verdict"]]
+      rows.append(f"| {rule} | {attack} | {m:+.2f} ± {sd:.2f}% | {low:+.2f} to {high:+.2f}% "
+                  f"| {goal} |")
+  if not rows:
+    return []
+  return [f"**The robust rules' goal** (the attacked run within {ROBUST_GOAL_PCT:g}% of the "
+          "same rule without the attacker, paired by seed; and each rule without an attacker "
+          "against the mean)", "",
+          "| rule | attack | loss vs reference | 95% interval | goal |",
+          "|---|---|---|---|---|", *rows, ""]
 
 
 def plot(grid: dict, workdir: pathlib.Path, path: pathlib.Path) -> None:
