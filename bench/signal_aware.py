@@ -202,7 +202,7 @@ def _robust_goal(runs: dict, loss) -> list[str]:
     clean = f"robust8_{rule}_none"
     if clean not in runs:
       continue
-    pairs = [(f"{a}", f"robust8_{rule}_{a}", clean) for a in ATTACKS[1:]]
+    pairs = [(a, f"robust8_{rule}_{a}", clean) for a in ATTACKS[1:]]
     if rule != "mean":
       pairs.append(("none (vs mean)", clean, "robust8_mean_none"))
     for attack, cell, ref in pairs:
