@@ -275,6 +275,10 @@ def main() -> None:
     failed = sim_grid.run_grid(__file__, list(grid), args.workdir, args.jobs, sys.argv[1:])
     if failed:
       sys.exit(f"failed: {failed} (logs in {args.workdir / 'logs'})")
+  missing = [n for n in grid if not (args.workdir / n / "summary.json").exists()]
+  if missing:
+    sys.exit(f"--report: {len(missing)} of {len(grid)} runs have no summary.json in "
+             f"{args.workdir} (first: {missing[0]}); run the same command without --report")
   table = report(grid, args.workdir)
   print(table)
   (args.workdir / f"signal_aware_{args.part}.md").write_text(table + "\n")
