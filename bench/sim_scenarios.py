@@ -95,6 +95,8 @@ def main() -> None:
                       help="seeds per case; above 1, a paired table against DiLoCo")
   parser.add_argument("--only", help=argparse.SUPPRESS)
   args = parser.parse_args()
+  if args.seeds < 1:
+    parser.error(f"--seeds {args.seeds}: give 1 or more")
   overrides = {}
   for item in args.set:
     field, _, value = item.partition("=")
