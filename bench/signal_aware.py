@@ -154,8 +154,7 @@ def report(grid: dict, workdir: pathlib.Path) -> str:
       cols = ["", "", ""]
       if ref and ref != cell and len(loss(cell)) == len(loss(ref)):
         d = versus(cell, ref)
-        pct = [100 * (a / b - 1) for a, b in zip(loss(cell), loss(ref))]
-        pm, psd = stats.mean_sd(pct)
+        pm, psd = stats.mean_sd(stats.percent(loss(cell), loss(ref)))
         cols = [f"{pm:+.2f} ± {psd:.2f}%", f"{d['ci95'][0]:+.4f} to {d['ci95'][1]:+.4f}",
                 d["verdict"]]
       weight = stats.mean_sd(r["clean_weight"] for r in runs[cell])[0]
@@ -176,11 +175,11 @@ def report(grid: dict, workdir: pathlib.Path) -> str:
       share = stats.mean_sd(r["clean_weight"] for r in runs[uni])[0]
       above = all(r["clean_weight"] > share for r in runs[cell])
       corrupted = versus(cell, uni)
-      on_clean = stats.mean_sd(100 * (a / b - 1) for a, b in zip(loss(clean), loss(uni_clean)))
+      on_clean = stats.mean_sd(stats.percent(loss(clean), loss(uni_clean)))
       ok = above and corrupted["verdict"] == "holds" and abs(on_clean[0]) <= 1.0
       verdicts.append(
           f"| {group} | {label[cell]} | {'yes' if above else 'no'} | "
-          f"{stats.mean_sd(100 * (a / b - 1) for a, b in zip(loss(cell), loss(uni)))[0]:+.2f}% "
+          f"{stats.mean_sd(stats.percent(loss(cell), loss(uni)))[0]:+.2f}% "
           f"({corrupted['verdict']}) | {on_clean[0]:+.2f} ± {on_clean[1]:.2f}% | "
           f"{'yes' if ok else 'no'} |")
   out += _robust_goal(runs, loss)
@@ -208,7 +207,7 @@ def _robust_goal(runs: dict, loss) -> list[str]:
     for attack, cell, ref in pairs:
       if cell not in runs or ref not in runs or len(loss(cell)) != len(loss(ref)):
         continue
-      pct = [100 * (a / b - 1) for a, b in zip(loss(cell), loss(ref))]
+      pct = stats.percent(loss(cell), loss(ref))
       m, sd = stats.mean_sd(pct)
       bound = 0.0 if attack.startswith("none") else ROBUST_GOAL_PCT  # % the claim is against
       d = stats.paired(pct, [bound] * len(pct), higher_is_better=False)
@@ -275,7 +274,7 @@ def main() -> None:
     failed = sim_grid.run_grid(__file__, list(grid), args.workdir, args.jobs, sys.argv[1:])
     if failed:
       sys.exit(f"failed: {failed} (logs in {args.workdir / 'logs'})")
-  missing = [n for n in grid if not (args.workdir / n / "summary.json").exists()]
+  missing = sim_grid.unfinished(list(grid), args.workdir)
   if missing:
     sys.exit(f"--report: {len(missing)} of {len(grid)} runs have no summary.json in "
              f"{args.workdir} (first: {missing[0]}); run the same command without --report")

@@ -34,10 +34,15 @@ def trim(workdir: pathlib.Path) -> None:
     shutil.rmtree(workdir / heavy, ignore_errors=True)
 
 
+def unfinished(names: list[str], workdir: pathlib.Path) -> list[str]:
+  """The cases of `names` without a summary.json in workdir/<name> yet."""
+  return [n for n in names if not (workdir / n / "summary.json").exists()]
+
+
 def run_grid(script: str, names: list[str], workdir: pathlib.Path, jobs: int,
              args: list[str]) -> list[str]:
   """Runs the cases of `names` that have no summary yet; returns the names that failed."""
-  todo = [n for n in names if not (workdir / n / "summary.json").exists()]
+  todo = unfinished(names, workdir)
   env = dict(os.environ)
   if jobs > 1:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + ONE_THREAD).strip()

@@ -72,8 +72,7 @@ def paired_table(cases: list[str], seeds: int, results: dict) -> str:
     cols = ["", "", ""]
     if ref and ref != case:
       d = stats.paired(loss(case), loss(ref), higher_is_better=False)
-      pct = [100 * x / y for x, y in zip(d["differences"], loss(ref))]
-      pm, psd = stats.mean_sd(pct)
+      pm, psd = stats.mean_sd(stats.percent(loss(case), loss(ref)))
       low, high = d["ci95"]
       cols = [f"{pm:+.2f} ± {psd:.2f}% (vs {ref})", f"{low:+.4f} to {high:+.4f}", d["verdict"]]
     lines.append(f"| {case} | {m:.4f} ± {sd:.4f} | {t:.1f} | " + " | ".join(cols) + " |")

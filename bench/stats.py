@@ -23,6 +23,11 @@ def paired(a, b, *, higher_is_better: bool) -> dict:
           "differences": d}
 
 
+def percent(a, b) -> list[float]:
+  """a against b in % (100·(a/b − 1)), seed by seed."""
+  return [100 * (x / y - 1) for x, y in zip(a, b, strict=True)]
+
+
 def mean_sd(values) -> tuple[float, float]:
   values = list(values)
   return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else math.nan
