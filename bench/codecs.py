@@ -31,7 +31,8 @@ os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 import jax  # noqa: E402
 
 import stats  # noqa: E402
-from lowcomm_jax import compress, train  # noqa: E402
+from lowcomm_jax import compress  # noqa: E402
+from lowcomm_jax.runtimes.spmd import train
 
 METHODS = {  # name: (config file, overrides)
     "ddp": ("ddp", {}),

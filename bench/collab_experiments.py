@@ -58,7 +58,7 @@ PEERS = {  # real processes, one core each: (hosts, overrides)
 # all-reduce of the adapters' gradient.
 LINK = {"collab.link_gbps": 0.1, "collab.link_latency_s": 0.05}
 CONFIG = '''import runpy
-from lowcomm_jax.hosts import host
+from lowcomm_jax.assemble.hosts import host
 _base = runpy.run_path({base!r})
 
 

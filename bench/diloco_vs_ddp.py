@@ -18,7 +18,8 @@ import runpy
 REPO = pathlib.Path(__file__).resolve().parents[1]
 os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 
-from lowcomm_jax import report, train  # noqa: E402
+from lowcomm_jax import report  # noqa: E402
+from lowcomm_jax.runtimes.spmd import train
 
 
 def main():

@@ -148,8 +148,8 @@ def config(args, fields: dict, seed: int):
 def run_one(args, name: str, fields: dict, seed: int) -> None:
   """One run; a diverged one leaves a summary with an infinite loss (a grid point that
   is too aggressive is a result, not a failure of the bench)."""
-  from lowcomm_jax import train
-  from lowcomm_jax.run_files import TrainingDiverged
+  from lowcomm_jax.runtimes.spmd import train
+  from lowcomm_jax.run.files import TrainingDiverged
   workdir = args.workdir / name
   shutil.rmtree(workdir, ignore_errors=True)  # a run cut off earlier starts again, whole
   try:

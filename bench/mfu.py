@@ -2,7 +2,7 @@
 
 For one model, batch, sequence length and compute dtype, one row per variant (--variants):
   configured    the bare step: a hand-written jitted AdamW step (GPT, next_token_loss, the run's
-                inner_optimizer), the model settled as build.py settles it on this backend
+                inner_optimizer), the model settled as assemble/build.py settles it on this backend
                 (model.attention 'auto' through attention.resolve, model.loss_chunk 0 through
                 cross_entropy.chunk_of), one call per step on pre-made random device batches.
   xla, cudnn    the same step with that attention kernel; cudnn only where
@@ -12,7 +12,7 @@ For one model, batch, sequence length and compute dtype, one row per variant (--
   forward       the loss only; its TFLOP/s and MFU count forward FLOPs (train FLOPs / 3).
   scanned       H = 10 configured steps under one lax.scan per call (at least 3 calls timed):
                 the runner's inner program without the runner's host work.
-  runner        lowcomm_jax.train.run, one DiLoCo worker (inner_steps 10, model.attention and
+  runner        lowcomm_jax.runtimes.spmd.train.run, one DiLoCo worker (inner_steps 10, model.attention and
                 loss_chunk auto, no evaluation or checkpoints between rounds): the median
                 steps_per_second of metrics.jsonl after the first two rounds (which compile).
                 If it fails, its error is reported and the bare rows kept.
@@ -62,7 +62,8 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from lowcomm_jax import optimizers, train  # noqa: E402
+from lowcomm_jax.programs import optimizers  # noqa: E402
+from lowcomm_jax.runtimes.spmd import train
 from lowcomm_jax.data import TOKENIZER_VOCAB  # noqa: E402
 from lowcomm_jax.model import GPT, count_params, get_preset, next_token_loss  # noqa: E402
 from lowcomm_jax.model import attention  # noqa: E402
@@ -288,7 +289,7 @@ def main():
   config = runpy.run_path(str(REPO / "configs" / "base.py"))["get_config"]()
   config.model.name, config.model.dtype = args.model, args.dtype
   config.data.tokenizer, config.data.batch_size, config.data.seq_len = tokenizer, args.batch, seq
-  # As build.py's _runtime_choices settles the model for this backend.
+  # As assemble/build.py's _runtime_choices settles the model for this backend.
   where = attention.platform()
   impl, why = attention.resolve(config.model.attention, args.dtype, preset.head_dim, where)
   cfg = dataclasses.replace(preset, attention=impl,

@@ -81,7 +81,7 @@ def clock() -> None:
   """NoLoCo's virtual time over DiLoCo's for the runs' 20 rounds, per seed."""
   import runpy
   sys.path.insert(0, str(ROOT))
-  from lowcomm_jax import simulate
+  from lowcomm_jax.runtimes.simulator import simulate
   ratios = []
   for seed in SEEDS:
     seconds = {}

@@ -63,7 +63,9 @@ def main():
   import optax
   from jax.sharding import NamedSharding, PartitionSpec as P
 
-  from lowcomm_jax import outer, round_driver, train
+  from lowcomm_jax import outer
+  from lowcomm_jax.runtimes.spmd import driver
+  from lowcomm_jax.runtimes.spmd import train
 
   n = jax.process_count()
   config.num_workers = n
@@ -83,7 +85,7 @@ def main():
                                                          inner_steps, timed=True)
     jax.block_until_ready(metrics)
     total = time.perf_counter() - t0
-    every = round_driver._all_hosts(compute)  # noqa: SLF001 - the runner's own gather
+    every = driver._all_hosts(compute)  # noqa: SLF001 - the runner's own gather
     idle = max(every) - compute[0]  # waiting for the slowest host inside the outer step
     splits.append({"compute": compute[0], "idle": idle, "outer": total - compute[0] - idle})
   splits = splits[1:]  # the first round compiles

@@ -28,7 +28,8 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from lowcomm_jax import optimizers, train  # noqa: E402
+from lowcomm_jax.programs import optimizers  # noqa: E402
+from lowcomm_jax.runtimes.spmd import train
 from lowcomm_jax.model import next_token_loss  # noqa: E402
 
 

@@ -48,15 +48,17 @@ def _config(args):
 def _child(args) -> None:
   import jax
   import numpy as np
-  from lowcomm_jax import rounds, train
+  from lowcomm_jax.assemble import jitted
+  from lowcomm_jax.runtimes.spmd import rounds
+  from lowcomm_jax.runtimes.spmd import train
   from lowcomm_jax.parallel import distributed
 
   c = _config(args)
   distributed.initialize(c)
   r = train.build(c)
-  fns = rounds.jitted_steps(r)
+  fns = jitted.jitted_steps(r)
   overlapped = rounds.jitted_overlapped(r)
-  state, workers = rounds.init_run(r, fns)
+  state, workers = jitted.init_run(r, fns)
   H = c.inner_steps
   Hs = [H] * len(r.topology.hosts)  # every host's H
   stream = r.data.streams[0]

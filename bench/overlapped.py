@@ -65,7 +65,7 @@ def main() -> None:
       overrides[field] = float(value)
     except ValueError:
       overrides[field] = value
-  from lowcomm_jax import simulate
+  from lowcomm_jax.runtimes.simulator import simulate
   w = args.workers
   common = {"sim.enabled": True, "num_workers": w, "rounds": args.rounds,
             "inner_steps": args.inner_steps, "model.name": "small", "eval_every": 0,

@@ -23,7 +23,8 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 
-from lowcomm_jax import round_driver, train  # noqa: E402
+from lowcomm_jax.runtimes.spmd import driver  # noqa: E402
+from lowcomm_jax.runtimes.spmd import train
 
 
 def main() -> int:
@@ -34,8 +35,8 @@ def main() -> int:
   config = runpy.run_path(str(REPO / "configs" / "smoke.py"))["get_config"]()
   config.rounds, config.inner_steps = 6, args.inner_steps
   config.eval_every, config.checkpoint_every = 2, 2
-  evaluate = round_driver.RoundDriver.evaluate
-  round_driver.RoundDriver.evaluate = lambda self: (time.sleep(args.eval_sleep_s), evaluate(self))[1]
+  evaluate = driver.RoundDriver.evaluate
+  driver.RoundDriver.evaluate = lambda self: (time.sleep(args.eval_sleep_s), evaluate(self))[1]
   with tempfile.TemporaryDirectory() as workdir:
     train.run(config, workdir)
     rows = [json.loads(line) for line in

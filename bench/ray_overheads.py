@@ -56,11 +56,11 @@ def emit(out: str, row: dict) -> None:
 
 def throughput(args, ray) -> None:
   import jax
-  from lowcomm_jax import parameter_server
-  from lowcomm_jax.build import build
-  from lowcomm_jax.ray_runtime import cluster
-  from lowcomm_jax.ray_runtime.server import ServerProcess
-  from lowcomm_jax.simulate import one_device
+  from lowcomm_jax.programs import servers
+  from lowcomm_jax.assemble.build import build
+  from lowcomm_jax.runtimes.ray import cluster
+  from lowcomm_jax.runtimes.ray.server import ServerProcess
+  from lowcomm_jax.assemble.plan import one_device
   for model, tokenizer, vocab in SIZES:
     for codec in ("none", "int8"):
       # one worker's build (the server holds none; Delayed Nesterov's N stays 4)
@@ -75,7 +75,7 @@ def throughput(args, ray) -> None:
         sent = deltas
         metas = [{"version": 0, "steps": 10} for _ in deltas]
       else:
-        encode = jax.jit(parameter_server.make_encode(r.sync.codec, r.model.layout))
+        encode = jax.jit(servers.make_encode(r.sync.codec, r.model.layout))
         state = r.sync.codec.init(r.model.layout.abstract)
         keys = [jax.random.key(i) for i in range(len(deltas))]
         sent = [jax.device_get(encode(d, state, k)[0]) for d, k in zip(deltas, keys)]
@@ -101,9 +101,9 @@ def throughput(args, ray) -> None:
 
 
 def overhead(args, ray) -> None:
-  from lowcomm_jax.ray_runtime import cluster
-  from lowcomm_jax.ray_runtime.server import ServerProcess
-  from lowcomm_jax.ray_runtime.worker import WorkerProcess
+  from lowcomm_jax.runtimes.ray import cluster
+  from lowcomm_jax.runtimes.ray.server import ServerProcess
+  from lowcomm_jax.runtimes.ray.worker import WorkerProcess
   c = config(num_workers=1)
   bare_worker, bare_server = WorkerProcess(c, 0), ServerProcess(c)
   version, params = bare_server.pull()
@@ -134,7 +134,7 @@ def overhead(args, ray) -> None:
 
 
 def recovery(args, ray) -> None:
-  from lowcomm_jax.ray_runtime import driver
+  from lowcomm_jax.runtimes.ray import driver
   c = config(rounds=6, **{"ray.chaos": ("kill_worker=1@4", "rejoin_worker=1@8",
                                         "add_worker@10", "kill_server@13")})
   with tempfile.TemporaryDirectory() as workdir:

@@ -51,13 +51,13 @@ def run_one(args, seed: int, runtime: str) -> dict:
   c, speeds = config(args, seed, runtime)
   with tempfile.TemporaryDirectory() as workdir:
     if runtime == "sim":
-      from lowcomm_jax import simulate
+      from lowcomm_jax.runtimes.simulator import simulate
       s = simulate.run(c, workdir)
       shares = [w["jobs"] for w in s["workers"]]
       pushes = s["contributions"]
       time_units = s["virtual_seconds"] / c.sim.step_seconds
     else:
-      from lowcomm_jax.ray_runtime import driver
+      from lowcomm_jax.runtimes.ray import driver
       s = driver.run(c, workdir)
       shares = [s["pushes_per_worker"].get(str(w), 0) for w in range(4)]
       pushes = s["pushes"]

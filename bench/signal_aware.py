@@ -93,7 +93,7 @@ def config_of(case: str, fields: dict):
 
 
 def run_one(config, workdir: pathlib.Path) -> None:
-  from lowcomm_jax import train
+  from lowcomm_jax.runtimes.spmd import train
   train.run(config, workdir)
   sim_grid.trim(workdir)
 

@@ -21,7 +21,7 @@ ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 def run_case(config, workdir: pathlib.Path) -> dict:
   """Runs one case in this process and trims its workdir to what the benches read."""
-  from lowcomm_jax import simulate
+  from lowcomm_jax.runtimes.simulator import simulate
   summary = simulate.run(config, workdir)
   trim(workdir)
   return summary

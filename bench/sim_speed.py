@@ -23,8 +23,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from lowcomm_jax import steps  # noqa: E402
-from lowcomm_jax.simulate import _Simulation  # noqa: E402
+from lowcomm_jax.programs import steps  # noqa: E402
+from lowcomm_jax.runtimes.simulator.simulate import _Simulation  # noqa: E402
 
 
 def _config(workers: int, rounds: int):

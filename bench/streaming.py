@@ -29,7 +29,7 @@ def _config(**fields):
 
 
 def train_part(args) -> list[dict]:
-  from lowcomm_jax import train
+  from lowcomm_jax.runtimes.spmd import train
   common = {"num_workers": args.workers, "rounds": args.rounds, "inner_steps": args.inner_steps,
             "model.name": "small", "eval_every": 0, "checkpoint_every": 0, "log_every": 5}
   cases = [("diloco", {"algorithm": "diloco"})]
@@ -52,7 +52,7 @@ def train_part(args) -> list[dict]:
 
 
 def sim_part(args) -> list[dict]:
-  from lowcomm_jax import simulate
+  from lowcomm_jax.runtimes.simulator import simulate
   w = args.workers
   common = {"sim.enabled": True, "num_workers": w, "rounds": args.rounds,
             "inner_steps": args.inner_steps, "model.name": "small", "eval_every": 0,

@@ -43,7 +43,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # peaks are all
 
 import jax  # noqa: E402
 
-from lowcomm_jax import memory  # noqa: E402
+from lowcomm_jax.assemble import memory  # noqa: E402
 from lowcomm_jax.data import TOKENIZER_VOCAB  # noqa: E402
 from lowcomm_jax.model import get_preset  # noqa: E402
 from lowcomm_jax.model import attention  # noqa: E402

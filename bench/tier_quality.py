@@ -46,7 +46,7 @@ TIE = 1e-4  # losses closer than this are equal (float32 sums in another order)
 
 
 def config(args, layout: str, seed: int):
-  from lowcomm_jax.hosts import host
+  from lowcomm_jax.assemble.hosts import host
   base = "LSSS_diff" if layout == "S_alone" else layout
   c = runpy.run_path(str(REPO / "configs" / f"{base}.py"))["get_config"]()
   if layout == "S_alone":
@@ -60,7 +60,7 @@ def config(args, layout: str, seed: int):
 
 
 def run_one(args, name: str) -> None:
-  from lowcomm_jax import train
+  from lowcomm_jax.runtimes.spmd import train
   layout, seed = name.rsplit(".s", 1)
   workdir = args.workdir / name
   shutil.rmtree(workdir, ignore_errors=True)  # a run cut off earlier starts again, whole
@@ -117,7 +117,7 @@ def eval_cost(args) -> str:
   import statistics
   import time
   import jax
-  from lowcomm_jax import train
+  from lowcomm_jax.runtimes.spmd import train
   runs = {}
   for label, full_only in (("full width only", True), ("every width", False)):
     c = config(args, "LSSS_diff", 0)

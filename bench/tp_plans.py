@@ -86,7 +86,7 @@ def _train_step(cfg, plan, mesh, tx):
 def sweep():
   """Every plan of configs/tp_sweep.py through the runner (ddp, one worker, 4 shards)."""
   import runpy  # noqa: PLC0415
-  from lowcomm_jax import train  # noqa: PLC0415
+  from lowcomm_jax.runtimes.spmd import train  # noqa: PLC0415
   get_config = runpy.run_path(str(REPO / "configs" / "tp_sweep.py"))["get_config"]
   _runnable(get_preset("small12", vocab_size=0, tokenizer_vocab=256))
   results = {}

@@ -162,7 +162,7 @@ class Clocks:
     from lowcomm_jax.sim import replay
     key = json.dumps([fields, seed, network], sort_keys=True)
     if key not in self.cache:
-      from lowcomm_jax import simulate
+      from lowcomm_jax.runtimes.simulator import simulate
       self.cache[key] = simulate.clock(config({**fields, **network}, seed))
     return replay.seconds_at(self.cache[key], steps)
 

@@ -3,7 +3,7 @@
 import pathlib
 import runpy
 
-from lowcomm_jax.hosts import host
+from lowcomm_jax.assemble.hosts import host
 
 _hetero = runpy.run_path(str(pathlib.Path(__file__).with_name("diloco_hetero.py")))
 

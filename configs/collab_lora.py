@@ -2,7 +2,7 @@
 
 Peer 0 (say an A100) takes micro-batches of 8 sequences, peer 1 (a T4, half as fast) of 2;
 together they fill a target batch of 32 samples, then the sample-weighted mean gradient of
-the LoRA adapters takes one AdamW step (an epoch; lowcomm_jax/collab.py). Only the adapters
+the LoRA adapters takes one AdamW step (an epoch; lowcomm_jax/runtimes/spmd/collab.py). Only the adapters
 cross the network. (LAMB, the large-batch optimizer, barely moves LoRA's zero-initialized B:
 its trust ratio scales B's step by B's own norm; BENCHMARKS.md measures it.)
 
@@ -17,7 +17,7 @@ the collaboration's progress. For a real model set --config.model.init_from=PATH
 import pathlib
 import runpy
 
-from lowcomm_jax.hosts import host
+from lowcomm_jax.assemble.hosts import host
 
 _base = runpy.run_path(str(pathlib.Path(__file__).with_name("base.py")))
 

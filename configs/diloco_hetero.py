@@ -12,7 +12,7 @@ in a few minutes and prints eval loss, tokens and bytes sent next to what DDP wo
 import pathlib
 import runpy
 
-from lowcomm_jax.hosts import host
+from lowcomm_jax.assemble.hosts import host
 
 _base = runpy.run_path(str(pathlib.Path(__file__).with_name("base.py")))
 

@@ -3,7 +3,7 @@
 Three peers, each a JAX process of its own (a Ray actor), take micro-batches of 8 at their
 own speed until the target batch of 48 samples is reached; then each sends its mean
 gradient of the LoRA adapters and the server takes one AdamW step on their sample-weighted
-mean (an epoch; lowcomm_jax/ray_runtime/epochs.py). A peer that crashes loses only its
+mean (an epoch; lowcomm_jax/runtimes/ray/epochs.py). A peer that crashes loses only its
 unsent samples of that epoch, a peer that joins is counted from its first micro-batch, and
 nobody waits for a micro-batch past `ray.grace_s` once the target is reached. On one machine
 (a local Ray starts inside the process):

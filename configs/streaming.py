@@ -11,7 +11,7 @@ DiLoCo's (summary.json: bytes_sent_peak_sync); total bytes are DiLoCo's.
 import pathlib
 import runpy
 
-from lowcomm_jax.hosts import host
+from lowcomm_jax.assemble.hosts import host
 
 _base = runpy.run_path(str(pathlib.Path(__file__).with_name("base.py")))
 

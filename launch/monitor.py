@@ -3,7 +3,7 @@ all, loss and ETA, printed and written to TensorBoard.
 
   python launch/monitor.py --workdir=DIR [--interval=1]
 
-It reads the rows process 0 appends to DIR/collab.jsonl (lowcomm_jax/collab.py): one per
+It reads the rows process 0 appends to DIR/collab.jsonl (lowcomm_jax/runtimes/spmd/collab.py): one per
 finished epoch, within an epoch one a second with every peer's samples so far, and one
 where a restart resumed (the epochs after that checkpoint are redone and appear again). It joins
 no collective and holds no device, so it can start before the peers, restart at any time,
@@ -19,9 +19,9 @@ import signal
 import sys
 import time
 
-from lowcomm_jax.metrics import EventWriter, format_eta
+from lowcomm_jax.run.metrics import EventWriter, format_eta
 
-PROGRESS_FILE = "collab.jsonl"  # = lowcomm_jax.collab.PROGRESS_FILE (no training code here)
+PROGRESS_FILE = "collab.jsonl"  # = lowcomm_jax.runtimes.spmd.collab.PROGRESS_FILE (no training code here)
 ETA_EPOCHS = 5  # the ETA extrapolates the mean of the last few epochs
 
 

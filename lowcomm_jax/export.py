@@ -23,14 +23,14 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import runpy
 import sys
 
 import jax
 import ml_collections
 
-from lowcomm_jax import run_identity
-from lowcomm_jax.checkpoint import Checkpointer, abstract_with_shardings
+from lowcomm_jax.config import check, defaults
+from lowcomm_jax.run import identity
+from lowcomm_jax.run.checkpoint import Checkpointer, abstract_with_shardings
 from lowcomm_jax.model import hf_export, lora
 from lowcomm_jax.model.presets import GPTConfig
 from lowcomm_jax.model.matformer import hidden_units, slice_tier, width_problems
@@ -65,9 +65,9 @@ def _overlay(config: ml_collections.ConfigDict, stored: dict) -> None:
 
 
 def config_of(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
-  """The run's config from `workdir`/config.json over configs/base.py's defaults, for one
+  """The run's config from `workdir`/config.json over the package's defaults, for one
   process (see the module docstring). Simulator and Ray runs are refused."""
-  path = pathlib.Path(workdir) / run_identity.FILE
+  path = pathlib.Path(workdir) / identity.FILE
   try:
     stored = json.loads(path.read_text())["config"]
   except (OSError, ValueError, KeyError) as e:
@@ -79,11 +79,7 @@ def config_of(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
   if stored.get("runtime", "spmd") != "spmd":
     raise ExportError(f"{workdir}: a runtime={stored['runtime']!r} run keeps its parameters in "
                       "its servers' checkpoints; export reads the runner's (runtime='spmd')")
-  from lowcomm_jax import config_doc  # configs/base.py beside the package, where it is
-  try:
-    config = runpy.run_path(str(config_doc.BASE))["get_config"]()
-  except OSError:  # a non-editable install: the stored config alone
-    config = ml_collections.ConfigDict()
+  config = defaults.get_config()
   _overlay(config, stored)
   config.distributed.num_processes, config.distributed.process_id = 1, -1
   config.distributed.coordinator_address = ""
@@ -155,11 +151,12 @@ class WidthModel:
 def width_model(workdir: str | pathlib.Path, width: float) -> WidthModel:
   """The width-`width` model of the workdir's latest checkpoint (module docstring): what
   `export_width` writes and bench/smollm2_generate.py --workdir runs."""
-  from lowcomm_jax import train  # the runner's stack, loaded only when exporting
+  from lowcomm_jax.runtimes.spmd import train  # the runner's stack, loaded only when exporting
   config = config_of(workdir)
   check_width(config, width)
   if not list((pathlib.Path(workdir) / "checkpoints").glob("[0-9]*")):
     raise ExportError(f"{workdir}: no checkpoint to export; run it first")
+  check.validate_here(config)  # this command's one validation (main's is the run's)
   r = train.build(config, check_memory=False)
   step, params = latest_params(r, workdir)
   d_ff = r.model.cfg.d_ff
@@ -192,8 +189,8 @@ def main(argv=None) -> None:
   p.add_argument("--out", required=True, type=pathlib.Path,
                  help="folder for model.safetensors and config.json")
   args = p.parse_args(argv)
-  from lowcomm_jax.config_error import ConfigError
-  from lowcomm_jax.checkpoint import CheckpointMismatch
+  from lowcomm_jax.config.error import ConfigError
+  from lowcomm_jax.run.checkpoint import CheckpointMismatch
   try:
     written = export_width(args.workdir, args.width, args.out)
   except (ExportError, ConfigError, CheckpointMismatch, OSError) as e:

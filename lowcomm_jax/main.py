@@ -21,7 +21,7 @@ _EXPORT_MERGED = flags.DEFINE_string(
     "checkpoint as Hugging Face safetensors (model.safetensors, config.json) into this folder.")
 _PRINT_CONFIG = flags.DEFINE_bool(
     "print_config", False, "Print the resolved config (every field with its value and the "
-    "comment from configs/base.py that explains it) and exit without training.")
+    "comment from the defaults that explains it) and exit without training.")
 flags.mark_flags_as_required(["config"])
 
 
@@ -33,7 +33,7 @@ def _fail(message: str) -> None:
 def _parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing, after lowcomm_jax's own check of the config file and override
   names (absl reports those as tracebacks); every problem is one line and exit code 2."""
-  from lowcomm_jax import command_line
+  from lowcomm_jax.config import command_line
   try:
     command_line.check(argv[1:])
     return flags.FLAGS(argv)
@@ -47,20 +47,11 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def _validate_early(config) -> None:
-  """Validates the config on this process's devices before the training modules load.
-
-  build() validates again; doing it here first makes a bad value fail in about a second
-  instead of after importing orbax, grain and the model."""
-  import copy
-  import jax
-  from lowcomm_jax import config_check
-  if config.sim.enabled or config.runtime == "ray":  # a worker per device (or vmapped on one)
-    config = copy.deepcopy(config)
-    with config.unlocked():
-      config.mesh.replica = 1
-  config_check.validate(config, num_devices=jax.device_count(),
-                        num_processes=jax.process_count(),
-                        local_devices=jax.local_device_count())
+  """The run's one validation, on this process's devices, before the training modules load:
+  a bad value fails in about a second instead of after importing orbax, grain and the model.
+  Nothing after it checks the config again (build(), the Ray actors)."""
+  from lowcomm_jax.config import check
+  check.validate_here(config)
 
 
 def default_workdir(config_path: str) -> str:
@@ -78,8 +69,8 @@ def main(argv):
   if len(argv) > 1:
     _fail(f"unexpected arguments {argv[1:]}: every option is a flag, --name=value (see --help)")
   if _PRINT_CONFIG.value:
-    from lowcomm_jax import config_doc
-    print(config_doc.describe(_CONFIG.value))
+    from lowcomm_jax.config import doc
+    print(doc.describe(_CONFIG.value))
     return
   logging.getLogger().setLevel(logging.INFO)
   logging.getLogger("absl").addFilter(_QuietCheckpointing())
@@ -87,13 +78,13 @@ def main(argv):
   # no TPU; its warnings and errors (a GPU backend failing) still show.
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   # Imported here so `--help` and flag errors stay fast (jax and orbax load slowly).
-  from lowcomm_jax.config_error import ConfigError
+  from lowcomm_jax.config.error import ConfigError
   from lowcomm_jax.parallel import distributed
-  from lowcomm_jax.run_identity import ResumeRefused
+  from lowcomm_jax.run.identity import ResumeRefused
   if _EXPORT_MERGED.value and _CONFIG.value.lora.rank == 0:
     _fail("--export_merged writes a LoRA run's base + adapters; set --config.lora.rank > 0 "
           "(a full run's checkpoint already holds its whole model)")
-  from lowcomm_jax import compile_cache
+  from lowcomm_jax.run import compile_cache
   try:
     cache_dir = compile_cache.enable(_CONFIG.value.compile_cache_dir)  # before any compile
   except ValueError as e:
@@ -106,22 +97,22 @@ def main(argv):
   except ConfigError as e:
     _fail(str(e) if len(e.problems) > 1 else f"invalid config: {e.problems[0]}")
   import jax
-  from lowcomm_jax import train
-  from lowcomm_jax.checkpoint import CheckpointMismatch
-  from lowcomm_jax.collab import CollabTimeout
+  from lowcomm_jax.runtimes.spmd import train
+  from lowcomm_jax.run.checkpoint import CheckpointMismatch
+  from lowcomm_jax.runtimes.spmd.collab import CollabTimeout
   from lowcomm_jax.data import DataError
-  from lowcomm_jax.run_files import TrainingDiverged
-  from lowcomm_jax.workdir import WorkdirError
+  from lowcomm_jax.run.files import TrainingDiverged
+  from lowcomm_jax.run.workdir import WorkdirError
 
   workdir = _WORKDIR.value or default_workdir(config_flags.get_config_filename(flags.FLAGS["config"]))
   run = train.run
   if _CONFIG.value.sim.enabled:
-    from lowcomm_jax import simulate
+    from lowcomm_jax.runtimes.simulator import simulate
     run = simulate.run
   elif _CONFIG.value.runtime == "ray":
-    from lowcomm_jax.ray_runtime import cluster
+    from lowcomm_jax.runtimes.ray import cluster
     try:
-      from lowcomm_jax.ray_runtime import driver as ray_driver
+      from lowcomm_jax.runtimes.ray import driver as ray_driver
       cluster.import_ray()
     except cluster.RayUnavailable as e:
       _fail(str(e))

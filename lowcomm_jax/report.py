@@ -14,9 +14,9 @@ import argparse
 import json
 import pathlib
 
-from lowcomm_jax import run_identity
-from lowcomm_jax.config_doc import host_row
-from lowcomm_jax.metric_names import widths_of
+from lowcomm_jax.run import identity
+from lowcomm_jax.config.doc import host_row
+from lowcomm_jax.run.metric_names import widths_of
 
 COLUMNS = [("run", "{}"), ("algorithm", "{}"), ("num_workers", "{}"), ("inner_steps", "{}"),
            ("rounds", "{}"), ("eval_loss", "{:.4f}"), ("tokens", "{:,}"),
@@ -105,7 +105,7 @@ def config_diff(workdirs) -> str:
   per field, a column per run), and a note naming runs without config.json."""
   names = labels(workdirs)
   configs = {n: read_config(w) for n, w in zip(names, workdirs)}
-  flat = {n: run_identity.flatten(c) for n, c in configs.items() if c is not None}
+  flat = {n: identity.flatten(c) for n, c in configs.items() if c is not None}
   lines = []
   if len(flat) >= 2:
     fields = list(dict.fromkeys(f for c in flat.values() for f in c))

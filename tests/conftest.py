@@ -140,7 +140,7 @@ def train_rounds(config, rounds: int, *, record: list | None = None):
   `record`: a list to append each sync call to (`record_syncs`).
 
   Returns (run, global state, this process's worker states, last round's metrics)."""
-  from lowcomm_jax import train
+  from lowcomm_jax.runtimes.spmd import train
   r = train.build(config)
   fns = train.jitted_steps(r)
   if record is not None:
@@ -182,8 +182,8 @@ def checkpointed_state(config, workdir, run=None):
   """((global state, worker states), data-stream states) of the workdir's latest checkpoint,
   restored to the shapes of `run` (default: `config` built; pass the run where building it
   again costs, as a LoRA build initializing its frozen base)."""
-  from lowcomm_jax import train
-  from lowcomm_jax.checkpoint import Checkpointer, abstract_with_shardings
+  from lowcomm_jax.runtimes.spmd import train
+  from lowcomm_jax.run.checkpoint import Checkpointer, abstract_with_shardings
   r = run if run is not None else train.build(config)
   ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=2)
   state, _, workers, data = ckpt.restore(
@@ -199,7 +199,7 @@ def assert_run_resumes_exactly(config, tmp_path, stop_after_rounds: int):
   streams, bit for bit. Returns (the straight run's summary, its checkpointed global
   state)."""
   import jax
-  from lowcomm_jax import train
+  from lowcomm_jax.runtimes.spmd import train
   straight = train.run(config, tmp_path / "straight")
   stopped = train.run(config, tmp_path / "resumed", stop_after_rounds=stop_after_rounds)
   assert stopped == {"stopped_at_round": stop_after_rounds}
@@ -216,7 +216,7 @@ def assert_simulator_equals_runner(config, tmp_path, rounds: int = 3) -> dict:
   """`config` simulated (sim_and_runner_config) ends at the runner's θ after `rounds` rounds,
   bit for bit, and the simulation stopped after one checkpoint and resumed is the same.
   Returns the simulation's summary."""
-  from lowcomm_jax import simulate
+  from lowcomm_jax.runtimes.simulator import simulate
   summary = simulate.run(config, tmp_path / "whole")
   assert summary["algorithm"] == config.algorithm
   assert summary["total_inner_steps"] == rounds * config.num_workers * config.inner_steps
@@ -233,7 +233,7 @@ def assert_simulation_resumes_exactly(config, whole_dir, whole_summary, split_di
   """`config` simulated again in `split_dir`, stopped after that many checkpoints and
   resumed: the same summary (clock, bytes, losses, per-worker records) and the same final
   model, bit for bit, as the uninterrupted run in `whole_dir`."""
-  from lowcomm_jax import simulate
+  from lowcomm_jax.runtimes.simulator import simulate
   stopped = simulate.run(config, split_dir, stop_after_checkpoints=stop_after_checkpoints)
   assert stopped["stopped_at"] == stop_after_checkpoints, stopped
   resumed = simulate.run(config, split_dir)

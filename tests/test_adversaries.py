@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import load_config, train_rounds
-from lowcomm_jax import config_check
+from lowcomm_jax.config import check
 from lowcomm_jax.data import WorkerStreams
 from lowcomm_jax.aggregate import make_attack
 
@@ -64,7 +64,7 @@ def test_other_text_trains_from_a_second_file(tmp_path):
   config = load_config("smoke", rounds=1, **{
       "data.corrupt_workers": (1,), "data.corruption": "other_text",
       "data.corruption_prob": 1.0, "data.corruption_path": str(other)})
-  from lowcomm_jax import build
+  from lowcomm_jax.assemble import build
   batch = build.build(config).data.streams[0].next_round(2)
   assert set(np.unique(batch[1]).tolist()) <= set(b" loremipsudtca")  # worker 1: all other text
   assert not set(np.unique(batch[0]).tolist()) <= set(b" loremipsudtca")
@@ -122,8 +122,8 @@ def test_a_scaled_attacker_breaks_the_mean_and_not_the_robust_rules():
     ({"data.corrupt_workers": (1,), "data.corruption": "other_text"}, "data.corruption_path"),
 ])
 def test_bad_adversary_configs_name_the_field(overrides, message):
-  with pytest.raises(config_check.ConfigError, match=message):
-    config_check.validate(load_config("smoke", num_workers=4, **overrides), num_devices=8)
+  with pytest.raises(check.ConfigError, match=message):
+    check.validate(load_config("smoke", num_workers=4, **overrides), num_devices=8)
 
 
 def test_contiguous_partitions_give_each_worker_its_own_shard():

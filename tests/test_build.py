@@ -2,7 +2,7 @@
 them JAX's traces and executables); a program is built anew exactly when something it reads
 changed."""
 
-from lowcomm_jax import train
+from lowcomm_jax.runtimes.spmd import train
 
 
 def _functions(r):

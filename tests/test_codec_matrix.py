@@ -14,11 +14,13 @@ import ml_collections
 import numpy as np
 import pytest
 
-from lowcomm_jax import compress, round_driver, train
+from lowcomm_jax import compress
+from lowcomm_jax.runtimes.spmd import driver
+from lowcomm_jax.runtimes.spmd import train
 from lowcomm_jax.aggregate import compressed_mean
-from lowcomm_jax.hosts import host
+from lowcomm_jax.assemble.hosts import host
 from lowcomm_jax.model.matformer import tier_mask
-from lowcomm_jax.rounds import jitted_steps
+from lowcomm_jax.assemble.jitted import jitted_steps
 
 from conftest import load_config, record_syncs
 
@@ -69,7 +71,7 @@ def test_codec_trains_end_to_end(tmp_path, monkeypatch, codec, algorithm, tiers)
     fns = jitted_steps(r, **kwargs)
     record_syncs(fns, calls)
     return fns
-  monkeypatch.setattr(round_driver, "jitted_steps", recording)
+  monkeypatch.setattr(driver, "jitted_steps", recording)
   summary = train.run(config, tmp_path)
   assert math.isfinite(summary["eval_loss"]) and math.isfinite(summary["train_loss"])
   assert summary["codec"] == codec

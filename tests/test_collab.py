@@ -1,4 +1,4 @@
-"""Collaborative epochs (lowcomm_jax/collab.py): unequal peers fill a target batch, the
+"""Collaborative epochs (lowcomm_jax/runtimes/spmd/collab.py): unequal peers fill a target batch, the
 sample-weighted mean gradient takes one optimizer step."""
 
 import functools
@@ -13,11 +13,13 @@ import pytest
 from flax import nnx
 
 from conftest import checkpointed_state, load_config
-from lowcomm_jax import collab, run_loop, train
-from lowcomm_jax.config_check import ConfigError, validate
-from lowcomm_jax.hosts import host
+from lowcomm_jax.runtimes.spmd import collab
+from lowcomm_jax.run import loop
+from lowcomm_jax.runtimes.spmd import train
+from lowcomm_jax.config.check import ConfigError, validate
+from lowcomm_jax.assemble.hosts import host
 from lowcomm_jax.model import next_token_loss
-from lowcomm_jax.run_files import RunFiles
+from lowcomm_jax.run.files import RunFiles
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -46,7 +48,7 @@ def _run(config, workdir, progress_cls=None):
                             [len(h.worker_ids) * h.batch_size for h in r.topology.hosts],
                             [h.speed for h in r.topology.hosts])
   driver = collab.CollabDriver(r, None, progress=progress)
-  summary = run_loop.run(driver, RunFiles(config, workdir), t_start=time.time())
+  summary = loop.run(driver, RunFiles(config, workdir), t_start=time.time())
   return r, summary
 
 
@@ -315,7 +317,7 @@ def test_the_monitor_reports_epochs_rates_and_eta_and_writes_tensorboard(tmp_pat
   import sys
   sys.path.insert(0, str(REPO / "launch"))
   import monitor as monitor_lib
-  from lowcomm_jax.metrics import EventWriter
+  from lowcomm_jax.run.metrics import EventWriter
   rows = tmp_path / collab.PROGRESS_FILE
   rows.write_text(
       json.dumps({"epoch": 1, "live": True, "time": 0, "samples": [8, 2], "target": 32}) + "\n"

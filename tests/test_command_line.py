@@ -6,8 +6,8 @@ import sys
 import pytest
 
 from conftest import REPO
-from lowcomm_jax import command_line
-from lowcomm_jax.command_line import UsageError
+from lowcomm_jax.config import command_line
+from lowcomm_jax.config.command_line import UsageError
 
 CASES = [
     (["--config=configs/smoke.py", "--config.num_worker=2"],

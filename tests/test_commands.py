@@ -5,7 +5,7 @@ Collected: README.md's ```bash blocks and its inline commands (`python ...`, `pi
 docstrings of configs/*.py. Each is split into simple commands (`&&`, leading VAR=value):
 
   python -m lowcomm_jax.main   flags parsed the way main.py parses them (its own absl flags,
-                               ml_collections overrides), then config_check.validate on the
+                               ml_collections overrides), then check.validate on the
                                devices the command's XLA_FLAGS (or launcher) gives it
   scripts and other modules    their argparse parser takes the arguments (the script runs up
                                to its parse, then stops); launch/local.py's main arguments
@@ -157,7 +157,8 @@ def _device_count(env: dict) -> int:
 def check_main(args: list[str], *, devices_per_process: int, processes: int = 1):
   """main.py's flag parsing on a fresh FlagValues, then the validation it does first."""
   import lowcomm_jax.main as main
-  from lowcomm_jax import command_line, config_check
+  from lowcomm_jax.config import command_line
+  from lowcomm_jax.config import check
   command_line.check(args)  # main's own pre-check of the config file and override names
   argv = ["main", *args]
   values = flags.FlagValues()
@@ -172,7 +173,7 @@ def check_main(args: list[str], *, devices_per_process: int, processes: int = 1)
   if config.sim.enabled:  # as main does: the simulator vmaps every worker on one device
     with config.unlocked():
       config.mesh.replica = 1
-  config_check.validate(config, num_devices=devices_per_process * processes,
+  check.validate(config, num_devices=devices_per_process * processes,
                         num_processes=processes, local_devices=devices_per_process)
 
 
@@ -267,12 +268,12 @@ def test_command_runs_as_written(where, command, monkeypatch):
 
 
 def _usage_error():
-  from lowcomm_jax.command_line import UsageError
+  from lowcomm_jax.config.command_line import UsageError
   return UsageError
 
 
 def _config_error():
-  from lowcomm_jax.config_check import ConfigError
+  from lowcomm_jax.config.check import ConfigError
   return ConfigError
 
 

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import all_gathered_bytes
-from lowcomm_jax import compress, train
+from lowcomm_jax import compress
+from lowcomm_jax.runtimes.spmd import train
 
 
 def _tiny_shapes(m):

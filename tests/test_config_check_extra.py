@@ -6,9 +6,10 @@ import time
 import pytest
 
 from conftest import load_config
-from lowcomm_jax import config_check, memory
+from lowcomm_jax.config import check
+from lowcomm_jax.assemble import memory
 from lowcomm_jax.parallel import distributed
-from lowcomm_jax.config_check import ConfigError
+from lowcomm_jax.config.check import ConfigError
 
 
 def _problems(config, environ=None, **kwargs) -> list[str]:
@@ -16,7 +17,7 @@ def _problems(config, environ=None, **kwargs) -> list[str]:
   if environ is not None:  # distributed checks read the environment; keep it controlled
     return distributed.problems(config, environ)
   with pytest.raises(ConfigError) as e:
-    config_check.validate(config, **kwargs)
+    check.validate(config, **kwargs)
   return e.value.problems
 
 
@@ -50,9 +51,9 @@ def test_k_beyond_half_a_chunk_is_refused_not_silently_capped(codec, chunk, k):
 
 def test_k_within_the_chunk_and_the_shipped_codec_configs_pass():
   config = load_config("smoke", **{"compress.codec": "sparseloco", "compress.k": 2048})
-  config_check.validate(config, num_devices=8)
-  config_check.validate(load_config("diloco_sparseloco"), num_devices=8)
-  config_check.validate(load_config("ddp_demo"), num_devices=8)
+  check.validate(config, num_devices=8)
+  check.validate(load_config("diloco_sparseloco"), num_devices=8)
+  check.validate(load_config("ddp_demo"), num_devices=8)
 
 
 def test_k_with_per_tensor_topk_is_unused_and_refused():
@@ -76,7 +77,7 @@ def test_sim_fields_without_the_simulator_are_refused_as_ignored():
           "sim.enabled=True; set --config.sim.enabled=True or leave them at their defaults"
           in problems), problems
   # Tuples from the command line equal the base's lists: not a change.
-  config_check.validate(load_config("smoke", **{"sim.speeds": []}), num_devices=8)
+  check.validate(load_config("smoke", **{"sim.speeds": []}), num_devices=8)
 
 
 def test_processes_without_a_coordinator_are_refused():
@@ -117,7 +118,7 @@ def test_ipv6_and_named_coordinators_are_accepted():
 
 
 def test_workers_that_cannot_fit_are_refused_before_allocating(monkeypatch, smoke_config):
-  from lowcomm_jax import build
+  from lowcomm_jax.assemble import build
   # A 64 MiB device: 4096 tiny workers (AdamW states alone ~1 GiB) cannot fit.
   monkeypatch.setattr(memory, "available_bytes", lambda devices: (64 * 2**20, "a test device"))
   t0 = time.time()
@@ -136,7 +137,7 @@ def test_workers_that_cannot_fit_are_refused_before_allocating(monkeypatch, smok
 
 
 def test_memory_estimate_counts_adamw_states_and_codec_buffers(smoke_config):
-  from lowcomm_jax import build
+  from lowcomm_jax.assemble import build
   r = build.build(smoke_config(num_workers=8, **{"compress.codec": "sparseloco"}))
   parts = memory.estimate(r)
   params = r.model.param_bytes

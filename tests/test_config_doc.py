@@ -1,6 +1,6 @@
 from conftest import load_config
-from lowcomm_jax import config_doc
-from lowcomm_jax.hosts import host
+from lowcomm_jax.config import doc
+from lowcomm_jax.assemble.hosts import host
 
 
 def _lines(text: str) -> dict[str, str]:
@@ -10,11 +10,11 @@ def _lines(text: str) -> dict[str, str]:
 
 
 def test_every_base_field_has_a_comment():
-  docs, _ = config_doc.field_docs()
-  names = [name for name, _ in config_doc.leaves(load_config('base'))]
+  docs, _ = doc.field_docs()
+  names = [name for name, _ in doc.leaves(load_config('base'))]
   assert len(names) > 50
   assert [n for n in names if not docs.get(n)] == []
-  lines = _lines(config_doc.describe(load_config('base')))
+  lines = _lines(doc.describe(load_config('base')))
   assert sorted(lines) == sorted(names)
   assert all("  # " in line for line in lines.values())
 
@@ -25,7 +25,7 @@ def test_values_reflect_overrides_and_nested_fields_get_their_comments():
   c.sim.network.inter_gbps = 2.5
   c.model.tp.size = 2
   c.extra_field = 3  # a field some config adds: no comment in base.py
-  lines = _lines(config_doc.describe(c))
+  lines = _lines(doc.describe(c))
   assert lines["outer.lr"].startswith("outer.lr = 0.5 ")
   assert lines["outer.lr"].endswith("# DiLoCo's outer learning rate")
   assert lines["sim.network.inter_gbps"].startswith("sim.network.inter_gbps = 2.5 ")
@@ -41,7 +41,7 @@ def test_values_reflect_overrides_and_nested_fields_get_their_comments():
 def test_host_table_rows_print_one_per_line():
   c = load_config('base')
   c.hosts = [host(tier=1.0), host(tier=0.25, workers=2, speed=1.5)]
-  lines = config_doc.describe(c).splitlines()
+  lines = doc.describe(c).splitlines()
   at = next(i for i, line in enumerate(lines) if line.startswith("hosts = ["))
   assert "  # e.g. [host(tier=1.0)" in lines[at]
   assert lines[at + 1:at + 4] == ["    host(tier=1.0, workers=1),",
@@ -49,6 +49,6 @@ def test_host_table_rows_print_one_per_line():
 
 
 def test_without_base_py_fields_print_without_comments(tmp_path):
-  text = config_doc.describe(load_config('base'), base=tmp_path / "missing.py")
+  text = doc.describe(load_config('base'), base=tmp_path / "missing.py")
   assert "outer.lr = 0.7\n" in text
   assert "#" not in text

@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 
 from conftest import REPO, load_config, xla_flags
-from lowcomm_jax import checkpoint, train
-from lowcomm_jax.checkpoint import Checkpointer, CheckpointMismatch, abstract_with_shardings
+from lowcomm_jax.run import checkpoint
+from lowcomm_jax.runtimes.spmd import train
+from lowcomm_jax.run.checkpoint import Checkpointer, CheckpointMismatch, abstract_with_shardings
 
 
 def _config(**overrides):
@@ -159,7 +160,7 @@ def test_checkpoints_without_manifests_are_trusted_as_before(trained, tmp_path):
 
 def _lock_holder(workdir):
   """Another live process holding the workdir's lock until killed."""
-  code = ("import sys, time; from lowcomm_jax import workdir\n"
+  code = ("import sys, time; from lowcomm_jax.run import workdir\n"
           "with workdir.locked(sys.argv[1]):\n  print('held', flush=True); time.sleep(300)\n")
   proc = subprocess.Popen([sys.executable, "-c", code, str(workdir)], cwd=REPO,
                           stdout=subprocess.PIPE, text=True,
@@ -169,7 +170,7 @@ def _lock_holder(workdir):
 
 
 def test_second_run_into_a_locked_workdir_stops_at_once_naming_the_holder(tmp_path):
-  from lowcomm_jax.workdir import WorkdirError
+  from lowcomm_jax.run.workdir import WorkdirError
   workdir = tmp_path / "run"
   holder = _lock_holder(workdir)
   try:
@@ -186,7 +187,7 @@ def test_second_run_into_a_locked_workdir_stops_at_once_naming_the_holder(tmp_pa
 
 def test_lock_of_a_dead_run_is_taken_over_and_a_live_one_from_another_host_is_not(
     tmp_path, caplog):
-  from lowcomm_jax import workdir as workdir_lib
+  from lowcomm_jax.run import workdir as workdir_lib
   lock = tmp_path / "LOCK"
   dead = subprocess.Popen([sys.executable, "-c", "pass"])
   dead.wait()
@@ -208,7 +209,7 @@ def test_lock_of_a_dead_run_is_taken_over_and_a_live_one_from_another_host_is_no
 
 
 def test_a_held_lock_is_refreshed_so_other_hosts_see_the_run_alive(tmp_path, monkeypatch):
-  from lowcomm_jax import workdir as workdir_lib
+  from lowcomm_jax.run import workdir as workdir_lib
   monkeypatch.setattr(workdir_lib, "BEAT_S", 0.05)
   with workdir_lib.locked(tmp_path) as lock:
     os.utime(lock, (0, 0))
@@ -221,7 +222,7 @@ def test_a_held_lock_is_refreshed_so_other_hosts_see_the_run_alive(tmp_path, mon
 @pytest.mark.parametrize("part", ["process part", "orbax part"])
 def test_disk_full_during_a_save_is_one_line_and_the_previous_checkpoint_resumes(
     trained, tmp_path, monkeypatch, part):
-  from lowcomm_jax.workdir import WorkdirError
+  from lowcomm_jax.run.workdir import WorkdirError
   workdir = _copy(trained, tmp_path)
   full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
   if part == "process part":  # the per-process arrays, written on the training thread
@@ -253,7 +254,7 @@ def test_disk_full_during_a_save_is_one_line_and_the_previous_checkpoint_resumes
 
 
 def test_workdir_that_is_a_file_or_read_only_is_one_line(tmp_path, monkeypatch):
-  from lowcomm_jax import workdir as workdir_lib
+  from lowcomm_jax.run import workdir as workdir_lib
   a_file = tmp_path / "a_file"
   a_file.write_text("")
   with pytest.raises(workdir_lib.WorkdirError, match=f"--workdir {a_file} is a file"):

@@ -11,9 +11,11 @@ import pytest
 import toy_problem as toy
 from conftest import (assert_simulator_equals_runner, checkpointed_state, sim_and_runner_config,
                       train_rounds)
-from lowcomm_jax import config_check, simulate, train
+from lowcomm_jax.config import check
+from lowcomm_jax.runtimes.simulator import simulate
+from lowcomm_jax.runtimes.spmd import train
 from lowcomm_jax.algorithms.desloc import MomentSync
-from lowcomm_jax.hosts import host
+from lowcomm_jax.assemble.hosts import host
 from lowcomm_jax.sim import collectives as sim_collectives
 
 ADAM = {"optimizer.name": "adamw", "optimizer.lr": 0.1, "optimizer.b1": 0.9,
@@ -169,5 +171,5 @@ def test_the_simulator_equals_the_runner_and_times_the_moments(tmp_path):
 ])
 def test_bad_desloc_configs_name_the_field(smoke_config, overrides, message):
   config = smoke_config(algorithm="desloc", **overrides)
-  with pytest.raises(config_check.ConfigError, match=message):
-    config_check.validate(config, num_devices=8)
+  with pytest.raises(check.ConfigError, match=message):
+    check.validate(config, num_devices=8)

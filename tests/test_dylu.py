@@ -1,6 +1,6 @@
 import pytest
 
-from lowcomm_jax.hosts import dylu_inner_steps
+from lowcomm_jax.assemble.hosts import dylu_inner_steps
 
 
 def test_dylu_scales_h_by_relative_speed_and_rounds_up():
@@ -17,7 +17,7 @@ def test_dylu_rejects_non_positive_speeds():
 
 def test_h_is_settled_by_dylu_only_when_it_is_on_and_every_speed_is_known():
   from conftest import load_config
-  from lowcomm_jax.hosts import settle_inner_steps
+  from lowcomm_jax.assemble.hosts import settle_inner_steps
   on = load_config("smoke", inner_steps=20, **{"outer.dylu": True})
   assert settle_inner_steps(on, [20, 8], [4.0, 1.0]) == [20, 5]
   assert settle_inner_steps(on, [20, 8], [4.0, 0.0]) == [20, 8]  # one to measure: configured

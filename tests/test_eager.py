@@ -9,8 +9,9 @@ import pytest
 import toy_problem as toy
 from conftest import (assert_simulator_equals_runner, checkpointed_state, sim_and_runner_config,
                       train_rounds)
-from lowcomm_jax import config_check, train
-from lowcomm_jax.hosts import host
+from lowcomm_jax.config import check
+from lowcomm_jax.runtimes.spmd import train
+from lowcomm_jax.assemble.hosts import host
 
 LR, BETA = toy.LR, toy.BETA
 
@@ -80,6 +81,6 @@ def test_resume_with_an_average_in_flight_is_exact(tmp_path):
     ({"hosts": [host(1.0), host(0.5)], "num_workers": 2}, "algorithm"),
     ({"aggregate.weighting": "tokens"}, "aggregate.weighting")])
 def test_unequal_workers_are_refused(smoke_config, overrides, field):
-  with pytest.raises(config_check.ConfigError, match=field):
-    config_check.validate(smoke_config(algorithm="eager", **overrides), num_devices=8,
+  with pytest.raises(check.ConfigError, match=field):
+    check.validate(smoke_config(algorithm="eager", **overrides), num_devices=8,
                           num_processes=1, local_devices=8)

@@ -27,7 +27,7 @@ GPU_RTOL = 2e-3
 
 _DONATION = """
 import json, runpy, jax
-from lowcomm_jax import train
+from lowcomm_jax.runtimes.spmd import train
 r = train.build(runpy.run_path("configs/smoke.py")["get_config"]())
 fns = train.jitted_steps(r)  # donation left to the default: on off the CPU
 with r.partitioner():

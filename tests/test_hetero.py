@@ -7,10 +7,12 @@ import jax
 import numpy as np
 import pytest
 
-from lowcomm_jax import config_check, round_driver, train
-from lowcomm_jax.checkpoint import Checkpointer, abstract_with_shardings
+from lowcomm_jax.config import check
+from lowcomm_jax.runtimes.spmd import driver
+from lowcomm_jax.runtimes.spmd import train
+from lowcomm_jax.run.checkpoint import Checkpointer, abstract_with_shardings
 from conftest import load_config, train_rounds
-from lowcomm_jax.hosts import host
+from lowcomm_jax.assemble.hosts import host
 from conftest import checkpointed_state as _checkpointed_state
 
 
@@ -137,7 +139,7 @@ def test_dylu_measures_speeds_in_round_two(tmp_path, monkeypatch):
   # Host timings are made up so the outcome is known: in round 1 (compiling) host 1 looks
   # 10x slower per step than host 0, from round 2 on 2.5x slower. DyLU must use round 2's:
   # H = [6, ceil(6 / 2.5)] = [6, 3] (round 1's would give [6, 1]; never measuring, [6, 6]).
-  real_round, rounds_run = round_driver.train_round, []
+  real_round, rounds_run = driver.train_round, []
 
   def timed_round(r, fns, state, workers, batches, weights, *, timed=False, metrics=True,
                   **kwargs):
@@ -148,7 +150,7 @@ def test_dylu_measures_speeds_in_round_two(tmp_path, monkeypatch):
     if timed:
       compute = [s * b.shape[1] for s, b in zip(step_seconds, batches)]
     return state, workers, metrics_, compute
-  monkeypatch.setattr(round_driver, "train_round", timed_round)
+  monkeypatch.setattr(driver, "train_round", timed_round)
   config = _compressed_config([host(1.0), host(0.25)])  # the compressed-tiers test's programs
   assert config.outer.dylu and config.rounds == 4 and config.inner_steps == 6
   summary = train.run(config, tmp_path)
@@ -182,15 +184,15 @@ BAD_HOST_TABLES = [
 
 @pytest.mark.parametrize("hosts,message", BAD_HOST_TABLES)
 def test_bad_host_tables_fail_at_start_up(smoke_config, hosts, message):
-  with pytest.raises(config_check.ConfigError) as e:
-    config_check.validate(smoke_config(hosts=hosts), num_devices=1)
+  with pytest.raises(check.ConfigError) as e:
+    check.validate(smoke_config(hosts=hosts), num_devices=1)
   assert message in str(e.value)
 
 
 def test_same_batches_need_one_batch_size_and_ddp_one_step(smoke_config):
-  with pytest.raises(config_check.ConfigError, match="one batch size"):
-    config_check.validate(_tiers_config(smoke_config, [host(1.0), host(0.5, batch_size=2)],
+  with pytest.raises(check.ConfigError, match="one batch size"):
+    check.validate(_tiers_config(smoke_config, [host(1.0), host(0.5, batch_size=2)],
                                         **{"data.batch_mode": "same"}), num_devices=1)
-  with pytest.raises(config_check.ConfigError, match="ddp takes one step"):
-    config_check.validate(_tiers_config(smoke_config, [host(1.0, inner_steps=5)],
+  with pytest.raises(check.ConfigError, match="ddp takes one step"):
+    check.validate(_tiers_config(smoke_config, [host(1.0, inner_steps=5)],
                                         algorithm="ddp", inner_steps=1), num_devices=1)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import checkpointed_state, load_config, train_rounds
-from lowcomm_jax import train
-from lowcomm_jax.config_check import ConfigError
+from lowcomm_jax.runtimes.spmd import train
+from lowcomm_jax.config.check import ConfigError, validate_here
 from lowcomm_jax.export import export_merged
 from lowcomm_jax.model import lora, pretrained
 
@@ -96,11 +96,11 @@ def test_adapters_train_on_a_bfloat16_base_and_under_ddp(overrides):
 ])
 def test_bad_lora_configs_name_the_field(overrides, message):
   with pytest.raises(ConfigError, match=message):
-    train.build(_config(**overrides))
+    validate_here(_config(**overrides))
 
 
 def test_lora_adapters_train_on_matformer_tiers():
-  from lowcomm_jax.hosts import host
+  from lowcomm_jax.assemble.hosts import host
   config = _config(**{"lora.targets": ("mlp",), "optimizer.warmup_steps": 0, "model.name":
                       "tiny_llama"})
   config.hosts = [host(0.5), host(0.5)]  # both narrow: half of every FFN's hidden units

@@ -10,7 +10,9 @@ import sys
 import pytest
 
 from conftest import REPO
-from lowcomm_jax import metrics, program_cache, train
+from lowcomm_jax.run import metrics
+from lowcomm_jax.assemble import program_cache
+from lowcomm_jax.runtimes.spmd import train
 
 
 def _rows(workdir):
@@ -84,7 +86,7 @@ def test_progress_line_and_eta_format():
 
 
 def test_the_runner_imports_without_tensorflow():
-  code = ("import lowcomm_jax.train, lowcomm_jax.simulate, lowcomm_jax.main, sys; "
+  code = ("import lowcomm_jax.runtimes.spmd.train, lowcomm_jax.runtimes.simulator.simulate, lowcomm_jax.main, sys; "
           "loaded = [m for m in sys.modules if m.startswith('tensorflow')]; "
           "assert not loaded, loaded")
   proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO, xla_flags
-from lowcomm_jax import train
-from lowcomm_jax.checkpoint import Checkpointer, abstract_with_shardings
+from lowcomm_jax.runtimes.spmd import train
+from lowcomm_jax.run.checkpoint import Checkpointer, abstract_with_shardings
 
 SMOKE = ["--config=configs/smoke.py", "--config.rounds=3", "--config.checkpoint_every=3"]
 
@@ -234,8 +234,9 @@ def test_collaborative_lora_peers_and_their_monitor(tmp_path):
   # The same epochs in one process, its virtual clock giving each peer the micro-batches it
   # reached across processes: the same model (up to the order of the sums).
   from conftest import load_config
-  from lowcomm_jax import collab, run_loop
-  from lowcomm_jax.run_files import RunFiles
+  from lowcomm_jax.runtimes.spmd import collab
+  from lowcomm_jax.run import loop
+  from lowcomm_jax.run.files import RunFiles
   reached = {row["epoch"]: row["samples"] for row in epochs}
 
   class Replay(collab.VirtualProgress):
@@ -252,7 +253,7 @@ def test_collaborative_lora_peers_and_their_monitor(tmp_path):
   progress = Replay(config.collab.target_batch_size,
                     [len(h.worker_ids) * h.batch_size for h in r.topology.hosts],
                     [h.speed for h in r.topology.hosts])
-  one = run_loop.run(collab.CollabDriver(r, None, progress=progress),
+  one = loop.run(collab.CollabDriver(r, None, progress=progress),
                      RunFiles(config, tmp_path / "one"), t_start=time.time())
   assert one["tokens"] == summary["tokens"] and one["bytes_sent"] == summary["bytes_sent"]
   np.testing.assert_allclose(one["eval_loss"], summary["eval_loss"], rtol=1e-5)

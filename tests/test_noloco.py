@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import assert_run_resumes_exactly
-from lowcomm_jax import config_check
+from lowcomm_jax.config import check
 from lowcomm_jax.algorithms import noloco
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib, workers
 
@@ -95,10 +95,10 @@ def test_a_noloco_run_keeps_a_model_per_worker_learns_and_resumes_exactly(tmp_pa
 
 
 def test_noloco_refuses_what_it_cannot_pair(smoke_config):
-  with pytest.raises(config_check.ConfigError, match=r"num_workers=3: NoLoCo pairs"):
-    config_check.validate(smoke_config(algorithm="noloco", num_workers=3), num_devices=8)
-  with pytest.raises(config_check.ConfigError, match=r"compress.codec='int8'"):
-    config_check.validate(smoke_config(algorithm="noloco", num_workers=4,
+  with pytest.raises(check.ConfigError, match=r"num_workers=3: NoLoCo pairs"):
+    check.validate(smoke_config(algorithm="noloco", num_workers=3), num_devices=8)
+  with pytest.raises(check.ConfigError, match=r"compress.codec='int8'"):
+    check.validate(smoke_config(algorithm="noloco", num_workers=4,
                                        **{"compress.codec": "int8"}), num_devices=8)
   sync = noloco.ALGORITHM.sync(smoke_config(algorithm="noloco", num_workers=4), [], 0)
   assert sync.place(4) == sync.place(1) == []

@@ -9,7 +9,8 @@ import optax
 import toy_problem as toy
 from conftest import (assert_simulation_resumes_exactly, sim_and_runner_config,
                       train_rounds)
-from lowcomm_jax import outer, simulate
+from lowcomm_jax import outer
+from lowcomm_jax.runtimes.simulator import simulate
 
 LR, BETA = toy.LR, toy.BETA
 

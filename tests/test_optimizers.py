@@ -1,4 +1,4 @@
-"""The inner optimizer a run builds (optimizers.py) against hand-computed values: the
+"""The inner optimizer a run builds (programs/optimizers.py) against hand-computed values: the
 warmup-cosine schedule, global-norm clipping, AdamW's weight-decay mask; and codecs with and
 without error feedback."""
 
@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 
 from conftest import load_config
-from lowcomm_jax import compress, optimizers
+from lowcomm_jax import compress
+from lowcomm_jax.programs import optimizers
 from lowcomm_jax.model import GPT, get_preset
 
 
@@ -226,9 +227,9 @@ def test_muon_orthogonalizes_hidden_matrices_and_leaves_the_rest_to_adamw():
     ({"optimizer.adam_lr": -1.0}, "optimizer.adam_lr"),
 ])
 def test_bad_optimizer_fields_are_named(overrides, field):
-  from lowcomm_jax import config_check
-  with pytest.raises(config_check.ConfigError, match=field):
-    config_check.validate(load_config("smoke", **overrides), num_devices=8)
+  from lowcomm_jax.config import check
+  with pytest.raises(check.ConfigError, match=field):
+    check.validate(load_config("smoke", **overrides), num_devices=8)
 
 
 def test_each_optimizer_name_picks_its_optimizer():

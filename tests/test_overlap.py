@@ -9,7 +9,9 @@ import pytest
 import toy_problem as toy
 from conftest import (assert_simulation_resumes_exactly, checkpointed_state,
                       sim_and_runner_config, train_rounds)
-from lowcomm_jax import config_check, simulate, train
+from lowcomm_jax.config import check
+from lowcomm_jax.runtimes.simulator import simulate
+from lowcomm_jax.runtimes.spmd import train
 
 ALPHA, MOMENTUM = 0.2, 0.5
 
@@ -69,6 +71,6 @@ def test_resume_with_an_average_in_flight_is_exact(tmp_path):
 @pytest.mark.parametrize("field,value", [("overlap.alpha", 0.0), ("overlap.alpha", 1.5),
                                          ("overlap.anchor_momentum", 1.0)])
 def test_bad_overlap_configs_name_the_field(smoke_config, field, value):
-  with pytest.raises(config_check.ConfigError, match=field):
-    config_check.validate(smoke_config(algorithm="overlap", **{field: value}), num_devices=8,
+  with pytest.raises(check.ConfigError, match=field):
+    check.validate(smoke_config(algorithm="overlap", **{field: value}), num_devices=8,
                           num_processes=1, local_devices=8)

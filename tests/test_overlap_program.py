@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 
 from conftest import checkpointed_state, load_config, rerun_with_default_compile
-from lowcomm_jax import round_driver, rounds, train
-from lowcomm_jax.hosts import host
+from lowcomm_jax.runtimes.spmd import driver
+from lowcomm_jax.assemble import jitted
+from lowcomm_jax.runtimes.spmd import rounds
+from lowcomm_jax.runtimes.spmd import train
+from lowcomm_jax.assemble.hosts import host
 from lowcomm_jax.parallel import mesh as mesh_lib
 
 
@@ -49,8 +52,8 @@ def _compiled_round(algorithm: str, **overrides) -> str:
   c = load_config("smoke", algorithm=algorithm, num_workers=4, **{"mesh.replica": 4},
                   **overrides)
   r = train.build(c)
-  fns = rounds.jitted_steps(r)
-  state, workers = rounds.init_run(r, fns)
+  fns = jitted.jitted_steps(r)
+  state, workers = jitted.init_run(r, fns)
   H = c.inner_steps
   batches = [s.next_round(H) for s in r.data.streams]
   workers, _, held = rounds.held_round(r, fns, state, workers, batches, [H])
@@ -95,8 +98,8 @@ def test_overlapped_runs_train_exactly_as_separate_programs(tmp_path, smoke_conf
   config = smoke_config(algorithm="one_step_delay", rounds=7, eval_every=3,
                         checkpoint_every=3, log_every=2)
   used = []
-  real = round_driver.overlapped_round
-  monkeypatch.setattr(round_driver, "overlapped_round",
+  real = driver.overlapped_round
+  monkeypatch.setattr(driver, "overlapped_round",
                       lambda *a, **k: used.append(1) or real(*a, **k))
   train.run(config, tmp_path / "overlapped")
   # Rounds 3 and 6 evaluate and save, 7 ends: their own syncs run at once. The others' are

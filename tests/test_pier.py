@@ -8,7 +8,8 @@ import pytest
 import toy_problem as toy
 from conftest import (assert_simulator_equals_runner, checkpointed_state, sim_and_runner_config,
                       train_rounds)
-from lowcomm_jax import config_check, train
+from lowcomm_jax.config import check
+from lowcomm_jax.runtimes.spmd import train
 from lowcomm_jax.outer.pier import boundaries
 
 # 10 rounds: 2 of momentum production, 2 of decay (0.99, then 0.95) with the lr ramp
@@ -87,6 +88,6 @@ def test_the_simulator_equals_the_runner(tmp_path):
 ])
 def test_bad_pier_configs_name_the_field(smoke_config, overrides, message):
   config = smoke_config(algorithm="pier", **{"rounds": 20, **overrides})
-  with pytest.raises(config_check.ConfigError, match=message.replace("(", r"\(").replace(
+  with pytest.raises(check.ConfigError, match=message.replace("(", r"\(").replace(
       ")", r"\)").replace(".", r"\.")):
-    config_check.validate(config, num_devices=8)
+    check.validate(config, num_devices=8)

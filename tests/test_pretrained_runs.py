@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import load_config
-from lowcomm_jax import train
-from lowcomm_jax.config_check import ConfigError
+from lowcomm_jax.runtimes.spmd import train
+from lowcomm_jax.config.check import ConfigError, validate_here
 from lowcomm_jax.model import get_preset
 
 gguf = pytest.importorskip("gguf")
@@ -52,11 +52,11 @@ def test_bad_pretrained_configs_name_the_field(tiny_gguf, overrides, message):
   if overrides.get("model.init_from") == "GGUF":
     overrides = {**overrides, "model.init_from": str(tiny_gguf[0])}
   with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
-    train.build(load_config("smoke", **overrides))
+    validate_here(load_config("smoke", **overrides))
 
 
 def test_lora_adapters_resume_only_on_the_base_they_were_trained_on(tiny_gguf, tmp_path):
-  from lowcomm_jax.run_identity import ResumeRefused
+  from lowcomm_jax.run.identity import ResumeRefused
   path, params = tiny_gguf
   base = tmp_path / "base.gguf"
   base.write_bytes(path.read_bytes())

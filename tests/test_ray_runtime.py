@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import checkpointed_state, load_config
-from lowcomm_jax import config_check
-from lowcomm_jax.ray_runtime import chaos
+from lowcomm_jax.config import check
+from lowcomm_jax.runtimes.ray import chaos
 
 ray = pytest.importorskip("ray")
 
@@ -26,7 +26,7 @@ def _config(**overrides):
 @pytest.fixture(scope="module")
 def cluster():
   """A local Ray as a run starts one (cluster.connect), on 2 CPUs."""
-  from lowcomm_jax.ray_runtime import cluster as ray_cluster
+  from lowcomm_jax.runtimes.ray import cluster as ray_cluster
   assert ray_cluster.connect(_config(**{"ray.num_cpus": 2}))
   yield
   ray.shutdown()
@@ -46,7 +46,7 @@ def test_a_ray_the_run_starts_runs_its_actors_at_the_drivers_priority(cluster):
 
 def test_an_actor_below_normal_priority_says_how_to_start_ray(monkeypatch, caplog):
   import os
-  from lowcomm_jax.ray_runtime import cluster as ray_cluster
+  from lowcomm_jax.runtimes.ray import cluster as ray_cluster
   monkeypatch.setattr(os, "nice", lambda increment: 15)
   ray_cluster.warn_if_niced("worker 3")
   assert "worker 3 runs at niceness 15" in caplog.text
@@ -54,7 +54,7 @@ def test_an_actor_below_normal_priority_says_how_to_start_ray(monkeypatch, caplo
 
 
 def _run(config, workdir, **kwargs):
-  from lowcomm_jax.ray_runtime import driver
+  from lowcomm_jax.runtimes.ray import driver
   summary = driver.run(config, workdir, **kwargs)
   events = [row for row in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
             if "event" in row]
@@ -66,8 +66,8 @@ def _run(config, workdir, **kwargs):
 
 def _problems(**overrides):
   try:
-    config_check.validate(load_config("smoke", **overrides), num_devices=8)
-  except config_check.ConfigError as e:
+    check.validate(load_config("smoke", **overrides), num_devices=8)
+  except check.ConfigError as e:
     return e.problems
   return []
 
@@ -128,7 +128,7 @@ def test_a_checkpoints_meta_gives_a_resumed_driver_what_it_counted_and_dylus_h()
   """The driver's part of a checkpoint's meta, through JSON, into a new driver (no actor):
   counts, membership, chaos delays, and DyLU's measured speeds and settled H, so a resumed
   run keeps its workers' H instead of measuring them again."""
-  from lowcomm_jax.ray_runtime.driver import RayDriver
+  from lowcomm_jax.runtimes.ray.driver import RayDriver
   config = _config(**{"outer.dylu": True})
   before = RayDriver(config)
   pool = before.pool
@@ -198,9 +198,9 @@ def test_the_ray_server_applies_pushes_as_the_simulator_does(cluster, tmp_path):
   """The same pulls and pushes (random Δ, stale ones among them) through the Ray server
   actor and through the simulator's backend: bit-identical θ and drifts."""
   import jax
-  from lowcomm_jax import simulate
-  from lowcomm_jax.ray_runtime import cluster as cluster_lib
-  from lowcomm_jax.ray_runtime.server import ServerProcess
+  from lowcomm_jax.runtimes.simulator import simulate
+  from lowcomm_jax.runtimes.ray import cluster as cluster_lib
+  from lowcomm_jax.runtimes.ray.server import ServerProcess
   from lowcomm_jax.sim import GLOBAL, Job
 
   config = _config(**{"outer.dn_buffer": 2})  # Δ as they are: no codec
@@ -240,7 +240,7 @@ def test_diloco_in_full_quorum_rounds_trains_as_the_runner_does(cluster, tmp_pat
   """Every live worker in every round (min_quorum 0, no failures): the rounds are DiLoCo's.
   The server's token-weighted mean of equal-token contributions and the runner's mean
   differ only in rounding."""
-  from lowcomm_jax import train
+  from lowcomm_jax.runtimes.spmd import train
   config = _config(algorithm="diloco")
   summary, events = _run(config, tmp_path / "ray")
   assert summary["rounds_closed"] == 3 and summary["pushes"] == 6
@@ -271,8 +271,8 @@ def test_a_quorum_round_does_not_wait_for_a_slow_or_dead_worker(cluster, tmp_pat
 
 def _ray_checkpointed_params(config, workdir) -> np.ndarray:
   """θ in the newest checkpoint of the Ray run in `workdir`."""
-  from lowcomm_jax.ray_runtime.epochs import EpochDriver
-  from lowcomm_jax.run_files import RunFiles
+  from lowcomm_jax.runtimes.ray.epochs import EpochDriver
+  from lowcomm_jax.run.files import RunFiles
   files = RunFiles(config, workdir)
   driver = EpochDriver(config)  # (no actor: its checkpoint reading only)
   driver.files = files
@@ -306,8 +306,8 @@ def test_a_collaborative_epoch_completes_without_a_killed_peer_and_counts_a_join
   surviving peers' gradients at θ_0,
   weighted by the samples each reported, computed here by hand from fresh streams."""
   from test_collab import _flat_grad
-  from lowcomm_jax.build import build
-  from lowcomm_jax.simulate import one_device
+  from lowcomm_jax.assemble.build import build
+  from lowcomm_jax.assemble.plan import one_device
   batch = {0: 4, 1: 4, 2: 8, 3: 4}
   config = _collab_config(**{"ray.chaos": ("kill_worker=1@2", "add_worker@4",
                                            "kill_server@6"), "ray.batch_sizes": (4, 4, 8)})
@@ -352,8 +352,8 @@ def test_collaborative_lora_epochs_on_ray_are_the_runners(cluster, tmp_path):
   micro-batch, running at the target,
   counts within the grace window: 16 + 4 samples an epoch, as the runner's virtual clock
   gives a host 100 times slower (its micro-batch started before the target counts too)."""
-  from lowcomm_jax import train
-  from lowcomm_jax.hosts import host
+  from lowcomm_jax.runtimes.spmd import train
+  from lowcomm_jax.assemble.hosts import host
   same = {"algorithm": "ddp", "inner_steps": 1, "rounds": 2, "num_workers": 2,
           "checkpoint_every": 1, "eval_every": 0, "log_every": 1,
           "collab.target_batch_size": 16, "lora.rank": 4, "lora.alpha": 8.0,
@@ -394,8 +394,8 @@ def test_halos_servers_exchange_as_the_simulators_do():
   apply, merge), through the Ray runtime's server classes (in this process) and through
   the simulator's backend: bit-identical models at every server."""
   import jax
-  from lowcomm_jax import simulate
-  from lowcomm_jax.ray_runtime.server import ServerProcess
+  from lowcomm_jax.runtimes.simulator import simulate
+  from lowcomm_jax.runtimes.ray.server import ServerProcess
   from lowcomm_jax.sim import GLOBAL, Job
   from lowcomm_jax.sim.schedules import region_server
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import REPO, load_config
-from lowcomm_jax.run_identity import flatten
+from lowcomm_jax.run.identity import flatten
 
 sys.path.insert(0, str(REPO / "bench"))
 import frontier  # noqa: E402

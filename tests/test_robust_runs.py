@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from conftest import checkpointed_state, load_config, train_rounds
-from lowcomm_jax import config_check, sync, train
+from lowcomm_jax.config import check
+from lowcomm_jax.programs import sync
+from lowcomm_jax.runtimes.spmd import train
 
 
 def _config(**overrides):
@@ -75,7 +77,7 @@ def test_signal_weighted_centered_clipping_trains_reports_and_resumes_exactly(tm
 def test_the_probe_scores_each_workers_proposal_by_hand():
   import jax.numpy as jnp
   from lowcomm_jax.parallel.flat import ParamLayout
-  from lowcomm_jax.sync_program import make_probe
+  from lowcomm_jax.programs.sync_program import make_probe
   tree = {"a": jnp.zeros((2,)), "b": jnp.zeros((3,))}
   layout = ParamLayout.of(tree, [0, 1])  # two fragments: 'a' then 'b'
   target = jnp.arange(5.0)
@@ -147,8 +149,8 @@ def test_robust_rules_combine_decoded_payloads_of_a_codec():
     ({"aggregate.signal": "probe_loss", "aggregate.probe_step": -1.0}, "aggregate.probe_step"),
 ])
 def test_bad_robust_configs_name_the_field(overrides, message):
-  with pytest.raises(config_check.ConfigError, match=message):
-    config_check.validate(_config(**overrides), num_devices=8)
+  with pytest.raises(check.ConfigError, match=message):
+    check.validate(_config(**overrides), num_devices=8)
 
 
 def _recorded(config, rounds=1):

@@ -6,8 +6,11 @@ import sys
 
 import pytest
 
-from lowcomm_jax import report, run_identity, simulate, train
-from lowcomm_jax.run_identity import ResumeRefused
+from lowcomm_jax import report
+from lowcomm_jax.run import identity
+from lowcomm_jax.runtimes.simulator import simulate
+from lowcomm_jax.runtimes.spmd import train
+from lowcomm_jax.run.identity import ResumeRefused
 
 
 def _files(workdir):
@@ -83,7 +86,7 @@ def test_extending_rounds_keeps_every_metrics_row_and_resume_allow_records_the_c
 
 def test_a_run_that_died_before_its_first_checkpoint_restarts_under_a_new_config(
     tmp_path, smoke_config):
-  run_identity.write(tmp_path, smoke_config(seed=1))
+  identity.write(tmp_path, smoke_config(seed=1))
   (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 2, "train_loss": 99.0}) + "\n")
   summary = train.run(smoke_config(rounds=1), tmp_path)
   assert summary["config_changes"][0]["changed"] == {"seed": [1, 0]}
@@ -99,16 +102,16 @@ def test_resume_allow_must_name_config_fields(tmp_path, smoke_config):
 
 def test_fields_added_since_the_run_started_are_not_compared(tmp_path, smoke_config):
   config = smoke_config()
-  run_identity.write(tmp_path, config)
+  identity.write(tmp_path, config)
   stored = json.loads((tmp_path / "config.json").read_text())
   del stored["config"]["seed"]  # as if written before `seed` existed
   (tmp_path / "config.json").write_text(json.dumps(stored))
-  assert run_identity.changes(tmp_path, smoke_config(seed=3)) == {}
+  assert identity.changes(tmp_path, smoke_config(seed=3)) == {}
 
 
 def test_the_simulator_refuses_a_changed_config_too(tmp_path, smoke_config):
   config = smoke_config(**{"sim.enabled": True, "algorithm": "async"})
-  run_identity.write(tmp_path, config)
+  identity.write(tmp_path, config)
   (tmp_path / "checkpoints" / "1").mkdir(parents=True)  # stands for a saved simulation
   other = smoke_config(**{"sim.enabled": True, "algorithm": "async",
                           "sim.heterogeneity": "very"})

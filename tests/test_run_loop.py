@@ -1,4 +1,4 @@
-"""The one run loop (run_loop.py) with a scripted driver: which marks read, evaluate, write
+"""The one run loop (run/loop.py) with a scripted driver: which marks read, evaluate, write
 and save, in which order, for a driver that reads late (the runner) and one that reads at
 the mark (the simulator); a non-finite reading stops before the save; stopping early."""
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from lowcomm_jax import run_loop
-from lowcomm_jax.run_files import RunFiles, TrainingDiverged
+from lowcomm_jax.run import loop
+from lowcomm_jax.run.files import RunFiles, TrainingDiverged
 
 
 class ScriptedDriver:
@@ -38,13 +38,13 @@ class ScriptedDriver:
     last = self.mark == self.rounds
     d = due(self.mark, last_of_run=last, last_of_call=last)
     self.events.append(("advance", self.mark))
-    return run_loop.Mark(self.mark, d, self.mark if d.metrics else None)
+    return loop.Mark(self.mark, d, self.mark if d.metrics else None)
 
   def read(self, mark):
     self.events.append(("read", mark))
     loss = math.nan if mark == self.nan_at else 1.0 / mark
     problem = f"round {mark} (train_loss=nan)" if math.isnan(loss) else None
-    return run_loop.Reading(mark * 10, {"tokens": mark * 100, "train_loss": loss},
+    return loop.Reading(mark * 10, {"tokens": mark * 100, "train_loss": loss},
                             time.perf_counter(), problem)
 
   def evaluate(self):
@@ -80,7 +80,7 @@ def _rows(workdir):
 def test_a_driver_that_reads_late_is_read_one_mark_later_except_where_a_mark_must_stop(
     tmp_path, smoke_config):
   driver = ScriptedDriver(6, reads_late=True)
-  summary = run_loop.run(driver, _files(smoke_config, tmp_path), t_start=time.time())
+  summary = loop.run(driver, _files(smoke_config, tmp_path), t_start=time.time())
   # Round 1 is due nothing (no metrics computed); 2 logs (read when 3 is reached); 3
   # evaluates and saves (read at once); 4 logs (read at 5); 6 is the last: all three.
   assert driver.events == [
@@ -97,7 +97,7 @@ def test_a_driver_that_reads_late_is_read_one_mark_later_except_where_a_mark_mus
 
 def test_a_driver_that_reads_at_the_mark_is_read_before_it_advances(tmp_path, smoke_config):
   driver = ScriptedDriver(6, reads_late=False)
-  run_loop.run(driver, _files(smoke_config, tmp_path), t_start=time.time())
+  loop.run(driver, _files(smoke_config, tmp_path), t_start=time.time())
   assert driver.events[:7] == [("advance", 1), ("advance", 2), ("read", 2), ("advance", 3),
                                ("read", 3), ("eval", 3), ("save", 3)]
 
@@ -107,7 +107,7 @@ def test_a_non_finite_reading_stops_the_run_before_its_checkpoint(tmp_path, smok
                                                                  reads_late):
   driver = ScriptedDriver(6, reads_late=reads_late, nan_at=3)
   with pytest.raises(TrainingDiverged, match="round 3"):
-    run_loop.run(driver, _files(smoke_config, tmp_path), t_start=time.time())
+    loop.run(driver, _files(smoke_config, tmp_path), t_start=time.time())
   assert ("save", 3) not in driver.events and ("eval", 3) not in driver.events
   assert driver.events[-1] == ("close",)  # the driver's threads are released
   assert not (tmp_path / "summary.json").exists()
@@ -115,7 +115,7 @@ def test_a_non_finite_reading_stops_the_run_before_its_checkpoint(tmp_path, smok
 
 def test_stop_after_checkpoints_returns_the_drivers_stop_record(tmp_path, smoke_config):
   driver = ScriptedDriver(6, reads_late=True)
-  out = run_loop.run(driver, _files(smoke_config, tmp_path), t_start=time.time(),
+  out = loop.run(driver, _files(smoke_config, tmp_path), t_start=time.time(),
                      stop_after_checkpoints=1)
   assert out == {"stopped_at": 3}
   assert ("advance", 4) not in driver.events
@@ -125,7 +125,7 @@ def test_the_runs_last_save_ends_it_with_its_summary_even_at_the_stop_count(tmp_
                                                                             smoke_config):
   driver = ScriptedDriver(6, reads_late=True)
   files = _files(smoke_config, tmp_path, checkpoint_every=0)  # only the last mark saves
-  out = run_loop.run(driver, files, t_start=time.time(), stop_after_checkpoints=1)
+  out = loop.run(driver, files, t_start=time.time(), stop_after_checkpoints=1)
   assert out["eval_loss"] == 2 / 6 and (tmp_path / "summary.json").exists()
 
 
@@ -135,7 +135,7 @@ def test_a_driver_whose_open_fails_is_closed(tmp_path, smoke_config):
       raise RuntimeError("no")
   driver = Refusing(6, reads_late=True)
   with pytest.raises(RuntimeError):
-    run_loop.run(driver, _files(smoke_config, tmp_path), t_start=time.time())
+    loop.run(driver, _files(smoke_config, tmp_path), t_start=time.time())
   assert driver.events == [("close",)]
 
 
@@ -146,7 +146,7 @@ def test_training_speed_leaves_out_evaluation_and_saving(tmp_path, smoke_config,
   # 50 s per evaluation, 20 s per save. Every row's speed is then 10 steps/s, rounds that
   # evaluate and save included. (bench/pause_timing.py measures it with the real runner.)
   now = [100.0]
-  monkeypatch.setattr(run_loop, "time", type("Clock", (), {
+  monkeypatch.setattr(loop, "time", type("Clock", (), {
       "perf_counter": staticmethod(lambda: now[0]), "time": staticmethod(lambda: now[0])}))
 
   class Clocked(ScriptedDriver):
@@ -170,7 +170,7 @@ def test_training_speed_leaves_out_evaluation_and_saving(tmp_path, smoke_config,
       now[0] += 20.0
       super().save(ckpt, mark, last=last, wall=wall)
 
-  run_loop.run(Clocked(6, reads_late=reads_late), _files(smoke_config, tmp_path), t_start=100.0)
+  loop.run(Clocked(6, reads_late=reads_late), _files(smoke_config, tmp_path), t_start=100.0)
   rows = [r for r in _rows(tmp_path) if "train_loss" in r]
   assert [r["step"] for r in rows] == [20, 30, 40, 60]
   assert [r["steps_per_second"] for r in rows] == [pytest.approx(10.0)] * 4

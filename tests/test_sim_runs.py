@@ -8,11 +8,12 @@ import optax
 import pytest
 
 from conftest import load_config, train_rounds
-from lowcomm_jax import config_check, simulate
-from lowcomm_jax.checkpoint import CheckpointMismatch
-from lowcomm_jax.run_identity import ResumeRefused
+from lowcomm_jax.config import check
+from lowcomm_jax.runtimes.simulator import simulate
+from lowcomm_jax.run.checkpoint import CheckpointMismatch
+from lowcomm_jax.run.identity import ResumeRefused
 from lowcomm_jax.sim import Network, collectives
-from lowcomm_jax.sim_backend import SimBackend
+from lowcomm_jax.runtimes.simulator.backend import SimBackend
 
 
 def _sim_config(**overrides):
@@ -224,8 +225,8 @@ def test_divergence_keeps_the_last_good_checkpoint_and_a_changed_plan_is_refused
     ({"model.tp.size": 2}, "model.tp.size"),
 ])
 def test_bad_simulator_configs_name_the_field(overrides, message):
-  with pytest.raises(config_check.ConfigError, match=message):
-    config_check.validate(_sim_config(**overrides), num_devices=8)
+  with pytest.raises(check.ConfigError, match=message):
+    check.validate(_sim_config(**overrides), num_devices=8)
 
 
 def test_streaming_in_the_simulator_equals_the_real_runner(tmp_path):
@@ -265,7 +266,7 @@ def test_the_simulator_never_donates_what_its_servers_keep(tmp_path, monkeypatch
   """On accelerators the runner donates its state to the jitted sync; the simulator must not
   (it reuses the run's key and keeps snapshots). Forcing the runner's accelerator default
   on CPU, where donation is honored too, shows it."""
-  from lowcomm_jax import rounds
+  from lowcomm_jax.runtimes.spmd import rounds
   monkeypatch.setattr(rounds.jax, "default_backend", lambda: "gpu")
   summary = simulate.run(_diloco_one_step_config(), tmp_path)  # the DDP test's DiLoCo
   assert summary["total_inner_steps"] == 3 * 4 * 1

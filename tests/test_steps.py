@@ -6,8 +6,8 @@ import jax
 import numpy as np
 
 from conftest import train_rounds
-from lowcomm_jax import train
-from lowcomm_jax.checkpoint import abstract_with_shardings
+from lowcomm_jax.runtimes.spmd import train
+from lowcomm_jax.run.checkpoint import abstract_with_shardings
 from lowcomm_jax.parallel import ledger, mesh as mesh_lib
 
 

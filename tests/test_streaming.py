@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 
 from conftest import checkpointed_state, load_config, train_rounds
-from lowcomm_jax import algorithms, config_check, optimizers, outer, steps, sync_program, train
+from lowcomm_jax import algorithms, outer
+from lowcomm_jax.config import check
+from lowcomm_jax.programs import optimizers
+from lowcomm_jax.programs import steps
+from lowcomm_jax.programs import sync_program
+from lowcomm_jax.runtimes.spmd import train
 from lowcomm_jax.parallel import mesh as mesh_lib
 from lowcomm_jax.parallel.flat import ParamLayout
 
@@ -53,7 +58,7 @@ def _toy_config(smoke_config, tau, alpha):
 
 
 def _toy_run(config, rounds):
-  """θ after every sync, and the workers at the end, through steps.py's programs."""
+  """θ after every sync, and the workers at the end, through programs/steps.py's programs."""
   algorithm = algorithms.get("streaming")
   layout = ParamLayout.of(THETA0, algorithm.leaf_fragments(config, THETA0))
   segments = algorithm.segments(config, config.inner_steps)
@@ -198,20 +203,20 @@ def test_resume_mid_cycle_with_an_update_in_flight_is_exact(tmp_path, in_flight_
 ])
 def test_bad_streaming_configs_name_the_field(smoke_config, overrides, message):
   config = _streaming(smoke_config, **{"inner_steps": 4, **overrides})
-  with pytest.raises(config_check.ConfigError) as e:
-    config_check.validate(config, num_devices=8)
+  with pytest.raises(check.ConfigError) as e:
+    check.validate(config, num_devices=8)
   assert message in str(e.value)
 
 
 def test_streaming_fields_without_streaming_are_refused(smoke_config):
-  with pytest.raises(config_check.ConfigError, match="ignored unless algorithm='streaming'"):
-    config_check.validate(smoke_config(**{"streaming.fragments": 4}), num_devices=8)
+  with pytest.raises(check.ConfigError, match="ignored unless algorithm='streaming'"):
+    check.validate(smoke_config(**{"streaming.fragments": 4}), num_devices=8)
 
 
 
 def _codec_tiers_config(smoke_config):
   """Tiers 1.0 and 0.5, the 4-bit codec, τ = 1 and α = 0.5."""
-  from lowcomm_jax.hosts import host
+  from lowcomm_jax.assemble.hosts import host
   return _streaming(smoke_config, hosts=[host(1.0), host(0.5)], num_workers=2,
                     inner_steps=4, rounds=2, eval_every=2, checkpoint_every=2,
                     **{"compress.codec": "int4", "streaming.overlap_steps": 1,

@@ -11,9 +11,11 @@ import pytest
 from flax import nnx
 
 from conftest import checkpointed_state, load_config
-from lowcomm_jax import config_check, export, train
-from lowcomm_jax.config_check import ConfigError
-from lowcomm_jax.hosts import host
+from lowcomm_jax import export
+from lowcomm_jax.config import check
+from lowcomm_jax.runtimes.spmd import train
+from lowcomm_jax.config.check import ConfigError
+from lowcomm_jax.assemble.hosts import host
 from lowcomm_jax.model import GPT, next_token_loss, pretrained
 from lowcomm_jax.model.matformer import hidden_units, slice_tier
 
@@ -133,7 +135,7 @@ def test_an_exported_width_loads_in_transformers(tier_run, tmp_path):
 ])
 def test_a_width_off_the_ffn_grain_is_refused_naming_the_field(widths, expected):
   with pytest.raises(ConfigError) as e:
-    config_check.validate(load_config("smoke", **{"eval.widths": widths}), num_devices=8)
+    check.validate(load_config("smoke", **{"eval.widths": widths}), num_devices=8)
   assert any(p.startswith(expected) for p in e.value.problems), e.value.problems
   assert all("\n" not in p for p in e.value.problems)
 

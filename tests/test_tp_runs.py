@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from conftest import REPO, xla_flags
-from lowcomm_jax import config_check, train
+from lowcomm_jax.config import check
+from lowcomm_jax.runtimes.spmd import train
 
 
 def _run(workdir, *overrides):
@@ -46,6 +47,6 @@ def test_standard_tp_matches_the_unsharded_run_and_reports_its_all_reduces(tmp_p
      "only the 'selective' plan reads it"),
 ])
 def test_bad_tp_plans_fail_at_start_up(smoke_config, overrides, message):
-  with pytest.raises(config_check.ConfigError) as e:
-    config_check.validate(smoke_config(**overrides), num_devices=8)
+  with pytest.raises(check.ConfigError) as e:
+    check.validate(smoke_config(**overrides), num_devices=8)
   assert message in str(e.value)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO, checkpointed_state as _checkpointed_state, xla_flags
-from lowcomm_jax import config_check, train
+from lowcomm_jax.config import check
+from lowcomm_jax.runtimes.spmd import train
 
 
 def _main(*args, cwd=REPO):
@@ -175,8 +176,8 @@ BAD_CONFIGS = [
 
 @pytest.mark.parametrize("overrides,message", BAD_CONFIGS)
 def test_bad_config_names_field_and_fix(smoke_config, overrides, message):
-  with pytest.raises(config_check.ConfigError) as e:
-    config_check.validate(smoke_config(**overrides), num_devices=8)
+  with pytest.raises(check.ConfigError) as e:
+    check.validate(smoke_config(**overrides), num_devices=8)
   assert message in str(e.value)
 
 

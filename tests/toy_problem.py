@@ -1,4 +1,4 @@
-"""A one-fragment toy problem run through steps.py's real programs, for the hand-computed
+"""A one-fragment toy problem run through programs/steps.py's real programs, for the hand-computed
 trajectories of the overlapped DiLoCo variants: θ is one 2-vector, worker w's loss is
 ½‖θ − t_w‖² (an SGD step at lr η is θ ← θ − η(θ − t_w)), two workers, H steps a round."""
 
@@ -7,7 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from conftest import load_config
-from lowcomm_jax import algorithms, optimizers, steps, sync_program
+from lowcomm_jax import algorithms
+from lowcomm_jax.programs import optimizers
+from lowcomm_jax.programs import steps
+from lowcomm_jax.programs import sync_program
 from lowcomm_jax.parallel import mesh as mesh_lib
 from lowcomm_jax.parallel.flat import ParamLayout
 

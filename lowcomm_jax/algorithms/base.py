@@ -12,31 +12,15 @@ The simulator asks the same object for its schedule (when jobs run and messages 
 and, for asynchronous algorithms, the rules of its parameter servers.
 """
 
-import dataclasses
 from typing import Any, Protocol
 
 import jax
 import ml_collections
 import optax
 
-from lowcomm_jax.config_error import field_problem  # noqa: F401 - the algorithms' form
-from lowcomm_jax.sync import Sync
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-  """`steps` local steps (the round's steps [start, start + steps)), then fragment `sync`'s
-  sync. Fragment `mix`'s newest global value is mixed into θ_w after `mix_at` of the
-  steps; it is in flight from the previous segment (in a run's first segment nothing is,
-  so the mix is skipped unless `mix_at` is 0, where it is a no-op: θ_w = θ at the start)."""
-  start: int
-  steps: int
-  sync: int
-  mix: int
-  mix_at: int = 0
-  # Mix in the run's first segment too: the global value is an anchor to pull toward, not
-  # an update in flight (Overlap Local-SGD).
-  mix_in_first_round: bool = False
+from lowcomm_jax.config.error import field_problem  # noqa: F401 - the algorithms' form
+from lowcomm_jax.programs.steps import Segment  # noqa: F401 - what an algorithm declares
+from lowcomm_jax.programs.sync import Sync
 
 
 class WorkerRule(Protocol):
@@ -87,7 +71,7 @@ class Algorithm:
   # its own aggregate, only on earlier ones: the runner may run a round's sync inside the
   # next round's program, its collective beside the local steps (rounds.can_overlap).
   delayed_sync = False
-  # Runs on the Ray runtime (ray_runtime/): one global parameter server applying
+  # Runs on the Ray runtime (runtimes/ray/): one global parameter server applying
   # `server_rules`, workers pushing as they finish.
   runs_on_ray = False
   # Its servers are regional (sim.network.regions / worker_regions place the workers), so
@@ -119,7 +103,7 @@ class Algorithm:
                                      and self.mix(c) == 0.0)
 
   def sync(self, c: ml_collections.ConfigDict, hosts, d_ff: int) -> Sync:
-    """How the workers' Δ become each fragment's update (sync.py): built once per run, asked
+    """How the workers' Δ become each fragment's update (programs/sync.py): built once per run, asked
     by the runner's programs, the simulator's plan and its servers. The default chooses from
     the config (aggregate.*, compress.*, attack.*)."""
     return Sync(c, hosts, d_ff)

@@ -9,7 +9,8 @@ over the virtual links (all-gather of DeMo's payloads), which is what a WAN does
 
 import optax
 
-from lowcomm_jax import compress, optimizers
+from lowcomm_jax import compress
+from lowcomm_jax.programs import optimizers
 from lowcomm_jax.algorithms.base import Algorithm, field_problem
 from lowcomm_jax.parallel.flat import tree_view
 

@@ -7,7 +7,7 @@ rule, SGD with Nesterov momentum, treats the mean like a gradient:
     θ ← θ − lr·Nesterov(Δ̄)
 
 In the simulator the rounds wait for the slowest worker plus one ring all-reduce; on the
-Ray runtime they are quorum rounds (ray_runtime/driver.py).
+Ray runtime they are quorum rounds (runtimes/ray/driver.py).
 """
 
 import optax

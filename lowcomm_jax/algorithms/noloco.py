@@ -38,7 +38,7 @@ import optax
 from lowcomm_jax import compress
 from lowcomm_jax.algorithms.base import Algorithm, field_problem
 from lowcomm_jax.parallel import collectives, workers
-from lowcomm_jax.sync import Sync
+from lowcomm_jax.programs.sync import Sync
 
 GROUP = 2  # a worker and one random peer
 POOL = 8  # random pairings compiled into the sync; one is drawn per round

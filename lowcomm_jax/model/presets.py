@@ -18,7 +18,7 @@ class GPTConfig:
   parallel_residual: bool = False  # x + attn(ln1 x) + mlp(ln2 x) (GPT-NeoX) vs sequential
   tie_embeddings: bool = True
   dtype: str = "float32"  # compute dtype; parameters are always float32
-  # Runtime choices, not shapes (build.py settles them from the run config):
+  # Runtime choices, not shapes (assemble/build.py settles them from the run config):
   attention: str = "xla"  # 'xla' | 'cudnn': the kernel of attention without dropout
   loss_chunk: int = 0  # positions per piece of the cross-entropy; 0: the whole sequence
   # Llama family: RMSNorm, SwiGLU, grouped-query attention, rotary on every head dim.

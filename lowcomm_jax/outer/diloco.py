@@ -7,7 +7,7 @@ aggregator (aggregate/, where communication happens) with this rule:
 
 Δ is a descent direction, so the outer step treats it like a gradient: θ ← θ − lr·(Nesterov Δ̄).
 DDP is the one-step special case: Δ_w is the gradient at θ_global and the outer rule is the
-per-step optimizer itself (optimizers.py).
+per-step optimizer itself (programs/optimizers.py).
 """
 
 import jax

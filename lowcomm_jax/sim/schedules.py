@@ -1,6 +1,6 @@
 """Schedules decide *when*: which worker starts which job from which server version, when
 its contribution arrives, when servers talk. The backend (the driver, lowcomm_jax/
-sim_backend.py) does the math: inner steps, outer rules, merges. A schedule only sees
+runtimes/simulator/backend.py) does the math: inner steps, outer rules, merges. A schedule only sees
 versions, virtual times and byte counts, so it is plain Python and checkpoints as JSON (the
 device scalars the backend hands back are read in one transfer when metrics are due).
 

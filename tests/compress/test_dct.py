@@ -10,7 +10,7 @@ import scipy.fft
 
 from lowcomm_jax.aggregate import compressed_mean
 from lowcomm_jax.compress import DCTTopK, TreeCodec, dct_matrix, error_feedback
-from lowcomm_jax.optimizers import sign_descent
+from lowcomm_jax.programs.optimizers import sign_descent
 
 RNG = np.random.default_rng(0)
 

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lowcomm_jax import compress, config_check
+from lowcomm_jax import compress
+from lowcomm_jax.config import check
 from lowcomm_jax.aggregate import compressed_mean
 from lowcomm_jax.compress import CodecSpec, LeafCodec
 
@@ -40,7 +41,7 @@ def _section(**fields):
 
 
 def test_a_registered_codec_is_checked_built_and_averaged(registered):
-  config_check.validate(load_config("smoke", **{"compress.codec": "bf16"}), num_devices=8)
+  check.validate(load_config("smoke", **{"compress.codec": "bf16"}), num_devices=8)
   assert "bf16" in compress.names()
   codec = compress.make_codec(_section(codec="bf16"))  # error feedback on: the default
   tree = {"w": jnp.linspace(-1.0, 1.0, 48).reshape(6, 8) / 3, "b": jnp.ones((5,)) / 3}
@@ -60,16 +61,16 @@ def test_a_registered_codec_is_checked_built_and_averaged(registered):
 def test_what_a_codec_declares_is_what_the_checks_ask(registered):
   # bf16 reads no k, no value_bits and has no stochastic rounding: the last is refused,
   # by its field, naming the codecs that have it.
-  with pytest.raises(config_check.ConfigError) as e:
-    config_check.validate(load_config("smoke", **{"compress.codec": "bf16",
+  with pytest.raises(check.ConfigError) as e:
+    check.validate(load_config("smoke", **{"compress.codec": "bf16",
                                                   "compress.stochastic_rounding": True}),
                           num_devices=8)
   assert e.value.problems == [
       "compress.stochastic_rounding=True: bf16 has no stochastic rounding (only int8, int4); "
       "set it False"]
   unknown = load_config("smoke", **{"compress.codec": "zip"})
-  with pytest.raises(config_check.ConfigError) as e:
-    config_check.validate(unknown, num_devices=8)
+  with pytest.raises(check.ConfigError) as e:
+    check.validate(unknown, num_devices=8)
   assert e.value.problems[0].startswith("compress.codec='zip': use one of ('none', 'int8'")
   assert "'bf16')" in e.value.problems[0]
 

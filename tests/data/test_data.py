@@ -124,7 +124,7 @@ def test_a_run_evaluates_on_the_validation_tail_and_trains_on_the_rest(tmp_path,
                                                                          smoke_config):
   # Letters for the first 90% of the corpus, digits for the last 10%: which split a window
   # came from shows in its tokens.
-  from lowcomm_jax import build
+  from lowcomm_jax.assemble import build
   monkeypatch.setenv("LOWCOMM_CACHE_DIR", str(tmp_path / "cache"))
   corpus = tmp_path / "corpus.txt"
   corpus.write_text("abcdefghijklmnopqrstuvwxyz"[:20] * 450 + "0123456789" * 100)

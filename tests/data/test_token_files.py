@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, checkpointed_state, load_config
-from lowcomm_jax import train
+from lowcomm_jax.runtimes.spmd import train
 from lowcomm_jax.data import DataError, WorkerStreams, eval_windows, get_tokenizer, open_corpus
 from lowcomm_jax.data import prepare as prepare_lib
 

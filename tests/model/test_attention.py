@@ -10,8 +10,9 @@ import pytest
 from flax import nnx
 
 from conftest import load_config
-from lowcomm_jax import build, config_check
-from lowcomm_jax.config_check import ConfigError
+from lowcomm_jax.assemble import build
+from lowcomm_jax.config import check
+from lowcomm_jax.config.check import ConfigError
 from lowcomm_jax.model import GPT, attention, get_preset, next_token_loss
 from lowcomm_jax.model.cross_entropy import chunk_of
 
@@ -43,13 +44,13 @@ def test_auto_picks_xla_on_this_cpu_and_says_so(caplog):
 def test_cudnn_is_refused_on_cpu_with_one_line_naming_the_field():
   config = load_config("smoke", **{"model.attention": "cudnn", "model.dtype": "bfloat16"})
   with pytest.raises(ConfigError) as e:
-    config_check.validate(config, num_devices=8)
+    check.validate(config, num_devices=8)
   [problem] = [p for p in e.value.problems if "attention" in p]
   assert problem.startswith("model.attention='cudnn': cuDNN attention runs on NVIDIA GPUs only")
   assert "\n" not in problem and "model.attention=auto" in problem
   config = load_config("smoke", **{"model.attention": "flash"})
   with pytest.raises(ConfigError, match=r"model.attention='flash': use one of"):
-    config_check.validate(config, num_devices=8)
+    check.validate(config, num_devices=8)
 
 
 def test_xla_named_equals_left_to_jax_bit_for_bit():

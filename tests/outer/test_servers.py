@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from conftest import load_config
-from lowcomm_jax import algorithms, steps
+from lowcomm_jax import algorithms
+from lowcomm_jax.programs import steps
 from lowcomm_jax.parallel import mesh as mesh_lib
 from lowcomm_jax.sim import GLOBAL, Job, Network, Plan, SpeedModel
-from lowcomm_jax.sim_backend import SimBackend
+from lowcomm_jax.runtimes.simulator.backend import SimBackend
 
 THETA0 = np.array([1.0, -2.0, 0.5], np.float32)
 TARGETS = np.array([[0.0, 0.0, 0.0], [2.0, 1.0, -1.0], [4.0, -4.0, 3.0]], np.float32)

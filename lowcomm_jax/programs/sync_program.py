@@ -1,0 +1,129 @@
+"""One fragment's sync: the global program of a round's segment (programs/steps.py has the local
+programs and the state; its docstring draws the whole round). Also the probe a robust
+combination's `probe_loss` signal reads: the loss of the model each worker's update
+proposes."""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lowcomm_jax.aggregate.robust import CombinedState
+from lowcomm_jax.aggregate.signal import effective_workers
+from lowcomm_jax.model.matformer import tier_mask
+from lowcomm_jax.parallel import workers
+from lowcomm_jax.parallel.flat import ParamLayout
+from lowcomm_jax.programs.steps import LossFn, OuterState, Signals, TrainState, round_key
+
+
+def make_sync(aggregator: optax.GradientTransformationExtraArgs,
+              rule: optax.GradientTransformation, *, nested: bool, weigh_tokens: bool,
+              layout: ParamLayout, fragment: int, count: int, last: bool,
+              map_workers=None, consensus=None, attack=None):
+  """`sync(state, Δ[R, N_p], signals, metrics) -> (state, metrics)`: fragment p's global
+  program. Aggregates the workers' Δ of the fragment, applies its outer rule to θ_p and,
+  in the round's `last` sync, advances the round.
+
+  With `nested`, worker w's aggregation weights are its tier mask (first hidden[w] FFN
+  units) times its weight (tokens if `weigh_tokens`, else 1), computed here from the
+  signals; otherwise the aggregator is a plain mean. `round_index` passed to the aggregator
+  is round·count + fragment (the global value every worker agrees on): it seeds the
+  senders' keys of a compressed mean, whose receivers regenerate random draws from it.
+
+  `map_workers(fn, in_axes, out_axes)` maps one worker's part over the stacked workers
+  (`Sync.map_workers`; by default vmap over 'replica', whose axis the aggregator names).
+  With `consensus` (`Sync.consensus`: the workers keep their own outer weights in the
+  aggregator's state) θ_p is set from the new per-worker state on rounds with `metrics`
+  (the rounds that log, evaluate or checkpoint), and left as it was otherwise.
+
+  With `metrics` (static; the runner asks on rounds that log, evaluate or checkpoint) it
+  also returns every worker's train loss and the parameter and update norms. Without, the
+  sync is one all-reduce of Δ and the update: the losses would be a second collective (XLA
+  puts them in the same all-reduce op, but gloo still runs one transfer per operand) and
+  the norms two more passes over θ.
+  """
+  part = layout.fragment(fragment)
+
+  def coordinate_weights(hidden, weight):
+    return jax.tree.map(lambda m: m * weight, tier_mask(part.abstract, hidden))
+
+  rule = optax.with_extra_args_support(rule)
+  if map_workers is None:
+    def map_workers(fn, in_axes, out_axes):
+      return workers.map_workers(fn, in_axes, out_axes, per_device=False)
+
+  def worker(params, agg_state, rule_state, delta, hidden, weight, all_weights, totals,
+             round_index, losses_R, theta):
+    extra = {"round_index": round_index}
+    if nested:
+      # Own weights (nested mean) and everyone's (compressed mean weighs after decoding).
+      extra.update(coordinate_weights=coordinate_weights(hidden, weight),
+                   sender_weights=all_weights, weight_totals=totals)
+    mean, agg_state = aggregator.update(delta, agg_state, params, **extra)
+    # Every worker's train loss and the whole θ: a robust combination's signals read them
+    # (the loss EMA, and the probe loss of each worker's proposal); other rules ignore them.
+    updates, rule_state = rule.update(mean, rule_state, params, worker_losses=losses_R,
+                                      round_index=round_index, theta=theta)
+    return optax.apply_updates(params, updates), agg_state, rule_state
+
+  def sync(state: TrainState, deltas_R, signals: Signals, metrics: bool = True):
+    if attack is not None:  # adversaries replace what they send (aggregate.make_attack)
+      deltas_R = attack(deltas_R, jax.random.fold_in(round_key(state), 0xA77AC + fragment))
+    weight_R = (signals.tokens if weigh_tokens
+                else jnp.ones(signals.tokens.shape, jnp.float32))
+    # Σ_w weights from the replicated signals: computed here, never communicated.
+    all_weights = (jax.vmap(coordinate_weights)(signals.hidden, weight_R) if nested else None)
+    totals = jax.tree.map(lambda w: w.sum(0), all_weights) if nested else None
+    params = layout.fragment_slice(state.params, fragment)
+    outer = state.outer
+    new_part, agg_state, rule_state = map_workers(
+        worker, (None, 0, None, 0, 0, 0, None, None, None, None, None), (None, 0, None))(
+            params, outer.per_worker[fragment], outer.per_fragment[fragment], deltas_R,
+            signals.hidden, weight_R, all_weights, totals, state.round * count + fragment,
+            signals.loss, state.params)
+    if consensus is not None and metrics:
+      new_part = consensus(agg_state)
+    new_params = layout.fragment_update(state.params, new_part, fragment)
+    outer = OuterState(_replace(outer.per_worker, fragment, agg_state),
+                       _replace(outer.per_fragment, fragment, rule_state))
+    out = {}
+    if metrics:  # two more passes over θ: worth it on rounds that log or checkpoint
+      out = {"param_norm": jnp.linalg.norm(new_params),
+             "outer_update_norm": jnp.linalg.norm(new_params - state.params)}
+      # Every worker's loss by a sum over workers, not an all-gather: XLA merges it into
+      # the pseudo-gradient's all-reduce op. (`where`, not a product: one worker's NaN must
+      # not spread to the others' entries.)
+      losses_R = signals.loss
+      per_worker = jnp.where(jnp.eye(losses_R.shape[0], dtype=bool), losses_R[:, None],
+                             0).sum(0)
+      out.update(train_loss=per_worker.mean(), train_loss_per_worker=per_worker)
+      if isinstance(rule_state, CombinedState):  # a robust combination's weights
+        weights = rule_state.combine.signals.weights
+        out.update(worker_weights=weights, effective_workers=effective_workers(weights))
+    round_ = state.round + 1 if last else state.round
+    return TrainState(round_, state.rng, new_params, outer), out
+
+  return sync
+
+
+def make_probe(loss_fn: LossFn, layout: ParamLayout, fragment: int, windows_BxL1,
+               step: float):
+  """`probe(Δ[W, N_p], θ flat) -> [W]`: the loss on the fixed probe batch `windows` of the
+  model each worker's update proposes, θ with fragment p moved to θ_p − step·Δ_w,p (step 1:
+  a DiLoCo worker's own model; DDP: an SGD step of its gradient). One model at a time
+  (lax.map), so memory holds one extra copy of θ, not W."""
+  windows = jnp.asarray(windows_BxL1)
+
+  def probe(deltas_WxN, theta):
+    base = layout.fragment_slice(theta, fragment)
+
+    def loss_of(delta):
+      proposed = layout.fragment_update(theta, base - step * delta, fragment)
+      return loss_fn(layout.unravel(proposed), windows, None, ())  # (refused with LoRA)
+
+    return jax.lax.map(loss_of, deltas_WxN).astype(jnp.float32)
+
+  return probe
+
+
+def _replace(parts: tuple, i: int, value) -> tuple:
+  return parts[:i] + (value,) + parts[i + 1:]

@@ -1,0 +1,55 @@
+"""What the Ray runtime's two kinds of process share: the server (server.py) and the
+workers (worker.py) are plain classes that driver.py runs as Ray actors
+(`ray.remote(...)(ServerProcess)`); tests may also run them in-process.
+
+Both build the run as the simulator does (one device, `plan.one_device`), so a worker
+runs the simulator's jitted local program and the server the same rule, through the same
+`parameter_server.make_apply`, as the simulator's servers. What crosses Ray's object store
+is host numpy: θ on a pull; on a push the codec's payload (decoded by the server, with the
+worker's key) or, without a codec, Δ; and small dicts.
+"""
+
+import logging
+
+import jax
+import ml_collections
+
+from lowcomm_jax.programs import steps
+from lowcomm_jax.sim import GLOBAL
+
+
+def built(config: ml_collections.ConfigDict, what: str):
+  """The run as the simulator builds it, and its jitted programs (compiled programs shared
+  with the other workers through the compilation cache, as hosts of a runner share them)."""
+  from lowcomm_jax.run import compile_cache
+  from lowcomm_jax.assemble.build import build
+  from lowcomm_jax.assemble.jitted import jitted_steps
+  from lowcomm_jax.runtimes.ray.cluster import warn_if_niced
+  from lowcomm_jax.assemble.plan import one_device
+  logging.getLogger().setLevel(logging.INFO)
+  logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+  warn_if_niced(what)
+  compile_cache.enable(config.compile_cache_dir)
+  # The one-device layout puts every worker on this process's device; an actor holds one
+  # worker (or the server, no worker): the layout's memory estimate is not this process's.
+  r = build(one_device(config), check_memory=False)
+  return r, jitted_steps(r, donate=False)
+
+
+def initial_state(r) -> steps.TrainState:
+  """Round 0's global state (θ and the run's key) as the runner makes it, without the
+  workers' states `jitted.init_run` would make beside it."""
+  with jax.set_mesh(r.topology.mesh):
+    return jax.jit(r.state_spec.init, out_shardings=r.state_spec.shardings)(
+        r.state_spec.initial_params())
+
+
+def server_rules(r) -> dict:
+  """Each server's rule, by name: an asynchronous algorithm's server rules (HALoS: a
+  regional server per region beside the global one), or a synchronous one's outer rule
+  for the one global server (applied to each quorum round's token-weighted mean Δ, or to a
+  collaborative epoch's sample-weighted mean gradient: DDP's rule is its optimizer)."""
+  from lowcomm_jax.assemble.plan import make_plan
+  if r.algorithm.synchronous:
+    return {GLOBAL: r.outer_rules[0]}
+  return r.algorithm.server_rules(r.config, make_plan(r.config, r))

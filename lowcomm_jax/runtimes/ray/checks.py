@@ -1,0 +1,74 @@
+"""The Ray runtime's config problems (`runtime`, `ray.*`), each 'field=value: fix'. Plain
+Python: nothing here imports Ray, so a bad config fails in a second."""
+
+import ml_collections
+
+from lowcomm_jax.config.error import Problems
+from lowcomm_jax.runtimes.ray import chaos
+
+RUNTIMES = ("spmd", "ray")
+
+
+def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> list[str]:
+  """Problems of `runtime='ray'` with `algorithm` (None: unknown name, reported elsewhere)."""
+  out = Problems(c)
+  check = out.check
+  y = c.ray
+  check(c.runtime in RUNTIMES, "runtime", f"use one of {list(RUNTIMES)}")
+  if c.runtime != "ray":
+    return list(out)
+  collab = c.collab.target_batch_size > 0
+  if algorithm is not None and not collab:  # (collab.* checks a collaborative run's)
+    check(algorithm.runs_on_ray, "algorithm",
+          "the Ray runtime runs 'async', 'async_dn', 'halos', in quorum rounds 'diloco', and "
+          "collaborative epochs ('ddp' with collab.target_batch_size > 0); run this one on "
+          "runtime='spmd' or in the simulator")
+  check(not c.sim.enabled, "sim.enabled", "the simulator has its own clock; set "
+        "--config.sim.enabled=False for runtime='ray', or --config.runtime=spmd")
+  check(num_processes == 1, "runtime", "one process drives a Ray run and Ray starts the "
+        "others; launch it without jax.distributed")
+  check(not list(c.hosts), "hosts", "Ray workers are full width; give num_workers (leave "
+        "hosts empty)")
+  check(c.mesh.data == 1 and c.model.tp.size == 1, "mesh.data",
+        "a Ray worker runs on one device; use mesh.data=1 and model.tp.size=1")
+  check(c.data.batch_mode == "different", "data.batch_mode",
+        "Ray workers read their own streams at their own pace; use 'different'")
+  check(y.apply_order in ("arrival", "dispatch"), "ray.apply_order",
+        "use 'arrival' or 'dispatch'")
+  check(not (y.apply_order == "dispatch" and y.min_quorum > 0), "ray.apply_order",
+        "'dispatch' takes results in the order jobs started, so a quorum round would wait "
+        "for the slowest; use 'arrival' with ray.min_quorum")
+  check(y.num_cpus >= 0, "ray.num_cpus", "must be >= 0 (0: every core)")
+  check(y.gpus_per_worker >= 0, "ray.gpus_per_worker", "must be >= 0")
+  check(y.recover_timeout_s > 0, "ray.recover_timeout_s", "must be > 0")
+  check(y.min_quorum >= 0, "ray.min_quorum", "must be >= 0 (0: every live worker)")
+  check(y.grace_s >= 0, "ray.grace_s", "must be >= 0")
+  sizes = list(y.batch_sizes)
+  check(not sizes or (len(sizes) == c.num_workers and min(sizes) >= 1), "ray.batch_sizes",
+        f"give one batch size >= 1 per worker ({c.num_workers}), or () for data.batch_size")
+  check(not sizes or collab, "ray.batch_sizes", "per-worker batch sizes are for "
+        "collaborative epochs (collab.target_batch_size > 0), where samples weigh each "
+        "peer; other runs share data.batch_size: use ()")
+  sleeps = list(y.step_sleep_s)
+  check(not sleeps or (len(sleeps) == c.num_workers and min(sleeps) >= 0),
+        "ray.step_sleep_s", f"give one non-negative number per worker ({c.num_workers})")
+  try:
+    events = chaos.parse(y.chaos)
+  except ValueError as e:
+    out.append(f"ray.chaos: {e}")
+  else:
+    killed = {}  # worker -> the push count it was killed at (until it rejoins)
+    for e in events:
+      if e.action in ("kill_worker", "delay_worker"):
+        check(0 <= e.worker < c.num_workers, "ray.chaos",
+              f"{e} names worker {e.worker}; workers are 0..{c.num_workers - 1}")
+      if e.action == "kill_worker":
+        killed[e.worker] = e.after
+      if e.action == "rejoin_worker":
+        check(killed.get(e.worker, e.after) < e.after, "ray.chaos",
+              f"{e}: only a worker killed earlier (kill_worker=K@M, M < N) rejoins, once "
+              "per kill")
+        killed.pop(e.worker, None)
+    check(sum(e.action == "kill_server" for e in events) <= 1, "ray.chaos",
+          "the server is killed at most once")
+  return list(out)

@@ -1,0 +1,383 @@
+"""The Ray runtime's driver: parameter-server training on real processes, with workers that
+join, leave or crash while the run goes on (the actors and their jobs: pool.py).
+
+One process (the one `main.py` runs) drives: it starts or joins Ray, creates the server
+actor and one actor per worker, and moves references; tensors go from actor to actor
+through Ray's object store. What a finished job does depends on the algorithm:
+
+- asynchronous (`async`, `async_dn`): its push is applied at once with the algorithm's
+  server rule, and the worker starts its next job. Progress is counted as in the
+  simulator, in round-equivalents (W·H inner steps applied); the budget is W·rounds·H.
+- synchronous (`diloco`), in quorum rounds: each worker computes from round t's θ and
+  contributes; round t closes when `ray.min_quorum` workers (0: every live one) have
+  contributed from it and `ray.grace_s` has passed since, or when every live worker has.
+  Contributions that arrive after their round closed fold into the open round, weighted
+  by tokens like the others, with their staleness (rounds) recorded. A mark per round.
+- collaborative epochs (`collab.target_batch_size` > 0, `ddp`): epochs.py.
+
+`ray.apply_order` says which finished job is taken next: the first to finish ('arrival')
+or the first started ('dispatch': a run that repeats exactly). Failures: a worker that dies
+loses its job in flight; a server that dies is rebuilt from the last checkpoint and fed the
+calls since, in order (pool.py). Membership changes are rows of metrics.jsonl (`event`) and
+counts in summary.json.
+"""
+
+import dataclasses
+import logging
+import math
+import pathlib
+import time
+
+import ml_collections
+
+from lowcomm_jax.config.error import ConfigError
+from lowcomm_jax.run import loop
+from lowcomm_jax.assemble.build import build
+from lowcomm_jax.run.checkpoint import CheckpointMismatch
+from lowcomm_jax.runtimes.ray import checkpoints, cluster
+from lowcomm_jax.runtimes.ray.accounts import Counts
+from lowcomm_jax.runtimes.ray.actors import server_rules
+from lowcomm_jax.runtimes.ray.pool import Pool
+from lowcomm_jax.runtimes.ray.quorum import QuorumRound
+from lowcomm_jax.runtimes.ray.regions import Regions
+from lowcomm_jax.sim import GLOBAL
+from lowcomm_jax.run.files import RunFiles
+from lowcomm_jax.assemble.plan import make_plan, one_device
+from lowcomm_jax.run.workdir import holds_lock
+
+
+@holds_lock  # one run per workdir (run/workdir.py)
+def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
+        stop_after_checkpoints: int | None = None) -> dict:
+  """Trains (or resumes) the Ray run in `workdir` and returns its summary.
+  `stop_after_checkpoints` ends this invocation after that many saves (resume tests)."""
+  t_start = time.time()
+  files = RunFiles(config, workdir)  # refuses a changed config before any work
+  if config.collab.target_batch_size > 0:
+    from lowcomm_jax.runtimes.ray.epochs import EpochDriver  # (it extends this module's)
+    driver = EpochDriver(config)
+  else:
+    driver = RayDriver(config)
+  return loop.run(driver, files, t_start=t_start,
+                      stop_after_checkpoints=stop_after_checkpoints)
+
+
+class RayDriver:
+  """The run loop's driver for runtime='ray' (loop.Driver)."""
+
+  writes_files = True
+  reads_late = False
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    self.c = config
+    # Shapes, tokens, the plan; no compute, and no worker held here (nor its memory).
+    self.r = r = build(one_device(config), check_memory=False)
+    self.plan = make_plan(r.config, r)
+    self.quorum = r.algorithm.synchronous
+    self.unit = "round" if self.quorum else "round-equivalent"
+    self.per_mark = config.num_workers * config.inner_steps  # a round-equivalent: W·H steps
+    self.counts = Counts(next_worker=config.num_workers)
+    self.pool = Pool(config, self.counts, self._restore_latest, self._note)
+    self.pool.on_join = self._start_next
+    # HALoS: regional servers beside the global one (regions.py)
+    self.regions = Regions(self.plan) if set(server_rules(r)) != {GLOBAL} else None
+    if self.regions is not None:
+      self.pool.server_of = self.regions.server_of
+    self.ray = self.pool.ray
+    self.started_ray = False
+    self.files: RunFiles | None = None
+    self.finished, self.mark, self._wall_before = False, 0, 0.0
+    self.round = QuorumRound(self.counts, config.ray.min_quorum, config.ray.grace_s)
+
+  def _note(self, event: str, **fields) -> None:
+    """A membership or recovery event: a metrics.jsonl row and a log line."""
+    step = self._step_count()
+    logging.info("ray: %s %s", event, fields)
+    if self.files is not None and self.files.logger is not None:
+      self.files.logger.note(step, {"event": event, "pushes": self.counts.pushes, **fields})
+
+  # --- jobs -------------------------------------------------------------------------------
+
+  def _start_next(self, worker: int, clock: int | None = None) -> None:
+    """`worker`'s next job, if the budget has steps left (asynchronous), or from the open
+    round's θ (quorum; every worker, every round). Inner lr schedules run on the run's
+    clock, as in the simulator: the inner steps of the jobs started before, per worker
+    (`clock`: the same for jobs started together), or the rounds' steps."""
+    n, h = self.counts, self.pool.inner_steps_of(worker)
+    if self.quorum:
+      if n.rounds < self.c.rounds:
+        self.pool.dispatch(worker, n.rounds * self.c.inner_steps, h)
+      return
+    remaining = self.plan.total_steps - n.dispatched_steps
+    if remaining <= 0:
+      return
+    steps = min(h, remaining)
+    if clock is None:
+      clock = n.dispatched_steps // self.c.num_workers
+    n.dispatched_steps += steps
+    self.pool.dispatch(worker, clock, steps)
+
+  def _idle_start(self) -> None:
+    clock = self.counts.dispatched_steps // self.c.num_workers
+    for w in sorted(self.pool.actors):
+      if w not in self.pool.jobs:
+        self._start_next(w, clock)
+
+  def _take(self, job) -> bool:
+    """A finished job: its push applied (asynchronous) or its contribution added to the
+    open round (quorum). False if the job failed."""
+    meta = self.pool.result(job)
+    if meta is None:
+      if not self.quorum:
+        self._idle_start()  # a lost job's steps go to whoever is idle
+      return False
+    n = self.counts
+    if self.quorum:
+      info = self.pool.call("contribute", meta, job.sent, changes=True)
+      n.late += info["staleness"] > 0
+      self.round.steps += job.steps
+      drift = None
+    else:
+      info = self.pool.call("push", meta, job.sent, server=job.server, changes=True)
+      n.applied_steps += job.steps
+      drift = info["drift"]
+      if self.regions is not None:
+        n.global_pushes += self.regions.pushed(
+            self.pool, job.server, n.dispatched_steps >= self.plan.total_steps)
+    n.contributed(job.worker, meta, info["staleness"], drift)
+    self.pool.chaos()
+    if not self.quorum:
+      self._idle_start()  # this worker's next job (and any steps a lost one left)
+    return True
+
+  def _close_round(self) -> None:
+    n = self.counts
+    self.pool.call("close_round", changes=True)
+    n.rounds += 1
+    n.applied_steps += self.round.steps
+    self.round.open()
+    self._idle_start()  # every worker that contributed starts from the new θ
+
+  # --- the run loop's driver --------------------------------------------------------------
+
+  def _mark_of(self) -> int:
+    n = self.counts
+    return n.rounds if self.quorum else n.applied_steps // self.per_mark
+
+  def _budget_spent(self) -> bool:
+    n = self.counts
+    return n.rounds >= self.c.rounds if self.quorum else n.applied_steps >= self.plan.total_steps
+
+  def _step_count(self) -> int:
+    """The run's steps so far, as metrics rows count them (per worker)."""
+    return self.counts.applied_steps // self.c.num_workers
+
+  def _tokens(self) -> int:
+    return self.r.tokens(self.counts.applied_steps)
+
+  def advance(self, due) -> loop.Mark | None:
+    if self.finished:
+      return None
+    self._work_to_mark()
+    self.mark = self._mark_of()
+    mark_due = due(self.mark, last_of_run=self.finished, last_of_call=self.finished)
+    return loop.Mark(self.mark, mark_due,
+                         self._reading(mark_due.write) if mark_due.metrics else None)
+
+  def _work_to_mark(self) -> None:
+    """Takes results until the next mark (a round closed, or a round-equivalent applied)
+    or the end of the budget; `finished` says which."""
+    if self.quorum:
+      while not self._budget_spent():
+        if self.round.due(set(self.pool.up()), bool(self.pool.joining), self.pool.jobs):
+          self._close_round()
+          break
+        job = self.pool.next_done(self.round.wait_s())
+        if job is not None:
+          self._take(job)
+      self.finished = self._budget_spent()
+    else:
+      while True:
+        if not self.pool.jobs and not self._budget_spent():
+          self._idle_start()  # steps left behind by a worker lost while the others idled
+          if not self.pool.jobs:
+            raise RuntimeError("no live worker can take the remaining inner steps")
+        if not self.pool.jobs:
+          break
+        if self._take(self.pool.next_done()) and self._mark_of() != self.mark:
+          break
+      self.finished = not self.pool.jobs and self._budget_spent()
+      if self.finished and self.regions is not None:
+        self.counts.global_pushes += self.regions.flush(self.pool)
+
+  def _reading(self, take_train_loss: bool) -> loop.Reading:
+    n = self.counts
+    norm = self.pool.call("param_norm")
+    problem = None
+    if not (math.isfinite(n.loss_sum) and math.isfinite(norm)):
+      problem = f"push {n.pushes} (train-loss sum {n.loss_sum}, global param norm {norm})"
+    scalars = {**self._accounts(), "workers_live": len(self.pool.actors)}
+    if take_train_loss and n.loss_count:
+      n.last_train_loss = scalars["train_loss"] = n.loss_sum / n.loss_count
+      n.loss_sum, n.loss_count = 0.0, 0
+    return loop.Reading(self._step_count(), scalars, time.perf_counter(), problem)
+
+  def _accounts(self) -> dict:
+    """The figures both a metrics row and the summary report."""
+    return self.counts.figures(self._tokens(), self.plan.delta_bytes, self.c.num_workers,
+                               self.quorum)
+
+  def read(self, handle: loop.Reading) -> loop.Reading:
+    return handle
+
+  def evaluate(self) -> dict[str, float]:
+    return self.r.evaluation(self.pool.call("evaluate"))
+
+  def position(self) -> tuple[int, int, int]:
+    return self.mark, self._step_count(), self._tokens()
+
+  def wall_before(self) -> float:
+    return self._wall_before
+
+  # --- checkpoints (their layout: checkpoints.py) ----------------------------------------
+
+  def _region_names(self) -> tuple:
+    return self.regions.names if self.regions is not None else ()
+
+  def _restore(self, mark: int) -> tuple[dict, dict, dict]:
+    """(each server's restored state by name, the meta, each live worker's state)."""
+    return checkpoints.restore(self.files.ckpt, self.r, self._region_names(), mark)
+
+  def _restore_latest(self, server: str = GLOBAL) -> tuple[dict | None, int | None]:
+    """Server `server`'s state in the newest checkpoint, and its mark."""
+    ckpt = self.files.ckpt
+    ckpt.wait()
+    latest = ckpt.latest_round()
+    if latest is None:
+      return None, None
+    servers = checkpoints.restore_servers(ckpt, self.r, self._region_names(), latest)
+    return servers[server], latest
+
+  def open(self, files: RunFiles, latest: int | None) -> dict | None:
+    self.files, ckpt, pool = files, files.ckpt, self.pool
+    servers, meta, workers, in_flight = {}, None, {}, []
+    if latest is not None:
+      meta = ckpt.restore_meta(latest)
+      if not checkpoints.written_here(meta):
+        ckpt.close()
+        raise CheckpointMismatch(f"the checkpoint in {ckpt.directory} was not written by "
+                                 "this version of the Ray runtime; pass another --workdir")
+      if meta["finished"] and (summary := files.finished_summary()) is not None:
+        if summary.get("rounds", self.c.rounds) != self.c.rounds:
+          raise ConfigError([
+              f"rounds={self.c.rounds}: the Ray run in {files.workdir} finished its "
+              f"{summary['rounds']} rounds and cannot be extended; pass another --workdir"])
+        return summary
+      ckpt.discard_after(latest)
+      servers, meta, workers = self._restore(latest)
+      self._resume_from(meta)
+      in_flight = meta["in_flight"]  # started again as they were
+    self.started_ray = cluster.connect(self.c)
+    t0 = time.perf_counter()
+    pool.start_server(servers.get(GLOBAL))
+    for name in self._region_names():
+      pool.start_server(servers.get(name), name)
+    live = (sorted(int(w) for w in meta["live"]) if meta is not None
+            else list(range(self.c.num_workers)))
+    for w in live:
+      pool.start_worker(w, workers.get(w))
+    self.ray.get([pool.actors[w].ping.remote() for w in live])
+    pool.start_standby()
+    logging.info("ray: server and %d workers up in %.1fs (%s)", len(live),
+                 time.perf_counter() - t0, "resumed" if meta else "fresh")
+    self.round.open()
+    for j in sorted(in_flight, key=lambda j: j["order"]):
+      pool.dispatch(j["worker"], j["lr_step"], j["steps"], j["order"], j["version"])
+    self._idle_start()
+    self.mark = self._mark_of()
+    return None
+
+  def save(self, ckpt, mark: int, *, last: bool, wall: float) -> None:
+    """The server (θ, its rule's state, the models jobs in flight pulled), every live
+    worker's state as it was before its unfinished job (inner optimizer, codec buffer, data
+    stream), and those jobs: a resumed run starts them again and repeats this one. (A
+    quorum run saves as a round closes: no contribution is pending.)"""
+    pool = self.pool
+    workers = {}
+    for w, actor in sorted(pool.actors.items()):
+      job = pool.jobs.get(w)
+      try:
+        workers[w] = self.ray.get(actor.checkpoint_state.remote(
+            None if job is None or job.micro else job.order))
+      except self.ray.exceptions.RayActorError as e:  # it died: not in this checkpoint
+        pool.lose(w, f"{type(e).__name__} at a checkpoint")
+    while True:
+      try:
+        jobs = self._jobs_to_resume()
+        in_flight = [j.record(v)
+                     for j, v in zip(jobs, self.ray.get([j.version for j in jobs]))]
+        states = {name: self.ray.get(actor.state.remote(
+                      [j["version"] for j in in_flight if j["server"] == name]))
+                  for name, actor in pool.servers.items()}
+        break
+      except self.ray.exceptions.RayActorError as e:  # a server died: recover it, again
+        for name in list(pool.servers):
+          if not pool.server_alive(name):
+            pool.recover_server(f"save failed: {type(e).__name__}", name)
+    checkpoints.save(ckpt, mark + 1 if last and self.finished else mark, states, workers,
+                     {**self._meta(wall, last), "in_flight": in_flight})
+    pool.checkpointed()
+
+  def _meta(self, wall: float, last: bool) -> dict:
+    """What the driver keeps in a checkpoint's meta, besides the servers' versions and the
+    jobs in flight: its counts, the workers' data positions, membership, chaos delays and
+    DyLU's measured speeds and settled H (a resumed run keeps them)."""
+    pool = self.pool
+    return {"unsent": self.regions.unsent if self.regions is not None else {},
+            "counts": dataclasses.asdict(self.counts), "data": pool.data, "lost": pool.lost,
+            "delays": {str(k): v for k, v in pool.delays.items()},
+            "speeds": {str(k): v for k, v in pool.speeds.items()},
+            "inner_steps": {str(k): v for k, v in pool.inner_steps.items()},
+            "wall_seconds": wall, "finished": last and self.finished}
+
+  def _resume_from(self, meta: dict) -> None:
+    """The driver's part of a checkpoint's meta (`_meta`), taken back."""
+    pool, as_ints = self.pool, lambda d: {int(k): v for k, v in d.items()}
+    self.counts.__dict__.update(Counts(**meta["counts"]).__dict__)
+    if self.regions is not None:
+      self.regions.unsent = dict(meta["unsent"])
+    pool.data, pool.lost = meta["data"], list(meta["lost"])
+    pool.delays = as_ints(meta["delays"])
+    pool.speeds = as_ints(meta.get("speeds", {}))  # (not in checkpoints before DyLU kept them)
+    pool.inner_steps = as_ints(meta.get("inner_steps", {}))
+    self._wall_before, self.finished = meta["wall_seconds"], meta["finished"]
+
+  def _jobs_to_resume(self) -> list:
+    """The jobs in flight a checkpoint keeps (a resumed run starts them again)."""
+    return sorted(self.pool.jobs.values(), key=lambda j: j.order)
+
+  def complete(self) -> bool:
+    return self.finished
+
+  def stopped(self) -> dict:
+    return {"stopped_at": self.mark, "pushes": self.counts.pushes}
+
+  def summary(self, eval_loss: float, scalars: dict, wall: float) -> dict:
+    n, c, model = self.counts, self.c, self.r.model
+    out = {"algorithm": c.algorithm, "runtime": "ray", "num_workers": c.num_workers,
+           "inner_steps": c.inner_steps, "rounds": c.rounds, "model": model.name,
+           "params": model.param_count + model.frozen_count,
+           "trainable_params": model.param_count, "codec": c.compress.codec,
+           "eval_loss": eval_loss, **self._accounts(),
+           **n.run_figures(self.plan, c.num_workers), "wall_seconds": wall}
+    if self.quorum:
+      out["rounds_closed"] = n.rounds
+    if self.regions is not None:
+      out["global_pushes"] = n.global_pushes
+    return out
+
+  def close(self) -> None:
+    self.pool.close()
+    if self.started_ray:
+      self.ray.shutdown()
+      self.started_ray = False

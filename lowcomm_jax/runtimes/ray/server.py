@@ -1,0 +1,198 @@
+"""The parameter server as a Ray actor's class (ServerProcess): the global one, or one of
+HALoS's regional ones."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from lowcomm_jax import outer
+from lowcomm_jax.programs import servers
+from lowcomm_jax.runtimes.ray.actors import built, initial_state, server_rules
+from lowcomm_jax.sim import GLOBAL
+
+
+class ServerProcess:
+  """The global parameter server: θ, the algorithm's server rule and its state, the version
+  (pushes applied), and the models that jobs still out pulled (their drift; and a resumed
+  run's jobs start again from them)."""
+
+  def __init__(self, config: ml_collections.ConfigDict, restored: dict | None = None,
+               name: str = GLOBAL, *, standby: bool = False):
+    """Server `name` from `restored` (a checkpoint's) or fresh. A `standby` is built (its
+    process started, the run built, nothing compiled yet) and holds no state: `load` makes
+    it a server when one dies (`ray.standby_server`)."""
+    self.r, self.programs = r, _ = built(config, f"server {name}")
+    codec = r.sync.codec
+    self._decode = (jax.jit(servers.make_decode(codec, r.model.layout)) if codec
+                    else None)
+    self._norm = jax.jit(lambda p: jnp.sqrt(jnp.sum(jnp.square(p))))
+    self._lps_delta = jax.jit(outer.pseudo_gradient)  # θ_ref − θ_LPS
+    self._merge = jax.jit(outer.merge_global, static_argnums=3)
+    self.mesh = r.topology.mesh
+    self.windows = jax.device_put(r.data.eval_windows)
+    self.version = -1  # (a standby: no state yet)
+    if not standby:
+      self.load(restored, name)
+
+  def load(self, restored: dict | None, name: str = GLOBAL) -> int:
+    """Becomes server `name`: its state from `restored`, or fresh. Returns its version."""
+    self.name = name
+    rule = server_rules(self.r)[name]
+    self._apply = jax.jit(servers.make_apply(rule))
+    self.snapshots = {}  # version -> [params, jobs out that pulled it]
+    self._expected = {}  # version -> jobs out that pulled it from a server before this one
+    self._round_sum, self._round_tokens = None, 0.0  # a quorum round's Σ tokens·Δ, Σ tokens
+    self._replaying = False
+    if restored is None:
+      params = initial_state(self.r).params
+      self.params, self.opt_state = params, rule.init(params)
+      self.version = 0
+      # A regional server (HALoS's LPS): its model after the last merge, and at its last
+      # push to the global server.
+      self.reference = self.at_push = params if name != GLOBAL else None
+    else:
+      self.params = jnp.asarray(restored["params"])
+      self.opt_state = jax.tree.map(jnp.asarray, restored["opt_state"])
+      self.version = int(restored["version"])
+      self.snapshots = {int(v): [jnp.asarray(p), 0]
+                        for v, p in restored.get("snapshots", {}).items()}
+      self.reference = (jnp.asarray(restored["reference"]) if "reference" in restored
+                        else None)
+      self.at_push = jnp.asarray(restored["at_push"]) if "at_push" in restored else None
+    return self.version
+
+  def ping(self) -> int:
+    return self.version
+
+  def expect(self, pulled: dict[int, int]) -> None:
+    """A server restored from a checkpoint, before the calls since are replayed: the jobs
+    still out pulled these versions (version -> jobs) from the server before it. Their
+    counts are set to exactly that, and each newer model is kept as it is reached again.
+    Replayed calls release nothing (`replaying`): their jobs are not out any more."""
+    for version, held in self.snapshots.items():
+      held[1] = pulled.get(version, 0)
+    self._expected = {v: n for v, n in pulled.items()
+                      if v >= self.version and v not in self.snapshots}
+    self._replaying = True
+    self._hold()
+
+  def replayed(self) -> None:
+    """The replay is over: models no job out holds are let go."""
+    self._replaying = False
+    self.snapshots = {v: held for v, held in self.snapshots.items() if held[1] > 0}
+
+  def _hold(self) -> None:
+    if self.version in self._expected:
+      self.snapshots[self.version] = [self.params, self._expected.pop(self.version)]
+
+  def theta(self) -> tuple[int, np.ndarray]:
+    """(version, θ) for a collaborative epoch's micro-batches: nothing is held for them
+    (their gradients are at θ: there is no drift to measure)."""
+    return self.version, np.asarray(self.params)
+
+  def pull(self, version: int | None = None) -> tuple[int, np.ndarray]:
+    """(version, θ) for a worker's next job: the newest, or (a job started again after a
+    resume) the one that job had pulled."""
+    if version is None:
+      version = self.version
+      held = self.snapshots.setdefault(version, [self.params, 0])
+    else:
+      held = self.snapshots[version]
+    held[1] += 1
+    return version, np.asarray(held[0])
+
+  def _release(self, version: int):
+    held = self.snapshots.get(version)
+    if held is None:  # pulled from a server that died since: its drift is not known
+      return None
+    if self._replaying:
+      return held[0]
+    held[1] -= 1
+    if held[1] <= 0:
+      del self.snapshots[version]
+    return held[0]
+
+  def drop(self, version: int) -> None:
+    """A job that pulled `version` will never push (its worker was lost)."""
+    self._release(version)
+
+  def _delta(self, meta: dict, sent) -> jax.Array:
+    """What a worker sent, as the flat Δ (the codec's payload decoded with its key)."""
+    if self._decode is None:
+      return jnp.asarray(sent)
+    return self._decode(sent, jax.random.wrap_key_data(jnp.asarray(meta["codec_key"])))
+
+  def push(self, meta: dict, sent) -> dict:
+    """Applies one contribution (Δ, or the codec's payload); its staleness (versions applied
+    since it pulled) and drift."""
+    delta = self._delta(meta, sent)
+    pulled = self._release(meta["version"])
+    staleness = self.version - meta["version"]
+    self.params, self.opt_state, drift = self._apply(self.params, self.opt_state, delta, pulled)
+    self.version += 1
+    self._hold()
+    return {"version": self.version, "staleness": staleness,
+            "drift": None if drift is None else float(drift)}
+
+  def contribute(self, meta: dict, sent) -> dict:
+    """Adds one contribution to the open round (weighted by its tokens: a quorum round's Δ,
+    or an epoch's mean gradient); its staleness in rounds."""
+    delta = self._delta(meta, sent)
+    tokens = float(meta["tokens"])
+    self._round_sum = (tokens * delta if self._round_sum is None
+                       else self._round_sum + tokens * delta)
+    self._round_tokens += tokens
+    self._release(meta["version"])
+    return {"staleness": self.version - meta["version"]}
+
+  def close_round(self) -> dict:
+    """The round's outer step on its contributions' token-weighted mean Δ."""
+    contributed = self._round_tokens > 0
+    if contributed:
+      mean = self._round_sum / self._round_tokens
+      self.params, self.opt_state, _ = self._apply(self.params, self.opt_state, mean)
+    self._round_sum, self._round_tokens = None, 0.0
+    self.version += 1
+    self._hold()
+    return {"version": self.version, "applied": contributed}
+
+  # --- HALoS: a regional server's exchange with the global one (sim/async_schedules.Halos) ----
+
+  def lps_push(self) -> tuple[dict, np.ndarray]:
+    """A regional server's push: (info, its change since the last merge θ_ref − θ)."""
+    delta = self._lps_delta(self.reference, self.params)
+    self.at_push = self.params
+    return {"version": self.version}, np.asarray(delta)
+
+  def apply_lps_push(self, delta) -> tuple[dict, np.ndarray]:
+    """The global server takes a regional server's push: (info, its model after it)."""
+    self.params, self.opt_state, _ = self._apply(self.params, self.opt_state,
+                                                 jnp.asarray(delta))
+    self.version += 1
+    return {"version": self.version}, np.asarray(self.params)
+
+  def merge(self, global_params, alpha: float) -> dict:
+    """A regional server merges the global model it got back (weight `alpha`)."""
+    self.params, self.reference = self._merge(self.params, self.at_push,
+                                              jnp.asarray(global_params), alpha)
+    return {"version": self.version}
+
+  def state(self, versions=()) -> dict:
+    """What a checkpoint holds of the server (host arrays), with the models jobs still out
+    pulled at `versions`."""
+    out = {"params": np.asarray(self.params), "opt_state": jax.device_get(self.opt_state),
+           "version": self.version,
+           "snapshots": {str(v): np.asarray(self.snapshots[v][0])
+                         for v in sorted(set(versions)) if v in self.snapshots}}
+    if self.reference is not None:
+      out.update(reference=np.asarray(self.reference), at_push=np.asarray(self.at_push))
+    return out
+
+  def evaluate(self) -> list[float]:
+    """The eval loss at each of the run's eval widths (full width first)."""
+    with jax.set_mesh(self.mesh):
+      return [float(x) for x in np.asarray(self.programs.eval(self.params, self.windows))]
+
+  def param_norm(self) -> float:
+    return float(self._norm(self.params))

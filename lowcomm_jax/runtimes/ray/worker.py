@@ -1,0 +1,176 @@
+"""A worker as a Ray actor's class (WorkerProcess): its jobs of local steps, or a
+collaborative epoch's micro-batches."""
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from lowcomm_jax.programs import optimizers
+from lowcomm_jax.programs import servers
+from lowcomm_jax.programs import steps
+from lowcomm_jax.runtimes.ray.actors import built, initial_state
+
+
+class WorkerProcess:
+  """One worker: its inner optimizer state, its data stream, its codec's error buffer; a job
+  is `steps` local steps from a pulled θ, returned as (meta, what it sends)."""
+
+  def __init__(self, config: ml_collections.ConfigDict, worker: int,
+               restored: dict | None = None, step_sleep_s: float = 0.0):
+    """`restored`: {"data": its stream's state} (a worker that rejoins), and from a
+    checkpoint {"state", "codec"} too."""
+    from lowcomm_jax.parallel import mesh as mesh_lib
+    restored = restored or {}
+    self.worker, self.step_sleep_s, self.delay_s = worker, step_sleep_s, 0.0
+    self.r, programs = r, programs = built(config, f"worker {worker}")
+    state = initial_state(r)
+    self.rng = state.rng
+    self.local = programs.local[0][0]
+    self.mesh = r.topology.local_mesh
+    if "state" in restored:
+      self.state = jax.tree.map(jnp.asarray, restored["state"])
+    else:  # one fresh row of host 0's (all alike)
+      with jax.set_mesh(self.mesh):
+        init_one = r.programs.init_workers[0]  # (unjitted: `workers` is static)
+        self.state = jax.jit(lambda params: init_one(params, workers=1))(
+            mesh_lib.local_view(state.params, self.mesh))
+    self.batches_on = mesh_lib.round_batches(self.mesh)
+    self.ids = jax.device_put(np.asarray([worker], np.int32), mesh_lib.per_worker(self.mesh))
+    self.streams = r.data.streams[0].of_workers([worker])
+    if "data" in restored:
+      self.streams.set_state(restored["data"])
+    codec = r.sync.codec
+    self.encode = (jax.jit(jax.vmap(servers.make_encode(codec, r.model.layout)))
+                   if codec else None)
+    self.codec_state = (jax.tree.map(jnp.asarray, restored["codec"]) if "codec" in restored
+                        else jax.tree.map(lambda x: x[None], codec.init(r.model.layout.abstract))
+                        if codec else ())
+    # The job running (or last run) and what the worker held before it: a checkpoint taken
+    # while that job is unpushed keeps these, and the resumed run runs the job again. The
+    # lock: a checkpoint (the actor's second thread) reads them while a job runs.
+    self.running, self.before = None, None
+    self._lock = threading.Lock()
+    # A collaborative epoch (micro/collect): its θ's version, the sums of the micro-batches
+    # done at that θ, and the last epoch collected (a micro-batch of it that finishes later
+    # is not counted).
+    self.accumulate = programs.accumulate[0] if programs.accumulate else None
+    self.epoch, self.collected = None, None
+    if self.accumulate is not None:  # compiled before it counts as up: a joining peer's
+      self._begin_epoch(-1, np.asarray(state.params))  # first micro-batch is not a compile
+      zeros = np.zeros((1, r.config.data.batch_size, r.config.data.seq_len + 1), np.int32)
+      with jax.set_mesh(self.mesh):
+        jax.block_until_ready(self.accumulate(self.epoch["view"], self.epoch["sums"], zeros,
+                                              self.ids, np.int32(0)))
+      self.epoch = None
+
+  def ping(self) -> int:
+    return self.worker
+
+  def delay(self, seconds: float) -> None:
+    """From now on each push waits `seconds` before it is sent (chaos)."""
+    self.delay_s = seconds
+
+  def _view(self, version: int, params: np.ndarray) -> steps.TrainState:
+    """What the local programs read of the global state pulled at `version`."""
+    return self.r.local_input(steps.TrainState(
+        jnp.asarray(version, jnp.int32), self.rng, jnp.asarray(params), ()))
+
+  def _to_send(self, view, update, meta: dict):
+    """What goes to the server for `update` [1, N] (a job's Δ, an epoch's mean gradient):
+    itself, or the codec's payload (error buffer kept here; its key in `meta`, for the
+    server's decode)."""
+    if self.encode is None:
+      return np.asarray(update[0])
+    keys = servers.codec_keys(view, self.ids)
+    payload, self.codec_state = self.encode(update, self.codec_state, keys)
+    meta["codec_key"] = np.asarray(jax.random.key_data(keys[0]))
+    return jax.device_get(jax.tree.map(lambda x: x[0], payload))
+
+  def checkpoint_state(self, unpushed_job: int | None) -> dict:
+    """Its state for a checkpoint: as it was before job `unpushed_job` (started or not) if
+    that job's push is not applied yet, else as it is."""
+    with self._lock:
+      if unpushed_job is not None and self.running == unpushed_job:
+        state, codec_state, data = self.before
+      else:  # no job of it started: it is as it was before
+        state, codec_state, data = self.state, self.codec_state, self.streams.get_state()
+    return {"state": jax.device_get(state), "codec": jax.device_get(codec_state), "data": data}
+
+  def job(self, version: int, params: np.ndarray, lr_step: int, steps_: int,
+          order: int) -> tuple[dict, object]:
+    start = time.perf_counter()
+    with self._lock:
+      self.before = (self.state, self.codec_state, self.streams.get_state())
+      self.running = order
+    view = self._view(version, params)
+    workers = self.state._replace(opt_state=optimizers.at_schedule_step(
+        self.state.opt_state, np.asarray([lr_step], np.int32)))
+    batches = jax.device_put(self.streams.next_steps([0], steps_), self.batches_on)
+    meta = {"worker": self.worker, "version": int(version), "steps": steps_, "order": order,
+            "tokens": int(self.r.tokens(steps_))}
+    with jax.set_mesh(self.mesh):
+      deltas, self.state, losses = self.local(view, workers, batches, self.ids)
+      sent = self._to_send(view, deltas, meta)
+    meta.update(loss=float(losses.mean()), compute_seconds=time.perf_counter() - start,
+                data=self.streams.get_state())
+    time.sleep(self.step_sleep_s * steps_ + self.delay_s)
+    meta["job_seconds"] = time.perf_counter() - start  # what DyLU's speeds are made of
+    return meta, sent
+
+  # --- collaborative epochs (runtimes/ray/epochs.py) ---------------------------------------
+
+  def _begin_epoch(self, version: int, params: np.ndarray) -> None:
+    view = self._view(version, params)
+    sums = jnp.zeros((1, self.r.model.layout.size), jnp.float32)
+    self.epoch = {"version": version, "view": view, "sums": sums, "micro": 0, "samples": 0,
+                  "loss_sum": 0.0, "seconds": 0.0}
+
+  def micro(self, version: int, params: np.ndarray) -> dict:
+    """One micro-batch of the epoch at θ of `version`: its gradient times its samples is
+    added to the peer's sums, which stay here until `collect`. "counted" is False if that
+    epoch was collected while it ran (its samples are lost)."""
+    start = time.perf_counter()
+    with self._lock:  # (a checkpoint reads the stream's position)
+      if self.epoch is None or self.epoch["version"] != version:
+        self._begin_epoch(version, params)
+      epoch = self.epoch
+      batch = self.streams.next_round(1)[:, 0]
+    with jax.set_mesh(self.mesh):
+      sums, losses = self.accumulate(epoch["view"], epoch["sums"], batch, self.ids,
+                                     np.int32(epoch["micro"]))
+      loss = float(np.asarray(losses)[0])  # waits: the micro-batch counts once it is done
+    took = time.perf_counter() - start
+    time.sleep(self.step_sleep_s + self.delay_s)
+    samples = batch.shape[1]
+    with self._lock:
+      counted = self.epoch is epoch and self.collected != version
+      if counted:
+        epoch.update(sums=sums, micro=epoch["micro"] + 1, samples=epoch["samples"] + samples,
+                     loss_sum=epoch["loss_sum"] + loss * samples,
+                     seconds=epoch["seconds"] + took)
+    return {"worker": self.worker, "version": int(version), "counted": counted,
+            "samples": samples, "compute_seconds": took,
+            "job_seconds": time.perf_counter() - start}
+
+  def collect(self, version: int) -> tuple[dict, object]:
+    """The epoch's contribution: (meta, its mean gradient Σ B·g / Σ B, or the codec's
+    payload of it) over the micro-batches done at θ of `version`; samples 0 (and nothing
+    to send) if none is. A micro-batch still running is not waited for, and not counted."""
+    with self._lock:
+      self.collected = version
+      epoch, self.epoch = self.epoch, None
+    meta = {"worker": self.worker, "version": int(version), "samples": 0, "tokens": 0,
+            "steps": 0}
+    if epoch is None or epoch["version"] != version or epoch["samples"] == 0:
+      return meta, None
+    with jax.set_mesh(self.mesh):
+      sent = self._to_send(epoch["view"], epoch["sums"] / epoch["samples"], meta)
+    meta.update(samples=epoch["samples"], tokens=epoch["samples"] * self.r.config.data.seq_len,
+                loss=epoch["loss_sum"] / epoch["samples"], micro=epoch["micro"],
+                batch_size=self.r.config.data.batch_size,
+                compute_seconds=epoch["seconds"], data=self.streams.get_state())
+    return meta, sent
