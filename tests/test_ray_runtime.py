@@ -271,10 +271,10 @@ def test_a_quorum_round_does_not_wait_for_a_slow_or_dead_worker(cluster, tmp_pat
 
 def _ray_checkpointed_params(config, workdir) -> np.ndarray:
   """θ in the newest checkpoint of the Ray run in `workdir`."""
-  from lowcomm_jax.runtimes.ray.epochs import EpochDriver
+  from lowcomm_jax.runtimes.ray.driver import RayDriver
   from lowcomm_jax.run.files import RunFiles
   files = RunFiles(config, workdir)
-  driver = EpochDriver(config)  # (no actor: its checkpoint reading only)
+  driver = RayDriver(config)  # (no actor: its checkpoint reading only)
   driver.files = files
   servers, _, _ = driver._restore(files.open_checkpoints())
   files.close()

@@ -94,6 +94,13 @@ class Algorithm:
     """α: the weight a worker keeps on its own fragment when a new global one arrives."""
     return 0.0
 
+  def progress(self, c: ml_collections.ConfigDict) -> str:
+    """How a run of it moves from mark to mark, which picks each runtime's driver:
+    'rounds' (synchronous rounds of its segments), 'pushes' (asynchronous: each contribution
+    applied as it arrives) or 'epochs' (collaborative epochs: micro-batches until a target
+    batch, then one step; DDP's, runtimes/spmd/collab.py and runtimes/ray/epochs.py)."""
+    return "rounds" if self.synchronous else "pushes"
+
   def keeps_worker_params(self, c: ml_collections.ConfigDict) -> bool:
     """Whether θ_w must outlive a round. Not when a round is one segment whose sync lands at
     its step 0 unmixed: θ_w ← θ as every round starts (DiLoCo), so keeping it would only

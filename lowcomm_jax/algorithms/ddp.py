@@ -34,6 +34,10 @@ class DDP(Algorithm):
                    "round; leave it 0")
     return out
 
+  def progress(self, c):
+    # A target batch makes a step an epoch that unequal peers fill together (collab.*).
+    return "epochs" if c.collab.target_batch_size > 0 else "rounds"
+
   def outer_rule(self, c, inner_tx, layout) -> optax.GradientTransformation:
     codec = compress.spec(c.compress.codec)
     if codec is not None and codec.sign_descent:  # DeMo: the decoded mean's sign

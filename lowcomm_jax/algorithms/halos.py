@@ -1,11 +1,23 @@
 """HALoS (Kim et al. 2025), simulator: asynchronous workers behind one local parameter server
 per region (Delayed Nesterov, outer.lr/momentum/dn_buffer); every K = outer.halos.sync_every
 updates an LPS pushes its change to the global server (Delayed Nesterov, outer.halos.global_*)
-and merges the model it gets back (outer/halos.py, sim/schedules.Halos)."""
+and merges the model it gets back (outer/halos.py). When an exchange is due is written once
+here (`exchange_due`): the simulator's schedule (`HalosSchedule`) and the Ray runtime's
+regional servers (runtimes/ray/regions.py) both ask it."""
 
 from lowcomm_jax import outer
 from lowcomm_jax.algorithms.async_dn import dn_c_problems
 from lowcomm_jax.algorithms.async_local_sgd import AsyncLocalSGD
+from lowcomm_jax.sim.async_schedules import AsyncWorkers
+from lowcomm_jax.sim.events import Event, EventLoop
+from lowcomm_jax.sim.schedules import GLOBAL, Backend, Job, Plan, region_server
+
+
+def exchange_due(unsent: int, sync_every: int, finished: bool) -> bool:
+  """Whether a regional server pushes its change to the global server now: `sync_every`
+  updates unsent, or, once the budget is spent and its workers are done (`finished`),
+  whatever it has left."""
+  return unsent >= sync_every or (finished and unsent > 0)
 
 
 def _regions(c) -> list[int]:
@@ -41,11 +53,9 @@ class Halos(AsyncLocalSGD):
     return out
 
   def schedule(self, plan, backend):
-    from lowcomm_jax.sim.async_schedules import Halos as HalosSchedule
     return HalosSchedule(plan, backend)
 
   def server_rules(self, c, plan):
-    from lowcomm_jax.sim.schedules import GLOBAL, region_server
     o, h = c.outer, c.outer.halos
     rules = {GLOBAL: outer.delayed_nesterov(h.global_lr, h.global_momentum, h.global_buffer,
                                             o.dn_c)}
@@ -54,6 +64,75 @@ class Halos(AsyncLocalSGD):
       rules[region_server(r)] = outer.delayed_nesterov(o.lr, o.momentum, o.dn_buffer or size,
                                                        o.dn_c)
     return rules
+
+
+class HalosSchedule(AsyncWorkers):
+  """HALoS: asynchronous workers behind one local parameter server per region; an LPS
+  pushes its change to the global server once `sync_every` updates are unsent (and no push
+  is in flight) and merges the model it gets back. Updates applied while a push is in
+  flight go with the next push; when the budget is spent, LPSs push what they have left."""
+
+  def __init__(self, plan: Plan, backend: Backend):
+    super().__init__(plan, backend)
+    regions = sorted(set(plan.network.worker_region))
+    # unsent: updates applied at the LPS and not yet in a push (those applied while a push
+    # is in flight stay unsent and go with the next one).
+    self.lps = {region_server(r): {"region": r, "unsent": 0, "pushing": False,
+                                   "running": 0} for r in regions}
+
+  def server_of(self, worker: int) -> str:
+    return region_server(self.plan.network.worker_region[worker])
+
+  def server_region(self, server: str) -> int:
+    return self.plan.network.server_region if server == GLOBAL else self.lps[server]["region"]
+
+  def _dispatch(self, loop: EventLoop, worker: int) -> bool:
+    started = super()._dispatch(loop, worker)
+    if started:
+      self.lps[self.server_of(worker)]["running"] += 1
+    return started
+
+  def _arrive(self, loop: EventLoop, job: Job) -> None:
+    lps = self.lps[job.server]
+    lps["running"] -= 1
+    lps["unsent"] += 1
+    super()._arrive(loop, job)
+    self._maybe_push(loop, job.server)
+
+  def _server_event(self, event: Event, loop: EventLoop) -> None:
+    p = self.plan
+    if event.kind == "push_arrive":  # at the GPS: apply, reply with its model
+      self.backend.apply_push(GLOBAL, event.data["msg"])
+      reply = self.new_id()
+      self.backend.send_params(GLOBAL, reply)
+      self.acct.server_bytes_sent += p.param_bytes
+      self._send(loop, GLOBAL, event.data["lps"], p.param_bytes, "params_arrive",
+                 lps=event.data["lps"], msg=reply)
+    elif event.kind == "params_arrive":  # back at the LPS
+      dst = event.data["lps"]
+      self.backend.merge(dst, event.data["msg"], p.merge_alpha)
+      self.lps[dst]["pushing"] = False
+      self._maybe_push(loop, dst)
+    else:
+      raise ValueError(f"unexpected event {event.kind!r}")
+
+  def _maybe_push(self, loop: EventLoop, server: str) -> None:
+    p, lps = self.plan, self.lps[server]
+    finished = self.dispatched_steps >= p.total_steps and lps["running"] == 0
+    if lps["pushing"] or not exchange_due(lps["unsent"], p.sync_every, finished):
+      return
+    msg = self.new_id()
+    self.backend.push_update(server, msg)
+    lps["pushing"], lps["unsent"] = True, 0
+    self.acct.server_bytes_sent += p.param_bytes
+    self._send(loop, server, GLOBAL, p.param_bytes, "push_arrive", lps=server, msg=msg)
+
+  def state_dict(self) -> dict:
+    return {**super().state_dict(), "lps": self.lps}
+
+  def load_state(self, state: dict) -> None:
+    super().load_state(state)
+    self.lps = state["lps"]
 
 
 ALGORITHM = Halos()

@@ -2,7 +2,7 @@
 when things happen. What happens (real inner steps, outer rules) is lowcomm_jax/runtimes/simulator/backend.py, driven by
 lowcomm_jax/runtimes/simulator/simulate.py."""
 
-from lowcomm_jax.sim.async_schedules import AsyncWorkers, Halos
+from lowcomm_jax.sim.async_schedules import AsyncWorkers
 from lowcomm_jax.sim.events import Event, EventLoop
 from lowcomm_jax.sim.network import Network
 from lowcomm_jax.sim.schedules import (GLOBAL, Accounting, Backend, Job, Plan, Schedule,

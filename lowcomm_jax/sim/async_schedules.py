@@ -1,5 +1,5 @@
-"""Asynchronous schedules: Local-SGD workers behind one server (async, async_dn) and HALoS's
-regional servers. Every transfer (a pull, a contribution, a push between servers) is a flow
+"""Asynchronous schedules: Local-SGD workers behind one server (async, async_dn; HALoS's
+regional servers extend it in algorithms/halos.py). Every transfer (a pull, a contribution, a push between servers) is a flow
 sharing the links with the others in flight (sim/flows.py)."""
 
 import dataclasses
@@ -7,7 +7,7 @@ import dataclasses
 from lowcomm_jax.sim.collectives import node
 from lowcomm_jax.sim.events import Event, EventLoop
 from lowcomm_jax.sim.flows import TICK, Flows
-from lowcomm_jax.sim.schedules import GLOBAL, Backend, Job, Plan, Schedule, region_server
+from lowcomm_jax.sim.schedules import GLOBAL, Backend, Job, Plan, Schedule
 
 
 class AsyncWorkers(Schedule):
@@ -79,73 +79,3 @@ class AsyncWorkers(Schedule):
   def load_state(self, state: dict) -> None:
     super().load_state(state)
     self.flows.load_state(state["flows"])
-
-
-class Halos(AsyncWorkers):
-  """HALoS: asynchronous workers behind one local parameter server per region; an LPS
-  pushes its change to the global server once `sync_every` updates are unsent (and no push
-  is in flight) and merges the model it gets back. Updates applied while a push is in
-  flight go with the next push; when the budget is spent, LPSs push what they have left."""
-
-  def __init__(self, plan: Plan, backend: Backend):
-    super().__init__(plan, backend)
-    regions = sorted(set(plan.network.worker_region))
-    # unsent: updates applied at the LPS and not yet in a push (those applied while a push
-    # is in flight stay unsent and go with the next one).
-    self.lps = {region_server(r): {"region": r, "unsent": 0, "pushing": False,
-                                   "running": 0} for r in regions}
-
-  def server_of(self, worker: int) -> str:
-    return region_server(self.plan.network.worker_region[worker])
-
-  def server_region(self, server: str) -> int:
-    return self.plan.network.server_region if server == GLOBAL else self.lps[server]["region"]
-
-  def _dispatch(self, loop: EventLoop, worker: int) -> bool:
-    started = super()._dispatch(loop, worker)
-    if started:
-      self.lps[self.server_of(worker)]["running"] += 1
-    return started
-
-  def _arrive(self, loop: EventLoop, job: Job) -> None:
-    lps = self.lps[job.server]
-    lps["running"] -= 1
-    lps["unsent"] += 1
-    super()._arrive(loop, job)
-    self._maybe_push(loop, job.server)
-
-  def _server_event(self, event: Event, loop: EventLoop) -> None:
-    p = self.plan
-    if event.kind == "push_arrive":  # at the GPS: apply, reply with its model
-      self.backend.apply_push(GLOBAL, event.data["msg"])
-      reply = self.new_id()
-      self.backend.send_params(GLOBAL, reply)
-      self.acct.server_bytes_sent += p.param_bytes
-      self._send(loop, GLOBAL, event.data["lps"], p.param_bytes, "params_arrive",
-                 lps=event.data["lps"], msg=reply)
-    elif event.kind == "params_arrive":  # back at the LPS
-      dst = event.data["lps"]
-      self.backend.merge(dst, event.data["msg"], p.merge_alpha)
-      self.lps[dst]["pushing"] = False
-      self._maybe_push(loop, dst)
-    else:
-      raise ValueError(f"unexpected event {event.kind!r}")
-
-  def _maybe_push(self, loop: EventLoop, server: str) -> None:
-    p, lps = self.plan, self.lps[server]
-    finished = self.dispatched_steps >= p.total_steps and lps["running"] == 0
-    due = lps["unsent"] >= p.sync_every or (finished and lps["unsent"] > 0)
-    if lps["pushing"] or not due:
-      return
-    msg = self.new_id()
-    self.backend.push_update(server, msg)
-    lps["pushing"], lps["unsent"] = True, 0
-    self.acct.server_bytes_sent += p.param_bytes
-    self._send(loop, server, GLOBAL, p.param_bytes, "push_arrive", lps=server, msg=msg)
-
-  def state_dict(self) -> dict:
-    return {**super().state_dict(), "lps": self.lps}
-
-  def load_state(self, state: dict) -> None:
-    super().load_state(state)
-    self.lps = state["lps"]

@@ -3,17 +3,10 @@ join, leave or crash while the run goes on (the actors and their jobs: pool.py).
 
 One process (the one `main.py` runs) drives: it starts or joins Ray, creates the server
 actor and one actor per worker, and moves references; tensors go from actor to actor
-through Ray's object store. What a finished job does depends on the algorithm:
-
-- asynchronous (`async`, `async_dn`): its push is applied at once with the algorithm's
-  server rule, and the worker starts its next job. Progress is counted as in the
-  simulator, in round-equivalents (W·H inner steps applied); the budget is W·rounds·H.
-- synchronous (`diloco`), in quorum rounds: each worker computes from round t's θ and
-  contributes; round t closes when `ray.min_quorum` workers (0: every live one) have
-  contributed from it and `ray.grace_s` has passed since, or when every live worker has.
-  Contributions that arrive after their round closed fold into the open round, weighted
-  by tokens like the others, with their staleness (rounds) recorded. A mark per round.
-- collaborative epochs (`collab.target_batch_size` > 0, `ddp`): epochs.py.
+through Ray's object store. What a finished job does, and what a mark is, is the progress
+policy the algorithm declares (`Algorithm.progress`, progress.py): asynchronous pushes
+(pushes.py), quorum rounds (quorum.py) or collaborative epochs (epochs.py). This driver
+holds what they share: the actors, the counts, checkpoints and the run loop's side.
 
 `ray.apply_order` says which finished job is taken next: the first to finish ('arrival')
 or the first started ('dispatch': a run that repeats exactly). Failures: a worker that dies
@@ -37,8 +30,10 @@ from lowcomm_jax.run.checkpoint import CheckpointMismatch
 from lowcomm_jax.runtimes.ray import checkpoints, cluster
 from lowcomm_jax.runtimes.ray.accounts import Counts
 from lowcomm_jax.runtimes.ray.actors import server_rules
+from lowcomm_jax.runtimes.ray.epochs import Epochs
 from lowcomm_jax.runtimes.ray.pool import Pool
-from lowcomm_jax.runtimes.ray.quorum import QuorumRound
+from lowcomm_jax.runtimes.ray.pushes import Pushes
+from lowcomm_jax.runtimes.ray.quorum import QuorumRounds
 from lowcomm_jax.runtimes.ray.regions import Regions
 from lowcomm_jax.sim import GLOBAL
 from lowcomm_jax.run.files import RunFiles
@@ -53,13 +48,11 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   `stop_after_checkpoints` ends this invocation after that many saves (resume tests)."""
   t_start = time.time()
   files = RunFiles(config, workdir)  # refuses a changed config before any work
-  if config.collab.target_batch_size > 0:
-    from lowcomm_jax.runtimes.ray.epochs import EpochDriver  # (it extends this module's)
-    driver = EpochDriver(config)
-  else:
-    driver = RayDriver(config)
-  return loop.run(driver, files, t_start=t_start,
-                      stop_after_checkpoints=stop_after_checkpoints)
+  return loop.run(RayDriver(config), files, t_start=t_start,
+                  stop_after_checkpoints=stop_after_checkpoints)
+
+
+PROGRESS = {"pushes": Pushes, "rounds": QuorumRounds, "epochs": Epochs}
 
 
 class RayDriver:
@@ -73,12 +66,8 @@ class RayDriver:
     # Shapes, tokens, the plan; no compute, and no worker held here (nor its memory).
     self.r = r = build(one_device(config), check_memory=False)
     self.plan = make_plan(r.config, r)
-    self.quorum = r.algorithm.synchronous
-    self.unit = "round" if self.quorum else "round-equivalent"
-    self.per_mark = config.num_workers * config.inner_steps  # a round-equivalent: W·H steps
     self.counts = Counts(next_worker=config.num_workers)
     self.pool = Pool(config, self.counts, self._restore_latest, self._note)
-    self.pool.on_join = self._start_next
     # HALoS: regional servers beside the global one (regions.py)
     self.regions = Regions(self.plan) if set(server_rules(r)) != {GLOBAL} else None
     if self.regions is not None:
@@ -87,7 +76,10 @@ class RayDriver:
     self.started_ray = False
     self.files: RunFiles | None = None
     self.finished, self.mark, self._wall_before = False, 0, 0.0
-    self.round = QuorumRound(self.counts, config.ray.min_quorum, config.ray.grace_s)
+    self.progress = PROGRESS[r.algorithm.progress(config)](self)
+    self.unit = self.progress.unit
+    self.pool.on_join = self.progress.start_next
+    self.pool.on_lose = self.progress.on_lose
 
   def _note(self, event: str, **fields) -> None:
     """A membership or recovery event: a metrics.jsonl row and a log line."""
@@ -96,119 +88,31 @@ class RayDriver:
     if self.files is not None and self.files.logger is not None:
       self.files.logger.note(step, {"event": event, "pushes": self.counts.pushes, **fields})
 
-  # --- jobs -------------------------------------------------------------------------------
+  # --- jobs (what a finished one does: the progress policy's) -----------------------------
 
-  def _start_next(self, worker: int, clock: int | None = None) -> None:
-    """`worker`'s next job, if the budget has steps left (asynchronous), or from the open
-    round's θ (quorum; every worker, every round). Inner lr schedules run on the run's
-    clock, as in the simulator: the inner steps of the jobs started before, per worker
-    (`clock`: the same for jobs started together), or the rounds' steps."""
-    n, h = self.counts, self.pool.inner_steps_of(worker)
-    if self.quorum:
-      if n.rounds < self.c.rounds:
-        self.pool.dispatch(worker, n.rounds * self.c.inner_steps, h)
-      return
-    remaining = self.plan.total_steps - n.dispatched_steps
-    if remaining <= 0:
-      return
-    steps = min(h, remaining)
-    if clock is None:
-      clock = n.dispatched_steps // self.c.num_workers
-    n.dispatched_steps += steps
-    self.pool.dispatch(worker, clock, steps)
-
-  def _idle_start(self) -> None:
+  def idle_start(self) -> None:
+    """Every live worker with nothing running gets its next job, if the mode has one."""
     clock = self.counts.dispatched_steps // self.c.num_workers
     for w in sorted(self.pool.actors):
       if w not in self.pool.jobs:
-        self._start_next(w, clock)
-
-  def _take(self, job) -> bool:
-    """A finished job: its push applied (asynchronous) or its contribution added to the
-    open round (quorum). False if the job failed."""
-    meta = self.pool.result(job)
-    if meta is None:
-      if not self.quorum:
-        self._idle_start()  # a lost job's steps go to whoever is idle
-      return False
-    n = self.counts
-    if self.quorum:
-      info = self.pool.call("contribute", meta, job.sent, changes=True)
-      n.late += info["staleness"] > 0
-      self.round.steps += job.steps
-      drift = None
-    else:
-      info = self.pool.call("push", meta, job.sent, server=job.server, changes=True)
-      n.applied_steps += job.steps
-      drift = info["drift"]
-      if self.regions is not None:
-        n.global_pushes += self.regions.pushed(
-            self.pool, job.server, n.dispatched_steps >= self.plan.total_steps)
-    n.contributed(job.worker, meta, info["staleness"], drift)
-    self.pool.chaos()
-    if not self.quorum:
-      self._idle_start()  # this worker's next job (and any steps a lost one left)
-    return True
-
-  def _close_round(self) -> None:
-    n = self.counts
-    self.pool.call("close_round", changes=True)
-    n.rounds += 1
-    n.applied_steps += self.round.steps
-    self.round.open()
-    self._idle_start()  # every worker that contributed starts from the new θ
+        self.progress.start_next(w, clock)
 
   # --- the run loop's driver --------------------------------------------------------------
 
-  def _mark_of(self) -> int:
-    n = self.counts
-    return n.rounds if self.quorum else n.applied_steps // self.per_mark
-
-  def _budget_spent(self) -> bool:
-    n = self.counts
-    return n.rounds >= self.c.rounds if self.quorum else n.applied_steps >= self.plan.total_steps
-
   def _step_count(self) -> int:
-    """The run's steps so far, as metrics rows count them (per worker)."""
-    return self.counts.applied_steps // self.c.num_workers
+    return self.progress.step_count()
 
   def _tokens(self) -> int:
-    return self.r.tokens(self.counts.applied_steps)
+    return self.progress.tokens()
 
   def advance(self, due) -> loop.Mark | None:
     if self.finished:
       return None
-    self._work_to_mark()
-    self.mark = self._mark_of()
+    self.finished = self.progress.work_to_mark()
+    self.mark = self.progress.mark()
     mark_due = due(self.mark, last_of_run=self.finished, last_of_call=self.finished)
     return loop.Mark(self.mark, mark_due,
-                         self._reading(mark_due.write) if mark_due.metrics else None)
-
-  def _work_to_mark(self) -> None:
-    """Takes results until the next mark (a round closed, or a round-equivalent applied)
-    or the end of the budget; `finished` says which."""
-    if self.quorum:
-      while not self._budget_spent():
-        if self.round.due(set(self.pool.up()), bool(self.pool.joining), self.pool.jobs):
-          self._close_round()
-          break
-        job = self.pool.next_done(self.round.wait_s())
-        if job is not None:
-          self._take(job)
-      self.finished = self._budget_spent()
-    else:
-      while True:
-        if not self.pool.jobs and not self._budget_spent():
-          self._idle_start()  # steps left behind by a worker lost while the others idled
-          if not self.pool.jobs:
-            raise RuntimeError("no live worker can take the remaining inner steps")
-        if not self.pool.jobs:
-          break
-        if self._take(self.pool.next_done()) and self._mark_of() != self.mark:
-          break
-      self.finished = not self.pool.jobs and self._budget_spent()
-      if self.finished and self.regions is not None:
-        self.counts.global_pushes += self.regions.flush(self.pool)
+                     self._reading(mark_due.write) if mark_due.metrics else None)
 
   def _reading(self, take_train_loss: bool) -> loop.Reading:
     n = self.counts
@@ -224,8 +128,9 @@ class RayDriver:
 
   def _accounts(self) -> dict:
     """The figures both a metrics row and the summary report."""
-    return self.counts.figures(self._tokens(), self.plan.delta_bytes, self.c.num_workers,
-                               self.quorum)
+    return {**self.counts.figures(self._tokens(), self.plan.delta_bytes, self.c.num_workers,
+                                  self.progress.late_figures),
+            **self.progress.figures()}
 
   def read(self, handle: loop.Reading) -> loop.Reading:
     return handle
@@ -290,11 +195,11 @@ class RayDriver:
     pool.start_standby()
     logging.info("ray: server and %d workers up in %.1fs (%s)", len(live),
                  time.perf_counter() - t0, "resumed" if meta else "fresh")
-    self.round.open()
+    self.progress.opened()
     for j in sorted(in_flight, key=lambda j: j["order"]):
       pool.dispatch(j["worker"], j["lr_step"], j["steps"], j["order"], j["version"])
-    self._idle_start()
-    self.mark = self._mark_of()
+    self.idle_start()
+    self.mark = self.progress.mark()
     return None
 
   def save(self, ckpt, mark: int, *, last: bool, wall: float) -> None:
@@ -313,7 +218,7 @@ class RayDriver:
         pool.lose(w, f"{type(e).__name__} at a checkpoint")
     while True:
       try:
-        jobs = self._jobs_to_resume()
+        jobs = self.progress.jobs_to_resume()
         in_flight = [j.record(v)
                      for j, v in zip(jobs, self.ray.get([j.version for j in jobs]))]
         states = {name: self.ray.get(actor.state.remote(
@@ -352,10 +257,6 @@ class RayDriver:
     pool.inner_steps = as_ints(meta.get("inner_steps", {}))
     self._wall_before, self.finished = meta["wall_seconds"], meta["finished"]
 
-  def _jobs_to_resume(self) -> list:
-    """The jobs in flight a checkpoint keeps (a resumed run starts them again)."""
-    return sorted(self.pool.jobs.values(), key=lambda j: j.order)
-
   def complete(self) -> bool:
     return self.finished
 
@@ -370,11 +271,7 @@ class RayDriver:
            "trainable_params": model.param_count, "codec": c.compress.codec,
            "eval_loss": eval_loss, **self._accounts(),
            **n.run_figures(self.plan, c.num_workers), "wall_seconds": wall}
-    if self.quorum:
-      out["rounds_closed"] = n.rounds
-    if self.regions is not None:
-      out["global_pushes"] = n.global_pushes
-    return out
+    return {**out, **self.progress.summary()}
 
   def close(self) -> None:
     self.pool.close()

@@ -1,5 +1,5 @@
-"""Collaborative epochs on the Ray runtime (`collab.target_batch_size` > 0, algorithm
-'ddp'): the target batch of runtimes/spmd/collab.py reached together by peers that join, leave or crash
+"""Collaborative epochs on the Ray runtime (`Algorithm.progress` 'epochs': 'ddp' with
+`collab.target_batch_size` > 0): the target batch of runtimes/spmd/collab.py reached together by peers that join, leave or crash
 while the run goes on.
 
 Each worker actor is a peer. An epoch:
@@ -27,37 +27,38 @@ not the server's, so nothing of the open epoch is lost.
 
 import time
 
-from lowcomm_jax.runtimes.ray.driver import RayDriver
+from lowcomm_jax.runtimes.ray.progress import Progress
 
 
-class EpochDriver(RayDriver):
-  """The run loop's driver for collaborative epochs on runtime='ray'."""
+class Epochs(Progress):
 
-  def __init__(self, config):
-    super().__init__(config)
-    self.unit = "epoch"
-    self.target = config.collab.target_batch_size
+  unit = "epoch"
+  late_figures = True
+
+  def __init__(self, d):
+    super().__init__(d)
+    self.c, self.pool, self.counts, self.ray = d.c, d.pool, d.counts, d.ray
+    self.target = d.c.collab.target_batch_size
     self.theta = None  # (version, ObjectRef of θ) of the open epoch, while it takes samples
     self.epoch_samples: dict[int, int] = {}  # peer -> samples counted in the open epoch
     self.last_epoch: dict = {}  # the last closed epoch's figures (metrics rows)
     # (peer, version): the peers asked for their sums, every epoch (a micro-batch that ends
     # later was in what its peer sent, or is lost if it was not asked)
     self.asked: set = set()
-    self.pool.on_lose = self._lost
 
   # --- an epoch ---------------------------------------------------------------------------
 
   def _open_samples(self) -> int:
     return sum(self.epoch_samples.values())
 
-  def _start_next(self, worker: int, clock: int | None = None) -> None:
+  def start_next(self, worker: int, clock: int | None = None) -> None:
     """`worker`'s next micro-batch, while the open epoch is short of its target."""
     del clock
     if (self.theta is not None and worker in self.pool.actors and worker not in self.pool.jobs
         and self._open_samples() < self.target):
       self.pool.dispatch_micro(worker, *self.theta)
 
-  def _lost(self, worker: int) -> None:
+  def on_lose(self, worker: int) -> None:
     """A peer died: its samples of the open epoch are gone with it."""
     self.counts.samples_lost += self.epoch_samples.pop(worker, 0)
 
@@ -66,7 +67,7 @@ class EpochDriver(RayDriver):
     finished in time), and its peer's next one started."""
     meta = self.pool.result(job)
     if meta is None:  # its peer died (pool.lose counted what it lost)
-      self._idle_start()
+      self.d.idle_start()
       return False
     n = self.counts
     if meta["counted"] and self.theta is not None and meta["version"] == self.theta[0]:
@@ -79,10 +80,10 @@ class EpochDriver(RayDriver):
       # it finished after its epoch was collected, or its peer was not asked to send
       # (nothing of it had counted by then): its sums never reached the server
       n.samples_lost += meta["samples"]
-    self._start_next(job.worker)
+    self.start_next(job.worker)
     return True
 
-  def _work_to_mark(self) -> None:
+  def work_to_mark(self) -> bool:
     """One epoch: micro-batches to the target, the grace window, the peers' contributions
     and the server's step."""
     pool, n, c = self.pool, self.counts, self.c
@@ -90,10 +91,10 @@ class EpochDriver(RayDriver):
     version, params = pool.call("theta")
     self.theta = (version, self.ray.put(params))
     self.epoch_samples = {}
-    self._idle_start()
+    self.d.idle_start()
     while self._open_samples() < self.target:
       if not pool.jobs:
-        self._idle_start()  # (a peer that was still finishing an earlier epoch's micro-batch)
+        self.d.idle_start()  # (a peer that was still finishing an earlier epoch's micro-batch)
         if not pool.jobs:
           raise RuntimeError(f"no live peer can take epoch {n.rounds + 1}'s micro-batches")
       self._take(pool.next_done())
@@ -118,7 +119,7 @@ class EpochDriver(RayDriver):
                        "target_reached_s": reached, "samples_per_s": contributed / wall,
                        "micro_batches_late": late,
                        **{f"samples_peer_{w}": s for w, s in sorted(by_peer.items())}}
-    self.finished = n.rounds >= c.rounds
+    return n.rounds >= c.rounds
 
   def _contributions(self, version: int) -> dict[int, int]:
     """Each live peer's mean gradient into the server's open round; the samples in it,
@@ -152,29 +153,26 @@ class EpochDriver(RayDriver):
 
   # --- accounts ---------------------------------------------------------------------------
 
-  def _mark_of(self) -> int:
+  def mark(self) -> int:
     return self.counts.rounds
 
-  def _step_count(self) -> int:
+  def step_count(self) -> int:
     return self.counts.rounds
 
-  def _tokens(self) -> int:
+  def tokens(self) -> int:
     return self.counts.samples * self.c.data.seq_len
 
-  def _accounts(self) -> dict:
-    n = self.counts
-    out = super()._accounts()
+  def figures(self) -> dict:
     # (the last epoch's figures, as the runner's rows name them; the run's samples are in
     # the summary's "collab")
-    out.update(total_inner_steps=n.rounds, micro_batches=n.micro_batches,
-               samples_lost=n.samples_lost, **self.last_epoch)
-    return out
+    n = self.counts
+    return dict(total_inner_steps=n.rounds, micro_batches=n.micro_batches,
+                samples_lost=n.samples_lost, **self.last_epoch)
 
-  def _jobs_to_resume(self) -> list:
+  def jobs_to_resume(self) -> list:
     return []  # micro-batches of closed epochs: not counted, not started again
 
-  def summary(self, eval_loss: float, scalars: dict, wall: float) -> dict:
-    out = super().summary(eval_loss, scalars, wall)
-    out["collab"] = {"target_batch_size": self.target, "epochs": self.counts.rounds,
-                     "samples": self.counts.samples}
-    return out
+  def summary(self) -> dict:
+    return {"rounds_closed": self.counts.rounds,
+            "collab": {"target_batch_size": self.target, "epochs": self.counts.rounds,
+                       "samples": self.counts.samples}}

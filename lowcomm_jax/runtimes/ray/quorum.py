@@ -1,12 +1,77 @@
-"""A quorum round on the Ray runtime (synchronous algorithms): what the open round has
-taken, and when it closes. It closes once `ray.min_quorum` workers (0: every live one) have
-contributed from its θ and `ray.grace_s` has passed since, or once every live worker has.
-Late contributions (from an older round's θ) fold into it without counting toward its
-quorum."""
+"""Quorum rounds on the Ray runtime (`Algorithm.progress` 'rounds': the synchronous
+algorithms). Each worker computes from round t's θ and contributes; round t closes once
+`ray.min_quorum` workers (0: every live one) have contributed from its θ and `ray.grace_s`
+has passed since, or once every live worker has; the workers that contributed then start
+from the new θ. Late contributions (from an older round's θ) fold into the open round,
+weighted by tokens like the others, without counting toward its quorum; their staleness
+(rounds) is recorded. A mark per round."""
 
 import time
 
 from lowcomm_jax.runtimes.ray.accounts import Counts
+from lowcomm_jax.runtimes.ray.progress import Progress
+
+
+class QuorumRounds(Progress):
+
+  late_figures = True
+
+  def __init__(self, d):
+    super().__init__(d)
+    self.round = QuorumRound(d.counts, d.c.ray.min_quorum, d.c.ray.grace_s)
+
+  def start_next(self, worker: int, clock: int | None = None) -> None:
+    """`worker`'s next job, from the open round's θ (every worker, every round); its inner
+    lr schedule at the rounds' steps."""
+    del clock
+    d = self.d
+    if d.counts.rounds < d.c.rounds:
+      d.pool.dispatch(worker, d.counts.rounds * d.c.inner_steps, d.pool.inner_steps_of(worker))
+
+  def mark(self) -> int:
+    return self.d.counts.rounds
+
+  def _budget_spent(self) -> bool:
+    return self.d.counts.rounds >= self.d.c.rounds
+
+  def _take(self, job) -> None:
+    """A finished job's contribution, added to the open round (nothing if the job failed)."""
+    d = self.d
+    meta = d.pool.result(job)
+    if meta is None:
+      return
+    n = d.counts
+    info = d.pool.call("contribute", meta, job.sent, changes=True)
+    n.late += info["staleness"] > 0
+    self.round.steps += job.steps
+    n.contributed(job.worker, meta, info["staleness"], None)
+    d.pool.chaos()
+
+  def _close_round(self) -> None:
+    d, n = self.d, self.d.counts
+    d.pool.call("close_round", changes=True)
+    n.rounds += 1
+    n.applied_steps += self.round.steps
+    self.round.open()
+    d.idle_start()  # every worker that contributed starts from the new θ
+
+  def work_to_mark(self) -> bool:
+    pool = self.d.pool
+    while not self._budget_spent():
+      if self.round.due(set(pool.up()), bool(pool.joining), pool.jobs):
+        self._close_round()
+        break
+      job = pool.next_done(self.round.wait_s())
+      if job is not None:
+        self._take(job)
+    return self._budget_spent()
+
+  def opened(self) -> None:
+    """The run (re)started: the open round starts counting now."""
+    self.round.open()
+
+  def summary(self) -> dict:
+    return {"rounds_closed": self.d.counts.rounds}
 
 
 class QuorumRound:

@@ -4,13 +4,14 @@ Workers pull from and push to their region's server (its Delayed Nesterov rule);
 regional server has `outer.halos.sync_every` updates unsent it pushes its change since the
 last merge to the global server, which applies it with its own rule and answers with its
 model, and the regional server merges that (weight `outer.halos.merge_alpha`). The three
-calls are the simulator's (sim/async_schedules.Halos: `lps_push`, `apply_lps_push`, `merge` are
-SimBackend's push_update, apply_push and merge), made one after the other by the driver: the
-simulator's schedule with instant transfers, so no push is ever in flight when a
-checkpoint is taken. When the budget is spent, a regional server whose workers are all done
-pushes what it has left.
+calls are the simulator's (algorithms/halos.HalosSchedule: `lps_push`, `apply_lps_push`,
+`merge` are SimBackend's push_update, apply_push and merge), made one after the other by the
+driver: the simulator's schedule with instant transfers, so no push is ever in flight when a
+checkpoint is taken. When an exchange is due is the algorithm's rule (`exchange_due`): when
+the budget is spent, a regional server whose workers are all done pushes what it has left.
 """
 
+from lowcomm_jax.algorithms.halos import exchange_due
 from lowcomm_jax.sim import GLOBAL
 from lowcomm_jax.sim.schedules import region_server
 
@@ -33,7 +34,7 @@ class Regions:
     is due. The exchanges made (0 or 1)."""
     self.unsent[server] += 1
     done = budget_spent and not any(j.server == server for j in pool.jobs.values())
-    if self.unsent[server] >= self.sync_every or (done and self.unsent[server] > 0):
+    if exchange_due(self.unsent[server], self.sync_every, done):
       self.exchange(pool, server)
       return 1
     return 0

@@ -38,10 +38,10 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   if files.base is not None and "sha256" in files.base and jax.process_count() > 1:
     _check_same_base(files.base)
   r = build(config)
-  if config.collab.target_batch_size > 0:  # epochs of a target batch (runtimes/spmd/collab.py)
-    driver = CollabDriver(r, stop_after_rounds)
-  else:
-    driver = RoundDriver(r, stop_after_rounds)
+  # Epochs of a target batch (collab.py), or synchronous rounds (what the config check lets
+  # through to this runtime).
+  drivers = {"epochs": CollabDriver, "rounds": RoundDriver}
+  driver = drivers[r.algorithm.progress(config)](r, stop_after_rounds)
   with r.partitioner():  # tensor-parallel programs compile under GSPMD (model/tp.py)
     return loop.run(driver, files, t_start=t_start)
 
