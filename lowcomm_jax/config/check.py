@@ -43,10 +43,35 @@ def validate_here(c: ml_collections.ConfigDict) -> None:
 
 def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: int = 1,
              local_devices: int | None = None) -> None:
-  """Raises ConfigError listing every bad field of `c` for this run's processes and devices."""
+  """Raises ConfigError listing every bad field of `c` for this run's processes and devices.
+  Each part checks one group of fields, or asks their owner (the algorithm, compress/,
+  sim/, the Ray runtime) for its own."""
   problems = Problems(c)
   check = problems.check
+  _check_run(c, problems)
+  _check_owners(c, problems, num_processes)
+  _check_mesh(c, problems, num_devices)
+  _check_shapes(c, problems)
+  _check_model(c, problems)
+  check(c.aggregate.weighting in ("uniform", "tokens"), "aggregate.weighting",
+        "use 'uniform' or 'tokens'")
+  _check_robust(c, check)
+  _check_lora(c, check, problems)
+  _check_collab(c, check, problems)
+  _check_adversaries(c, check)
+  check(c.keep_checkpoints >= 2, "keep_checkpoints",
+        "keep at least 2: a crash mid-save must leave an older complete checkpoint")
+  _check_hosts(c, problems)
+  if num_processes > 1:
+    _check_processes(c, problems, num_devices, num_processes, local_devices)
+  _check_optimizers(c, problems)
+  if problems:
+    raise ConfigError(problems)
 
+
+def _check_run(c: ml_collections.ConfigDict, problems: Problems) -> None:
+  """The run's own fields, and the fields of algorithms other than the chosen one."""
+  check = problems.check
   check(c.algorithm in ALGORITHMS, "algorithm", f"use one of {ALGORITHMS}")
   check(c.num_workers >= 1, "num_workers", "need at least one worker")
   check(c.rounds >= 1, "rounds", "need at least one outer round")
@@ -65,6 +90,10 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   check(c.seed >= 0, "seed", "must be >= 0 (random streams derive from it)")
   problems.extend(distributed.problems(c))
 
+
+def _check_owners(c: ml_collections.ConfigDict, problems: Problems, num_processes: int) -> None:
+  """What each owner checks of its own fields: codecs, the simulator, the Ray runtime."""
+  check = problems.check
   problems.extend(compress.problems(c))
   _check_sim(c, check, problems, num_processes)
   problems.extend(ray_checks.problems(
@@ -73,7 +102,10 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
     problems.append(f"{', '.join(changed)}: ignored unless runtime='ray'; set "
                     "--config.runtime=ray or leave them at their defaults")
 
-  # Mesh: workers must spread evenly over replica devices, within the devices present.
+
+def _check_mesh(c: ml_collections.ConfigDict, problems: Problems, num_devices: int) -> None:
+  """Workers spread evenly over replica devices, within the devices present."""
+  check = problems.check
   m = c.mesh
   check(m.replica == -1 or m.replica >= 1, "mesh.replica", "use -1 (auto) or a positive count")
   check(m.data >= 1, "mesh.data", "must be >= 1")
@@ -88,7 +120,11 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
         f"mesh.replica*mesh.data*model.tp.size={needed}: only {num_devices} devices are visible; "
         "shrink the mesh (mesh.replica=-1 picks what fits)")
 
-  # Model and data shapes.
+
+def _check_shapes(c: ml_collections.ConfigDict, problems: Problems) -> None:
+  """The model's and the data's own fields."""
+  check = problems.check
+  m = c.mesh
   check(c.model.name in PRESETS, "model.name", f"use one of {sorted(PRESETS)}")
   check(c.model.dtype in ("float32", "bfloat16"), "model.dtype", "use 'float32' or 'bfloat16'")
   check(0.0 <= c.model.dropout < 1.0, "model.dropout", "must be in [0, 1)")
@@ -113,6 +149,13 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
     check(c.data.batch_size % m.data == 0, "data.batch_size",
           f"must be divisible by mesh.data={m.data} (each data shard gets an equal slice)")
   check(0.0 < c.data.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
+
+
+def _check_model(c: ml_collections.ConfigDict, problems: Problems) -> None:
+  """The model against the mesh, the tokenizer and the widths asked for: a preset's, or a
+  pretrained checkpoint's architecture."""
+  check = problems.check
+  tp = c.model.tp.size
   check(tp >= 1, "model.tp.size", "must be >= 1 (1: no tensor parallelism)")
   preset = PRESETS.get(c.model.name)
   model_label = f"model {c.model.name!r}"
@@ -153,15 +196,10 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
       problems.append(f"model.vocab_size={vocab}: smaller than tokenizer {c.data.tokenizer!r}'s "
                       f"{tok_vocab} tokens; set --config.model.vocab_size=0 or larger")
 
-  # Host table (one row per process; lowcomm_jax/assemble/hosts.py).
-  check(c.aggregate.weighting in ("uniform", "tokens"), "aggregate.weighting",
-        "use 'uniform' or 'tokens'")
-  _check_robust(c, check)
-  _check_lora(c, check, problems)
-  _check_collab(c, check, problems)
-  _check_adversaries(c, check)
-  check(c.keep_checkpoints >= 2, "keep_checkpoints",
-        "keep at least 2: a crash mid-save must leave an older complete checkpoint")
+
+def _check_hosts(c: ml_collections.ConfigDict, problems: Problems) -> None:
+  """The host table (one row per process; lowcomm_jax/assemble/hosts.py)."""
+  m = c.mesh
   rows = list(c.hosts)
   for i, row in enumerate(rows):
     where = f"hosts[{i}]"
@@ -198,33 +236,39 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
                       "replica device; set --config.mesh.replica=-1 (or launch one process "
                       "per host)")
 
-  # Several processes: process p runs host p on all of its devices.
-  if num_processes > 1:
-    if local_devices and local_devices % max(m.data * tp, 1):
-      problems.append(f"mesh.data*model.tp.size={m.data * tp}: must divide this process's "
-                      f"{local_devices} device(s); a worker's data and model shards stay "
-                      "inside one process")
-    local = max((local_devices or 1) // max(m.data * tp, 1), 1)
-    if local_devices and num_devices != local_devices * num_processes:
-      problems.append(f"processes expose {num_devices} devices in all but this one has "
-                      f"{local_devices}: every process must expose the same number of devices "
-                      "(run one process per GPU)")
-    if rows and len(rows) != num_processes:
-      problems.append(f"hosts: the host table has {len(rows)} rows but {num_processes} "
-                      "processes joined; give one row per process")
-    per_process = ({row.get("workers", 0) for row in rows} if rows
-                   else {c.num_workers // num_processes})
-    if not rows and c.num_workers % num_processes:
-      problems.append(f"num_workers={c.num_workers}: not divisible by the {num_processes} "
-                      "processes; use a multiple or give a host table")
-    if len(per_process) > 1:
-      problems.append(f"hosts: workers per process {sorted(per_process)} differ; every "
-                      "process must run the same number of workers (one per device is usual)")
-    if any(w % local for w in per_process if w):
-      problems.append(f"hosts: each process has {local} replica device(s); its workers must be "
-                      "a multiple of that")
 
-  # Optimizers.
+def _check_processes(c: ml_collections.ConfigDict, problems: Problems,
+                     num_devices: int, num_processes: int, local_devices: int | None) -> None:
+  """Several processes: process p runs host p on all of its devices."""
+  m, tp, rows = c.mesh, c.model.tp.size, list(c.hosts)
+  if local_devices and local_devices % max(m.data * tp, 1):
+    problems.append(f"mesh.data*model.tp.size={m.data * tp}: must divide this process's "
+                    f"{local_devices} device(s); a worker's data and model shards stay "
+                    "inside one process")
+  local = max((local_devices or 1) // max(m.data * tp, 1), 1)
+  if local_devices and num_devices != local_devices * num_processes:
+    problems.append(f"processes expose {num_devices} devices in all but this one has "
+                    f"{local_devices}: every process must expose the same number of devices "
+                    "(run one process per GPU)")
+  if rows and len(rows) != num_processes:
+    problems.append(f"hosts: the host table has {len(rows)} rows but {num_processes} "
+                    "processes joined; give one row per process")
+  per_process = ({row.get("workers", 0) for row in rows} if rows
+                 else {c.num_workers // num_processes})
+  if not rows and c.num_workers % num_processes:
+    problems.append(f"num_workers={c.num_workers}: not divisible by the {num_processes} "
+                    "processes; use a multiple or give a host table")
+  if len(per_process) > 1:
+    problems.append(f"hosts: workers per process {sorted(per_process)} differ; every "
+                    "process must run the same number of workers (one per device is usual)")
+  if any(w % local for w in per_process if w):
+    problems.append(f"hosts: each process has {local} replica device(s); its workers must be "
+                    "a multiple of that")
+
+
+def _check_optimizers(c: ml_collections.ConfigDict, problems: Problems) -> None:
+  """The inner optimizer's and the outer rules' shared fields."""
+  check = problems.check
   check(c.optimizer.name in optimizers.INNER, "optimizer.name",
         f"use one of {optimizers.INNER}")
   check(0.0 <= c.optimizer.momentum < 1.0, "optimizer.momentum", "must be in [0, 1)")
@@ -244,9 +288,6 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   check(0.0 <= c.outer.momentum < 1.0, "outer.momentum", "must be in [0, 1)")
   check(c.outer.dn_buffer >= 0, "outer.dn_buffer", "must be >= 0 (0: the server's workers)")
   check(c.outer.dn_c >= 0, "outer.dn_c", "Delayed Nesterov's c must be >= 0")
-
-  if problems:
-    raise ConfigError(problems)
 
 
 def _check_adversaries(c: ml_collections.ConfigDict, check) -> None:
