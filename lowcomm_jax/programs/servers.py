@@ -5,6 +5,7 @@ worker actors (runtimes/ray/). The rules themselves are the algorithm's (`server
 import jax
 import optax
 
+from lowcomm_jax import outer
 from lowcomm_jax.programs import steps
 
 # Codec keys are not the local round's per-worker keys (those split into step keys): a tag
@@ -53,3 +54,35 @@ def codec_keys(view: steps.TrainState, worker_ids: jax.Array) -> jax.Array:
   version)."""
   codec_key = jax.random.fold_in(steps.round_key(view), _CODEC_TAG)
   return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(codec_key, worker_ids)
+
+
+class RegionalExchange:
+  """HALoS's exchange between a regional server and the global one (outer/halos.py), as
+  steps on a server's arrays: a dict of 'params', 'opt_state' and, for a regional server,
+  'reference' (its model after the last merge) and 'at_push' (at its last push). The
+  simulator's backend and the Ray server actor both run these; when they run is the
+  algorithm's (algorithms/halos.py)."""
+
+  def __init__(self):
+    self._delta = jax.jit(outer.pseudo_gradient)  # θ_ref − θ_LPS
+    self._merge = jax.jit(outer.merge_global, static_argnums=3)
+
+  def push(self, regional: dict) -> jax.Array:
+    """A regional server's push: its change since the last merge (its model at push kept)."""
+    delta = self._delta(regional["reference"], regional["params"])
+    regional["at_push"] = regional["params"]
+    return delta
+
+  @staticmethod
+  def take(central: dict, apply, delta) -> jax.Array:
+    """The global server applies a push with its rule (`apply`: make_apply's, jitted) and
+    answers with its model."""
+    central["params"], central["opt_state"], _ = apply(central["params"],
+                                                       central["opt_state"], delta)
+    return central["params"]
+
+  def merge(self, regional: dict, global_params, alpha: float) -> None:
+    """A regional server merges the global model it got back (weight `alpha`)."""
+    regional["params"], regional["reference"] = self._merge(
+        regional["params"], regional["at_push"], global_params, alpha)
+

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from lowcomm_jax import outer
 from lowcomm_jax.programs import servers
 from lowcomm_jax.runtimes.ray.actors import built, initial_state, server_rules
 from lowcomm_jax.sim import GLOBAL
@@ -27,8 +26,7 @@ class ServerProcess:
     self._decode = (jax.jit(servers.make_decode(codec, r.model.layout)) if codec
                     else None)
     self._norm = jax.jit(lambda p: jnp.sqrt(jnp.sum(jnp.square(p))))
-    self._lps_delta = jax.jit(outer.pseudo_gradient)  # θ_ref − θ_LPS
-    self._merge = jax.jit(outer.merge_global, static_argnums=3)
+    self._exchange = servers.RegionalExchange()
     self.mesh = r.topology.mesh
     self.windows = jax.device_put(r.data.eval_windows)
     self.version = -1  # (a standby: no state yet)
@@ -44,22 +42,22 @@ class ServerProcess:
     self._expected = {}  # version -> jobs out that pulled it from a server before this one
     self._round_sum, self._round_tokens = None, 0.0  # a quorum round's Σ tokens·Δ, Σ tokens
     self._replaying = False
+    # θ, its rule's state, and for a regional server (HALoS's LPS) its model after the last
+    # merge and at its last push to the global server (servers.RegionalExchange's arrays).
     if restored is None:
       params = initial_state(self.r).params
-      self.params, self.opt_state = params, rule.init(params)
+      self.arrays = {"params": params, "opt_state": rule.init(params)}
       self.version = 0
-      # A regional server (HALoS's LPS): its model after the last merge, and at its last
-      # push to the global server.
-      self.reference = self.at_push = params if name != GLOBAL else None
+      if name != GLOBAL:
+        self.arrays.update(reference=params, at_push=params)
     else:
-      self.params = jnp.asarray(restored["params"])
-      self.opt_state = jax.tree.map(jnp.asarray, restored["opt_state"])
+      self.arrays = {"params": jnp.asarray(restored["params"]),
+                     "opt_state": jax.tree.map(jnp.asarray, restored["opt_state"])}
+      self.arrays.update({k: jnp.asarray(restored[k]) for k in ("reference", "at_push")
+                          if k in restored})
       self.version = int(restored["version"])
       self.snapshots = {int(v): [jnp.asarray(p), 0]
                         for v, p in restored.get("snapshots", {}).items()}
-      self.reference = (jnp.asarray(restored["reference"]) if "reference" in restored
-                        else None)
-      self.at_push = jnp.asarray(restored["at_push"]) if "at_push" in restored else None
     return self.version
 
   def ping(self) -> int:
@@ -84,19 +82,19 @@ class ServerProcess:
 
   def _hold(self) -> None:
     if self.version in self._expected:
-      self.snapshots[self.version] = [self.params, self._expected.pop(self.version)]
+      self.snapshots[self.version] = [self.arrays["params"], self._expected.pop(self.version)]
 
   def theta(self) -> tuple[int, np.ndarray]:
     """(version, θ) for a collaborative epoch's micro-batches: nothing is held for them
     (their gradients are at θ: there is no drift to measure)."""
-    return self.version, np.asarray(self.params)
+    return self.version, np.asarray(self.arrays["params"])
 
   def pull(self, version: int | None = None) -> tuple[int, np.ndarray]:
     """(version, θ) for a worker's next job: the newest, or (a job started again after a
     resume) the one that job had pulled."""
     if version is None:
       version = self.version
-      held = self.snapshots.setdefault(version, [self.params, 0])
+      held = self.snapshots.setdefault(version, [self.arrays["params"], 0])
     else:
       held = self.snapshots[version]
     held[1] += 1
@@ -129,7 +127,8 @@ class ServerProcess:
     delta = self._delta(meta, sent)
     pulled = self._release(meta["version"])
     staleness = self.version - meta["version"]
-    self.params, self.opt_state, drift = self._apply(self.params, self.opt_state, delta, pulled)
+    a = self.arrays
+    a["params"], a["opt_state"], drift = self._apply(a["params"], a["opt_state"], delta, pulled)
     self.version += 1
     self._hold()
     return {"version": self.version, "staleness": staleness,
@@ -151,7 +150,8 @@ class ServerProcess:
     contributed = self._round_tokens > 0
     if contributed:
       mean = self._round_sum / self._round_tokens
-      self.params, self.opt_state, _ = self._apply(self.params, self.opt_state, mean)
+      a = self.arrays
+      a["params"], a["opt_state"], _ = self._apply(a["params"], a["opt_state"], mean)
     self._round_sum, self._round_tokens = None, 0.0
     self.version += 1
     self._hold()
@@ -161,38 +161,35 @@ class ServerProcess:
 
   def lps_push(self) -> tuple[dict, np.ndarray]:
     """A regional server's push: (info, its change since the last merge θ_ref − θ)."""
-    delta = self._lps_delta(self.reference, self.params)
-    self.at_push = self.params
-    return {"version": self.version}, np.asarray(delta)
+    return {"version": self.version}, np.asarray(self._exchange.push(self.arrays))
 
   def apply_lps_push(self, delta) -> tuple[dict, np.ndarray]:
     """The global server takes a regional server's push: (info, its model after it)."""
-    self.params, self.opt_state, _ = self._apply(self.params, self.opt_state,
-                                                 jnp.asarray(delta))
+    params = self._exchange.take(self.arrays, self._apply, jnp.asarray(delta))
     self.version += 1
-    return {"version": self.version}, np.asarray(self.params)
+    return {"version": self.version}, np.asarray(params)
 
   def merge(self, global_params, alpha: float) -> dict:
     """A regional server merges the global model it got back (weight `alpha`)."""
-    self.params, self.reference = self._merge(self.params, self.at_push,
-                                              jnp.asarray(global_params), alpha)
+    self._exchange.merge(self.arrays, jnp.asarray(global_params), alpha)
     return {"version": self.version}
 
   def state(self, versions=()) -> dict:
     """What a checkpoint holds of the server (host arrays), with the models jobs still out
     pulled at `versions`."""
-    out = {"params": np.asarray(self.params), "opt_state": jax.device_get(self.opt_state),
+    out = {"params": np.asarray(self.arrays["params"]),
+           "opt_state": jax.device_get(self.arrays["opt_state"]),
            "version": self.version,
            "snapshots": {str(v): np.asarray(self.snapshots[v][0])
                          for v in sorted(set(versions)) if v in self.snapshots}}
-    if self.reference is not None:
-      out.update(reference=np.asarray(self.reference), at_push=np.asarray(self.at_push))
+    out.update({k: np.asarray(self.arrays[k]) for k in ("reference", "at_push")
+                if k in self.arrays})
     return out
 
   def evaluate(self) -> list[float]:
     """The eval loss at each of the run's eval widths (full width first)."""
     with jax.set_mesh(self.mesh):
-      return [float(x) for x in np.asarray(self.programs.eval(self.params, self.windows))]
+      return [float(x) for x in np.asarray(self.programs.eval(self.arrays["params"], self.windows))]
 
   def param_norm(self) -> float:
-    return float(self._norm(self.params))
+    return float(self._norm(self.arrays["params"]))

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from lowcomm_jax import outer
 from lowcomm_jax.programs import optimizers
 from lowcomm_jax.programs import servers
 from lowcomm_jax.programs import steps
@@ -76,8 +75,7 @@ class SimBackend:
     self._roundtrip = (jax.jit(jax.vmap(servers.make_roundtrip(self.codec,
                                                                         r.model.layout)))
                        if self.codec else None)
-    self._merge = jax.jit(outer.merge_global, static_argnums=3)
-    self._push = jax.jit(outer.pseudo_gradient)  # an LPS pushes θ_ref − θ_LPS
+    self._exchange = servers.RegionalExchange()  # HALoS: a regional server's push and merge
     self.workers = workers  # [W, ...] steps.WorkerState: θ_w, inner optimizer states
     self.servers, self.versions = {}, {}
     if not self.rules:  # synchronous DiLoCo: the runner's TrainState is the global server
@@ -224,23 +222,17 @@ class SimBackend:
     return [m["loss"] for m in msgs], drift, self.sync_staleness
 
   def push_update(self, src: str, msg: int) -> None:
-    s = self.servers[src]
-    self.messages[msg] = {"delta": self._push(s["reference"], s["params"])}
-    s["at_push"] = s["params"]
+    self.messages[msg] = {"delta": self._exchange.push(self.servers[src])}
 
   def apply_push(self, dst: str, msg: int) -> None:
-    server = self.servers[dst]
-    server["params"], server["opt_state"], _ = self._apply[dst](
-        server["params"], server["opt_state"], self.messages.pop(msg)["delta"])
+    self._exchange.take(self.servers[dst], self._apply[dst], self.messages.pop(msg)["delta"])
     self._changed(dst, update=True)
 
   def send_params(self, src: str, msg: int) -> None:
     self.messages[msg] = {"params": self.servers[src]["params"]}
 
   def merge(self, dst: str, msg: int, alpha: float) -> None:
-    server = self.servers[dst]
-    server["params"], server["reference"] = self._merge(
-        server["params"], server["at_push"], self.messages.pop(msg)["params"], alpha)
+    self._exchange.merge(self.servers[dst], self.messages.pop(msg)["params"], alpha)
     self._changed(dst, update=False)
 
   # --- checkpointing ----------------------------------------------------------------------
