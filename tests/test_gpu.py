@@ -57,7 +57,7 @@ def test_the_suite_runs_on_the_cpu_and_reaches_the_gpu():
 
 
 def test_the_local_program_and_the_sync_consume_the_states_they_are_given_on_the_gpu():
-  """rounds.jitted_steps donates off the CPU (half the peak memory): the worker states a local
+  """jitted.jitted_steps donates off the CPU (half the peak memory): the worker states a local
   program took and the state a sync took are deleted, and the run goes on from what they
   returned."""
   proc = subprocess.run([sys.executable, "-c", _DONATION], cwd=REPO, env=_gpu_env(),

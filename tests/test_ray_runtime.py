@@ -414,7 +414,7 @@ def test_halos_servers_exchange_as_the_simulators_do():
     backend.messages[i] = {"delta": jax.numpy.asarray(delta), "loss": 0.0}
     backend.apply_job(job)
     servers[name].push({"version": version}, delta)
-    backend.push_update(name, 100 + i)  # the exchange (sim/schedules.Halos)
+    backend.push_update(name, 100 + i)  # the exchange (algorithms/halos.HalosSchedule)
     backend.apply_push(GLOBAL, 100 + i)
     backend.send_params(GLOBAL, 200 + i)
     backend.merge(name, 200 + i, 0.5)

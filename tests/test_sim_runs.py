@@ -23,7 +23,7 @@ def _sim_config(**overrides):
 
 
 # A simulation compared with the runner (train_rounds) hands the runner its own config, on
-# the simulator's layout (one replica device, as simulate.one_device sets): the runner
+# the simulator's layout (one replica device, as plan.one_device sets): the runner
 # reads no sim.* field, and a config built again in the same process gets the same programs
 # back (program_cache) instead of a build of its own.
 ONE_DEVICE = {"mesh.replica": 1}

@@ -16,5 +16,5 @@ __all__ = ["Algorithm", "NAMES", "REGISTRY", "Segment", "StateSync", "get"]
 
 
 def get(name: str) -> Algorithm:
-  """The algorithm called `name` (validated configs only: config_check names the choices)."""
+  """The algorithm called `name` (validated configs only: config/check.py names the choices)."""
   return REGISTRY[name]

@@ -8,7 +8,7 @@ from lowcomm_jax.algorithms.async_local_sgd import AsyncLocalSGD
 
 def dn_c_problems(c, smallest_buffer: int) -> list[str]:
   """Delayed Nesterov's c must lie in [0, 1/N] for the smallest server's N (a negative c is
-  config_check's, for every algorithm)."""
+  config/check.py's, for every algorithm)."""
   if (c.outer.dn_buffer < 0 or smallest_buffer < 1 or c.outer.dn_c < 0
       or c.outer.dn_c <= 1.0 / smallest_buffer):
     return []

@@ -57,7 +57,7 @@ class StateSync(Protocol):
 class Algorithm:
   """Base: synchronous, one fragment, local steps from θ_w reset to θ every round."""
   name = ""
-  summary = ""  # one line: what it does (configs/base.py, --help texts, errors)
+  summary = ""  # one line: what it does (config/defaults.py, --help texts, errors)
   simulated_only = False  # runs in the simulator only (asynchronous servers)
   # Rounds end in a sync every worker joins (attacks and robust rules act there); False:
   # parameter servers take one contribution at a time.

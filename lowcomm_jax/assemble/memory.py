@@ -86,7 +86,7 @@ def step_temporaries(model_cfg, param_bytes: int, batch: int, seq_len: int, tp: 
 
 
 def estimate(r) -> dict[str, int]:
-  """Bytes per replica device of run_spec.Run `r`, by component (see the module docstring)."""
+  """Bytes per replica device of spec.Run `r`, by component (see the module docstring)."""
   c = r.config
   local_replicas = max(r.topology.local_mesh.shape["replica"], 1)
   global_replicas = max(r.topology.mesh.shape["replica"], 1)
@@ -122,7 +122,7 @@ def estimate(r) -> dict[str, int]:
 
 
 def check(r) -> None:
-  """Raises OutOfMemory when run_spec.Run `r` needs more per device than a device has."""
+  """Raises OutOfMemory when spec.Run `r` needs more per device than a device has."""
   if os.environ.get("LOWCOMM_MEMORY_CHECK", "1") == "0":
     return
   devices = list(r.topology.local_mesh.devices.flat)

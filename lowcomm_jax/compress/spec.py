@@ -1,5 +1,5 @@
 """A codec as the rest of the code sees it: its name, how `compress.*` builds it, and what it
-supports. config_check and the algorithms ask these declarations; nothing compares names."""
+supports. config/check.py and the algorithms ask these declarations; nothing compares names."""
 
 import dataclasses
 from collections.abc import Callable

@@ -1,6 +1,6 @@
 """The error a config that cannot run raises, and the form of each problem: below every
 package, so the checks of any layer (parallel/distributed.py's, compress/'s, sim/'s,
-config_check's, assemble/memory.py's) speak alike."""
+config/check.py's, assemble/memory.py's) speak alike."""
 
 
 class ConfigError(ValueError):

@@ -53,7 +53,7 @@ def resolve(choice: str, dtype: str, head_dim: int, platform_name: str) -> tuple
 
 
 def problems(choice: str, dtype: str, head_dim: int | None, platform_name: str) -> list[str]:
-  """`model.attention`'s problems in the 'field=value: fix' form (config_check)."""
+  """`model.attention`'s problems in the 'field=value: fix' form (config/check.py)."""
   if choice not in CHOICES:
     return [f"model.attention={choice!r}: use one of {CHOICES}"]
   if choice == "cudnn" and head_dim is not None:

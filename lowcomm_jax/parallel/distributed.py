@@ -94,7 +94,7 @@ def _host_port(value: str) -> tuple[str, int] | None:
 
 
 def problems(c: ml_collections.ConfigDict, environ: dict | None = None) -> list[str]:
-  """The `distributed.*` fields' problems (config_check.validate lists them too); checked
+  """The `distributed.*` fields' problems (config/check.validate lists them too); checked
   here before joining, where nothing has validated the config yet."""
   env = os.environ if environ is None else environ
   d = c.distributed

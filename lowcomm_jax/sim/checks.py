@@ -1,6 +1,6 @@
 """The simulator's config problems (`sim.*`, and what simulated workers cannot have), each
 'field=value: fix'. Which algorithms may read one stream in lockstep, and the fields ignored
-without `sim.enabled`, are config_check's: they ask the algorithms and the base config."""
+without `sim.enabled`, are config/check.py's: they ask the algorithms and the defaults."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""The simulator's asynchronous and HALoS servers (sim_backend.SimBackend) against numbers
+"""The simulator's asynchronous and HALoS servers (runtimes/simulator/backend.SimBackend) against numbers
 computed by hand: stale pulls, per-arrival outer rules, LPS pushes, GPS merges.
 
 The backend is driven directly (no schedule, no model): a stand-in local round takes one

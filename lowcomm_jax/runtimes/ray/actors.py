@@ -4,7 +4,7 @@ workers (worker.py) are plain classes that driver.py runs as Ray actors
 
 Both build the run as the simulator does (one device, `plan.one_device`), so a worker
 runs the simulator's jitted local program and the server the same rule, through the same
-`parameter_server.make_apply`, as the simulator's servers. What crosses Ray's object store
+`programs.servers.make_apply`, as the simulator's servers. What crosses Ray's object store
 is host numpy: θ on a pull; on a push the codec's payload (decoded by the server, with the
 worker's key) or, without a codec, Δ; and small dicts.
 """

@@ -157,7 +157,7 @@ class ServerProcess:
     self._hold()
     return {"version": self.version, "applied": contributed}
 
-  # --- HALoS: a regional server's exchange with the global one (sim/async_schedules.Halos) ----
+  # --- HALoS: a regional server's exchange with the global one (algorithms/halos.py) ----
 
   def lps_push(self) -> tuple[dict, np.ndarray]:
     """A regional server's push: (info, its change since the last merge θ_ref − θ)."""

@@ -61,7 +61,7 @@ class SimBackend:
     self.r, self.plan, self.config = r, plan, c
     self.rng = state.rng
     self.rules = r.algorithm.server_rules(c, plan)
-    # The runner's own jitted programs (rounds.jitted_steps): one per segment of a round.
+    # The runner's own jitted programs (assemble/jitted.jitted_steps): one per segment of a round.
     self.local_programs, self.syncs = programs.local[0], programs.syncs
     self._consensus = jax.jit(r.sync.consensus) if r.sync.consensus is not None else None
     # Batches and worker ids placed as the runner places them (rounds._round): a program

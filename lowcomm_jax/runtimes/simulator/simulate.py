@@ -51,7 +51,7 @@ class _Simulation:
     self.r = r = build(one_device(config))
     self.c = r.config
     self.plan = make_plan(self.c, r)
-    # Nothing donated: its servers outlive the calls (sim_backend).
+    # Nothing donated: its servers outlive the calls (backend.py).
     self.programs = programs = jitted_steps(r, donate=False)
     state, workers = init_run(r, programs)
     self.backend = SimBackend(r, programs, self.plan, state, workers[0])

@@ -1,7 +1,7 @@
 """The runner: synchronous rounds on real devices, one process per host.
 
 What runs is assembled by assemble/build.py and one round is `rounds.train_round`; a driver feeds the
-run loop (run/loop.py): `round_driver.RoundDriver` round by round, or, for collaborative
+run loop (run/loop.py): `driver.RoundDriver` round by round, or, for collaborative
 epochs, `collab.CollabDriver`. This module picks one and checks what every process must
 share before it starts.
 """
