@@ -21,17 +21,16 @@ import os
 import pathlib
 import runpy
 import statistics
-import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
 os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 
 import jax  # noqa: E402
 
 import stats  # noqa: E402
 from lowcomm_jax import compress  # noqa: E402
+from lowcomm_jax import report  # noqa: E402
 from lowcomm_jax.runtimes.spmd import train
 
 METHODS = {  # name: (config file, overrides)
@@ -133,8 +132,7 @@ def codec_speed(repeats: int = 5) -> dict[str, float]:
 
 def _run(file: str, overrides: dict, workdir: pathlib.Path) -> dict:
   """One run's summary (a finished run is read back, not rerun)."""
-  summary_path = workdir / "summary.json"
-  summary = (json.loads(summary_path.read_text()) if summary_path.exists()
+  summary = (report.read_summary(workdir) if report.has_summary(workdir)
              else train.run(_config(file, overrides), workdir))
   return {k: summary[k] for k in ("eval_loss", "bytes_sent", "tokens", "compression_ratio",
                                   "wall_seconds")}

@@ -28,12 +28,14 @@ import argparse
 import json
 import os
 import pathlib
+import runpy
 import socket
 import subprocess
 import sys
 
+from lowcomm_jax import report
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "launch"))
 
 # Shared by every run: LoRA rank 8 on attention and MLP, sequences of 32 tokens.
 COMMON = {"collab.target_batch_size": 128, "data.seq_len": 32, "lora.rank": 8,
@@ -87,7 +89,7 @@ def _config_file(workdir: pathlib.Path, name: str, hosts) -> pathlib.Path:
 def run_virtual(workdir, name, gguf, epochs):
   hosts, overrides = RUNS[name]
   out = workdir / name
-  if (out / "summary.json").exists():
+  if report.has_summary(out):
     return
   cmd = [sys.executable, "-m", "lowcomm_jax.main",
          f"--config={_config_file(workdir, name, hosts)}", f"--workdir={out}",
@@ -100,7 +102,7 @@ def run_peers(workdir, name, gguf, epochs):
   `name` is a PEERS key, with `_r<k>` for the k-th repeat."""
   hosts, overrides = PEERS[name.rsplit("_r", 1)[0]]
   out = workdir / name
-  if (out / "summary.json").exists():
+  if report.has_summary(out):
     return
   config = _config_file(workdir, name, hosts)
   with socket.socket() as s:
@@ -145,8 +147,7 @@ def curves(run_dir: pathlib.Path) -> dict:
   for e, s in zip(sorted(epochs), seconds):
     total += s
     elapsed[e] = total
-  metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-  evals = [(m["step"], m["eval_loss"]) for m in metrics if "eval_loss" in m]
+  evals = [(m["step"], m["eval_loss"]) for m in report.read_metrics(run_dir) if "eval_loss" in m]
   samples = [sum(epochs[e]["samples"]) for e in sorted(epochs)]
   return {"epochs": [e for e, _ in evals], "eval_loss": [v for _, v in evals],
           "seconds": [elapsed[e] for e, _ in evals],
@@ -191,8 +192,7 @@ def plot(result: dict, workdir: pathlib.Path) -> None:
 def speedups(result: dict, repeats: int) -> list[str]:
   """Seconds per epoch of one peer over two, per repeat, for counting and the static split,
   and their paired difference."""
-  sys.path.insert(0, str(REPO / "bench"))
-  import stats
+  import stats  # bench/stats.py: it loads scipy, needed here only
   ratio = {kind: [result[f"one_peer_r{k}"]["seconds_per_epoch"]
                   / result[f"{kind}_r{k}"]["seconds_per_epoch"] for k in range(repeats)]
            for kind in ("two_peers", "two_peers_static")}
@@ -217,8 +217,7 @@ def main() -> None:
   os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
   gguf = None
   if not args.random_init:
-    import fetch_smollm2
-    gguf = args.gguf or fetch_smollm2.fetch()
+    gguf = args.gguf or runpy.run_path(str(REPO / "launch" / "fetch_smollm2.py"))["fetch"]()
   args.workdir.mkdir(parents=True, exist_ok=True)
   # The timed runs first, on an idle machine, the three kinds in turn.
   timed = [f"{kind}_r{k}" for k in range(args.repeats) for kind in PEERS]
@@ -227,7 +226,7 @@ def main() -> None:
     print(f"running {name}…", flush=True)
     (run_peers if name in timed else run_virtual)(args.workdir, name, gguf, args.epochs)
   result = {n: curves(args.workdir / n) for n in [*RUNS, *timed]
-            if (args.workdir / n / "summary.json").exists()}
+            if report.has_summary(args.workdir / n)}
   (args.workdir / "result.json").write_text(json.dumps(result, indent=1))
   plot(result, args.workdir)
   for n, r in result.items():

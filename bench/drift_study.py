@@ -27,12 +27,11 @@ import sys
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 
 import sim_grid  # noqa: E402
 import stats  # noqa: E402
+from lowcomm_jax.report import read_summary  # noqa: E402
 
 SEEDS = (0, 1, 2)
 METHODS = {
@@ -70,7 +69,7 @@ def config(fields: dict, args):
 
 
 def report(args) -> tuple[str, dict]:
-  s = {n: json.loads((args.workdir / n / "summary.json").read_text()) for n in cases()}
+  s = {n: read_summary(args.workdir / n) for n in cases()}
   rows = {}
   base = [s[f"diloco_s{seed}"]["eval_loss"] for seed in SEEDS]
   for m in METHODS:

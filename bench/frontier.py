@@ -45,12 +45,11 @@ import shutil
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 
 import sim_grid  # noqa: E402
 import stats  # noqa: E402
+from lowcomm_jax.report import read_metrics, read_summary  # noqa: E402
 
 TARGETS = (1.01, 1.03)  # × the family's tuned DDP mean final eval loss
 LEVELS = (10, 100, 500, 1000)  # compression levels (DDP's bytes over a point's) for recipes
@@ -155,20 +154,18 @@ def run_one(args, name: str, fields: dict, seed: int) -> None:
   try:
     train.run(config(args, fields, seed), workdir)
   except TrainingDiverged as e:
-    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-    sent = max((r.get("bytes_sent", 0) for r in rows), default=0)
+    sent = max((r.get("bytes_sent", 0) for r in read_metrics(workdir)), default=0)
     (workdir / "summary.json").write_text(json.dumps(
         {"eval_loss": float("inf"), "bytes_sent": sent, "diverged": str(e)}))
   sim_grid.trim(workdir)
 
 
 def _rows(workdir: pathlib.Path, name: str) -> list[dict]:
-  lines = (workdir / name / "metrics.jsonl").read_text().splitlines()
-  return [r for r in map(json.loads, lines) if "eval_loss" in r]
+  return [r for r in read_metrics(workdir / name) if "eval_loss" in r]
 
 
 def _summary(workdir: pathlib.Path, name: str) -> dict:
-  return json.loads((workdir / name / "summary.json").read_text())
+  return read_summary(workdir / name)
 
 
 def pick(workdir: pathlib.Path, grid: dict) -> dict:

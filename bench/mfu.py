@@ -62,6 +62,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from lowcomm_jax.report import read_metrics  # noqa: E402
 from lowcomm_jax.programs import optimizers  # noqa: E402
 from lowcomm_jax.runtimes.spmd import train
 from lowcomm_jax.data import TOKENIZER_VOCAB  # noqa: E402
@@ -195,8 +196,7 @@ def runner_steps_per_second(config, steps: int) -> float:
                 eval_batches=1, checkpoint_every=0, log_every=1)
   with tempfile.TemporaryDirectory(prefix="mfu_") as workdir:
     train.run(config, workdir)
-    lines = (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()
-  rows = [json.loads(line) for line in lines if line.strip()]
+    rows = read_metrics(workdir)
   rates = [row["steps_per_second"] for row in rows
            if "steps_per_second" in row and row.get("round", 0) > 2]
   if not rates:

@@ -18,7 +18,6 @@ import subprocess
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from lowcomm_jax.sim import Network, collectives  # noqa: E402
 from lowcomm_jax.sim.flows import deliveries  # noqa: E402

@@ -24,6 +24,8 @@ import tempfile
 
 import numpy as np
 
+from lowcomm_jax.report import read_summary
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY_PARAMS = 35_712  # the tiny preset's parameters: 124M / this is the wire scale
 COMMON = ["--config.model.name=tiny", "--config.data.tokenizer=byte",
@@ -46,7 +48,7 @@ def run(method: str, lr: float, seed: int) -> dict:
                           stderr=subprocess.PIPE, text=True)
     if done.returncode:
       raise SystemExit(f"{method} lr={lr} seed={seed} failed:\n{done.stderr[-2000:]}")
-    s = json.loads((pathlib.Path(tmp) / "summary.json").read_text())
+    s = read_summary(tmp)
   return {"method": method, "lr": lr, "seed": seed, "eval_loss": s["eval_loss"],
           "virtual_seconds": s["virtual_seconds"], "bytes_sent": s["bytes_sent"],
           "num_workers": s["num_workers"]}
@@ -80,7 +82,6 @@ def report(rows: list[dict]) -> None:
 def clock() -> None:
   """NoLoCo's virtual time over DiLoCo's for the runs' 20 rounds, per seed."""
   import runpy
-  sys.path.insert(0, str(ROOT))
   from lowcomm_jax.runtimes.simulator import simulate
   ratios = []
   for seed in SEEDS:

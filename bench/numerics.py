@@ -19,6 +19,8 @@ import sys
 import tempfile
 import time
 
+from lowcomm_jax.report import read_summary
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SIM_SHORT = ["--config.rounds=4", "--config.model.name=tiny", "--config.data.tokenizer=byte",
              "--config.eval_every=2", "--config.checkpoint_every=2", "--config.data.seq_len=32"]
@@ -61,7 +63,7 @@ def run_case(args: list[str], workdir: pathlib.Path) -> tuple[float, int]:
          f"--workdir={workdir}"]
   subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL,
                  stderr=subprocess.PIPE)
-  summary = json.loads((workdir / "summary.json").read_text())
+  summary = read_summary(workdir)
   return summary["eval_loss"], summary["bytes_sent"]
 
 

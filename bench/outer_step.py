@@ -85,7 +85,7 @@ def main():
                                                          inner_steps, timed=True)
     jax.block_until_ready(metrics)
     total = time.perf_counter() - t0
-    every = driver._all_hosts(compute)  # noqa: SLF001 - the runner's own gather
+    every = driver.all_hosts(compute)  # the runner's own gather
     idle = max(every) - compute[0]  # waiting for the slowest host inside the outer step
     splits.append({"compute": compute[0], "idle": idle, "outer": total - compute[0] - idle})
   splits = splits[1:]  # the first round compiles

@@ -23,6 +23,7 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 
+from lowcomm_jax import report  # noqa: E402
 from lowcomm_jax.runtimes.spmd import driver  # noqa: E402
 from lowcomm_jax.runtimes.spmd import train
 
@@ -39,8 +40,7 @@ def main() -> int:
   driver.RoundDriver.evaluate = lambda self: (time.sleep(args.eval_sleep_s), evaluate(self))[1]
   with tempfile.TemporaryDirectory() as workdir:
     train.run(config, workdir)
-    rows = [json.loads(line) for line in
-            (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    rows = report.read_metrics(workdir)
   speed = {r["round"]: r["steps_per_second"] for r in rows if "steps_per_second" in r}
   plain = statistics.median(speed[k] for k in (3, 5))  # round 1 compiles
   paused = statistics.median(speed[k] for k in (2, 4, 6))

@@ -37,6 +37,8 @@ import tempfile
 import threading
 import time
 
+from lowcomm_jax.report import has_summary, read_summary
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WORKERS, H = 8, 10
 
@@ -224,8 +226,7 @@ def main() -> None:
              "--restarts", str(restarts), "--", *flags]
     print(f"{part}: {' '.join(cmd[:4])} ...", flush=True)
     code, seconds, rows, tail = launch(cmd, workdir, kills, env)
-    summary_path = workdir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary = read_summary(workdir) if has_summary(workdir) else {}
     first = min((r["_t"] for r in rows if "step" in r and "event" not in r), default=None)
     out = {"part": part, "seed": args.seed, "rounds": args.rounds, "returncode": code,
            "standby_server": part.startswith("ray") and args.standby_server,

@@ -22,19 +22,17 @@ runs each in its own process).
 """
 
 import argparse
-import json
 import os
 import pathlib
 import runpy
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 
 import sim_grid  # noqa: E402
 import stats  # noqa: E402
+from lowcomm_jax.report import read_config, read_metrics, read_summary  # noqa: E402
 
 SIGNALS = ("loss_ema", "grad_norm_stability", "cosine", "probe_loss")
 RULES = ("mean", "median", "trimmed_mean", "centered_clip")
@@ -99,13 +97,11 @@ def run_one(config, workdir: pathlib.Path) -> None:
 
 
 def _curve(workdir: pathlib.Path):
-  rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
-  return [(r["tokens"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+  return [(r["tokens"], r["eval_loss"]) for r in read_metrics(workdir) if "eval_loss" in r]
 
 
 def _summary(workdir: pathlib.Path, name: str) -> dict:
-  s = json.loads((workdir / name / "summary.json").read_text())
-  config = json.loads((workdir / name / "config.json").read_text())["config"]
+  s, config = read_summary(workdir / name), read_config(workdir / name)
   bad = set(config["data"]["corrupt_workers"])
   w = s.get("worker_weights")
   s["clean_weight"] = (sum(x for i, x in enumerate(w) if i not in bad) if w

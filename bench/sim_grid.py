@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+from lowcomm_jax import report
+
 # One thread per process: XLA:CPU otherwise sizes its pools for the whole machine.
 ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
@@ -36,7 +38,7 @@ def trim(workdir: pathlib.Path) -> None:
 
 def unfinished(names: list[str], workdir: pathlib.Path) -> list[str]:
   """The cases of `names` without a summary.json in workdir/<name> yet."""
-  return [n for n in names if not (workdir / n / "summary.json").exists()]
+  return [n for n in names if not report.has_summary(workdir / n)]
 
 
 def run_grid(script: str, names: list[str], workdir: pathlib.Path, jobs: int,

@@ -23,8 +23,6 @@ import runpy
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(REPO.parent / "shared" / "data" / "tiktoken"))
 
@@ -126,7 +124,7 @@ def main() -> None:
       sys.exit(f"failed: {failed} (logs in {args.workdir / 'logs'})")
     dirs = [args.workdir / name for name in names]
     for name, workdir in zip(names, dirs):
-      results[name] = json.loads((workdir / "summary.json").read_text())
+      results[name] = report.read_summary(workdir)
       print(f"{name}: eval {results[name]['eval_loss']:.4f}, "
             f"{results[name]['virtual_seconds']:.1f} virtual s", flush=True)
     table = report.markdown_table(dirs)

@@ -24,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from lowcomm_jax.programs import steps  # noqa: E402
-from lowcomm_jax.runtimes.simulator.simulate import _Simulation  # noqa: E402
+from lowcomm_jax.runtimes.simulator.simulate import Simulation  # noqa: E402
 
 
 def _config(workers: int, rounds: int):
@@ -36,7 +36,7 @@ def _config(workers: int, rounds: int):
 
 def simulated(workers: int, rounds: int) -> float:
   """Seconds for `rounds` simulated rounds (after the first), event loop included."""
-  sim = _Simulation(_config(workers, rounds))
+  sim = Simulation(_config(workers, rounds))
   sim.schedule.start(sim.loop)
   sim.flush()
   for _ in range(2):  # rounds 1-2 compile (the outer step's output re-specializes round 2)
@@ -51,7 +51,7 @@ def simulated(workers: int, rounds: int) -> float:
 
 def python_loop(workers: int, rounds: int) -> float:
   """The same rounds with one local-round call per worker, in a Python loop."""
-  sim = _Simulation(_config(workers, rounds))
+  sim = Simulation(_config(workers, rounds))
   r, b = sim.r, sim.backend
   local, finish = b.local_round, b.syncs[0]
   state = steps.TrainState(jnp.zeros((), jnp.int32), b.rng, b.global_params(),

@@ -14,15 +14,19 @@ by hand to the same merges. `--model` takes another GGUF or a safetensors model 
 import argparse
 import pathlib
 import re
+import runpy
 import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "launch"))
 
 SAMPLE = ("The quick brown fox jumps over the lazy dog. In 1066, William's army crossed the "
           "Channel; tokenizers split words like 'unbelievably' and numbers like 31415.")
+
+
+def fetch_smollm2() -> pathlib.Path:
+  """SmolLM2's GGUF, cached or downloaded (launch/fetch_smollm2.py: a script, run by path)."""
+  return runpy.run_path(str(REPO / "launch" / "fetch_smollm2.py"))["fetch"]()
 
 
 def bpe_by_hand(word: str, rank: dict) -> list[str]:
@@ -78,8 +82,7 @@ def load_model(args):
     cfg, params = w.cfg, w.params
     tokenizer, label = w.config.data.tokenizer, f"{args.workdir} (round {w.round})"
   else:
-    import fetch_smollm2
-    path = args.model or fetch_smollm2.fetch()
+    path = args.model or fetch_smollm2()
     start = pretrained.load(path)
     if problems := width_problems("--width", [args.width], start.cfg.d_ff):
       sys.exit(problems[0])
@@ -141,8 +144,7 @@ def main() -> None:
         f"{gen_s:.1f} s)")
   gguf = args.workdir is None and (args.model is None or str(args.model).endswith(".gguf"))
   if gguf:  # its tokenizer against the merges applied by hand
-    import fetch_smollm2
-    ok, checked = check_tokenizer(args.model or fetch_smollm2.fetch(), SAMPLE)
+    ok, checked = check_tokenizer(args.model or fetch_smollm2(), SAMPLE)
     print(f"tokenizer: {ok}/{checked} pre-tokenized pieces of the sample encode exactly as the "
           "GGUF's merges applied by hand")
   says_paris = bool(re.match(r"\s*Paris", continuation))

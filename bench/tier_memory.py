@@ -37,8 +37,6 @@ import subprocess
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # peaks are allocations
 
 import jax  # noqa: E402

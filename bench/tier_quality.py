@@ -26,7 +26,6 @@ run at the config's eval_every.
 """
 
 import argparse
-import json
 import os
 import pathlib
 import runpy
@@ -34,12 +33,11 @@ import shutil
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 
 import sim_grid  # noqa: E402
 import stats  # noqa: E402
+from lowcomm_jax.report import read_summary  # noqa: E402
 
 LAYOUTS = ("L_only", "LSSS_diff", "LSSS_same", "S_alone")
 TIE = 1e-4  # losses closer than this are equal (float32 sums in another order)
@@ -69,8 +67,7 @@ def run_one(args, name: str) -> None:
 
 
 def by_width(workdir: pathlib.Path) -> dict[float, float]:
-  summary = json.loads((workdir / "summary.json").read_text())
-  return {float(w): v for w, v in summary["eval_loss_by_width"].items()}
+  return {float(w): v for w, v in read_summary(workdir)["eval_loss_by_width"].items()}
 
 
 def monotone(losses: dict[float, float]) -> tuple[bool, float]:

@@ -86,6 +86,7 @@ def _train_step(cfg, plan, mesh, tx):
 def sweep():
   """Every plan of configs/tp_sweep.py through the runner (ddp, one worker, 4 shards)."""
   import runpy  # noqa: PLC0415
+  from lowcomm_jax.report import read_metrics  # noqa: PLC0415
   from lowcomm_jax.runtimes.spmd import train  # noqa: PLC0415
   get_config = runpy.run_path(str(REPO / "configs" / "tp_sweep.py"))["get_config"]
   _runnable(get_preset("small12", vocab_size=0, tokenizer_vocab=256))
@@ -95,13 +96,13 @@ def sweep():
     config.rounds, config.eval_every = ARGS.steps, ARGS.eval_every
     config.model.tp.size = ARGS.devices
     summary = train.run(config, ARGS.out / name)
-    lines = [json.loads(l) for l in (ARGS.out / name / "metrics.jsonl").read_text().splitlines()]
-    speeds = [l["steps_per_second"] for l in lines[1:]] or [lines[0]["steps_per_second"]]
+    rows = read_metrics(ARGS.out / name)
+    speeds = [r["steps_per_second"] for r in rows[1:]] or [rows[0]["steps_per_second"]]
     results[name] = {"syncs_forward": summary["tp_syncs_forward"],
                      "all_reduces_train_step": summary["tp_allreduces_train_step"],
                      "final_val_loss": summary["eval_loss"],
                      "step_time_s": 1.0 / statistics.median(speeds),
-                     "curve": [(l["step"], l["eval_loss"]) for l in lines if "eval_loss" in l]}
+                     "curve": [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]}
   base = results["standard"]["final_val_loss"]
   for r in results.values():
     r["val_loss_vs_standard"] = r["final_val_loss"] / base - 1

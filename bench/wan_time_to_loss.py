@@ -46,12 +46,11 @@ import runpy
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 os.environ.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
 
 import sim_grid  # noqa: E402
 import stats  # noqa: E402
+from lowcomm_jax.report import read_metrics, read_summary  # noqa: E402
 
 GPT2_PARAMS = 124_475_904  # gpt2_124m (vocab 50304), as bench/mfu.py counts it
 # gpt2_124m on an A100 (312 TFLOP/s bf16 dense) at 40% MFU, 16 × 1024 tokens per step:
@@ -138,12 +137,11 @@ def all_cases(seeds: int) -> dict[str, tuple[dict, int]]:
 # --- reading runs ---------------------------------------------------------------------
 
 def _rows(workdir: pathlib.Path, name: str) -> list[dict]:
-  lines = (workdir / name / "metrics.jsonl").read_text().splitlines()
-  return [r for r in map(json.loads, lines) if "eval_loss" in r]
+  return [r for r in read_metrics(workdir / name) if "eval_loss" in r]
 
 
 def _summary(workdir: pathlib.Path, name: str) -> dict:
-  return json.loads((workdir / name / "summary.json").read_text())
+  return read_summary(workdir / name)
 
 
 def crossing(rows: list[dict], target: float) -> tuple[float, float] | None:

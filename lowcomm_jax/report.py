@@ -50,8 +50,18 @@ def read_metrics(workdir: pathlib.Path) -> list[dict]:
   return rows
 
 
+def has_summary(workdir: pathlib.Path) -> bool:
+  """Whether the run in `workdir` finished: a run writes summary.json as it ends."""
+  return (pathlib.Path(workdir) / "summary.json").is_file()
+
+
+def read_summary(workdir: pathlib.Path) -> dict:
+  """The finished run's summary.json (benches and tables read runs through here)."""
+  return json.loads((pathlib.Path(workdir) / "summary.json").read_text())
+
+
 def summary_row(workdir: pathlib.Path) -> dict:
-  s = json.loads((pathlib.Path(workdir) / "summary.json").read_text())
+  s = read_summary(workdir)
   sent = s["bytes_sent"]  # 0 for a lone worker: it talks to nobody
   row = {**s, "run": pathlib.Path(workdir).name, "MiB sent/worker": sent / 2**20,
          # The largest single sync (runs from before it was recorded: unknown).

@@ -113,6 +113,15 @@ def set_fields(tree, overrides: dict):
   return tree
 
 
+def bench_module(name: str):
+  """bench/<name>.py as a module, its sibling imports (`import stats`) found as when it runs
+  as `python bench/<name>.py`: bench/ goes first on sys.path, here only."""
+  bench = str(REPO / "bench")
+  if bench not in sys.path:
+    sys.path.insert(0, bench)
+  return importlib.import_module(name)
+
+
 def load_config(name: str, **overrides):
   """configs/<name>.py with dotted-field overrides, e.g. load_config('smoke', **{'outer.lr': 1.0})."""
   return set_fields(runpy.run_path(str(REPO / "configs" / f"{name}.py"))["get_config"](),

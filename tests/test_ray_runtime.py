@@ -204,7 +204,7 @@ def test_the_ray_server_applies_pushes_as_the_simulator_does(cluster, tmp_path):
   from lowcomm_jax.sim import GLOBAL, Job
 
   config = _config(**{"outer.dn_buffer": 2})  # Δ as they are: no codec
-  sim = simulate._Simulation(config)
+  sim = simulate.Simulation(config)
   backend = sim.backend
   server = ray.remote(**cluster_lib.actor_options(config, worker=False))(ServerProcess).remote(
       config, None)
@@ -400,7 +400,7 @@ def test_halos_servers_exchange_as_the_simulators_do():
   from lowcomm_jax.sim.schedules import region_server
 
   config = _halos_config(**{"outer.halos.merge_alpha": 0.5})
-  backend = simulate._Simulation(config).backend
+  backend = simulate.Simulation(config).backend
   names = [region_server(0), region_server(1)]
   servers = {name: ServerProcess(config, None, name) for name in [GLOBAL, *names]}
   size = int(np.asarray(backend.servers[GLOBAL]["params"]).size)

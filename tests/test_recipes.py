@@ -3,15 +3,13 @@
 frontier's losses and bytes are what a recipe gives on seed 0."""
 
 import argparse
-import sys
 
 import pytest
 
-from conftest import REPO, load_config
+from conftest import bench_module, load_config
 from lowcomm_jax.run.identity import flatten
 
-sys.path.insert(0, str(REPO / "bench"))
-import frontier  # noqa: E402
+frontier = bench_module("frontier")
 
 # bench/frontier.py's picks.json of the run BENCHMARKS.md reports (commit d5f0439's grid).
 PICKS = {"ddp_adamw": {"point": "lr0.002_cos", "lr": 0.002, "schedule": "cos"},

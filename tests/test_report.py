@@ -129,3 +129,10 @@ def test_metrics_rows_skip_resume_events_and_a_line_cut_short(tmp_path):
       '{"step": 4, "train_lo\n{"step": 4, "train_loss": 2.5}\n')
   assert report.read_metrics(tmp_path) == [{"step": 2, "train_loss": 3.0},
                                            {"step": 4, "train_loss": 2.5}]
+
+
+def test_a_run_is_finished_once_its_summary_is_there_and_read_back_as_written(tmp_path):
+  assert not report.has_summary(tmp_path)  # still running, or cut off
+  (tmp_path / "summary.json").write_text(json.dumps({"eval_loss": 2.5, "bytes_sent": 3}))
+  assert report.has_summary(tmp_path)
+  assert report.read_summary(str(tmp_path)) == {"eval_loss": 2.5, "bytes_sent": 3}

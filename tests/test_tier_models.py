@@ -153,11 +153,8 @@ def test_generation_reads_any_width_of_a_run_or_its_export(tier_run, tmp_path):
   """bench/smollm2_generate.py's loader: a run's checkpoint at a width, and the export of
   that width, are the same model (and the export names the run's tokenizer)."""
   import argparse
-  import importlib
-  import sys
-  from conftest import REPO
-  sys.path.insert(0, str(REPO / "bench"))
-  generate_bench = importlib.import_module("smollm2_generate")
+  from conftest import bench_module
+  generate_bench = bench_module("smollm2_generate")
   config, _, workdir = tier_run
   export.export_width(workdir, 0.25, tmp_path / "out")
   ask = dict(model=None, workdir=None, width=0.25, tokenizer=None)

@@ -44,7 +44,7 @@ def clock(config: ml_collections.ConfigDict) -> list[tuple[float, int]]:
   return replay.clock(make_plan(r.config, r), r.algorithm.schedule, r.config)
 
 
-class _Simulation:
+class Simulation:
   """One simulation's moving parts, and saving/restoring them together."""
 
   def __init__(self, config: ml_collections.ConfigDict):
@@ -120,7 +120,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
   """
   t_start = time.time()
   files = RunFiles(config, workdir)  # refuses a changed config before any work
-  return loop.run(SimDriver(_Simulation(config)), files, t_start=t_start,
+  return loop.run(SimDriver(Simulation(config)), files, t_start=t_start,
                       stop_after_checkpoints=stop_after_checkpoints)
 
 
@@ -133,7 +133,7 @@ class SimDriver:
   writes_files = True
   reads_late = False  # the accounts move on with the next events
 
-  def __init__(self, sim: _Simulation):
+  def __init__(self, sim: Simulation):
     self.sim, self.c = sim, sim.c
     self.param_norm = jax.jit(optax.tree.norm)
     self.finished, self._wall_before = False, 0.0
@@ -245,7 +245,7 @@ def _idle_fractions(a, now: float) -> list[float]:
   return [max(0.0, 1.0 - t / now) if now else 0.0 for t in a.compute_seconds]
 
 
-def _summary(sim: _Simulation, eval_loss: float, wall: float) -> dict:
+def _summary(sim: Simulation, eval_loss: float, wall: float) -> dict:
   c, plan, a = sim.c, sim.plan, sim.schedule.acct
   total = sim.loop.now
   idle = _idle_fractions(a, total)
@@ -301,7 +301,7 @@ def _regional(a, worker_region) -> list[dict]:
 
 def final_global_params(config: ml_collections.ConfigDict, workdir: str | pathlib.Path):
   """The global model of the newest checkpoint in `workdir` (tests, inspection)."""
-  sim = _Simulation(config)
+  sim = Simulation(config)
   ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints", max_to_keep=config.keep_checkpoints)
   try:
     latest = ckpt.latest_round()

@@ -134,7 +134,7 @@ class RoundDriver:
     sched.tokens += sum(r.round_tokens(sched.inner_steps))
     extra = {"tokens": sched.tokens}
     if self.timed:
-      compute = _all_hosts(compute)
+      compute = all_hosts(compute)
       extra.update(_host_timing(sched, compute))
       if self.measure_dylu and round_ == self.start + 2:
         speeds = [H / t for H, t in zip(sched.inner_steps, compute)]
@@ -236,7 +236,7 @@ class _Later:
   value = None
 
 
-def _all_hosts(local_compute: list[float]) -> list[float]:
+def all_hosts(local_compute: list[float]) -> list[float]:
   """Every host's compute seconds this round, on every process (hosts are process-major)."""
   if jax.process_count() == 1:
     return local_compute
