@@ -1,10 +1,10 @@
 """Collaborative LoRA fine-tuning: two unequal peers reach a target batch together.
 
-Peer 0 (say an A100) takes micro-batches of 8 sequences, peer 1 (a T4, half as fast) of 2;
-together they fill a target batch of 32 samples, then the sample-weighted mean gradient of
-the LoRA adapters takes one AdamW step (an epoch; lowcomm_jax/runtimes/spmd/collab.py). Only the adapters
-cross the network. (LAMB, the large-batch optimizer, barely moves LoRA's zero-initialized B:
-its trust ratio scales B's step by B's own norm; BENCHMARKS.md measures it.)
+Peer 0 (say an A100) takes micro-batches of 8 sequences, peer 1 (a T4, half as fast) of 2; together
+they fill a target batch of 32 samples, then the sample-weighted mean gradient of the LoRA adapters
+takes one AdamW step (an epoch; lowcomm_jax/runtimes/spmd/collab.py). Only the adapters cross the
+network. (LAMB, the large-batch optimizer, barely moves LoRA's zero-initialized B: its trust ratio
+scales B's step by B's own norm; BENCHMARKS.md measures it.)
 
 One process runs both peers on a virtual clock (speeds order their turns); with
 `python launch/local.py --num_processes 2 --monitor -- --config=configs/collab_lora.py`

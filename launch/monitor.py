@@ -3,13 +3,13 @@ all, loss and ETA, printed and written to TensorBoard.
 
   python launch/monitor.py --workdir=DIR [--interval=1]
 
-It reads the rows process 0 appends to DIR/collab.jsonl (lowcomm_jax/runtimes/spmd/collab.py): one per
-finished epoch, within an epoch one a second with every peer's samples so far, and one
-where a restart resumed (the epochs after that checkpoint are redone and appear again). It joins
-no collective and holds no device, so it can start before the peers, restart at any time,
-and run on any machine that sees DIR. TensorBoard events go to DIR/monitor. It stops once
-DIR/summary.json exists (the run finished) and every row is read, or on SIGTERM / Ctrl-C.
-`launch/local.py --monitor` starts one beside the peers and stops it with them.
+It reads the rows process 0 appends to DIR/collab.jsonl (lowcomm_jax/runtimes/spmd/collab.py): one
+per finished epoch, within an epoch one a second with every peer's samples so far, and one where a
+restart resumed (the epochs after that checkpoint are redone and appear again). It joins no
+collective and holds no device, so it can start before the peers, restart at any time, and run on
+any machine that sees DIR. TensorBoard events go to DIR/monitor. It stops once DIR/summary.json
+exists (the run finished) and every row is read, or on SIGTERM / Ctrl-C. `launch/local.py --monitor`
+starts one beside the peers and stops it with them.
 """
 
 import argparse

@@ -110,9 +110,9 @@ class Algorithm:
                                      and self.mix(c) == 0.0)
 
   def sync(self, c: ml_collections.ConfigDict, hosts, d_ff: int) -> Sync:
-    """How the workers' Δ become each fragment's update (programs/sync.py): built once per run, asked
-    by the runner's programs, the simulator's plan and its servers. The default chooses from
-    the config (aggregate.*, compress.*, attack.*)."""
+    """How the workers' Δ become each fragment's update (programs/sync.py): built once per run,
+    asked by the runner's programs, the simulator's plan and its servers. The default chooses
+    from the config (aggregate.*, compress.*, attack.*)."""
     return Sync(c, hosts, d_ff)
 
   def outer_rule(self, c: ml_collections.ConfigDict, inner_tx: optax.GradientTransformation,

@@ -2,9 +2,10 @@
 
   outer.lr = 0.7  # DiLoCo's outer learning rate
 
-Comments come from the source of the defaults (config/defaults.py, inside the package): the trailing comment on the line that assigns
-`c.<field> = ...`, plus comment-only lines right below it that start with `# |` (the
-continuation convention there). Fields a specific config adds print without a comment.
+Comments come from the source of the defaults (config/defaults.py, inside the package): the trailing
+comment on the line that assigns `c.<field> = ...`, plus comment-only lines right below it that
+start with `# |` (the continuation convention there). Fields a specific config adds print without a
+comment.
 """
 
 import ast

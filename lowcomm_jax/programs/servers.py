@@ -1,5 +1,5 @@
-"""What a parameter server does to a contribution, and how a contribution is coded: the one
-code path for the simulator's servers (runtimes/simulator/backend.py) and the Ray runtime's server and
+"""What a parameter server does to a contribution, and how a contribution is coded: the one code
+path for the simulator's servers (runtimes/simulator/backend.py) and the Ray runtime's server and
 worker actors (runtimes/ray/). The rules themselves are the algorithm's (`server_rules`)."""
 
 import jax

@@ -223,8 +223,8 @@ def make_accumulate(loss_fn: LossFn, *, hidden: int, d_ff: int, layout: ParamLay
                     axis_name: str = "replica", mesh=None):
   """`accumulate(state, acc[G, N], batches[G, B, L+1], worker_ids[G], micro)`
   -> (acc + B·∇L(θ; batch_w) [G, N], losses[G]): one micro-batch of a collaborative epoch
-  (runtimes/spmd/collab.py) for one host's G workers of width `hidden`, every gradient at the epoch's θ.
-  `acc` sums gradients times samples, so a host's mean gradient is acc / its samples
+  (runtimes/spmd/collab.py) for one host's G workers of width `hidden`, every gradient at the
+  epoch's θ. `acc` sums gradients times samples, so a host's mean gradient is acc / its samples
   whatever its batch size. Micro-batch `micro`'s keys fold it into the round's."""
   grad_fn = jax.value_and_grad(loss_fn)
   narrow = hidden != d_ff

@@ -1,6 +1,6 @@
 """A run's life in its workdir, the same for the runner (runtimes/spmd/train.py) and the simulator
-(runtimes/simulator/simulate.py): the identity check before any work, the checkpoints (recovered on open),
-the metrics files with their resume record, the divergence stop that leaves the last good
+(runtimes/simulator/simulate.py): the identity check before any work, the checkpoints (recovered on
+open), the metrics files with their resume record, the divergence stop that leaves the last good
 checkpoint intact, and the summary. The drivers differ only in how they make progress.
 """
 

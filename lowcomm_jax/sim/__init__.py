@@ -1,6 +1,6 @@
-"""The simulator's clock, worker speeds, network links and schedules (plain Python and numpy; JAX only to read results back):
-when things happen. What happens (real inner steps, outer rules) is lowcomm_jax/runtimes/simulator/backend.py, driven by
-lowcomm_jax/runtimes/simulator/simulate.py."""
+"""The simulator's clock, worker speeds, network links and schedules (plain Python and numpy; JAX
+only to read results back): when things happen. What happens (real inner steps, outer rules) is
+lowcomm_jax/runtimes/simulator/backend.py, driven by lowcomm_jax/runtimes/simulator/simulate.py."""
 
 from lowcomm_jax.sim.async_schedules import AsyncWorkers
 from lowcomm_jax.sim.events import Event, EventLoop

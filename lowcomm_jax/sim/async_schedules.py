@@ -1,6 +1,6 @@
-"""Asynchronous schedules: Local-SGD workers behind one server (async, async_dn; HALoS's
-regional servers extend it in algorithms/halos.py). Every transfer (a pull, a contribution, a push between servers) is a flow
-sharing the links with the others in flight (sim/flows.py)."""
+"""Asynchronous schedules: Local-SGD workers behind one server (async, async_dn; HALoS's regional
+servers extend it in algorithms/halos.py). Every transfer (a pull, a contribution, a push between
+servers) is a flow sharing the links with the others in flight (sim/flows.py)."""
 
 import dataclasses
 

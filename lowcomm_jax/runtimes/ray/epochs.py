@@ -1,6 +1,6 @@
 """Collaborative epochs on the Ray runtime (`Algorithm.progress` 'epochs': 'ddp' with
-`collab.target_batch_size` > 0): the target batch of runtimes/spmd/collab.py reached together by peers that join, leave or crash
-while the run goes on.
+`collab.target_batch_size` > 0): the target batch of runtimes/spmd/collab.py reached together by
+peers that join, leave or crash while the run goes on.
 
 Each worker actor is a peer. An epoch:
 

@@ -1,14 +1,13 @@
 """The simulator: many virtual workers on one machine, on a virtual clock.
 
-`run(config, workdir)` (when `sim.enabled`) builds the run as the real runner does, then
-lets the event loop (sim/events.py) and the algorithm's schedule (sim/*_schedules.py) decide
-when each worker pulls, computes and sends, while runtimes/simulator/backend.py does the real training.
-Each batch of simultaneous events is followed by one `flush` that runs the jobs they
-started. Progress is counted in round-equivalents (W·H inner steps applied, or synchronous
-rounds): `SimDriver` reports each to the run loop the runner uses (run/loop.py), which puts
-evaluation, metric writes and checkpoints on them, so `eval_every` etc. mean the same as in
-the real runner. A checkpoint holds the clock and its queue, the
-schedule's state, the servers, in-flight messages and pulled snapshots, the workers'
+`run(config, workdir)` (when `sim.enabled`) builds the run as the real runner does, then lets the
+event loop (sim/events.py) and the algorithm's schedule (sim/*_schedules.py) decide when each worker
+pulls, computes and sends, while runtimes/simulator/backend.py does the real training. Each batch of
+simultaneous events is followed by one `flush` that runs the jobs they started. Progress is counted
+in round-equivalents (W·H inner steps applied, or synchronous rounds): `SimDriver` reports each to
+the run loop the runner uses (run/loop.py), which puts evaluation, metric writes and checkpoints on
+them, so `eval_every` etc. mean the same as in the real runner. A checkpoint holds the clock and its
+queue, the schedule's state, the servers, in-flight messages and pulled snapshots, the workers'
 optimizer states and data streams: resuming continues the same simulation.
 """
 

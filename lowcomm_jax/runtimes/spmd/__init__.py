@@ -1,3 +1,3 @@
 """The lockstep runtime: every process runs its hosts' programs, joined by jax.distributed.
-runner.py picks the driver (driver.py: a mark per round; runtimes/spmd/collab.py: collaborative epochs);
-runtimes/spmd/rounds.py runs one round's programs."""
+train.py picks the driver by `Algorithm.progress` (driver.py: a mark per round; collab.py:
+collaborative epochs); rounds.py runs one round's programs."""

@@ -1,9 +1,9 @@
 """The runner: synchronous rounds on real devices, one process per host.
 
-What runs is assembled by assemble/build.py and one round is `rounds.train_round`; a driver feeds the
-run loop (run/loop.py): `driver.RoundDriver` round by round, or, for collaborative
-epochs, `collab.CollabDriver`. This module picks one and checks what every process must
-share before it starts.
+What runs is assembled by assemble/build.py and one round is `rounds.train_round`; a driver feeds
+the run loop (run/loop.py): `driver.RoundDriver` round by round, or, for collaborative epochs,
+`collab.CollabDriver`. This module picks one and checks what every process must share before it
+starts.
 """
 
 import pathlib
