@@ -114,6 +114,19 @@ def test_config_problems_name_their_field():
                                 **{"mesh.replica": 1}))
 
 
+
+@pytest.mark.parametrize("field, value", [("attack.workers", (0,)), ("aggregate.rule", "median"),
+                                          ("aggregate.signal", "loss_ema")])
+def test_what_the_ray_server_would_skip_is_refused_in_one_line(field, value):
+  # Issue 51: the attack was silently not applied (the same eval loss to the last digit)
+  # and median died mid-run on shapes; refused before any work until the server uses Sync.
+  problems = _problems(runtime="ray", algorithm="diloco", **{"mesh.replica": 1, field: value})
+  assert [p for p in problems if p.startswith(f"{field}=")] == [
+      p for p in problems if "does not route contributions through the sync" in p]
+  assert len([p for p in problems if p.startswith(f"{field}=")]) == 1
+  assert _problems(algorithm="diloco", **{field: value}) == []  # the lockstep runtime runs it
+
+
 def test_chaos_events_parse_or_name_the_form():
   events = chaos.parse(["kill_server@9", "kill_worker=1@3", "delay_worker=2:0.5@1",
                         "add_worker@4"])
