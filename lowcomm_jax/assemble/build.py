@@ -101,13 +101,14 @@ def build(config: ml_collections.ConfigDict, *, check_memory: bool = True) -> Ru
   placement = sync.place(mesh.shape["replica"])
   if placement:  # before anything is compiled
     raise ConfigError(placement)
+  segments = algorithm.segments(c, c.inner_steps)
   aggregators, rules, syncs, windows = _sync_programs(
-      c, algorithm, sync, layout, inner_txs[0], corpus, window_vocab, graphdef, model_cfg,
-      mesh)
+      c, algorithm, sync, segments, layout, inner_txs[0], corpus, window_vocab, graphdef,
+      model_cfg, mesh)
   worker_rule = algorithm.worker_rule(c)
   local_programs, init_workers, accumulate = _host_programs(
-      c, algorithm, worker_rule, hosts, local_hosts, inner_txs, layout, model_cfg, loss_of,
-      local_mesh)
+      c, algorithm, worker_rule, segments, hosts, local_hosts, inner_txs, layout, model_cfg,
+      loss_of, local_mesh)
   init_fn = _init_state(c, layout, aggregators, rules)
   initial_params, frozen = _initial_params(c, param_tree, model_tree, layout, mesh)
   abstract_state = jax.eval_shape(init_fn, jax.ShapeDtypeStruct((layout.size,), jnp.float32))
@@ -203,8 +204,8 @@ def _loss_of(model_cfg: GPTConfig, plan, lo, d_ff: int, on_mesh):
       lora_scale=lo.alpha / lo.rank if lo.rank > 0 else None, narrow=d_ff != model_cfg.d_ff)
 
 
-def _sync_programs(c, algorithm, sync, layout: ParamLayout, inner_tx, corpus, window_vocab,
-                   graphdef, model_cfg: GPTConfig, mesh):
+def _sync_programs(c, algorithm, sync, segments, layout: ParamLayout, inner_tx, corpus,
+                   window_vocab, graphdef, model_cfg: GPTConfig, mesh):
   """(each fragment's aggregator and outer rule, each segment's sync program, the probe
   batch compiled into them or None)."""
   fragments = range(layout.num_fragments)
@@ -222,7 +223,6 @@ def _sync_programs(c, algorithm, sync, layout: ParamLayout, inner_tx, corpus, wi
     probe_loss = loss_fn_of(graphdef, model_cfg, None, mesh)
     probes = [sync_program.make_probe(probe_loss, layout, p, windows, step) for p in fragments]
   rules = [sync.outer(rule, probe) for rule, probe in zip(rules, probes)]
-  segments = algorithm.segments(c, c.inner_steps)
   syncs = [sync_program.make_sync(aggregators[s.sync], rules[s.sync], nested=sync.nested,
                                   weigh_tokens=sync.weigh_tokens, layout=layout,
                                   fragment=s.sync, count=len(segments),
@@ -232,11 +232,10 @@ def _sync_programs(c, algorithm, sync, layout: ParamLayout, inner_tx, corpus, wi
   return aggregators, rules, syncs, windows
 
 
-def _host_programs(c, algorithm, worker_rule, hosts, local_hosts, inner_txs,
+def _host_programs(c, algorithm, worker_rule, segments, hosts, local_hosts, inner_txs,
                    layout: ParamLayout, model_cfg: GPTConfig, loss_of, local_mesh):
   """Per local host: its local program per segment, its workers' initial states, and (a
   collaborative run's) its gradient accumulation."""
-  segments = algorithm.segments(c, c.inner_steps)
   alpha = algorithm.mix(c)
   keeps_params = algorithm.keeps_worker_params(c)
   # One worker per device runs unbatched on each (workers.map_host_workers); tensor parallelism

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import ml_collections
 
+from lowcomm_jax.config.error import Problems
 from lowcomm_jax.model.matformer import hidden_units
 
 
@@ -74,3 +75,72 @@ def settle_inner_steps(config: ml_collections.ConfigDict, configured: Sequence[i
   if config.outer.dylu and speeds and all(s > 0 for s in speeds):
     return dylu_inner_steps(config.inner_steps, speeds)
   return list(configured)
+
+
+def problems(c: ml_collections.ConfigDict, num_devices: int, num_processes: int,
+             local_devices: int | None) -> list[str]:
+  """The host table's problems ('field=value: fix'), and with several processes, whether
+  process p can run host p on all of its devices (config/check.py asks them at start)."""
+  out = Problems(c)
+  m = c.mesh
+  rows = list(c.hosts)
+  for i, row in enumerate(rows):
+    where = f"hosts[{i}]"
+    for key, ok, fix in (
+        ("tier", lambda v: 0.0 < v <= 1.0, "the FFN fraction must be in (0, 1]"),
+        ("workers", lambda v: v >= 1, "need at least one worker per host"),
+        ("batch_size", lambda v: v >= 0, "must be >= 0 (0: data.batch_size)"),
+        ("inner_steps", lambda v: v >= 0, "must be >= 0 (0: the config's inner_steps)"),
+        ("speed", lambda v: v >= 0, "must be >= 0 (0: measure it)")):
+      if key in row and not ok(row[key]):
+        out.append(f"{where}.{key}={row[key]!r}: {fix}")
+    if "tier" not in row or "workers" not in row:
+      out.append(f"{where}: needs at least 'tier' and 'workers' (use hosts.host(...))")
+    if c.outer.dylu and row.get("inner_steps", 0):
+      out.append(f"{where}.inner_steps={row['inner_steps']}: with outer.dylu the hosts' H "
+                      "come from their speeds; leave it 0 (or set outer.dylu=False)")
+    if m.data >= 1 and row.get("batch_size", 0) % m.data:
+      out.append(f"{where}.batch_size={row['batch_size']}: must be divisible by "
+                      f"mesh.data={m.data}")
+  if rows:
+    total = sum(row.get("workers", 0) for row in rows)
+    if total != c.num_workers:
+      out.append(f"num_workers={c.num_workers}: the host table has {total} workers; set "
+                      f"--config.num_workers={total}")
+    sizes = {row.get("batch_size", 0) or c.data.batch_size for row in rows}
+    steps = {row.get("inner_steps", 0) or c.inner_steps for row in rows}
+    if c.data.batch_mode == "same" and (len(sizes) > 1 or len(steps) > 1 or c.outer.dylu):
+      out.append(f"data.batch_mode='same': hosts use batch sizes {sorted(sizes)} and H "
+                      f"{sorted(steps)}{' with DyLU' if c.outer.dylu else ''}; the same batch "
+                      "at the same step needs one batch size and one fixed H (or use "
+                      "'different')")
+    if len(rows) > 1 and m.replica > 1:
+      out.append(f"mesh.replica={m.replica}: several hosts in one process share one "
+                      "replica device; set --config.mesh.replica=-1 (or launch one process "
+                      "per host)")
+  if num_processes > 1:  # process p runs host p on all of its devices
+    tp = c.model.tp.size
+    if local_devices and local_devices % max(m.data * tp, 1):
+      out.append(f"mesh.data*model.tp.size={m.data * tp}: must divide this process's "
+                      f"{local_devices} device(s); a worker's data and model shards stay "
+                      "inside one process")
+    local = max((local_devices or 1) // max(m.data * tp, 1), 1)
+    if local_devices and num_devices != local_devices * num_processes:
+      out.append(f"processes expose {num_devices} devices in all but this one has "
+                      f"{local_devices}: every process must expose the same number of devices "
+                      "(run one process per GPU)")
+    if rows and len(rows) != num_processes:
+      out.append(f"hosts: the host table has {len(rows)} rows but {num_processes} "
+                      "processes joined; give one row per process")
+    per_process = ({row.get("workers", 0) for row in rows} if rows
+                   else {c.num_workers // num_processes})
+    if not rows and c.num_workers % num_processes:
+      out.append(f"num_workers={c.num_workers}: not divisible by the {num_processes} "
+                      "processes; use a multiple or give a host table")
+    if len(per_process) > 1:
+      out.append(f"hosts: workers per process {sorted(per_process)} differ; every "
+                      "process must run the same number of workers (one per device is usual)")
+    if any(w % local for w in per_process if w):
+      out.append(f"hosts: each process has {local} replica device(s); its workers must be "
+                      "a multiple of that")
+  return list(out)

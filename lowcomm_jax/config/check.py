@@ -10,6 +10,7 @@ import ml_collections
 
 from lowcomm_jax import algorithms, compress
 from lowcomm_jax.config import defaults
+from lowcomm_jax.assemble import hosts
 from lowcomm_jax.programs import optimizers
 from lowcomm_jax.run import identity
 from lowcomm_jax.config.error import ConfigError, Problems  # noqa: F401 - ConfigError re-exported
@@ -61,10 +62,8 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: i
   _check_adversaries(c, check)
   check(c.keep_checkpoints >= 2, "keep_checkpoints",
         "keep at least 2: a crash mid-save must leave an older complete checkpoint")
-  _check_hosts(c, problems)
-  if num_processes > 1:
-    _check_processes(c, problems, num_devices, num_processes, local_devices)
-  _check_optimizers(c, problems)
+  problems.extend(hosts.problems(c, num_devices, num_processes, local_devices))
+  problems.extend(optimizers.problems(c))
   if problems:
     raise ConfigError(problems)
 
@@ -195,99 +194,6 @@ def _check_model(c: ml_collections.ConfigDict, problems: Problems) -> None:
     if vocab and tok_vocab and vocab < tok_vocab:
       problems.append(f"model.vocab_size={vocab}: smaller than tokenizer {c.data.tokenizer!r}'s "
                       f"{tok_vocab} tokens; set --config.model.vocab_size=0 or larger")
-
-
-def _check_hosts(c: ml_collections.ConfigDict, problems: Problems) -> None:
-  """The host table (one row per process; lowcomm_jax/assemble/hosts.py)."""
-  m = c.mesh
-  rows = list(c.hosts)
-  for i, row in enumerate(rows):
-    where = f"hosts[{i}]"
-    for key, ok, fix in (
-        ("tier", lambda v: 0.0 < v <= 1.0, "the FFN fraction must be in (0, 1]"),
-        ("workers", lambda v: v >= 1, "need at least one worker per host"),
-        ("batch_size", lambda v: v >= 0, "must be >= 0 (0: data.batch_size)"),
-        ("inner_steps", lambda v: v >= 0, "must be >= 0 (0: the config's inner_steps)"),
-        ("speed", lambda v: v >= 0, "must be >= 0 (0: measure it)")):
-      if key in row and not ok(row[key]):
-        problems.append(f"{where}.{key}={row[key]!r}: {fix}")
-    if "tier" not in row or "workers" not in row:
-      problems.append(f"{where}: needs at least 'tier' and 'workers' (use hosts.host(...))")
-    if c.outer.dylu and row.get("inner_steps", 0):
-      problems.append(f"{where}.inner_steps={row['inner_steps']}: with outer.dylu the hosts' H "
-                      "come from their speeds; leave it 0 (or set outer.dylu=False)")
-    if m.data >= 1 and row.get("batch_size", 0) % m.data:
-      problems.append(f"{where}.batch_size={row['batch_size']}: must be divisible by "
-                      f"mesh.data={m.data}")
-  if rows:
-    total = sum(row.get("workers", 0) for row in rows)
-    if total != c.num_workers:
-      problems.append(f"num_workers={c.num_workers}: the host table has {total} workers; set "
-                      f"--config.num_workers={total}")
-    sizes = {row.get("batch_size", 0) or c.data.batch_size for row in rows}
-    steps = {row.get("inner_steps", 0) or c.inner_steps for row in rows}
-    if c.data.batch_mode == "same" and (len(sizes) > 1 or len(steps) > 1 or c.outer.dylu):
-      problems.append(f"data.batch_mode='same': hosts use batch sizes {sorted(sizes)} and H "
-                      f"{sorted(steps)}{' with DyLU' if c.outer.dylu else ''}; the same batch "
-                      "at the same step needs one batch size and one fixed H (or use "
-                      "'different')")
-    if len(rows) > 1 and m.replica > 1:
-      problems.append(f"mesh.replica={m.replica}: several hosts in one process share one "
-                      "replica device; set --config.mesh.replica=-1 (or launch one process "
-                      "per host)")
-
-
-def _check_processes(c: ml_collections.ConfigDict, problems: Problems,
-                     num_devices: int, num_processes: int, local_devices: int | None) -> None:
-  """Several processes: process p runs host p on all of its devices."""
-  m, tp, rows = c.mesh, c.model.tp.size, list(c.hosts)
-  if local_devices and local_devices % max(m.data * tp, 1):
-    problems.append(f"mesh.data*model.tp.size={m.data * tp}: must divide this process's "
-                    f"{local_devices} device(s); a worker's data and model shards stay "
-                    "inside one process")
-  local = max((local_devices or 1) // max(m.data * tp, 1), 1)
-  if local_devices and num_devices != local_devices * num_processes:
-    problems.append(f"processes expose {num_devices} devices in all but this one has "
-                    f"{local_devices}: every process must expose the same number of devices "
-                    "(run one process per GPU)")
-  if rows and len(rows) != num_processes:
-    problems.append(f"hosts: the host table has {len(rows)} rows but {num_processes} "
-                    "processes joined; give one row per process")
-  per_process = ({row.get("workers", 0) for row in rows} if rows
-                 else {c.num_workers // num_processes})
-  if not rows and c.num_workers % num_processes:
-    problems.append(f"num_workers={c.num_workers}: not divisible by the {num_processes} "
-                    "processes; use a multiple or give a host table")
-  if len(per_process) > 1:
-    problems.append(f"hosts: workers per process {sorted(per_process)} differ; every "
-                    "process must run the same number of workers (one per device is usual)")
-  if any(w % local for w in per_process if w):
-    problems.append(f"hosts: each process has {local} replica device(s); its workers must be "
-                    "a multiple of that")
-
-
-def _check_optimizers(c: ml_collections.ConfigDict, problems: Problems) -> None:
-  """The inner optimizer's and the outer rules' shared fields."""
-  check = problems.check
-  check(c.optimizer.name in optimizers.INNER, "optimizer.name",
-        f"use one of {optimizers.INNER}")
-  check(0.0 <= c.optimizer.momentum < 1.0, "optimizer.momentum", "must be in [0, 1)")
-  check(c.optimizer.adam_lr >= 0, "optimizer.adam_lr", "must be >= 0 (0: optimizer.lr)")
-  check(c.optimizer.lr > 0, "optimizer.lr", "must be > 0")
-  check(c.optimizer.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
-  check(c.optimizer.grad_clip >= 0, "optimizer.grad_clip", "must be >= 0 (0 disables clipping)")
-  check(c.optimizer.decay_steps >= 0, "optimizer.decay_steps",
-        "must be >= 0 (0: rounds * inner_steps)")
-  check(0.0 <= c.optimizer.min_lr_ratio <= 1.0, "optimizer.min_lr_ratio",
-        "must be in [0, 1] (the final lr is lr * min_lr_ratio)")
-  for field in ("b1", "b2"):
-    check(0.0 <= c.optimizer[field] < 1.0, f"optimizer.{field}",
-          "AdamW's moment decay must be in [0, 1) (e.g. 0.9, 0.95)")
-  check(c.optimizer.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0 (0: none)")
-  check(c.outer.lr > 0, "outer.lr", "must be > 0")
-  check(0.0 <= c.outer.momentum < 1.0, "outer.momentum", "must be in [0, 1)")
-  check(c.outer.dn_buffer >= 0, "outer.dn_buffer", "must be >= 0 (0: the server's workers)")
-  check(c.outer.dn_c >= 0, "outer.dn_c", "Delayed Nesterov's c must be >= 0")
 
 
 def _check_adversaries(c: ml_collections.ConfigDict, check) -> None:

@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
+
+from lowcomm_jax.config.error import Problems
 from optax import contrib as optax_contrib
 
 
@@ -94,3 +96,29 @@ def sign_descent(opt: ml_collections.ConfigDict, total_steps: int) -> optax.Grad
   return optax.chain(optax.scale_by_sign(),
                      optax.add_decayed_weights(opt.weight_decay, mask=_is_matrix),
                      optax.scale_by_learning_rate(inner_schedule(opt, total_steps)))
+
+
+def problems(c: ml_collections.ConfigDict) -> list[str]:
+  """The inner optimizer's and the outer rules' shared fields ('field=value: fix')."""
+  out = Problems(c)
+  check = out.check
+  check(c.optimizer.name in INNER, "optimizer.name",
+        f"use one of {INNER}")
+  check(0.0 <= c.optimizer.momentum < 1.0, "optimizer.momentum", "must be in [0, 1)")
+  check(c.optimizer.adam_lr >= 0, "optimizer.adam_lr", "must be >= 0 (0: optimizer.lr)")
+  check(c.optimizer.lr > 0, "optimizer.lr", "must be > 0")
+  check(c.optimizer.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
+  check(c.optimizer.grad_clip >= 0, "optimizer.grad_clip", "must be >= 0 (0 disables clipping)")
+  check(c.optimizer.decay_steps >= 0, "optimizer.decay_steps",
+        "must be >= 0 (0: rounds * inner_steps)")
+  check(0.0 <= c.optimizer.min_lr_ratio <= 1.0, "optimizer.min_lr_ratio",
+        "must be in [0, 1] (the final lr is lr * min_lr_ratio)")
+  for field in ("b1", "b2"):
+    check(0.0 <= c.optimizer[field] < 1.0, f"optimizer.{field}",
+          "AdamW's moment decay must be in [0, 1) (e.g. 0.9, 0.95)")
+  check(c.optimizer.weight_decay >= 0, "optimizer.weight_decay", "must be >= 0 (0: none)")
+  check(c.outer.lr > 0, "outer.lr", "must be > 0")
+  check(0.0 <= c.outer.momentum < 1.0, "outer.momentum", "must be in [0, 1)")
+  check(c.outer.dn_buffer >= 0, "outer.dn_buffer", "must be >= 0 (0: the server's workers)")
+  check(c.outer.dn_c >= 0, "outer.dn_c", "Delayed Nesterov's c must be >= 0")
+  return list(out)

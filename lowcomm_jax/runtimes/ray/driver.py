@@ -83,7 +83,7 @@ class RayDriver:
 
   def _note(self, event: str, **fields) -> None:
     """A membership or recovery event: a metrics.jsonl row and a log line."""
-    step = self._step_count()
+    step = self.progress.step_count()
     logging.info("ray: %s %s", event, fields)
     if self.files is not None and self.files.logger is not None:
       self.files.logger.note(step, {"event": event, "pushes": self.counts.pushes, **fields})
@@ -98,12 +98,6 @@ class RayDriver:
         self.progress.start_next(w, clock)
 
   # --- the run loop's driver --------------------------------------------------------------
-
-  def _step_count(self) -> int:
-    return self.progress.step_count()
-
-  def _tokens(self) -> int:
-    return self.progress.tokens()
 
   def advance(self, due) -> loop.Mark | None:
     if self.finished:
@@ -124,11 +118,11 @@ class RayDriver:
     if take_train_loss and n.loss_count:
       n.last_train_loss = scalars["train_loss"] = n.loss_sum / n.loss_count
       n.loss_sum, n.loss_count = 0.0, 0
-    return loop.Reading(self._step_count(), scalars, time.perf_counter(), problem)
+    return loop.Reading(self.progress.step_count(), scalars, time.perf_counter(), problem)
 
   def _accounts(self) -> dict:
     """The figures both a metrics row and the summary report."""
-    return {**self.counts.figures(self._tokens(), self.plan.delta_bytes, self.c.num_workers,
+    return {**self.counts.figures(self.progress.tokens(), self.plan.delta_bytes, self.c.num_workers,
                                   self.progress.late_figures),
             **self.progress.figures()}
 
@@ -139,7 +133,7 @@ class RayDriver:
     return self.r.evaluation(self.pool.call("evaluate"))
 
   def position(self) -> tuple[int, int, int]:
-    return self.mark, self._step_count(), self._tokens()
+    return self.mark, self.progress.step_count(), self.progress.tokens()
 
   def wall_before(self) -> float:
     return self._wall_before
