@@ -2,7 +2,7 @@
 
 from lowcomm_jax.aggregate.attack import make_attack
 from lowcomm_jax.aggregate.compressed import (CompressedMeanState, compressed_gather,
-                                              compressed_mean)
+                                              compressed_mean, sender_keys)
 from lowcomm_jax.aggregate.mean import replica_mean
 from lowcomm_jax.aggregate.nested import nested_mean
 from lowcomm_jax.aggregate.robust import (RULES, CombinedState, RobustState, combine_then,

@@ -74,14 +74,22 @@ def compressed_gather(codec, axis_name: str = "replica", seed: int = 0
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def sender_keys(seed: int, round_index, senders: jax.Array) -> jax.Array:
+  """The codec keys of `senders` (worker indices) in round `round_index`: what every
+  receiver regenerates, and what a worker that encodes for a parameter server uses (the Ray
+  runtime's quorum rounds), so both runtimes draw the same."""
+  round_key = jax.random.fold_in(jax.random.key(seed), round_index)
+  return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(round_key, senders)
+
+
 def _encode_and_gather(codec, updates, state: CompressedMeanState, round_index, axis_name,
                        seed):
   """This worker's payload, encoded with its key, all-gathered: (payloads [R, ...], every
   sender's key [R], this worker's new codec state)."""
   round_ = state.count if round_index is None else round_index
-  round_key = jax.random.fold_in(jax.random.key(seed), round_)
   size = jax.lax.axis_size(axis_name)
-  sender_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(round_key, jnp.arange(size))
-  my_key = jax.random.fold_in(round_key, jax.lax.axis_index(axis_name))
+  keys = sender_keys(seed, round_, jnp.arange(size))
+  my_key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), round_),
+                              jax.lax.axis_index(axis_name))
   payload, codec_state = codec.encode(updates, state.codec_state, my_key)
-  return collectives.all_gather(payload, axis_name), sender_keys, codec_state
+  return collectives.all_gather(payload, axis_name), keys, codec_state

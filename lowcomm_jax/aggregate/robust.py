@@ -49,11 +49,40 @@ def trimmed_mean(tree_WxN, trim: int):
   return jax.tree.map(one, tree_WxN)
 
 
-def centered_clip(tree_WxN, center, weights_W, *, iters: int, tau: float | None = None):
+def present_median(tree_WxN, present_W):
+  """The coordinate-wise median of the present workers' updates."""
+  return jax.tree.map(lambda x: jnp.nanmedian(jnp.where(_rows(present_W, x), x, jnp.nan),
+                                              axis=0), tree_WxN)
+
+
+def present_trimmed_mean(tree_WxN, present_W, trim: int):
+  """`trimmed_mean` of the present workers' updates (k of W): their values sorted, ranks
+  trim..k − trim − 1 averaged; with k ≤ 2·trim nothing would be left, so their median."""
+  k = present_W.sum()
+
+  def one(x):
+    ranks = jnp.arange(x.shape[0]).reshape((-1,) + (1,) * (x.ndim - 1))
+    ordered = jnp.sort(jnp.where(_rows(present_W, x), x, jnp.inf), axis=0)
+    kept = (ranks >= trim) & (ranks < k - trim)
+    mean = jnp.where(kept, ordered, 0.0).sum(0) / jnp.maximum(k - 2 * trim, 1)
+    middle = jnp.nanmedian(jnp.where(_rows(present_W, x), x, jnp.nan), axis=0)
+    return jnp.where(k > 2 * trim, mean, middle)
+  return jax.tree.map(one, tree_WxN)
+
+
+def _rows(present_W, x):
+  return present_W.reshape((-1,) + (1,) * (x.ndim - 1))
+
+
+def centered_clip(tree_WxN, center, weights_W, *, iters: int, tau: float | None = None,
+                  present_W=None):
   """Returns (the clipped aggregate, τ used). `tau` None or ≤ 0: the median distance of the
-  updates from `center`."""
+  updates from `center` (of the present workers', where `present_W` is given; the absent
+  weigh 0)."""
   if tau is None or tau <= 0:
-    tau = jnp.median(_norms(jax.tree.map(lambda x, c: x - c[None], tree_WxN, center)))
+    distances = _norms(jax.tree.map(lambda x, c: x - c[None], tree_WxN, center))
+    tau = (jnp.median(distances) if present_W is None
+           else jnp.nanmedian(jnp.where(present_W, distances, jnp.nan)))
   v = center
   for _ in range(iters):
     diff = jax.tree.map(lambda x, c: x - c[None], tree_WxN, v)
@@ -110,7 +139,11 @@ def robust_combine(*, rule: str, signal: str, num_workers: int, trim: int = 1,
   shuffle), `theta` (the global model, flat: what `probe` perturbs).
 
   `probe(updates [W, ...], theta) -> [W]`: the probe loss of each worker's proposal
-  (sync_program.make_probe), which the `probe_loss` signal needs and only it computes."""
+  (sync_program.make_probe), which the `probe_loss` signal needs and only it computes.
+
+  Extra arg `present` [W] bool (a parameter server's round, where some workers may have sent
+  nothing: their rows are zeros): the rule combines the present workers' updates only, and
+  an absent worker's signals stay as they were."""
   if rule not in RULES:
     raise ValueError(f"unknown rule {rule!r}; choose one of {RULES}")
   if signal == "probe_loss" and probe is None:
@@ -120,8 +153,11 @@ def robust_combine(*, rule: str, signal: str, num_workers: int, trim: int = 1,
     return RobustState(jax.tree.map(jnp.zeros_like, params), signal_lib.init(num_workers))
 
   def update_fn(all_u, state, params=None, *, worker_losses=None, round_index=0, theta=None,
-                **extra_args):
+                present=None, **extra_args):
     del params, extra_args
+    if present is not None and bucket > 1:
+      raise ValueError("buckets of a round some workers missed are not defined; "
+                       "use aggregate.bucket=0")
     norms = _norms(all_u)
     center_norm = _norms(jax.tree.map(lambda c: c[None], state.center))[0]
     dots = sum(jnp.sum(jnp.reshape(u, (u.shape[0], -1)) * jnp.reshape(c, (1, -1)), axis=1)
@@ -133,16 +169,21 @@ def robust_combine(*, rule: str, signal: str, num_workers: int, trim: int = 1,
     probes = (probe(all_u, theta) if signal == "probe_loss"
               else jnp.zeros((num_workers,), jnp.float32))
     seen = signal_lib.observe(state.signals, losses=losses, norms=norms, cosines=cosines,
-                              probes=probes, ema=signal_ema)
+                              probes=probes, ema=signal_ema, present=present)
     if signal == "none":
       weights = seen.weights
+      if present is not None:  # uniform over the present workers
+        weights = jnp.where(present, 1.0, 0.0) / jnp.maximum(present.sum(), 1)
     else:
       weights = signal_lib.weights_from(
           signal_lib.signal_of(seen, signal), state.signals.weights, temperature=temperature,
           floor=floor, weight_ema=weight_ema, warm=seen.rounds > warmup_rounds,
-          noise=signal_lib.noise_of(seen, signal, signal_ema), noise_sigmas=noise_sigmas)
+          noise=signal_lib.noise_of(seen, signal, signal_ema), noise_sigmas=noise_sigmas,
+          present=present)
     seen = seen._replace(weights=weights)
     stacked, w = all_u, weights
+    if present is not None:
+      return _combine_present(stacked, w, present, state.center, seen)
     if bucket > 1:
       key = jax.random.fold_in(jax.random.key(seed), round_index)
       stacked, w = buckets(all_u, weights, key, bucket)
@@ -158,6 +199,18 @@ def robust_combine(*, rule: str, signal: str, num_workers: int, trim: int = 1,
     else:
       out, _ = centered_clip(stacked, state.center, w, iters=clip_iters,
                              tau=clip_tau if clip_tau > 0 else None)
+    return out, RobustState(out, seen)
+
+  def _combine_present(stacked, w, present, center, seen):
+    if rule == "mean":
+      out = weighted_mean(stacked, w)
+    elif rule == "median":
+      out = present_median(stacked, present)
+    elif rule == "trimmed_mean":
+      out = present_trimmed_mean(stacked, present, trim)
+    else:
+      out, _ = centered_clip(stacked, center, w, iters=clip_iters,
+                             tau=clip_tau if clip_tau > 0 else None, present_W=present)
     return out, RobustState(out, seen)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -59,8 +59,10 @@ def init(num_workers: int) -> SignalState:
                      weights=jnp.full((num_workers,), 1.0 / num_workers, jnp.float32))
 
 
-def observe(state: SignalState, *, losses, norms, cosines, probes, ema: float) -> SignalState:
-  """The signals after one more round; the first round sets them."""
+def observe(state: SignalState, *, losses, norms, cosines, probes, ema: float,
+            present=None) -> SignalState:
+  """The signals after one more round; the first round sets them. `present` [W] (a parameter
+  server's round that some workers missed): an absent worker's signals stay as they were."""
   first = state.rounds == 0
   mix = lambda old, new: jnp.where(first, new, ema * old + (1.0 - ema) * new)
   # The exponentially weighted variance, var ← ema·(var + (1 − ema)·(x − m_prev)²), of each
@@ -69,12 +71,16 @@ def observe(state: SignalState, *, losses, norms, cosines, probes, ema: float) -
   centered = lambda v: v - jnp.mean(v)
   spread = lambda var, m, x: jnp.where(
       first, 0.0, ema * (var + (1.0 - ema) * (centered(x) - centered(m)) ** 2))
-  return state._replace(rounds=state.rounds + 1, loss=mix(state.loss, losses),
+  seen = state._replace(rounds=state.rounds + 1, loss=mix(state.loss, losses),
                         norm=mix(state.norm, norms), norm_sq=mix(state.norm_sq, norms ** 2),
                         cosine=mix(state.cosine, cosines), probe=mix(state.probe, probes),
                         loss_var=spread(state.loss_var, state.loss, losses),
                         cosine_var=spread(state.cosine_var, state.cosine, cosines),
                         probe_var=spread(state.probe_var, state.probe, probes))
+  if present is None:
+    return seen
+  keep = lambda new, old: jnp.where(present, new, old) if new.ndim else new
+  return jax.tree.map(keep, seen, state)
 
 
 def signal_of(state: SignalState, name: str) -> jax.Array:
@@ -103,9 +109,16 @@ def noise_of(state: SignalState, name: str, ema: float) -> jax.Array:
 
 
 def weights_from(signal, previous, *, temperature: float, floor: float, weight_ema: float,
-                 warm: jax.Array, noise=None, noise_sigmas: float = 0.0) -> jax.Array:
+                 warm: jax.Array, noise=None, noise_sigmas: float = 0.0,
+                 present=None) -> jax.Array:
   """This round's weights [W] (see the module docstring); `warm` False: uniform. `noise`
-  [W]: each worker's signal noise σ_w; the scale is sqrt(std² + (noise_sigmas·median σ)²)."""
+  [W]: each worker's signal noise σ_w; the scale is sqrt(std² + (noise_sigmas·median σ)²).
+  `present` [W] (a parameter server's round that some workers missed): the statistics are
+  the present workers', and the absent ones weigh 0."""
+  if present is not None:
+    return _present_weights(signal, previous, present, temperature=temperature, floor=floor,
+                            weight_ema=weight_ema, warm=warm, noise=noise,
+                            noise_sigmas=noise_sigmas)
   W = signal.shape[0]
   scale_sq = jnp.var(signal)
   if noise is not None and noise_sigmas > 0:
@@ -116,6 +129,27 @@ def weights_from(signal, previous, *, temperature: float, floor: float, weight_e
   mixed = (1.0 - floor) * p + floor / W
   smoothed = weight_ema * previous + (1.0 - weight_ema) * mixed
   return jnp.where(warm, smoothed, jnp.full((W,), 1.0 / W, jnp.float32))
+
+
+def _present_weights(signal, previous, present, *, temperature, floor, weight_ema, warm,
+                     noise, noise_sigmas) -> jax.Array:
+  """`weights_from` over the present workers only (k of W): their mean, spread and softmax,
+  the floor shared among k, the smoothing against their previous weights renormalised."""
+  k = jnp.maximum(present.sum(), 1).astype(jnp.float32)
+  only = lambda v: jnp.where(present, v, 0.0)
+  mean = only(signal).sum() / k
+  scale_sq = only((signal - mean) ** 2).sum() / k
+  if noise is not None and noise_sigmas > 0:
+    scale_sq = scale_sq + (noise_sigmas * jnp.nanmedian(jnp.where(present, noise, jnp.nan))) ** 2
+  scale = jnp.sqrt(scale_sq)
+  z = jnp.where(scale > 0, (signal - mean) / jnp.where(scale > 0, scale, 1.0), 0.0)
+  p = jax.nn.softmax(jnp.where(present, z / temperature, -jnp.inf))
+  mixed = only((1.0 - floor) * p + floor / k)
+  # A worker absent last round weighed 0 then: it comes back at the uniform share.
+  before = only(jnp.where(previous > 0, previous, 1.0 / k))
+  before = before / jnp.maximum(before.sum(), 1e-12)
+  smoothed = weight_ema * before + (1.0 - weight_ema) * mixed
+  return jnp.where(warm, smoothed, only(jnp.ones_like(signal)) / k)
 
 
 def effective_workers(weights) -> jax.Array:

@@ -105,6 +105,68 @@ def make_sync(aggregator: optax.GradientTransformationExtraArgs,
   return sync
 
 
+def make_server_sync(sync, rule: optax.GradientTransformation, *, layout: ParamLayout,
+                     fragment: int, count: int, last: bool):
+  """`sync(state, received, keys, signals, full) -> state`: fragment p's sync at a parameter
+  server (the Ray runtime's quorum rounds and collaborative epochs), from the run's `Sync`
+  (programs/sync.py) as `make_sync` is: the same codec, attack, weights, robust rule and
+  outer `rule`. The server holds every worker's contribution at once, so it combines rows
+  where the lockstep workers meet in collectives; the workers encoded their own Δ (their
+  error buffers stay with them, their keys are the compressed mean's).
+
+  `received`: one row per worker slot (S = the server's num_workers): the codec's payloads
+  stacked, or Δ [S, N_p]; an absent worker's row is zeros and its tokens in `signals` 0 (a
+  quorum round closed without it). `keys` [S]: the senders' codec keys. `full` (static):
+  every row is present; then each step is the lockstep sync's (the codec's own mean, the
+  robust rule over all rows), so a full round equals the runner's up to float rounding.
+  Otherwise the absent rows weigh 0 and a robust rule combines the present ones.
+  `state.outer.per_fragment` holds the outer rules' states; per-worker state has none here.
+  """
+  part = layout.fragment(fragment)
+  codec, attack = sync.codec, sync.attack
+  rule = optax.with_extra_args_support(rule)
+
+  def decode(payload, key):
+    return part.ravel(codec.decode(payload, part.abstract, key))
+
+  def coordinate_weights(hidden, weight):  # a_w, as the nested mean's, over the flat Δ
+    mask = tier_mask(part.abstract, hidden)
+    return part.ravel(jax.tree.map(lambda m, x: jnp.broadcast_to(m, x.shape) * weight,
+                                   mask, part.abstract))
+
+  def server_sync(state: TrainState, received, keys, signals: Signals, full: bool = False):
+    present = signals.tokens > 0
+    weight_S = jnp.where(present, signals.tokens if sync.weigh_tokens else 1.0, 0.0)
+    round_index = state.round * count + fragment
+    params = layout.fragment_slice(state.params, fragment)
+    rule_state = state.outer.per_fragment[fragment]
+    extra = {"worker_losses": signals.loss, "round_index": round_index,
+             "theta": state.params}
+    if codec is not None and full and not (sync.robust or sync.nested or attack):
+      combined = part.ravel(codec.average(received, part.abstract, keys))
+    else:
+      deltas = jax.vmap(decode)(received, keys) if codec is not None else received
+      if attack is not None:
+        deltas = attack(deltas, jax.random.fold_in(round_key(state), 0xA77AC + fragment))
+      if sync.robust:
+        combined = deltas  # the robust rule, inside `rule`, combines the rows
+        if not full:
+          extra["present"] = present
+      else:
+        a_SxN = (jax.vmap(coordinate_weights)(signals.hidden, weight_S) if sync.nested
+                 else jnp.broadcast_to(weight_S[:, None], deltas.shape))
+        total = a_SxN.sum(0)
+        combined = (a_SxN * deltas).sum(0) / jnp.where(total > 0, total, 1.0)
+    updates, rule_state = rule.update(combined, rule_state, params, **extra)
+    new_params = layout.fragment_update(state.params, optax.apply_updates(params, updates),
+                                        fragment)
+    outer = state.outer._replace(per_fragment=_replace(state.outer.per_fragment, fragment,
+                                                       rule_state))
+    return TrainState(state.round + 1 if last else state.round, state.rng, new_params, outer)
+
+  return server_sync
+
+
 def make_probe(loss_fn: LossFn, layout: ParamLayout, fragment: int, windows_BxL1,
                step: float):
   """`probe(Δ[W, N_p], θ flat) -> [W]`: the loss on the fixed probe batch `windows` of the

@@ -47,3 +47,15 @@ def parse(events) -> list[ChaosEvent]:
     out.append(ChaosEvent(action, int(m["after"]), int(m["worker"] or -1) if needs_worker
                           else -1, float(m["seconds"] or 0.0)))
   return sorted(out, key=lambda e: e.after)
+
+
+def with_worker_slots(config):
+  """`config` with num_workers raised to every worker id the run may use: the ones it
+  starts with and one per `add_worker` event (each takes the next free id). A parameter
+  server keeps a row per id."""
+  added = sum(e.action == "add_worker" for e in parse(config.ray.chaos))
+  if not added:
+    return config
+  out = config.copy_and_resolve_references()
+  out.num_workers = config.num_workers + added
+  return out

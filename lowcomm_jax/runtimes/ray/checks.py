@@ -31,16 +31,11 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
         "hosts empty)")
   check(c.mesh.data == 1 and c.model.tp.size == 1, "mesh.data",
         "a Ray worker runs on one device; use mesh.data=1 and model.tp.size=1")
-  # A contribution reaches the server's rule directly, not through the run's Sync (issue 51):
-  # an attack would be skipped without a word and a robust rule or signal weights would get
-  # one mean instead of every worker's Δ. Refused until the server routes through it.
-  not_yet = "the Ray server does not route contributions through the sync yet; run it on "
-  check(not list(c.attack.workers), "attack.workers",
-        not_yet + "runtime='spmd' or in the simulator, or leave attack.workers=()")
-  check(c.aggregate.rule == "mean", "aggregate.rule",
-        not_yet + "runtime='spmd' or in the simulator, or use 'mean'")
-  check(c.aggregate.signal == "none", "aggregate.signal",
-        not_yet + "runtime='spmd' or in the simulator, or use 'none'")
+  # The server's rounds go through the run's Sync (sync_program.make_server_sync); a round
+  # some workers missed combines the present ones, which buckets do not define.
+  check(c.aggregate.bucket <= 1, "aggregate.bucket",
+        "buckets of a quorum round that some workers missed are not defined; use "
+        "aggregate.bucket=0 on runtime='ray', or run on runtime='spmd'")
   check(c.data.batch_mode == "different", "data.batch_mode",
         "Ray workers read their own streams at their own pace; use 'different'")
   check(y.apply_order in ("arrival", "dispatch"), "ray.apply_order",

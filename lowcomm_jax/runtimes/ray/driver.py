@@ -30,6 +30,7 @@ from lowcomm_jax.run.checkpoint import CheckpointMismatch
 from lowcomm_jax.runtimes.ray import checkpoints, cluster
 from lowcomm_jax.runtimes.ray.accounts import Counts
 from lowcomm_jax.runtimes.ray.actors import server_rules
+from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.runtimes.ray.epochs import Epochs
 from lowcomm_jax.runtimes.ray.pool import Pool
 from lowcomm_jax.runtimes.ray.pushes import Pushes
@@ -63,8 +64,9 @@ class RayDriver:
 
   def __init__(self, config: ml_collections.ConfigDict):
     self.c = config
-    # Shapes, tokens, the plan; no compute, and no worker held here (nor its memory).
-    self.r = r = build(one_device(config), check_memory=False)
+    # Shapes, tokens, the plan; no compute, and no worker held here (nor its memory). Built
+    # as the server is, with a worker slot per id the run may use (its checkpoints' shapes).
+    self.r = r = build(with_worker_slots(one_device(config)), check_memory=False)
     self.plan = make_plan(r.config, r)
     self.counts = Counts(next_worker=config.num_workers)
     self.pool = Pool(config, self.counts, self._restore_latest, self._note)

@@ -7,7 +7,10 @@ import ml_collections
 import numpy as np
 
 from lowcomm_jax.programs import servers
+from lowcomm_jax.programs import steps
+from lowcomm_jax.programs import sync_program
 from lowcomm_jax.runtimes.ray.actors import built, initial_state, server_rules
+from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.sim import GLOBAL
 
 
@@ -21,10 +24,15 @@ class ServerProcess:
     """Server `name` from `restored` (a checkpoint's) or fresh. A `standby` is built (its
     process started, the run built, nothing compiled yet) and holds no state: `load` makes
     it a server when one dies (`ray.standby_server`)."""
-    self.r, self.programs = r, _ = built(config, f"server {name}")
+    # One row per worker that may ever take part (chaos adds some): the run's sync, robust
+    # rule and attack are built for that many.
+    self.r, self.programs = r, _ = built(with_worker_slots(config), f"server {name}")
     codec = r.sync.codec
     self._decode = (jax.jit(servers.make_decode(codec, r.model.layout)) if codec
                     else None)
+    self._rng = initial_state(r).rng  # the run's key: a round's attack draws from it
+    self._rng_key = jax.random.key(0)  # (the codec keys' shape and type)
+    self._syncs = self._round_syncs() if r.algorithm.synchronous else None
     self._norm = jax.jit(lambda p: jnp.sqrt(jnp.sum(jnp.square(p))))
     self._exchange = servers.RegionalExchange()
     self.mesh = r.topology.mesh
@@ -40,7 +48,7 @@ class ServerProcess:
     self._apply = jax.jit(servers.make_apply(rule))
     self.snapshots = {}  # version -> [params, jobs out that pulled it]
     self._expected = {}  # version -> jobs out that pulled it from a server before this one
-    self._round_sum, self._round_tokens = None, 0.0  # a quorum round's Σ tokens·Δ, Σ tokens
+    self._rows = {}  # the open round's contributions: worker -> (what it sent, meta)
     self._replaying = False
     # θ, its rule's state, and for a regional server (HALoS's LPS) its model after the last
     # merge and at its last push to the global server (servers.RegionalExchange's arrays).
@@ -135,27 +143,61 @@ class ServerProcess:
             "drift": None if drift is None else float(drift)}
 
   def contribute(self, meta: dict, sent) -> dict:
-    """Adds one contribution to the open round (weighted by its tokens: a quorum round's Δ,
-    or an epoch's mean gradient); its staleness in rounds."""
-    delta = self._delta(meta, sent)
-    tokens = float(meta["tokens"])
-    self._round_sum = (tokens * delta if self._round_sum is None
-                       else self._round_sum + tokens * delta)
-    self._round_tokens += tokens
+    """Adds one worker's contribution to the open round (a quorum round's Δ or an epoch's
+    mean gradient, or the codec's payload of it); its staleness in rounds. A worker
+    contributes once a round (it starts again when the round closes); a second one would
+    replace its first."""
+    self._rows[int(meta["worker"])] = (sent, meta)
     self._release(meta["version"])
     return {"staleness": self.version - meta["version"]}
 
   def close_round(self) -> dict:
-    """The round's outer step on its contributions' token-weighted mean Δ."""
-    contributed = self._round_tokens > 0
+    """The round's sync over its contributions, through the run's `Sync` as the lockstep
+    runner's (sync_program.make_server_sync): decode, attack, weights, robust rule, outer
+    rule. Workers that sent nothing this round have no row (weight 0)."""
+    contributed = bool(self._rows)
     if contributed:
-      mean = self._round_sum / self._round_tokens
       a = self.arrays
-      a["params"], a["opt_state"], _ = self._apply(a["params"], a["opt_state"], mean)
-    self._round_sum, self._round_tokens = None, 0.0
+      state = steps.TrainState(jnp.asarray(self.version, jnp.int32), self._rng, a["params"],
+                               steps.OuterState((), (a["opt_state"],)))
+      received, keys, signals = self._round_inputs()
+      state = self._syncs[0](state, received, keys, signals,
+                             full=len(self._rows) == self.r.config.num_workers)
+      a["params"], a["opt_state"] = state.params, state.outer.per_fragment[0]
+    self._rows = {}
     self.version += 1
     self._hold()
     return {"version": self.version, "applied": contributed}
+
+  def _round_syncs(self) -> list:
+    """The synchronous algorithm's sync per segment, as a parameter server runs it."""
+    r = self.r
+    segments = r.algorithm.segments(r.config, r.config.inner_steps)
+    return [jax.jit(sync_program.make_server_sync(
+                r.sync, r.outer_rules[s.sync], layout=r.model.layout, fragment=s.sync,
+                count=len(segments), last=k == len(segments) - 1), static_argnames="full")
+            for k, s in enumerate(segments)]
+
+  def _round_inputs(self):
+    """The open round's rows in worker order (zeros where a worker sent nothing), the
+    senders' codec keys, and the signals (tokens 0: no row)."""
+    slots = self.r.config.num_workers
+    tokens, losses = np.zeros(slots, np.float32), np.zeros(slots, np.float32)
+    key_like = np.asarray(jax.random.key_data(self._rng_key))
+    keys = np.zeros((slots,) + key_like.shape, key_like.dtype)
+    sent = {}
+    for w, (payload, meta) in self._rows.items():
+      tokens[w], losses[w] = meta["tokens"], meta.get("loss", 0.0)
+      sent[w] = payload
+      if "codec_key" in meta:
+        keys[w] = meta["codec_key"]
+    like = next(iter(sent.values()))
+    zeros = jax.tree.map(np.zeros_like, like)
+    received = jax.tree.map(lambda *rows: jnp.asarray(np.stack(rows)),
+                            *[sent.get(w, zeros) for w in range(slots)])
+    signals = steps.Signals(jnp.asarray(self.r.topology.hidden_per_worker),
+                            jnp.asarray(tokens), jnp.asarray(losses))
+    return received, jax.random.wrap_key_data(jnp.asarray(keys)), signals
 
   # --- HALoS: a regional server's exchange with the global one (algorithms/halos.py) ----
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from lowcomm_jax import aggregate
 from lowcomm_jax.programs import optimizers
 from lowcomm_jax.programs import servers
 from lowcomm_jax.programs import steps
@@ -85,10 +86,18 @@ class WorkerProcess:
     server's decode)."""
     if self.encode is None:
       return np.asarray(update[0])
-    keys = servers.codec_keys(view, self.ids)
+    keys = self._codec_keys(view)
     payload, self.codec_state = self.encode(update, self.codec_state, keys)
     meta["codec_key"] = np.asarray(jax.random.key_data(keys[0]))
     return jax.device_get(jax.tree.map(lambda x: x[0], payload))
+
+  def _codec_keys(self, view) -> jax.Array:
+    """This worker's codec key for what it sends from `view`: in a synchronous run the
+    compressed mean's key of its round (the lockstep runner's workers draw the same), else
+    its push's own."""
+    if not self.r.algorithm.synchronous:
+      return servers.codec_keys(view, self.ids)
+    return aggregate.sender_keys(self.r.config.seed, view.round, self.ids)
 
   def checkpoint_state(self, unpushed_job: int | None) -> dict:
     """Its state for a checkpoint: as it was before job `unpushed_job` (started or not) if
