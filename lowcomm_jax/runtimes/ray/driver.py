@@ -64,9 +64,13 @@ class RayDriver:
 
   def __init__(self, config: ml_collections.ConfigDict):
     self.c = config
-    # Shapes, tokens, the plan; no compute, and no worker held here (nor its memory). Built
-    # as the server is, with a worker slot per id the run may use (its checkpoints' shapes).
-    self.r = r = build(with_worker_slots(one_device(config)), check_memory=False)
+    # Shapes, tokens, the plan; no compute, and no worker held here (nor its memory).
+    self.r = r = build(one_device(config), check_memory=False)
+    # The servers keep a row per worker id the run may use (chaos adds some): the shapes of
+    # their checkpoints are those of the run built that way.
+    slotted = with_worker_slots(config)
+    self.server_run = (r if slotted is config
+                       else build(one_device(slotted), check_memory=False))
     self.plan = make_plan(r.config, r)
     self.counts = Counts(next_worker=config.num_workers)
     self.pool = Pool(config, self.counts, self._restore_latest, self._note)
@@ -147,7 +151,7 @@ class RayDriver:
 
   def _restore(self, mark: int) -> tuple[dict, dict, dict]:
     """(each server's restored state by name, the meta, each live worker's state)."""
-    return checkpoints.restore(self.files.ckpt, self.r, self._region_names(), mark)
+    return checkpoints.restore(self.files.ckpt, self.server_run, self._region_names(), mark)
 
   def _restore_latest(self, server: str = GLOBAL) -> tuple[dict | None, int | None]:
     """Server `server`'s state in the newest checkpoint, and its mark."""
@@ -156,7 +160,8 @@ class RayDriver:
     latest = ckpt.latest_round()
     if latest is None:
       return None, None
-    servers = checkpoints.restore_servers(ckpt, self.r, self._region_names(), latest)
+    servers = checkpoints.restore_servers(ckpt, self.server_run, self._region_names(),
+                                           latest)
     return servers[server], latest
 
   def open(self, files: RunFiles, latest: int | None) -> dict | None:
