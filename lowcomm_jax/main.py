@@ -106,6 +106,8 @@ def main(argv):
 
   workdir = _WORKDIR.value or default_workdir(config_flags.get_config_filename(flags.FLAGS["config"]))
   run = train.run
+  failures = (ConfigError, DataError, CheckpointMismatch, ResumeRefused, WorkdirError,
+              TrainingDiverged, CollabTimeout)
   if _CONFIG.value.sim.enabled:
     from lowcomm_jax.runtimes.simulator import simulate
     run = simulate.run
@@ -117,10 +119,10 @@ def main(argv):
     except cluster.RayUnavailable as e:
       _fail(str(e))
     run = ray_driver.run
+    failures += (cluster.RayUnavailable,)  # Ray did not start, or its cluster is not there
   try:
     summary = run(_CONFIG.value, workdir)
-  except (ConfigError, DataError, CheckpointMismatch, ResumeRefused, WorkdirError,
-          TrainingDiverged, CollabTimeout) as e:
+  except failures as e:
     print(f"lowcomm_jax: error: {e}", file=sys.stderr)
     sys.exit(2)
   compiled, loaded = compile_cache.counts()

@@ -127,6 +127,41 @@ def test_buckets_are_refused_on_ray_in_one_line():
                       "attack.workers": (0,), "aggregate.signal": "loss_ema"}) == []
 
 
+def test_bad_ray_input_is_refused_in_one_line_before_work(monkeypatch):
+  """Issue 51's bad input, each refused in one line naming the field or the fix."""
+  import time
+  from lowcomm_jax.runtimes.ray import cluster as ray_cluster
+  quorum = _problems(runtime="ray", algorithm="diloco", num_workers=2,
+                     **{"mesh.replica": 1, "ray.min_quorum": 99})
+  assert len(quorum) == 1 and quorum[0].startswith("ray.min_quorum=99: must be in 0..")
+  allow = _problems(resume_allow="not_a_field")  # a fresh run, as a resume would
+  assert len(allow) == 1 and allow[0].startswith("resume_allow='not_a_field': names")
+  # Nothing listens at port 1: refused in well under Ray's minutes of retries.
+  start = time.perf_counter()
+  with pytest.raises(ray_cluster.RayUnavailable, match=r"ray.address='127.0.0.1:1'"):
+    ray_cluster._answers("127.0.0.1:1")
+  assert time.perf_counter() - start < 15
+  # Ray's own start failing: one line with the cause and the way around it.
+  monkeypatch.setattr(ray, "is_initialized", lambda: False)
+  monkeypatch.setattr(ray, "shutdown", lambda: None)
+
+  def timed_out(**kwargs):
+    raise RuntimeError("The current node timed out during startup. This could happen "
+                       "because some of the raylet failed to startup\n(30 more lines)")
+  monkeypatch.setattr(ray, "init", timed_out)
+  with pytest.raises(ray_cluster.RayUnavailable) as failed:
+    ray_cluster.connect(_config())
+  assert "\n" not in str(failed.value) and "timed out during startup" in str(failed.value)
+  assert "ray start --head" in str(failed.value)
+
+
+def test_gpus_that_ray_does_not_see_are_refused(cluster):
+  from lowcomm_jax.runtimes.ray import cluster as ray_cluster
+  with pytest.raises(ray_cluster.RayUnavailable,
+                     match=r"ray.gpus_per_worker=1: 2 workers need 2 GPUs and Ray sees 0"):
+    ray_cluster._enough_gpus(_config(**{"ray.gpus_per_worker": 1.0}), ray)
+
+
 def test_chaos_events_parse_or_name_the_form():
   events = chaos.parse(["kill_server@9", "kill_worker=1@3", "delay_worker=2:0.5@1",
                         "add_worker@4"])

@@ -87,6 +87,10 @@ def _check_run(c: ml_collections.ConfigDict, problems: Problems) -> None:
     check(c[field] >= 0, field, "must be >= 0 (0: only at the end)")
   check(c.eval_batches >= 1, "eval_batches", "need at least one validation batch")
   check(c.seed >= 0, "seed", "must be >= 0 (random streams derive from it)")
+  # (a resume checks the fields against the stored config; a fresh run names them too)
+  unknown = sorted(identity.allowed_fields(c) - set(identity.flatten(identity.to_json(c))))
+  check(not unknown, "resume_allow", f"names {', '.join(unknown)}, not config fields; list "
+        "the fields a resume may change, e.g. --config.resume_allow=outer.lr")
   problems.extend(distributed.problems(c))
 
 

@@ -46,7 +46,8 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
   check(y.num_cpus >= 0, "ray.num_cpus", "must be >= 0 (0: every core)")
   check(y.gpus_per_worker >= 0, "ray.gpus_per_worker", "must be >= 0")
   check(y.recover_timeout_s > 0, "ray.recover_timeout_s", "must be > 0")
-  check(y.min_quorum >= 0, "ray.min_quorum", "must be >= 0 (0: every live worker)")
+  check(0 <= y.min_quorum <= c.num_workers, "ray.min_quorum",
+        f"must be in 0..num_workers ({c.num_workers}); 0: every live worker")
   check(y.grace_s >= 0, "ray.grace_s", "must be >= 0")
   sizes = list(y.batch_sizes)
   check(not sizes or (len(sizes) == c.num_workers and min(sizes) >= 1), "ray.batch_sizes",

@@ -5,13 +5,15 @@ pool.py and driver.py call), so every other runtime works without it."""
 
 import logging
 import os
+import socket
 import warnings
 
 import ml_collections
 
 
 class RayUnavailable(RuntimeError):
-  pass
+  """Ray cannot run this run here: not installed, not started, not reachable. One line that
+  names the cause and what to do."""
 
 
 # Ray starts its worker processes at niceness 15 (its `worker_niceness`), as if they were
@@ -41,16 +43,60 @@ def connect(c: ml_collections.ConfigDict) -> bool:
   kwargs = dict(include_dashboard=False, configure_logging=False, log_to_driver=True,
                 namespace="lowcomm_jax")
   if y.address:
+    _answers(y.address)
     ray.init(address=y.address, **kwargs)
     logging.info("joined the Ray cluster at %s: %s", y.address, ray.cluster_resources())
+    _enough_gpus(c, ray)
     return False
   if y.bind_address:
     kwargs["_node_ip_address"] = y.bind_address
-  with warnings.catch_warnings():  # Ray spawns its services; this process runs no JAX in them
-    warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
-    ray.init(num_cpus=y.num_cpus or os.cpu_count(), _system_config=SYSTEM_CONFIG, **kwargs)
+  try:
+    with warnings.catch_warnings():  # Ray spawns its services; this process runs no JAX there
+      warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
+      ray.init(num_cpus=y.num_cpus or os.cpu_count(), _system_config=SYSTEM_CONFIG, **kwargs)
+  except Exception as e:  # Ray's own start: its services timed out, a port was taken, ...
+    ray.shutdown()
+    cause = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    raise RayUnavailable(
+        f"ray: the local Ray did not start ({cause}); if another run is starting Ray on "
+        "this machine, let it finish, or start Ray once with `RAY_worker_niceness=0 ray "
+        "start --head` and pass --config.ray.address=auto") from None
   logging.info("started a local Ray: %s", ray.cluster_resources())
+  try:
+    _enough_gpus(c, ray)
+  except RayUnavailable:
+    ray.shutdown()
+    raise
   return True
+
+
+def _answers(address: str, timeout_s: float = 10.0) -> None:
+  """A cluster address ('host:port') must answer before Ray is asked to join it: Ray itself
+  retries a dead address for minutes."""
+  host, _, port = address.rpartition(":")
+  if address in ("auto", "local") or "://" in address or not port.isdigit():
+    return  # Ray resolves these itself
+  try:
+    socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+  except OSError as e:
+    raise RayUnavailable(
+        f"ray.address={address!r}: nothing answers there ({e.strerror or e}); start the head "
+        "with `RAY_worker_niceness=0 ray start --head` and pass its host:port (6379 by "
+        "default), or leave ray.address empty for a Ray inside this run") from None
+
+
+def _enough_gpus(c: ml_collections.ConfigDict, ray) -> None:
+  """Workers that each ask for GPUs Ray does not have would wait for them forever."""
+  per_worker = c.ray.gpus_per_worker
+  if not per_worker:
+    return
+  seen = ray.cluster_resources().get("GPU", 0)
+  needed = per_worker * c.num_workers
+  if seen < needed:
+    raise RayUnavailable(
+        f"ray.gpus_per_worker={per_worker:g}: {c.num_workers} workers need {needed:g} "
+        f"GPUs and Ray sees {seen:g}; set --config.ray.gpus_per_worker=0 to run on CPUs, or "
+        "join a cluster with GPUs (--config.ray.address)")
 
 
 def warn_if_niced(what: str) -> None:
