@@ -15,8 +15,8 @@ The run is rebuilt from RUN/config.json in this one process, so its data must be
 was, and it must fit one process: the host table's hosts all run here (a run whose hosts
 each had several replica devices, or tensor parallelism over more devices than this machine
 has, is refused by the config check). The checkpoint is opened read-only, so a run that is
-still training can be exported. Runner checkpoints only: simulator and Ray runs keep their
-parameters elsewhere and are refused.
+still training can be exported. A Ray run's checkpoint gives its global server's θ;
+simulator runs keep their parameters elsewhere and are refused.
 """
 
 import argparse
@@ -66,7 +66,7 @@ def _overlay(config: ml_collections.ConfigDict, stored: dict) -> None:
 
 def config_of(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
   """The run's config from `workdir`/config.json over the package's defaults, for one
-  process (see the module docstring). Simulator and Ray runs are refused."""
+  process (see the module docstring). Simulator runs are refused."""
   path = pathlib.Path(workdir) / identity.FILE
   try:
     stored = json.loads(path.read_text())["config"]
@@ -76,9 +76,6 @@ def config_of(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
   if stored.get("sim", {}).get("enabled"):
     raise ExportError(f"{workdir}: a simulator run (sim.enabled=True); export reads the "
                       "runner's checkpoints: train the config without sim.enabled")
-  if stored.get("runtime", "spmd") != "spmd":
-    raise ExportError(f"{workdir}: a runtime={stored['runtime']!r} run keeps its parameters in "
-                      "its servers' checkpoints; export reads the runner's (runtime='spmd')")
   config = defaults.get_config()
   _overlay(config, stored)
   config.distributed.num_processes, config.distributed.process_id = 1, -1
@@ -96,11 +93,15 @@ def latest_params(r, workdir: str | pathlib.Path) -> tuple[int, dict]:
     step = ckpt.latest_round()
     if step is None:
       raise ExportError(f"{workdir}: no checkpoint to export; run it first")
-    state = ckpt.restore_state(step, abstract_with_shardings(r.state_spec.abstract,
-                                                             r.state_spec.shardings))
+    if c.runtime == "ray":  # its global server's θ
+      from lowcomm_jax.runtimes.ray import checkpoints as ray_checkpoints
+      flat = ray_checkpoints.global_params(ckpt, r, step)
+    else:
+      flat = ckpt.restore_state(step, abstract_with_shardings(r.state_spec.abstract,
+                                                              r.state_spec.shardings)).params
   finally:
     ckpt.close()
-  params = r.model.layout.unravel(state.params)
+  params = r.model.layout.unravel(flat)
   if c.lora.rank > 0:
     base = jax.tree.map(lambda x: x.astype("float32"), r.frozen)
     params = lora.merge(base, params, scale=c.lora.alpha / c.lora.rank)
@@ -157,7 +158,11 @@ def width_model(workdir: str | pathlib.Path, width: float) -> WidthModel:
   if not list((pathlib.Path(workdir) / "checkpoints").glob("[0-9]*")):
     raise ExportError(f"{workdir}: no checkpoint to export; run it first")
   check.validate_here(config)  # this command's one validation (main's is the run's)
-  r = train.build(config, check_memory=False)
+  if config.runtime == "ray":  # built as its servers were (their checkpoints' shapes)
+    from lowcomm_jax.runtimes.ray import checkpoints as ray_checkpoints
+    r = ray_checkpoints.run_of(config)
+  else:
+    r = train.build(config, check_memory=False)
   step, params = latest_params(r, workdir)
   d_ff = r.model.cfg.d_ff
   m = hidden_units(d_ff, width)

@@ -135,3 +135,30 @@ def test_a_server_round_without_a_worker_is_the_round_of_the_others(rule):
   pair, _ = run(2, drop=False)
   np.testing.assert_allclose(missed, pair, atol=1e-6)
   assert np.abs(missed - before).max() > 1e-4
+
+
+def test_units_no_present_worker_trained_keep_their_values():
+  """Host table: a full-width worker and a half-width one. The full one missed the round:
+  the FFN units only it trains are left as they were (momentum and all), the rest move."""
+  from lowcomm_jax.assemble.hosts import host
+  from lowcomm_jax.model.matformer import tier_mask
+  c = load_config("smoke", algorithm="diloco", num_workers=2, inner_steps=2,
+                  **{"mesh.replica": 1, "hosts": [host(1.0), host(0.5)]})
+  r = build(one_device(c), check_memory=False)
+  with jax.set_mesh(r.topology.mesh):
+    state = jax.jit(r.state_spec.init)(r.state_spec.initial_params())
+  state = steps.TrainState(state.round, state.rng, state.params,
+                           steps.OuterState((), state.outer.per_fragment))
+  layout = r.model.layout
+  deltas = np.random.default_rng(3).normal(0, 1e-3, (2, layout.size)).astype(np.float32)
+  deltas[0] = 0.0  # worker 0 (full width) sent nothing
+  signals = steps.Signals(jnp.asarray(r.topology.hidden_per_worker),
+                          jnp.asarray([0.0, 8.0], jnp.float32), jnp.zeros((2,), jnp.float32))
+  out = _server_sync(r)(state, jnp.asarray(deltas), jax.random.split(jax.random.key(0), 2),
+                        signals, full=False)
+  half = layout.ravel(jax.tree.map(lambda m, x: jnp.broadcast_to(m, x.shape),
+                                   tier_mask(layout.abstract, r.topology.hidden_per_worker[1]),
+                                   layout.abstract)) > 0
+  moved = np.abs(np.asarray(out.params) - np.asarray(state.params)) > 0
+  assert not moved[~np.asarray(half)].any()  # the units only worker 0 trains
+  assert moved[np.asarray(half)].mean() > 0.9  # everything worker 1 trains

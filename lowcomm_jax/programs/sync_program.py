@@ -119,7 +119,8 @@ def make_server_sync(sync, rule: optax.GradientTransformation, *, layout: ParamL
   quorum round closed without it). `keys` [S]: the senders' codec keys. `full` (static):
   every row is present; then each step is the lockstep sync's (the codec's own mean, the
   robust rule over all rows), so a full round equals the runner's up to float rounding.
-  Otherwise the absent rows weigh 0 and a robust rule combines the present ones.
+  Otherwise the absent rows weigh 0 and a robust rule combines the present ones; FFN units
+  that no present worker trained (every worker of a tier gone) keep their values.
   `state.outer.per_fragment` holds the outer rules' states; per-worker state has none here.
   """
   part = layout.fragment(fragment)
@@ -142,6 +143,7 @@ def make_server_sync(sync, rule: optax.GradientTransformation, *, layout: ParamL
     rule_state = state.outer.per_fragment[fragment]
     extra = {"worker_losses": signals.loss, "round_index": round_index,
              "theta": state.params}
+    total = None
     if codec is not None and full and not (sync.robust or sync.nested or attack):
       combined = part.ravel(codec.average(received, part.abstract, keys))
     else:
@@ -158,8 +160,10 @@ def make_server_sync(sync, rule: optax.GradientTransformation, *, layout: ParamL
         total = a_SxN.sum(0)
         combined = (a_SxN * deltas).sum(0) / jnp.where(total > 0, total, 1.0)
     updates, rule_state = rule.update(combined, rule_state, params, **extra)
-    new_params = layout.fragment_update(state.params, optax.apply_updates(params, updates),
-                                        fragment)
+    new_part = optax.apply_updates(params, updates)
+    if not full and not sync.robust:  # units no present worker trained keep their values
+      new_part = jnp.where(total > 0, new_part, params)
+    new_params = layout.fragment_update(state.params, new_part, fragment)
     outer = state.outer._replace(per_fragment=_replace(state.outer.per_fragment, fragment,
                                                        rule_state))
     return TrainState(state.round + 1 if last else state.round, state.rng, new_params, outer)

@@ -5,7 +5,8 @@ Each event is 'what@N', N applied pushes (N >= 1; in collaborative epochs, N mic
 counted):
   kill_worker=K@N     kill worker K (its job in flight is lost)
   rejoin_worker=K@N   worker K (killed earlier) starts again where its data stream was
-  add_worker@N        a new worker joins (the next free id)
+  add_worker@N        a new worker joins (the next free id), full width
+  add_worker=tier:T@N the same, training MatFormer tier T (one of the host table's tiers)
   kill_server@N       the (global) server dies; it restarts from the last checkpoint and
                       the calls that changed it since are replayed
   delay_worker=K:S@N  from then on, worker K's pushes wait S seconds before they are sent
@@ -15,7 +16,8 @@ import dataclasses
 import re
 
 ACTIONS = ("kill_worker", "rejoin_worker", "add_worker", "kill_server", "delay_worker")
-_FORM = re.compile(r"^(?P<action>[a-z_]+)(=(?P<worker>\d+)(:(?P<seconds>[0-9.]+))?)?@(?P<after>\d+)$")
+_FORM = re.compile(r"^(?P<action>[a-z_]+)(=(tier:(?P<tier>[0-9.]+)|(?P<worker>\d+)"
+                   r"(:(?P<seconds>[0-9.]+))?))?@(?P<after>\d+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,9 +26,11 @@ class ChaosEvent:
   after: int  # applied pushes
   worker: int = -1
   seconds: float = 0.0
+  tier: float = 1.0  # add_worker: the MatFormer tier the new worker trains
 
   def __str__(self) -> str:
-    target = "" if self.worker < 0 else f"={self.worker}"
+    target = ("" if self.worker < 0 else f"={self.worker}") + (
+        f"=tier:{self.tier:g}" if self.tier != 1.0 else "")
     return f"{self.action}{target}{f':{self.seconds:g}' if self.seconds else ''}@{self.after}"
 
 
@@ -39,23 +43,29 @@ def parse(events) -> list[ChaosEvent]:
     needs_worker = action in ("kill_worker", "rejoin_worker", "delay_worker")
     ok = (m is not None and action in ACTIONS and int(m["after"]) >= 1
           and needs_worker == (m["worker"] is not None)
-          and (action == "delay_worker") == (m["seconds"] is not None))
+          and (action == "delay_worker") == (m["seconds"] is not None)
+          and (m["tier"] is None or (action == "add_worker" and 0 < float(m["tier"]) <= 1)))
     if not ok:
       raise ValueError(f"{text!r} is not a chaos event; use one of 'kill_worker=K@N', "
-                       "'rejoin_worker=K@N', 'add_worker@N', 'kill_server@N', "
-                       "'delay_worker=K:S@N' (N >= 1 applied pushes)")
+                       "'rejoin_worker=K@N', 'add_worker@N', 'add_worker=tier:T@N' "
+                       "(0 < T <= 1), 'kill_server@N', 'delay_worker=K:S@N' (N >= 1 applied "
+                       "pushes)")
     out.append(ChaosEvent(action, int(m["after"]), int(m["worker"] or -1) if needs_worker
-                          else -1, float(m["seconds"] or 0.0)))
+                          else -1, float(m["seconds"] or 0.0), float(m["tier"] or 1.0)))
   return sorted(out, key=lambda e: e.after)
 
 
 def with_worker_slots(config):
-  """`config` with num_workers raised to every worker id the run may use: the ones it
-  starts with and one per `add_worker` event (each takes the next free id). A parameter
-  server keeps a row per id."""
-  added = sum(e.action == "add_worker" for e in parse(config.ray.chaos))
+  """`config` with a worker for every id the run may use: the ones it starts with and one
+  per `add_worker` event (each takes the next free id), so a parameter server keeps a row
+  per id and a joining worker finds its own. With a host table, each added worker is a host
+  row of its event's tier (the config's batch size and H)."""
+  from lowcomm_jax.assemble.hosts import host
+  added = [e for e in parse(config.ray.chaos) if e.action == "add_worker"]
   if not added:
     return config
   out = config.copy_and_resolve_references()
-  out.num_workers = config.num_workers + added
+  out.num_workers = config.num_workers + len(added)
+  if list(config.hosts):
+    out.hosts = list(out.hosts) + [host(e.tier) for e in added]
   return out

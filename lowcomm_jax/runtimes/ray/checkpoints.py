@@ -12,6 +12,7 @@ import jax
 
 from lowcomm_jax.parallel import mesh as mesh_lib
 from lowcomm_jax.runtimes.ray.actors import server_rules
+from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.sim import GLOBAL
 
 FORMAT = 1  # of the meta; a checkpoint of another format is refused, not misread
@@ -23,7 +24,8 @@ def written_here(meta: dict) -> bool:
 
 def abstract(r, region_names, meta: dict):
   """Shapes (with this process's shardings) of the checkpoint that `meta` describes: the
-  servers' tree, and the live workers' states."""
+  servers' tree, and the live workers' states. `r`: the run built with a row per worker id
+  (chaos.with_worker_slots), so every live worker finds its host."""
   rep = mesh_lib.replicated(r.topology.mesh)
   placed = lambda tree: jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), tree)
@@ -43,11 +45,16 @@ def abstract(r, region_names, meta: dict):
     servers["regions"] = {name: one_server(name) for name in region_names}
   one_row = lambda tree: jax.tree.map(
       lambda a: jax.ShapeDtypeStruct((1,) + a.shape[1:], a.dtype), tree)
-  worker = {"state": one_row(r.abstract_workers()[0])}
-  if r.sync.codec is not None:
-    worker["codec"] = jax.eval_shape(
-        lambda: jax.tree.map(lambda x: x[None], r.sync.codec.init(r.model.layout.abstract)))
-  return placed(servers), placed({str(w): worker for w in meta["live"]})
+  per_host = r.abstract_workers()  # a tier's inner optimizer state has its own shapes
+
+  def worker(w: int) -> dict:
+    host = next(h.index for h in r.topology.hosts if w in h.worker_ids)
+    out = {"state": one_row(per_host[host])}
+    if r.sync.codec is not None:
+      out["codec"] = jax.eval_shape(
+          lambda: jax.tree.map(lambda x: x[None], r.sync.codec.init(r.model.layout.abstract)))
+    return out
+  return placed(servers), placed({str(w): worker(int(w)) for w in meta["live"]})
 
 
 def restore(ckpt, r, region_names, mark: int) -> tuple[dict, dict, dict]:
@@ -59,6 +66,21 @@ def restore(ckpt, r, region_names, mark: int) -> tuple[dict, dict, dict]:
   workers = {int(w): {**jax.device_get(s), "data": data["streams"][w]}
              for w, s in workers.items()}
   return _by_name(jax.device_get(tree), meta), meta, workers
+
+
+def run_of(config):
+  """The run as a Ray run's servers build it (one device, a row per worker id the run may
+  use): what reads its checkpoints."""
+  from lowcomm_jax.assemble.build import build
+  from lowcomm_jax.assemble.plan import one_device
+  return build(with_worker_slots(one_device(config)), check_memory=False)
+
+
+def global_params(ckpt, r, mark: int):
+  """θ of the global server in checkpoint `mark` (flat; what `export` writes). `r`:
+  `run_of` the run's config."""
+  regions = tuple(name for name in server_rules(r) if name != GLOBAL)
+  return restore_servers(ckpt, r, regions, mark)[GLOBAL]["params"]
 
 
 def restore_servers(ckpt, r, region_names, mark: int) -> dict:

@@ -27,8 +27,6 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
         "--config.sim.enabled=False for runtime='ray', or --config.runtime=spmd")
   check(num_processes == 1, "runtime", "one process drives a Ray run and Ray starts the "
         "others; launch it without jax.distributed")
-  check(not list(c.hosts), "hosts", "Ray workers are full width; give num_workers (leave "
-        "hosts empty)")
   check(c.mesh.data == 1 and c.model.tp.size == 1, "mesh.data",
         "a Ray worker runs on one device; use mesh.data=1 and model.tp.size=1")
   # The server's rounds go through the run's Sync (sync_program.make_server_sync); a round
@@ -64,7 +62,12 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
     out.append(f"ray.chaos: {e}")
   else:
     killed = {}  # worker -> the push count it was killed at (until it rejoins)
+    tiers = sorted({float(h.tier) for h in c.hosts} or {1.0})
     for e in events:
+      if e.action == "add_worker":
+        check(e.tier in tiers, "ray.chaos",
+              f"{e}: a joining worker trains one of the run's tiers {tiers} (the host "
+              "table's), so its programs and evaluation widths exist; use one of them")
       if e.action in ("kill_worker", "delay_worker"):
         check(0 <= e.worker < c.num_workers, "ray.chaos",
               f"{e} names worker {e.worker}; workers are 0..{c.num_workers - 1}")

@@ -68,12 +68,12 @@ class RayDriver:
     self.r = r = build(one_device(config), check_memory=False)
     # The servers keep a row per worker id the run may use (chaos adds some): the shapes of
     # their checkpoints are those of the run built that way.
-    slotted = with_worker_slots(config)
-    self.server_run = (r if slotted is config
-                       else build(one_device(slotted), check_memory=False))
+    self.server_run = (r if with_worker_slots(config) is config
+                       else checkpoints.run_of(config))
     self.plan = make_plan(r.config, r)
     self.counts = Counts(next_worker=config.num_workers)
-    self.pool = Pool(config, self.counts, self._restore_latest, self._note)
+    self.pool = Pool(config, self.counts, self._restore_latest, self._note,
+                     hosts=self.server_run.topology.hosts)
     # HALoS: regional servers beside the global one (regions.py)
     self.regions = Regions(self.plan) if set(server_rules(r)) != {GLOBAL} else None
     if self.regions is not None:

@@ -30,8 +30,12 @@ class Pool:
   pulls from and pushes to."""
 
   def __init__(self, config: ml_collections.ConfigDict, counts: Counts,
-               restore_latest: Callable[[], tuple], note: Callable[..., None]):
+               restore_latest: Callable[[], tuple], note: Callable[..., None], hosts=()):
+    """`hosts`: the host table with a row for every worker id the run may use (chaos's
+    joiners too): each worker's tier, batch and H. None given: every worker full width, of
+    the config's batch and H."""
     self.c, self.counts = config, counts
+    self.host_of = {w: h for h in hosts for w in h.worker_ids}
     self.restore_latest, self.note = restore_latest, note
     self.ray = cluster.import_ray()
     self.events = chaos_lib.parse(config.ray.chaos)
@@ -125,7 +129,7 @@ class Pool:
     if worker in self.lost:
       self.lost.remove(worker)
     self.counts.workers_joined += 1
-    self.note("worker_joined", worker=worker, live=len(self.actors))
+    self.note("worker_joined", worker=worker, live=len(self.actors), **self._tier(worker))
     self.settle_inner_steps("worker joined")
     self.on_join(worker)
 
@@ -175,7 +179,8 @@ class Pool:
         # (a pull from a dead server fails: no matter)
         self.servers[job.server].drop.remote(job.version)
     self.on_lose(worker)
-    self.note("worker_lost", worker=worker, why=why, live=len(self.actors))
+    self.note("worker_lost", worker=worker, why=why, live=len(self.actors), **self._tier(worker))
+    self._untrained_tiers()
     self.speeds.pop(worker, None)
     self.settle_inner_steps("worker lost")
     if not self.actors:
@@ -369,8 +374,35 @@ class Pool:
         n.next_worker += e.action == "add_worker"
         self.join(worker)
 
+  def _tier(self, worker: int) -> dict:
+    """A membership event's tier fields: the worker's tier, and the live workers per tier."""
+    if not self.host_of:
+      return {}
+    live: dict[str, int] = {}
+    for w in self.actors:
+      key = f"{self.host_of[w].tier:g}"
+      live[key] = live.get(key, 0) + 1
+    return {"tier": self.host_of[worker].tier, "live_per_tier": live}
+
+  def _untrained_tiers(self) -> None:
+    """Says so when no live worker trains the widest FFN units (every worker of the widest
+    tier is gone): until one joins, the server's rounds leave those units as they are."""
+    trained = max((self.host_of[w].hidden for w in self.actors), default=0)
+    widest = max(h.hidden for h in self.host_of.values()) if self.host_of else 0
+    if self.host_of and trained < widest:
+      logging.warning("ray: no live worker trains FFN units %d..%d (the widest live tier "
+                      "trains %d); the server leaves them as they are until one joins",
+                      trained, widest - 1, trained)
+      self.note("units_untrained", first=trained, last=widest - 1)
+
+  def configured_inner_steps(self, worker: int) -> int:
+    """H of `worker`'s host-table row (the config's inner_steps without a table)."""
+    host = self.host_of.get(worker)
+    return host.inner_steps if host is not None else self.c.inner_steps
+
   def inner_steps_of(self, worker: int) -> int:
-    return self.inner_steps.get(worker, self.c.inner_steps)
+    """The H its next job takes: DyLU's where it settled one, else its row's."""
+    return self.inner_steps.get(worker, self.configured_inner_steps(worker))
 
   def _measured(self, worker: int, meta: dict) -> None:
     """DyLU (`outer.dylu`): a worker's speed is its steps per second of job (its first job
@@ -388,8 +420,8 @@ class Pool:
       return
     live = sorted(self.actors)
     speeds = [self.speeds.get(w, 0.0) for w in live]
-    settled = dict(zip(live, settle_inner_steps(self.c, [self.c.inner_steps] * len(live),
-                                                speeds)))
+    settled = dict(zip(live, settle_inner_steps(
+        self.c, [self.configured_inner_steps(w) for w in live], speeds)))
     if settled != {w: self.inner_steps_of(w) for w in live}:
       self.inner_steps.update(settled)
       self.note("inner_steps", why=why, inner_steps={str(w): h for w, h in settled.items()})

@@ -22,11 +22,12 @@ class QuorumRounds(Progress):
 
   def start_next(self, worker: int, clock: int | None = None) -> None:
     """`worker`'s next job, from the open round's θ (every worker, every round); its inner
-    lr schedule at the rounds' steps."""
+    lr schedule at the rounds' steps of its own H (its host's schedule spans rounds × H)."""
     del clock
     d = self.d
     if d.counts.rounds < d.c.rounds:
-      d.pool.dispatch(worker, d.counts.rounds * d.c.inner_steps, d.pool.inner_steps_of(worker))
+      d.pool.dispatch(worker, d.counts.rounds * d.pool.configured_inner_steps(worker),
+                      d.pool.inner_steps_of(worker))
 
   def mark(self) -> int:
     return self.d.counts.rounds

@@ -14,6 +14,7 @@ from lowcomm_jax.programs import optimizers
 from lowcomm_jax.programs import servers
 from lowcomm_jax.programs import steps
 from lowcomm_jax.runtimes.ray.actors import built, initial_state
+from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 
 
 class WorkerProcess:
@@ -27,21 +28,23 @@ class WorkerProcess:
     from lowcomm_jax.parallel import mesh as mesh_lib
     restored = restored or {}
     self.worker, self.step_sleep_s, self.delay_s = worker, step_sleep_s, 0.0
-    self.r, programs = r, programs = built(config, f"worker {worker}")
+    self.r, programs = r, programs = built(with_worker_slots(config), f"worker {worker}")
     state = initial_state(r)
     self.rng = state.rng
-    self.local = programs.local[0][0]
+    # Its host-table row: its tier, batch and H (every host is local to a one-device run).
+    self.host = next(h.index for h in r.topology.hosts if worker in h.worker_ids)
+    self.local = programs.local[self.host][0]
     self.mesh = r.topology.local_mesh
     if "state" in restored:
       self.state = jax.tree.map(jnp.asarray, restored["state"])
-    else:  # one fresh row of host 0's (all alike)
+    else:  # one fresh row of its host's
       with jax.set_mesh(self.mesh):
-        init_one = r.programs.init_workers[0]  # (unjitted: `workers` is static)
+        init_one = r.programs.init_workers[self.host]  # (unjitted: `workers` is static)
         self.state = jax.jit(lambda params: init_one(params, workers=1))(
             mesh_lib.local_view(state.params, self.mesh))
     self.batches_on = mesh_lib.round_batches(self.mesh)
     self.ids = jax.device_put(np.asarray([worker], np.int32), mesh_lib.per_worker(self.mesh))
-    self.streams = r.data.streams[0].of_workers([worker])
+    self.streams = r.data.streams[self.host].of_workers([worker])
     if "data" in restored:
       self.streams.set_state(restored["data"])
     codec = r.sync.codec
@@ -58,11 +61,12 @@ class WorkerProcess:
     # A collaborative epoch (micro/collect): its θ's version, the sums of the micro-batches
     # done at that θ, and the last epoch collected (a micro-batch of it that finishes later
     # is not counted).
-    self.accumulate = programs.accumulate[0] if programs.accumulate else None
+    self.accumulate = programs.accumulate[self.host] if programs.accumulate else None
     self.epoch, self.collected = None, None
     if self.accumulate is not None:  # compiled before it counts as up: a joining peer's
       self._begin_epoch(-1, np.asarray(state.params))  # first micro-batch is not a compile
-      zeros = np.zeros((1, r.config.data.batch_size, r.config.data.seq_len + 1), np.int32)
+      zeros = np.zeros((1, r.topology.hosts[self.host].batch_size, r.config.data.seq_len + 1),
+                       np.int32)
       with jax.set_mesh(self.mesh):
         jax.block_until_ready(self.accumulate(self.epoch["view"], self.epoch["sums"], zeros,
                                               self.ids, np.int32(0)))
@@ -120,7 +124,7 @@ class WorkerProcess:
         self.state.opt_state, np.asarray([lr_step], np.int32)))
     batches = jax.device_put(self.streams.next_steps([0], steps_), self.batches_on)
     meta = {"worker": self.worker, "version": int(version), "steps": steps_, "order": order,
-            "tokens": int(self.r.tokens(steps_))}
+            "tokens": int(self.r.tokens(steps_, self.host))}
     with jax.set_mesh(self.mesh):
       deltas, self.state, losses = self.local(view, workers, batches, self.ids)
       sent = self._to_send(view, deltas, meta)
@@ -180,6 +184,6 @@ class WorkerProcess:
       sent = self._to_send(epoch["view"], epoch["sums"] / epoch["samples"], meta)
     meta.update(samples=epoch["samples"], tokens=epoch["samples"] * self.r.config.data.seq_len,
                 loss=epoch["loss_sum"] / epoch["samples"], micro=epoch["micro"],
-                batch_size=self.r.config.data.batch_size,
+                batch_size=self.r.topology.hosts[self.host].batch_size,
                 compute_seconds=epoch["seconds"], data=self.streams.get_state())
     return meta, sent
