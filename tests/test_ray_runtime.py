@@ -134,6 +134,11 @@ def test_bad_ray_input_is_refused_in_one_line_before_work(monkeypatch):
   quorum = _problems(runtime="ray", algorithm="diloco", num_workers=2,
                      **{"mesh.replica": 1, "ray.min_quorum": 99})
   assert len(quorum) == 1 and quorum[0].startswith("ray.min_quorum=99: must be in 0..")
+  shares = _problems(runtime="ray", algorithm="diloco",
+                     **{"mesh.replica": 1, "mesh.data": 2, "ray.gpus_per_worker": 1.0})
+  assert len(shares) == 1 and shares[0].startswith("ray.gpus_per_worker=1.0: a worker runs on")
+  assert _problems(runtime="ray", algorithm="diloco",
+                   **{"mesh.replica": 1, "mesh.data": 2, "ray.gpus_per_worker": 2.0}) == []
   allow = _problems(resume_allow="not_a_field")  # a fresh run, as a resume would
   assert len(allow) == 1 and allow[0].startswith("resume_allow='not_a_field': names")
   # Nothing listens at port 1: refused in well under Ray's minutes of retries.
@@ -352,6 +357,26 @@ def test_a_robust_quorum_survives_a_join_and_its_server_restarting(cluster, tmp_
   restarted = [e for e in events if e["event"] == "server_restarted"]
   assert len(restarted) == 1 and restarted[0]["checkpoint"] >= 1  # restored, not fresh
   assert "worker_joined" in {e["event"] for e in events}
+
+
+@pytest.mark.parametrize("devices", [{"mesh.data": 2}, {"model.tp.size": 2}],
+                         ids=["data2", "tp2"])
+def test_workers_of_several_devices_train_as_the_runner(cluster, tmp_path, devices):
+  """Each worker actor runs its local program on its own mesh of 2 (forced CPU) devices,
+  as the lockstep runtime runs one host; only the outer sync goes through Ray. The mesh.data
+  run is stopped after its first checkpoint and resumed (each worker's sharded state
+  restored): it still ends where the uninterrupted lockstep run ends."""
+  from lowcomm_jax.runtimes.ray import driver
+  from lowcomm_jax.runtimes.spmd import train
+  config = _config(algorithm="diloco", **devices)
+  if "mesh.data" in devices:
+    driver.run(config, tmp_path / "ray", stop_after_checkpoints=1)
+  summary, events = _run(config, tmp_path / "ray")
+  assert summary["rounds_closed"] == 3 and events == []
+  runner = train.run(_config(algorithm="diloco", runtime="spmd",
+                             **{"ray.apply_order": "arrival", **devices}), tmp_path / "runner")
+  assert abs(summary["eval_loss"] - runner["eval_loss"]) < 1e-5 * runner["eval_loss"]
+  assert summary["bytes_sent"] == runner["bytes_sent"]
 
 
 def test_a_host_table_on_ray_trains_and_exports_as_the_runner(cluster, tmp_path):

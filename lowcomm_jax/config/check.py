@@ -34,12 +34,14 @@ def _names_with(declares) -> list[str]:
 def validate_here(c: ml_collections.ConfigDict) -> None:
   """`validate` on this process's devices and processes: what a command runs once, at start.
   The simulator and the Ray runtime build their runs on one device (`plan.one_device`)."""
+  devices, local = jax.device_count(), jax.local_device_count()
   if c.sim.enabled or c.runtime == "ray":  # a worker per device (or vmapped on one)
     c = copy.deepcopy(c)
     with c.unlocked():
       c.mesh.replica = 1
-  validate(c, num_devices=jax.device_count(), num_processes=jax.process_count(),
-           local_devices=jax.local_device_count())
+  if c.runtime == "ray":  # a worker's devices are its actor's (runtimes/ray/checks.py)
+    devices = local = c.mesh.data * c.model.tp.size
+  validate(c, num_devices=devices, num_processes=jax.process_count(), local_devices=local)
 
 
 def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: int = 1,

@@ -18,9 +18,22 @@ from lowcomm_jax.programs import steps
 from lowcomm_jax.sim import GLOBAL
 
 
+def server_view(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """`config` as the server and the driver build it: one device. They hold θ and the outer
+  states, whose shapes no mesh changes; a worker's devices (`mesh.data`, `model.tp.size`)
+  are its own. The server evaluates θ with the exact model (no tensor-parallel plan)."""
+  if config.mesh.data == 1 and config.model.tp.size == 1:
+    return config
+  out = config.copy_and_resolve_references()
+  out.mesh.data, out.model.tp.size = 1, 1
+  return out
+
+
 def built(config: ml_collections.ConfigDict, what: str):
   """The run as the simulator builds it, and its jitted programs (compiled programs shared
-  with the other workers through the compilation cache, as hosts of a runner share them)."""
+  with the other workers through the compilation cache, as hosts of a runner share them).
+  A worker's config keeps its devices (`mesh.data` × `model.tp.size` of them: its own mesh,
+  as the lockstep runtime runs one host); the server's is `server_view`'s."""
   from lowcomm_jax.run import compile_cache
   from lowcomm_jax.assemble.build import build
   from lowcomm_jax.assemble.jitted import jitted_steps

@@ -11,7 +11,7 @@ resumed run starts again from the models they pulled.
 import jax
 
 from lowcomm_jax.parallel import mesh as mesh_lib
-from lowcomm_jax.runtimes.ray.actors import server_rules
+from lowcomm_jax.runtimes.ray.actors import server_rules, server_view
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.sim import GLOBAL
 
@@ -73,7 +73,7 @@ def run_of(config):
   use): what reads its checkpoints."""
   from lowcomm_jax.assemble.build import build
   from lowcomm_jax.assemble.plan import one_device
-  return build(with_worker_slots(one_device(config)), check_memory=False)
+  return build(server_view(with_worker_slots(one_device(config))), check_memory=False)
 
 
 def global_params(ckpt, r, mark: int):

@@ -27,8 +27,10 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
         "--config.sim.enabled=False for runtime='ray', or --config.runtime=spmd")
   check(num_processes == 1, "runtime", "one process drives a Ray run and Ray starts the "
         "others; launch it without jax.distributed")
-  check(c.mesh.data == 1 and c.model.tp.size == 1, "mesh.data",
-        "a Ray worker runs on one device; use mesh.data=1 and model.tp.size=1")
+  devices = c.mesh.data * c.model.tp.size  # a worker's own mesh
+  check(devices == 1 or y.gpus_per_worker in (0, devices), "ray.gpus_per_worker",
+        f"a worker runs on mesh.data × model.tp.size = {devices} devices: give it "
+        f"{devices} GPUs, or 0 to run it on {devices} CPU devices")
   # The server's rounds go through the run's Sync (sync_program.make_server_sync); a round
   # some workers missed combines the present ones, which buckets do not define.
   check(c.aggregate.bucket <= 1, "aggregate.bucket",

@@ -111,13 +111,19 @@ def warn_if_niced(what: str) -> None:
 def actor_options(c: ml_collections.ConfigDict, *, worker: bool) -> dict:
   """Scheduling and environment of a server or worker actor: the driver's JAX_*, LOWCOMM_*
   and TIKTOKEN_* variables (data, caches, the CPU platform of a test). Workers may hold a
-  GPU (or a share: several JAX processes on one GPU must not preallocate its memory); the
-  driver's forced host device count is not theirs (each runs on one device)."""
+  GPU (or a share: several JAX processes on one GPU must not preallocate its memory), or
+  several (`mesh.data` × `model.tp.size` devices each). The driver's forced host device
+  count is not theirs: a worker of several devices on CPUs gets its own count, everyone
+  else runs on one device."""
   env = {k: v for k, v in os.environ.items()
          if k.startswith(("JAX_", "LOWCOMM_", "TIKTOKEN_"))}
   env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-  env["XLA_FLAGS"] = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                              if not f.startswith("--xla_force_host_platform_device_count"))
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  devices = c.mesh.data * c.model.tp.size
+  if worker and devices > 1 and not c.ray.gpus_per_worker:
+    flags.append(f"--xla_force_host_platform_device_count={devices}")
+  env["XLA_FLAGS"] = " ".join(flags)
   options = {"num_cpus": 0, "max_restarts": 0, "runtime_env": {"env_vars": env}}
   if worker and c.ray.gpus_per_worker:
     options["num_gpus"] = c.ray.gpus_per_worker

@@ -29,7 +29,7 @@ from lowcomm_jax.assemble.build import build
 from lowcomm_jax.run.checkpoint import CheckpointMismatch
 from lowcomm_jax.runtimes.ray import checkpoints, cluster
 from lowcomm_jax.runtimes.ray.accounts import Counts
-from lowcomm_jax.runtimes.ray.actors import server_rules
+from lowcomm_jax.runtimes.ray.actors import server_rules, server_view
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.runtimes.ray.epochs import Epochs
 from lowcomm_jax.runtimes.ray.pool import Pool
@@ -65,7 +65,7 @@ class RayDriver:
   def __init__(self, config: ml_collections.ConfigDict):
     self.c = config
     # Shapes, tokens, the plan; no compute, and no worker held here (nor its memory).
-    self.r = r = build(one_device(config), check_memory=False)
+    self.r = r = build(server_view(one_device(config)), check_memory=False)
     # The servers keep a row per worker id the run may use (chaos adds some): the shapes of
     # their checkpoints are those of the run built that way.
     self.server_run = (r if with_worker_slots(config) is config

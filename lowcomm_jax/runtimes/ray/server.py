@@ -9,7 +9,7 @@ import numpy as np
 from lowcomm_jax.programs import servers
 from lowcomm_jax.programs import steps
 from lowcomm_jax.programs import sync_program
-from lowcomm_jax.runtimes.ray.actors import built, initial_state, server_rules
+from lowcomm_jax.runtimes.ray.actors import built, initial_state, server_rules, server_view
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.sim import GLOBAL
 
@@ -26,7 +26,8 @@ class ServerProcess:
     it a server when one dies (`ray.standby_server`)."""
     # One row per worker that may ever take part (chaos adds some): the run's sync, robust
     # rule and attack are built for that many.
-    self.r, self.programs = r, _ = built(with_worker_slots(config), f"server {name}")
+    self.r, self.programs = r, _ = built(server_view(with_worker_slots(config)),
+                                         f"server {name}")
     codec = r.sync.codec
     self._decode = (jax.jit(servers.make_decode(codec, r.model.layout)) if codec
                     else None)
