@@ -75,9 +75,17 @@ def _problems(**overrides):
 def test_config_problems_name_their_field():
   assert _problems(runtime="ray", algorithm="async_dn", **{"mesh.replica": 1}) == []
   assert any(p.startswith("runtime=") for p in _problems(runtime="lockstep"))
-  assert any("in quorum rounds 'diloco'" in p
-             for p in _problems(runtime="ray", algorithm="streaming", **{"mesh.replica": 1}))
-  assert _problems(runtime="ray", algorithm="diloco", **{"mesh.replica": 1}) == []
+  # every synchronous algorithm runs from its declarations, except what the server lacks
+  for name in ("diloco", "streaming", "one_step_delay", "eager", "overlap", "pier"):
+    assert _problems(runtime="ray", algorithm=name, rounds=40, **{"mesh.replica": 1}) == [], name
+  for name, gap in (("noloco", "their own row of the sync's state"),
+                    ("desloc", "optimizer states are averaged")):
+    problems = _problems(runtime="ray", algorithm=name, **{"mesh.replica": 1})
+    assert len(problems) == 1 and problems[0].startswith(f"algorithm='{name}'") and gap in problems[0]
+  # several fragments a round: a round closes only with every live worker
+  quorum = _problems(runtime="ray", algorithm="streaming", inner_steps=4,
+                     **{"mesh.replica": 1, "ray.min_quorum": 1, "ray.apply_order": "arrival"})
+  assert len(quorum) == 1 and quorum[0].startswith("ray.min_quorum=1: streaming's rounds")
   assert any(p.startswith("ray.apply_order")
              for p in _problems(runtime="ray", algorithm="async",
                                 **{"ray.apply_order": "random"}))
@@ -109,9 +117,8 @@ def test_config_problems_name_their_field():
   assert _problems(algorithm="ddp", **collab) == []
   assert any(p.startswith("algorithm='diloco'") and "--config.algorithm=ddp" in p
              for p in _problems(algorithm="diloco", **collab))
-  assert any("collaborative epochs ('ddp' with collab.target_batch_size > 0)" in p
-             for p in _problems(algorithm="ddp", inner_steps=1, runtime="ray",
-                                **{"mesh.replica": 1}))
+  # without a target batch DDP runs in quorum rounds of one gradient each
+  assert _problems(algorithm="ddp", inner_steps=1, runtime="ray", **{"mesh.replica": 1}) == []
 
 
 
@@ -301,6 +308,7 @@ def test_the_ray_server_applies_pushes_as_the_simulator_does(cluster, tmp_path):
   ray.kill(server)
 
 
+@pytest.mark.ray_matrix
 @pytest.mark.parametrize("overrides", [
     {},
     # Issue 51: on Ray the attack was skipped (the same loss to the last digit) and median
@@ -359,6 +367,29 @@ def test_a_robust_quorum_survives_a_join_and_its_server_restarting(cluster, tmp_
   assert "worker_joined" in {e["event"] for e in events}
 
 
+@pytest.mark.ray_matrix
+@pytest.mark.parametrize("overrides", [
+    {"algorithm": "one_step_delay"},
+    {"algorithm": "eager"},  # its worker rule reads the outer state the pull brings
+    {"algorithm": "overlap"},  # workers keep their models across rounds
+    {"algorithm": "pier", "pier.warmup": 0.0, "pier.decay_momenta": ()},
+    {"algorithm": "streaming", "inner_steps": 4, "compress.codec": "int8"},  # 2 fragments
+    {"algorithm": "ddp", "inner_steps": 1},  # quorum rounds of one gradient each
+], ids=lambda o: o["algorithm"])
+def test_every_synchronous_algorithm_on_ray_is_the_runners(cluster, tmp_path, overrides):
+  """The equality contract: full quorums, dispatch order, no chaos; each algorithm runs on
+  Ray from its own declarations (segments, fragments, mix, worker rule, outer rule) and ends
+  where the lockstep run of the same config ends, with the same bytes per worker."""
+  from lowcomm_jax.runtimes.spmd import train
+  summary, events = _run(_config(**overrides), tmp_path / "ray")
+  assert summary["rounds_closed"] == 3 and events == []
+  runner = train.run(_config(runtime="spmd", **{"ray.apply_order": "arrival", **overrides}),
+                     tmp_path / "runner")
+  assert abs(summary["eval_loss"] - runner["eval_loss"]) < 1e-5 * runner["eval_loss"]
+  assert summary["bytes_sent"] == runner["bytes_sent"]
+
+
+@pytest.mark.ray_matrix
 @pytest.mark.parametrize("devices", [{"mesh.data": 2}, {"model.tp.size": 2}],
                          ids=["data2", "tp2"])
 def test_workers_of_several_devices_train_as_the_runner(cluster, tmp_path, devices):
@@ -379,6 +410,7 @@ def test_workers_of_several_devices_train_as_the_runner(cluster, tmp_path, devic
   assert summary["bytes_sent"] == runner["bytes_sent"]
 
 
+@pytest.mark.ray_matrix
 def test_a_host_table_on_ray_trains_and_exports_as_the_runner(cluster, tmp_path):
   """Two tiers of unequal batch and H, full quorums: each worker actor runs its row's tier,
   batch and H; the server's round is the nested mean. Every width's eval and the exported
@@ -565,7 +597,7 @@ def test_halos_servers_exchange_as_the_simulators_do():
     name = names[region]
     job = Job(i, region, name, backend.version(name), 2, 0.0, 0.0)
     backend.start_job(job)
-    version, _ = servers[name].pull()
+    version, _, _ = servers[name].pull()
     delta = rng.normal(0, 1e-2, size).astype(np.float32)
     backend.messages[i] = {"delta": jax.numpy.asarray(delta), "loss": 0.0}
     backend.apply_job(job)

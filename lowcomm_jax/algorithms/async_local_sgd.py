@@ -8,13 +8,12 @@ from lowcomm_jax.algorithms.base import field_problem
 from lowcomm_jax.algorithms.diloco import DiLoCo
 
 
-def simulator_only(c, name: str, on_ray: bool = False) -> list[str]:
-  """Parameter servers run in the simulator, and (`on_ray`) on the Ray runtime."""
-  if c.sim.enabled or (on_ray and c.runtime == "ray"):
+def simulator_only(c, name: str) -> list[str]:
+  """Parameter servers run in the simulator and on the Ray runtime, not in lockstep."""
+  if c.sim.enabled or c.runtime == "ray":
     return []
-  ray = " or --config.runtime=ray (real processes)" if on_ray else ""
   return [field_problem(c, "sim.enabled", f"algorithm={name!r} runs in the simulator; set "
-                        f"--config.sim.enabled=True{ray}")]
+                        "--config.sim.enabled=True or --config.runtime=ray (real processes)")]
 
 
 class AsyncLocalSGD(DiLoCo):
@@ -23,10 +22,9 @@ class AsyncLocalSGD(DiLoCo):
   simulated_only = True
   synchronous = False
   robust_aggregation = False  # one contribution at a time
-  runs_on_ray = True
 
   def problems(self, c):
-    return simulator_only(c, self.name, self.runs_on_ray) + super().problems(c)
+    return simulator_only(c, self.name) + super().problems(c)
 
   def schedule(self, plan, backend):
     from lowcomm_jax.sim.async_schedules import AsyncWorkers

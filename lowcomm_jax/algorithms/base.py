@@ -71,9 +71,6 @@ class Algorithm:
   # its own aggregate, only on earlier ones: the runner may run a round's sync inside the
   # next round's program, its collective beside the local steps (rounds.can_overlap).
   delayed_sync = False
-  # Runs on the Ray runtime (runtimes/ray/): one global parameter server applying
-  # `server_rules`, workers pushing as they finish.
-  runs_on_ray = False
   # Its servers are regional (sim.network.regions / worker_regions place the workers), so
   # those fields matter outside the simulator too (on Ray).
   regional_servers = False
@@ -81,6 +78,30 @@ class Algorithm:
   def problems(self, c: ml_collections.ConfigDict) -> list[str]:
     """This algorithm's own config problems, each 'field=value: fix'."""
     return []
+
+  def ray_gaps(self, c: ml_collections.ConfigDict) -> list[str]:
+    """What the Ray runtime (runtimes/ray/) lacks to run it with `c` (empty: it runs there),
+    read from the declarations, never the name. Asynchronous algorithms run there as their
+    `server_rules` applied per push; synchronous ones as quorum rounds of their `segments`,
+    each closed by its fragment's sync as a parameter server runs it, the workers keeping
+    their own state, memory and (`keeps_worker_params`) θ_w, and pulling what
+    `worker_rule` reads of the outer state. The server keeps no per-worker sync state and
+    does not average the workers' optimizer states."""
+    if not self.synchronous:
+      return []
+    gaps = []
+    if self.state_sync(c) is not None:
+      gaps.append("its workers' optimizer states are averaged between rounds (state_sync)")
+    rule = self.worker_rule(c)
+    if rule is not None and rule.reads_sync_state:
+      gaps.append("its workers start from their own row of the sync's state")
+    return gaps
+
+  def partial_rounds(self, c: ml_collections.ConfigDict) -> bool:
+    """Whether a round may close without some live workers (Ray's `ray.min_quorum`): a late
+    Δ then folds into the next round's sync, which must sync the same fragment (one
+    segment)."""
+    return len(self.segments(c, c.inner_steps)) == 1
 
   def leaf_fragments(self, c: ml_collections.ConfigDict, abstract_params) -> tuple[int, ...] | None:
     """Each parameter leaf's fragment (tree order), or None: the whole model is one."""

@@ -57,7 +57,6 @@ class DesLoc(DiLoCo):
   config_section = "desloc"
   summary = ("DES-LOC: Local AdamW; parameters averaged every H steps, each Adam moment on a "
              "longer period of its own")
-  runs_on_ray = False  # the moments live on the workers; Ray's jobs do not average them
 
   def problems(self, c):
     d = c.desloc

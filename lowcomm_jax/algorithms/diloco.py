@@ -29,7 +29,6 @@ def codec_problems(c) -> list[str]:
 class DiLoCo(Algorithm):
   name = "diloco"
   summary = "H local steps per worker, then an outer Nesterov step on the mean pseudo-gradient"
-  runs_on_ray = True  # quorum rounds: one fragment, workers restart from θ every round
 
   def problems(self, c):
     return codec_problems(c)

@@ -29,7 +29,6 @@ def _regions(c) -> list[int]:
 class Halos(AsyncLocalSGD):
   name = "halos"
   summary = "hierarchical asynchronous servers, one per region plus a global one"
-  runs_on_ray = True  # runtimes/ray/regions.py: a server actor per region and the global one
   regional_servers = True
 
   def problems(self, c):

@@ -25,7 +25,6 @@ class OneStepDelay(DiLoCo):
   name = "one_step_delay"
   summary = ("DiLoCo whose outer step applies the previous round's mean pseudo-gradient, "
              "so this round's travels during the next inner steps")
-  runs_on_ray = False  # a held sync and worker rules: no Ray form yet
 
   keep_applied = False  # eager updates read the last applied average too
   delayed_sync = True

@@ -17,7 +17,6 @@ class Pier(DiLoCo):
   config_section = "pier"
   summary = ("Pier: DiLoCo whose outer momentum is filled by averaging rounds first, then "
              "decayed, with an outer-lr warmup and final drop")
-  runs_on_ray = False  # its quorum rounds would need the schedules' round count: not tested
 
   def problems(self, c):
     p = c.pier

@@ -48,7 +48,6 @@ class StreamingDiLoCo(DiLoCo):
   config_section = "streaming"
   summary = ("Streaming DiLoCo: P model fragments sync in turn every H/P steps, each applied "
              "tau steps later and mixed with alpha")
-  runs_on_ray = False  # several fragments per round: no quorum rounds of those yet
 
   def problems(self, c):
     s = c.streaming

@@ -30,6 +30,7 @@ class Counts:
   dispatched_steps: int = 0  # of jobs started and not lost
   applied_steps: int = 0  # of contributions applied (or in a closed round)
   pushes: int = 0  # contributions applied (asynchronous) or taken into a round (quorum)
+  sent_bytes: int = 0  # what those contributions' payloads held (a fragment's, a codec's)
   rounds: int = 0  # quorum rounds closed
   late: int = 0  # quorum: contributions computed from an older round's θ
   staleness_sum: int = 0
@@ -61,6 +62,7 @@ class Counts:
     samples)."""
     w = str(worker)
     self.pushes += 1
+    self.sent_bytes += meta.get("bytes", 0)
     self.staleness_sum += staleness
     self.staleness_histogram[str(staleness)] = self.staleness_histogram.get(str(staleness), 0) + 1
     if drift is not None:
@@ -71,11 +73,11 @@ class Counts:
     self.pushes_per_worker[w] = self.pushes_per_worker.get(w, 0) + 1
     self.compute_seconds[w] = self.compute_seconds.get(w, 0.0) + meta["compute_seconds"]
 
-  def figures(self, tokens: int, delta_bytes: int, num_workers: int, quorum: bool) -> dict:
-    """The figures both a metrics row and the summary report (`delta_bytes`: one push's Δ
-    at full width)."""
+  def figures(self, tokens: int, num_workers: int, quorum: bool) -> dict:
+    """The figures both a metrics row and the summary report (bytes: per worker, of the
+    payloads as sent)."""
     out = {"total_inner_steps": self.applied_steps, "tokens": tokens, "pushes": self.pushes,
-           "bytes_sent": self.pushes * delta_bytes // num_workers,
+           "bytes_sent": self.sent_bytes // num_workers,
            "mean_staleness": self.staleness_sum / max(self.pushes, 1),
            "mean_drift": self.drift_sum / max(self.drift_count, 1),
            "workers_joined": self.workers_joined, "workers_lost": self.workers_lost,
@@ -92,6 +94,6 @@ class Counts:
                                            key=lambda kv: int(kv[0]))),
         "server_restarts": self.server_restarts, "pushes_replayed": self.pushes_replayed,
         "recoveries": self.recoveries, "compute_seconds_per_worker": self.compute_seconds,
-        "bytes_sent_total": self.pushes * plan.delta_bytes,
+        "bytes_sent_total": self.sent_bytes,
         "server_bytes_sent": self.pushes * plan.param_bytes,
         "bytes_sent_ddp_equivalent": plan.param_bytes * self.applied_steps // num_workers}

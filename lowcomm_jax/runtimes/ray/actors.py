@@ -57,6 +57,16 @@ def initial_state(r) -> steps.TrainState:
         r.state_spec.initial_params())
 
 
+def initial_rule_state(r, name: str, params):
+  """Server `name`'s rule state at θ `params`: an asynchronous server's rule's, or a
+  synchronous run's outer rules' (a tuple, one per fragment, the runner's `per_fragment`)."""
+  if r.algorithm.synchronous:
+    layout = r.model.layout
+    return tuple(rule.init(layout.fragment_slice(params, p))
+                 for p, rule in enumerate(r.outer_rules))
+  return server_rules(r)[name].init(params)
+
+
 def server_rules(r) -> dict:
   """Each server's rule, by name: an asynchronous algorithm's server rules (HALoS: a
   regional server per region beside the global one), or a synchronous one's outer rule

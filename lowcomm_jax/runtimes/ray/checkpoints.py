@@ -11,11 +11,13 @@ resumed run starts again from the models they pulled.
 import jax
 
 from lowcomm_jax.parallel import mesh as mesh_lib
-from lowcomm_jax.runtimes.ray.actors import server_rules, server_view
+from lowcomm_jax.runtimes.ray.actors import initial_rule_state, server_rules, server_view
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.sim import GLOBAL
 
-FORMAT = 1  # of the meta; a checkpoint of another format is refused, not misread
+# Of the meta; a checkpoint of another format is refused, not misread. 2: a synchronous
+# run's server holds its outer rules' states as a tuple per fragment.
+FORMAT = 2
 
 
 def written_here(meta: dict) -> bool:
@@ -30,10 +32,10 @@ def abstract(r, region_names, meta: dict):
   placed = lambda tree: jax.tree.map(
       lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), tree)
   params = r.state_spec.abstract.params
-  rules = server_rules(r)
 
   def one_server(name):
-    out = {"params": params, "opt_state": jax.eval_shape(rules[name].init, params)}
+    out = {"params": params,
+           "opt_state": jax.eval_shape(lambda p: initial_rule_state(r, name, p), params)}
     if name != GLOBAL:
       out.update(reference=params, at_push=params)
     pulled = [j for j in meta["in_flight"] if j.get("server", GLOBAL) == name]
@@ -50,9 +52,11 @@ def abstract(r, region_names, meta: dict):
   def worker(w: int) -> dict:
     host = next(h.index for h in r.topology.hosts if w in h.worker_ids)
     out = {"state": one_row(per_host[host])}
-    if r.sync.codec is not None:
-      out["codec"] = jax.eval_shape(
-          lambda: jax.tree.map(lambda x: x[None], r.sync.codec.init(r.model.layout.abstract)))
+    if r.sync.codec is not None:  # an error buffer per fragment (worker.py)
+      layout = r.model.layout
+      out["codec"] = jax.eval_shape(lambda: tuple(
+          jax.tree.map(lambda x: x[None], r.sync.codec.init(layout.fragment(p).abstract))
+          for p in range(layout.num_fragments)))
     return out
   return placed(servers), placed({str(w): worker(int(w)) for w in meta["live"]})
 

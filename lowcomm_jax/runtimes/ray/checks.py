@@ -17,12 +17,13 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
   check(c.runtime in RUNTIMES, "runtime", f"use one of {list(RUNTIMES)}")
   if c.runtime != "ray":
     return list(out)
-  collab = c.collab.target_batch_size > 0
-  if algorithm is not None and not collab:  # (collab.* checks a collaborative run's)
-    check(algorithm.runs_on_ray, "algorithm",
-          "the Ray runtime runs 'async', 'async_dn', 'halos', in quorum rounds 'diloco', and "
-          "collaborative epochs ('ddp' with collab.target_batch_size > 0); run this one on "
-          "runtime='spmd' or in the simulator")
+  if algorithm is not None:  # (its declarations say what it needs: algorithms/base.py)
+    for gap in algorithm.ray_gaps(c):
+      out.append(f"algorithm={c.algorithm!r}: the Ray runtime cannot run it yet ({gap}); run "
+                 "it on runtime='spmd' or in the simulator")
+    check(algorithm.partial_rounds(c) or y.min_quorum == 0, "ray.min_quorum",
+          f"{c.algorithm}'s rounds sync a different fragment in each segment, so a late "
+          "contribution has no round to join: use 0 (every live worker)")
   check(not c.sim.enabled, "sim.enabled", "the simulator has its own clock; set "
         "--config.sim.enabled=False for runtime='ray', or --config.runtime=spmd")
   check(num_processes == 1, "runtime", "one process drives a Ray run and Ray starts the "
@@ -52,9 +53,9 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
   sizes = list(y.batch_sizes)
   check(not sizes or (len(sizes) == c.num_workers and min(sizes) >= 1), "ray.batch_sizes",
         f"give one batch size >= 1 per worker ({c.num_workers}), or () for data.batch_size")
-  check(not sizes or collab, "ray.batch_sizes", "per-worker batch sizes are for "
-        "collaborative epochs (collab.target_batch_size > 0), where samples weigh each "
-        "peer; other runs share data.batch_size: use ()")
+  check(not sizes or c.collab.target_batch_size > 0, "ray.batch_sizes",
+        "per-worker batch sizes are for collaborative epochs (collab.target_batch_size > 0), "
+        "where samples weigh each peer; elsewhere give a host table's batch_size per row")
   sleeps = list(y.step_sleep_s)
   check(not sleeps or (len(sleeps) == c.num_workers and min(sleeps) >= 0),
         "ray.step_sleep_s", f"give one non-negative number per worker ({c.num_workers})")

@@ -128,7 +128,7 @@ class RayDriver:
 
   def _accounts(self) -> dict:
     """The figures both a metrics row and the summary report."""
-    return {**self.counts.figures(self.progress.tokens(), self.plan.delta_bytes, self.c.num_workers,
+    return {**self.counts.figures(self.progress.tokens(), self.c.num_workers,
                                   self.progress.late_figures),
             **self.progress.figures()}
 

@@ -3,7 +3,7 @@ dead worker from a dead server, recovering the server, chaos and DyLU. The drive
 (driver.py) decides what a result does (a push applied at once, or a contribution to a
 quorum round) and calls the server through `call`, which survives the server's death.
 
-    dispatch(w):  server.pull() ──(version, θ) refs──► worker w.job(version, θ, lr step, H)
+    dispatch(w):  server.pull() ──(version, θ, outer state) refs──► worker w.job(..., lr step, H)
                   ──► (meta, payload) refs                       (the driver holds refs only)
 """
 
@@ -205,9 +205,10 @@ class Pool:
     if order is None:
       order, self.counts.next_order = self.counts.next_order, self.counts.next_order + 1
     server = self.server_of(worker)
-    pulled_version, params = self.servers[server].pull.options(num_returns=2).remote(version)
+    pulled_version, params, outer = self.servers[server].pull.options(num_returns=3).remote(
+        version)
     meta, sent = self.actors[worker].job.options(num_returns=2).remote(
-        pulled_version, params, lr_step, steps, order)
+        pulled_version, params, outer, lr_step, steps, order)
     self.jobs[worker] = Job(worker, order, lr_step, steps, pulled_version, meta, sent,
                             server=server)
 

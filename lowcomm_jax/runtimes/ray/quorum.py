@@ -1,10 +1,13 @@
 """Quorum rounds on the Ray runtime (`Algorithm.progress` 'rounds': the synchronous
-algorithms). Each worker computes from round t's θ and contributes; round t closes once
-`ray.min_quorum` workers (0: every live one) have contributed from its θ and `ray.grace_s`
-has passed since, or once every live worker has; the workers that contributed then start
-from the new θ. Late contributions (from an older round's θ) fold into the open round,
-weighted by tokens like the others, without counting toward its quorum; their staleness
-(rounds) is recorded. A mark per round."""
+algorithms). A round is the algorithm's segments (one for most; Streaming DiLoCo's P
+fragments are P), each a quorum of its own: every worker computes the segment from θ as the
+last sync left it and contributes; the segment closes (the server runs its fragment's sync)
+once `ray.min_quorum` workers (0: every live one) have contributed from its θ and
+`ray.grace_s` has passed since, or once every live worker has; the workers that contributed
+then start the next segment. Late contributions (from an older θ) fold into the open round
+in their worker's row, without counting toward its quorum; their staleness (in syncs) is
+recorded. Algorithms of several segments close only with every live worker
+(`Algorithm.partial_rounds`). A mark per round."""
 
 import time
 
@@ -19,15 +22,20 @@ class QuorumRounds(Progress):
   def __init__(self, d):
     super().__init__(d)
     self.round = QuorumRound(d.counts, d.c.ray.min_quorum, d.c.ray.grace_s)
+    self.segment = 0  # the open segment of the open round (marks are at round ends)
+    self.segments = len(d.r.algorithm.segments(d.c, d.c.inner_steps))
 
   def start_next(self, worker: int, clock: int | None = None) -> None:
-    """`worker`'s next job, from the open round's θ (every worker, every round); its inner
-    lr schedule at the rounds' steps of its own H (its host's schedule spans rounds × H)."""
+    """`worker`'s next job, the open segment from its θ (every worker, every segment); its
+    inner lr schedule at the round's steps of its own H (its host's schedule spans
+    rounds × H), plus the segment's start."""
     del clock
     d = self.d
     if d.counts.rounds < d.c.rounds:
-      d.pool.dispatch(worker, d.counts.rounds * d.pool.configured_inner_steps(worker),
-                      d.pool.inner_steps_of(worker))
+      configured = d.pool.configured_inner_steps(worker)
+      start = d.r.algorithm.segments(d.c, configured)[self.segment].start
+      steps = d.r.algorithm.segments(d.c, d.pool.inner_steps_of(worker))[self.segment].steps
+      d.pool.dispatch(worker, d.counts.rounds * configured + start, steps)
 
   def mark(self) -> int:
     return self.d.counts.rounds
@@ -43,32 +51,42 @@ class QuorumRounds(Progress):
       return
     n = d.counts
     info = d.pool.call("contribute", meta, job.sent, changes=True)
+    if info.get("dropped"):  # another segment's: nothing to join (a joiner's first job)
+      n.pushes_dropped += 1
+      d.pool.chaos()
+      return
     n.late += info["staleness"] > 0
     self.round.steps += job.steps
     n.contributed(job.worker, meta, info["staleness"], None)
     d.pool.chaos()
 
-  def _close_round(self) -> None:
+  def _close_segment(self) -> bool:
+    """The open segment's sync; whether it ended the round."""
     d, n = self.d, self.d.counts
     d.pool.call("close_round", changes=True)
-    n.rounds += 1
     n.applied_steps += self.round.steps
+    self.segment = (self.segment + 1) % self.segments
+    n.rounds += self.segment == 0
     self.round.open()
-    d.idle_start()  # every worker that contributed starts from the new θ
+    d.idle_start()  # every worker that contributed starts the next segment from the new θ
+    return self.segment == 0
 
   def work_to_mark(self) -> bool:
     pool = self.d.pool
     while not self._budget_spent():
       if self.round.due(set(pool.up()), bool(pool.joining), pool.jobs):
-        self._close_round()
-        break
+        if self._close_segment():
+          break
+        continue
       job = pool.next_done(self.round.wait_s())
       if job is not None:
         self._take(job)
     return self._budget_spent()
 
   def opened(self) -> None:
-    """The run (re)started: the open round starts counting now."""
+    """The run (re)started (at a round's end: marks are): the open round starts counting
+    now, at its first segment."""
+    self.segment = 0
     self.round.open()
 
   def summary(self) -> dict:

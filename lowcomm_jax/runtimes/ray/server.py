@@ -9,7 +9,8 @@ import numpy as np
 from lowcomm_jax.programs import servers
 from lowcomm_jax.programs import steps
 from lowcomm_jax.programs import sync_program
-from lowcomm_jax.runtimes.ray.actors import built, initial_state, server_rules, server_view
+from lowcomm_jax.runtimes.ray.actors import (built, initial_rule_state, initial_state,
+                                             server_rules, server_view)
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.sim import GLOBAL
 
@@ -34,6 +35,9 @@ class ServerProcess:
     self._rng = initial_state(r).rng  # the run's key: a round's attack draws from it
     self._rng_key = jax.random.key(0)  # (the codec keys' shape and type)
     self._syncs = self._round_syncs() if r.algorithm.synchronous else None
+    # Versions count syncs: a synchronous round of P segments is P versions (segment
+    # version % P of round version // P).
+    self.segments = len(self._syncs) if self._syncs else 1
     self._norm = jax.jit(lambda p: jnp.sqrt(jnp.sum(jnp.square(p))))
     self._exchange = servers.RegionalExchange()
     self.mesh = r.topology.mesh
@@ -55,7 +59,7 @@ class ServerProcess:
     # merge and at its last push to the global server (servers.RegionalExchange's arrays).
     if restored is None:
       params = initial_state(self.r).params
-      self.arrays = {"params": params, "opt_state": rule.init(params)}
+      self.arrays = {"params": params, "opt_state": initial_rule_state(self.r, name, params)}
       self.version = 0
       if name != GLOBAL:
         self.arrays.update(reference=params, at_push=params)
@@ -98,16 +102,19 @@ class ServerProcess:
     (their gradients are at θ: there is no drift to measure)."""
     return self.version, np.asarray(self.arrays["params"])
 
-  def pull(self, version: int | None = None) -> tuple[int, np.ndarray]:
-    """(version, θ) for a worker's next job: the newest, or (a job started again after a
-    resume) the one that job had pulled."""
+  def pull(self, version: int | None = None) -> tuple[int, np.ndarray, object]:
+    """(version, θ, the outer rules' state or None) for a worker's next job: the newest, or
+    (a job started again after a resume) the one that job had pulled. The outer state goes
+    along only where the workers' rule reads it (eager updates: `Run.local_reads_rules`;
+    such runs close rounds only with every live worker, so a pull is of the newest)."""
     if version is None:
       version = self.version
       held = self.snapshots.setdefault(version, [self.arrays["params"], 0])
     else:
       held = self.snapshots[version]
     held[1] += 1
-    return version, np.asarray(held[0])
+    outer = (jax.device_get(self.arrays["opt_state"]) if self.r.local_reads_rules else None)
+    return version, np.asarray(held[0]), outer
 
   def _release(self, version: int):
     held = self.snapshots.get(version)
@@ -148,9 +155,12 @@ class ServerProcess:
     mean gradient, or the codec's payload of it); its staleness in rounds. A worker
     contributes once a round (it starts again when the round closes); a second one would
     replace its first."""
-    self._rows[int(meta["worker"])] = (sent, meta)
     self._release(meta["version"])
-    return {"staleness": self.version - meta["version"]}
+    staleness = self.version - meta["version"]
+    if staleness % self.segments:  # another segment's fragment: no round of it is open
+      return {"staleness": staleness, "dropped": True}
+    self._rows[int(meta["worker"])] = (sent, meta)
+    return {"staleness": staleness}
 
   def close_round(self) -> dict:
     """The round's sync over its contributions, through the run's `Sync` as the lockstep
@@ -159,12 +169,13 @@ class ServerProcess:
     contributed = bool(self._rows)
     if contributed:
       a = self.arrays
-      state = steps.TrainState(jnp.asarray(self.version, jnp.int32), self._rng, a["params"],
-                               steps.OuterState((), (a["opt_state"],)))
+      round_, segment = divmod(self.version, self.segments)
+      state = steps.TrainState(jnp.asarray(round_, jnp.int32), self._rng, a["params"],
+                               steps.OuterState((), a["opt_state"]))
       received, keys, signals = self._round_inputs()
-      state = self._syncs[0](state, received, keys, signals,
-                             full=len(self._rows) == self.r.config.num_workers)
-      a["params"], a["opt_state"] = state.params, state.outer.per_fragment[0]
+      state = self._syncs[segment](state, received, keys, signals,
+                                   full=len(self._rows) == self.r.config.num_workers)
+      a["params"], a["opt_state"] = state.params, state.outer.per_fragment
     self._rows = {}
     self.version += 1
     self._hold()

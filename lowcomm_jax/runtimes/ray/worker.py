@@ -33,7 +33,10 @@ class WorkerProcess:
     self.rng = state.rng
     # Its host-table row: its tier, batch and H (every host is local to a one-device run).
     self.host = next(h.index for h in r.topology.hosts if worker in h.worker_ids)
-    self.local = programs.local[self.host][0]
+    # Its local program per segment of a round (one for most algorithms; Streaming
+    # DiLoCo's fragments are several): a job of version v runs segment v % len.
+    self.locals = programs.local[self.host]
+    self.segments = r.algorithm.segments(r.config, r.config.inner_steps)
     self.mesh = r.topology.local_mesh
     if "state" in restored:
       self.state = jax.tree.map(jnp.asarray, restored["state"])
@@ -47,12 +50,15 @@ class WorkerProcess:
     self.streams = r.data.streams[self.host].of_workers([worker])
     if "data" in restored:
       self.streams.set_state(restored["data"])
-    codec = r.sync.codec
-    self.encode = (jax.jit(jax.vmap(servers.make_encode(codec, r.model.layout)))
-                   if codec else None)
+    # Per fragment, as the runner's aggregators: an encoder and an error buffer each (one
+    # fragment for most algorithms; a push or an epoch's gradient is fragment 0, the model).
+    codec, layout = r.sync.codec, r.model.layout
+    fragments = [layout.fragment(p) for p in range(layout.num_fragments)]
+    self.encoders = ([jax.jit(jax.vmap(servers.make_encode(codec, part))) for part in fragments]
+                     if codec else None)
     self.codec_state = (jax.tree.map(jnp.asarray, restored["codec"]) if "codec" in restored
-                        else jax.tree.map(lambda x: x[None], codec.init(r.model.layout.abstract))
-                        if codec else ())
+                        else tuple(jax.tree.map(lambda x: x[None], codec.init(part.abstract))
+                                   for part in fragments) if codec else ())
     # The job running (or last run) and what the worker held before it: a checkpoint taken
     # while that job is unpushed keeps these, and the resumed run runs the job again. The
     # lock: a checkpoint (the actor's second thread) reads them while a job runs.
@@ -79,29 +85,38 @@ class WorkerProcess:
     """From now on each push waits `seconds` before it is sent (chaos)."""
     self.delay_s = seconds
 
-  def _view(self, version: int, params: np.ndarray) -> steps.TrainState:
-    """What the local programs read of the global state pulled at `version`."""
+  def _view(self, round_: int, params: np.ndarray, outer=None) -> steps.TrainState:
+    """What the local programs read of the global state of round `round_` (`outer`: the
+    outer rules' states, where the workers' rule reads them)."""
+    outer = (steps.OuterState((), jax.tree.map(jnp.asarray, outer)) if outer is not None
+             else ())
     return self.r.local_input(steps.TrainState(
-        jnp.asarray(version, jnp.int32), self.rng, jnp.asarray(params), ()))
+        jnp.asarray(round_, jnp.int32), self.rng, jnp.asarray(params), outer))
 
-  def _to_send(self, view, update, meta: dict):
+  def _to_send(self, view, update, meta: dict, segment: int = 0):
     """What goes to the server for `update` [1, N] (a job's Δ, an epoch's mean gradient):
     itself, or the codec's payload (error buffer kept here; its key in `meta`, for the
     server's decode)."""
-    if self.encode is None:
-      return np.asarray(update[0])
-    keys = self._codec_keys(view)
-    payload, self.codec_state = self.encode(update, self.codec_state, keys)
-    meta["codec_key"] = np.asarray(jax.random.key_data(keys[0]))
-    return jax.device_get(jax.tree.map(lambda x: x[0], payload))
+    if self.encoders is None:
+      sent = np.asarray(update[0])
+    else:
+      keys = self._codec_keys(view, segment)
+      fragment = self.segments[segment].sync
+      payload, state = self.encoders[fragment](update, self.codec_state[fragment], keys)
+      self.codec_state = _replace(self.codec_state, fragment, state)
+      meta["codec_key"] = np.asarray(jax.random.key_data(keys[0]))
+      sent = jax.device_get(jax.tree.map(lambda x: x[0], payload))
+    meta["bytes"] = sum(np.asarray(x).nbytes for x in jax.tree.leaves(sent))
+    return sent
 
-  def _codec_keys(self, view) -> jax.Array:
-    """This worker's codec key for what it sends from `view`: in a synchronous run the
-    compressed mean's key of its round (the lockstep runner's workers draw the same), else
-    its push's own."""
+  def _codec_keys(self, view, segment: int) -> jax.Array:
+    """This worker's codec key for what it sends from `view` in `segment`: in a synchronous
+    run the compressed mean's key of that sync (round · segments + its fragment, as the
+    lockstep runner's workers draw), else its push's own."""
     if not self.r.algorithm.synchronous:
       return servers.codec_keys(view, self.ids)
-    return aggregate.sender_keys(self.r.config.seed, view.round, self.ids)
+    sync_index = view.round * len(self.segments) + self.segments[segment].sync
+    return aggregate.sender_keys(self.r.config.seed, sync_index, self.ids)
 
   def checkpoint_state(self, unpushed_job: int | None) -> dict:
     """Its state for a checkpoint: as it was before job `unpushed_job` (started or not) if
@@ -113,21 +128,26 @@ class WorkerProcess:
         state, codec_state, data = self.state, self.codec_state, self.streams.get_state()
     return {"state": jax.device_get(state), "codec": jax.device_get(codec_state), "data": data}
 
-  def job(self, version: int, params: np.ndarray, lr_step: int, steps_: int,
+  def job(self, version: int, params: np.ndarray, outer, lr_step: int, steps_: int,
           order: int) -> tuple[dict, object]:
+    """`steps_` local steps from θ of `version` (segment version % segments of round
+    version // segments), its lr schedule at `lr_step`: (meta, what it sends)."""
     start = time.perf_counter()
     with self._lock:
       self.before = (self.state, self.codec_state, self.streams.get_state())
       self.running = order
-    view = self._view(version, params)
-    workers = self.state._replace(opt_state=optimizers.at_schedule_step(
-        self.state.opt_state, np.asarray([lr_step], np.int32)))
+    round_, segment = divmod(version, len(self.segments))
+    view = self._view(round_, params, outer)
+    workers = self.state  # (DDP's workers keep nothing)
+    if self.r.algorithm.local_steps:
+      workers = workers._replace(opt_state=optimizers.at_schedule_step(
+          workers.opt_state, np.asarray([lr_step], np.int32)))
     batches = jax.device_put(self.streams.next_steps([0], steps_), self.batches_on)
     meta = {"worker": self.worker, "version": int(version), "steps": steps_, "order": order,
             "tokens": int(self.r.tokens(steps_, self.host))}
     with jax.set_mesh(self.mesh):
-      deltas, self.state, losses = self.local(view, workers, batches, self.ids)
-      sent = self._to_send(view, deltas, meta)
+      deltas, self.state, losses = self.locals[segment](view, workers, batches, self.ids)
+      sent = self._to_send(view, deltas, meta, segment)
     meta.update(loss=float(losses.mean()), compute_seconds=time.perf_counter() - start,
                 data=self.streams.get_state())
     time.sleep(self.step_sleep_s * steps_ + self.delay_s)
@@ -187,3 +207,7 @@ class WorkerProcess:
                 batch_size=self.r.topology.hosts[self.host].batch_size,
                 compute_seconds=epoch["seconds"], data=self.streams.get_state())
     return meta, sent
+
+
+def _replace(parts: tuple, i: int, value) -> tuple:
+  return parts[:i] + (value,) + parts[i + 1:]
