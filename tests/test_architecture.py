@@ -120,3 +120,23 @@ def test_the_walk_sees_arrows_that_exist():
   assert ("runtimes.spmd.train", "assemble.build") in arrows
   assert ("export", "runtimes.spmd.train") in arrows  # a function-level import
   assert ("algorithms.ddp", "programs.optimizers") in arrows  # `from lowcomm_jax.programs import …`
+
+
+def test_no_runtime_or_assembly_names_an_algorithm():
+  """The runtimes and the assembly ask an algorithm's declarations (algorithms/base.py),
+  never its name: no string in their code (docstrings aside) is an algorithm's name."""
+  from lowcomm_jax import algorithms
+  names = set(algorithms.REGISTRY)
+  found = []
+  for module, path in _modules().items():
+    if not module.startswith(("runtimes", "assemble", "programs", "run.")):
+      continue
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)}
+    found += [(module, node.value) for node in ast.walk(tree)
+              if isinstance(node, ast.Constant) and node.value in names
+              and id(node) not in docstrings]
+  assert len(names) >= 9 and found == []
+  assert sum(m.startswith("runtimes.ray") for m in _modules()) >= 10  # the walk sees them
