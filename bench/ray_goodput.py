@@ -13,11 +13,18 @@ Both run DiLoCo (H = 10, `small` model on bytes, batch 8 × 64) for the same bud
 16 pushes later; lockstep: the launcher restarts every process at once, at its cost); the
 server is killed in round 18 (lockstep: process 0). Checkpoints every 4 rounds.
 
-Goodput = useful compute / total compute. Here the compute is this machine's cores, busy
-throughout either way (a dead worker's share goes to the others), so goodput is the rate
-of applied tokens with failures over the rate without, on the same runtime, over the
-training window (from the run's first metrics row to its end: the first start-up, the same
-for both, is left out; restarts are in). Each run is a subprocess (the Ray driver too); a
+Two definitions of goodput, both reported:
+- this project's (the "goodput" column): useful compute / total compute, where the compute
+  is this machine's cores, busy throughout either way (a dead worker's share goes to the
+  others); so it is the rate of applied tokens with failures over the rate without, on the
+  same runtime, over the training window (from the run's first metrics row to its end: the
+  first start-up, the same for both, is left out; restarts are in), stale contributions
+  counted as useful;
+- the field's (Decoupled DiLoCo's "productive compute time over total elapsed time across
+  all workers"; Ray only, from the workers' own clocks): Σ over workers of the seconds
+  their applied jobs computed (`compute_seconds_per_worker`) over workers × the run's whole
+  wall time (launch to exit, start-up included). On 2 shared cores a worker's job seconds
+  are wall seconds while it shares the CPU with the others. Each run is a subprocess (the Ray driver too); a
 thread stamps every metrics.jsonl row with the seconds since launch, so the loss reached at
 any wall time is read off the eval rows. Each runtime first runs 2 rounds unrecorded, so no
 recorded run compiles what another loads from the compilation cache. A JSON row per run is
@@ -146,6 +153,12 @@ def loss_at(run: dict, t: float) -> float | None:
   return seen[-1] if seen else None
 
 
+def field_goodput(run: dict) -> float:
+  """Decoupled DiLoCo's goodput: the seconds the workers' applied jobs computed, summed, over
+  workers × the run's whole wall time."""
+  return sum(run["compute_seconds_per_worker"].values()) / (WORKERS * run["seconds"])
+
+
 def _mean_sd(xs: list[float]) -> str:
   sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
   return f"{statistics.mean(xs):.3f} ± {sd:.3f} (n={len(xs)})"
@@ -160,6 +173,7 @@ def report(path: str) -> None:
     runtime = row["part"].split("_")[0] + ("+standby" if row.get("standby_server") else "")
     runs[(row["seed"], runtime, row["part"].split("_")[1])] = row
   goodputs = {}  # runtime -> {seed: goodput}
+  fields = {}  # (runtime, free|chaos) -> {seed: the field's goodput}
   for seed in sorted({s for s, _, _ in runs}):
     print(f"seed {seed}:")
     for runtime in sorted({r for _, r, _ in runs}):
@@ -172,6 +186,11 @@ def report(path: str) -> None:
             f", chaos {chaos['seconds']:.0f} s (training {chaos['seconds'] - chaos['first_row_s']:.0f} s); "
             f"tokens {free['tokens']} / {chaos['tokens']}; goodput {rate(chaos) / rate(free):.3f}; "
             f"eval loss free {free['eval_loss']:.4f}, chaos {chaos['eval_loss']:.4f}")
+      for name, run in (("free", free), ("chaos", chaos)):
+        if "compute_seconds_per_worker" in run:
+          field = field_goodput(run)
+          fields.setdefault((runtime, name), {})[seed] = field
+          print(f"    the field's goodput ({name}): {field:.3f}")
       ups = [e["seconds"] for e in chaos["events"] if e["event"] == "worker_up"]
       servers = [e["seconds"] for e in chaos["events"] if e["event"] == "server_restarted"]
       if ups or servers:
@@ -182,6 +201,8 @@ def report(path: str) -> None:
         print(f"    at {t:.0f} s (the first chaos run's end): eval loss {runtime} "
               f"{loss_at(chaos, t)}, spmd {loss_at(runs[(seed, 'spmd', 'chaos')], t)}")
   print("over seeds:")
+  for (runtime, name), by_seed in sorted(fields.items()):
+    print(f"  {runtime} the field's goodput, {name}: {_mean_sd(list(by_seed.values()))}")
   for runtime, by_seed in sorted(goodputs.items()):
     print(f"  {runtime} goodput {_mean_sd(list(by_seed.values()))}")
     if runtime != "spmd" and "spmd" in goodputs:
@@ -237,7 +258,7 @@ def main() -> None:
                       for r in rows if "event" in r]}
     for key in ("workers_lost", "workers_joined", "pushes_dropped", "server_restarts",
                 "pushes_replayed", "recoveries", "late_contributions", "mean_staleness",
-                "rounds_closed", "total_inner_steps", "tokens"):
+                "rounds_closed", "total_inner_steps", "tokens", "compute_seconds_per_worker"):
       if key in summary:
         out[key] = summary[key]
     if code != 0:
