@@ -53,6 +53,13 @@ class StateSync(Protocol):
     """One worker's `opt_state` with `parts` replaced by their mean over `axis_name`
     (through parallel/collectives.py, so the byte ledger counts it)."""
 
+  def take(self, opt_state, parts: tuple[str, ...]):
+    """`parts` of `opt_state`, a tree (what a worker sends where a server averages them:
+    the Ray runtime)."""
+
+  def put(self, opt_state, parts: tuple[str, ...], values):
+    """`opt_state` with `parts` replaced by `values` (a tree as `take` gives)."""
+
 
 class Algorithm:
   """Base: synchronous, one fragment, local steps from θ_w reset to θ every round."""
@@ -84,14 +91,12 @@ class Algorithm:
     read from the declarations, never the name. Asynchronous algorithms run there as their
     `server_rules` applied per push; synchronous ones as quorum rounds of their `segments`,
     each closed by its fragment's sync as a parameter server runs it, the workers keeping
-    their own state, memory and (`keeps_worker_params`) θ_w, and pulling what
-    `worker_rule` reads of the outer state. The server keeps no per-worker sync state and
-    does not average the workers' optimizer states."""
+    their own state, memory and (`keeps_worker_params`) θ_w, pulling what `worker_rule`
+    reads of the outer state, and sending the server the parts of their optimizer states
+    that `state_sync` averages. The server keeps no per-worker sync state."""
     if not self.synchronous:
       return []
     gaps = []
-    if self.state_sync(c) is not None:
-      gaps.append("its workers' optimizer states are averaged between rounds (state_sync)")
     rule = self.worker_rule(c)
     if rule is not None and rule.reads_sync_state:
       gaps.append("its workers start from their own row of the sync's state")
@@ -100,8 +105,10 @@ class Algorithm:
   def partial_rounds(self, c: ml_collections.ConfigDict) -> bool:
     """Whether a round may close without some live workers (Ray's `ray.min_quorum`): a late
     Δ then folds into the next round's sync, which must sync the same fragment (one
-    segment)."""
-    return len(self.segments(c, c.inner_steps)) == 1
+    segment); its job must not have read an outer state the server no longer holds (no
+    worker rule), nor miss an average of the workers' states (no state sync)."""
+    return (len(self.segments(c, c.inner_steps)) == 1 and self.worker_rule(c) is None
+            and self.state_sync(c) is None)
 
   def leaf_fragments(self, c: ml_collections.ConfigDict, abstract_params) -> tuple[int, ...] | None:
     """Each parameter leaf's fragment (tree order), or None: the whole model is one."""

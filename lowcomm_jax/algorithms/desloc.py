@@ -41,15 +41,25 @@ class MomentSync:
     return tuple(part for part, every in self.every.items()
                  if every > 0 and completed_rounds % every == 0)
 
-  def average(self, opt_state, parts: tuple[str, ...], axis_name: str):
-    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)
+  def take(self, opt_state, parts: tuple[str, ...]) -> list[dict]:
+    """`parts` of `opt_state`: per Adam state in it (tree order), {field: its value}."""
+    return [{MOMENTS[p]: getattr(s, MOMENTS[p]) for p in parts}
+            for s in jax.tree.leaves(opt_state, is_leaf=_is_adam) if _is_adam(s)]
 
-    def averaged(s):
-      if not is_adam(s):
-        return s
-      fields = {MOMENTS[p]: getattr(s, MOMENTS[p]) for p in parts}
-      return s._replace(**collectives.mean(fields, axis_name))
-    return jax.tree.map(averaged, opt_state, is_leaf=is_adam)
+  def put(self, opt_state, parts: tuple[str, ...], values: list[dict]):
+    """`opt_state` with `parts` replaced by `values` (`take`'s form)."""
+    del parts  # (named by the values' fields)
+    values = iter(values)
+    return jax.tree.map(lambda s: s._replace(**next(values)) if _is_adam(s) else s, opt_state,
+                        is_leaf=_is_adam)
+
+  def average(self, opt_state, parts: tuple[str, ...], axis_name: str):
+    return self.put(opt_state, parts, [collectives.mean(fields, axis_name)
+                                       for fields in self.take(opt_state, parts)])
+
+
+def _is_adam(x) -> bool:
+  return isinstance(x, optax.ScaleByAdamState)
 
 
 class DesLoc(DiLoCo):

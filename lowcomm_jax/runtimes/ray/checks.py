@@ -22,8 +22,9 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
       out.append(f"algorithm={c.algorithm!r}: the Ray runtime cannot run it yet ({gap}); run "
                  "it on runtime='spmd' or in the simulator")
     check(algorithm.partial_rounds(c) or y.min_quorum == 0, "ray.min_quorum",
-          f"{c.algorithm}'s rounds sync a different fragment in each segment, so a late "
-          "contribution has no round to join: use 0 (every live worker)")
+          f"{c.algorithm} needs every live worker in each round (its segments sync "
+          "different fragments, its workers read the outer state, or their optimizer states "
+          "are averaged between rounds): use 0 (every live worker)")
   check(not c.sim.enabled, "sim.enabled", "the simulator has its own clock; set "
         "--config.sim.enabled=False for runtime='ray', or --config.runtime=spmd")
   check(num_processes == 1, "runtime", "one process drives a Ray run and Ray starts the "

@@ -301,6 +301,13 @@ class Pool:
       self.since_checkpoint.append((server, method, args))
     return out
 
+  def worker_alive(self, worker: int) -> bool:
+    try:
+      self.ray.get(self.actors[worker].ping.remote(), timeout=self.c.ray.recover_timeout_s)
+      return True
+    except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError):
+      return False
+
   def server_alive(self, server: str = GLOBAL) -> bool:
     try:
       self.ray.get(self.servers[server].ping.remote(), timeout=self.c.ray.recover_timeout_s)

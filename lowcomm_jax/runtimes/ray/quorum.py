@@ -9,10 +9,12 @@ in their worker's row, without counting toward its quorum; their staleness (in s
 recorded. Algorithms of several segments close only with every live worker
 (`Algorithm.partial_rounds`). A mark per round."""
 
+import logging
 import time
 
 from lowcomm_jax.runtimes.ray.accounts import Counts
 from lowcomm_jax.runtimes.ray.progress import Progress
+from lowcomm_jax.runtimes.ray.server import average_parts
 
 
 class QuorumRounds(Progress):
@@ -24,6 +26,7 @@ class QuorumRounds(Progress):
     self.round = QuorumRound(d.counts, d.c.ray.min_quorum, d.c.ray.grace_s)
     self.segment = 0  # the open segment of the open round (marks are at round ends)
     self.segments = len(d.r.algorithm.segments(d.c, d.c.inner_steps))
+    self.states_averaged = None  # the round whose workers' state average is done
 
   def start_next(self, worker: int, clock: int | None = None) -> None:
     """`worker`'s next job, the open segment from its θ (every worker, every segment); its
@@ -32,10 +35,43 @@ class QuorumRounds(Progress):
     del clock
     d = self.d
     if d.counts.rounds < d.c.rounds:
+      if self.segment == 0:
+        self._average_states()
       configured = d.pool.configured_inner_steps(worker)
       start = d.r.algorithm.segments(d.c, configured)[self.segment].start
       steps = d.r.algorithm.segments(d.c, d.pool.inner_steps_of(worker))[self.segment].steps
       d.pool.dispatch(worker, d.counts.rounds * configured + start, steps)
+
+  def _average_states(self) -> None:
+    """Before a round whose average of the workers' optimizer states is due
+    (`Algorithm.state_sync`: DES-LOC's moments), once: every live worker's parts, their mean
+    (a Ray task: the driver holds references only), back to each. A worker that dies on the
+    way is lost and the rest average again without it."""
+    d, n, pool = self.d, self.d.counts, self.d.pool
+    parts = d.r.state_sync_due(n.rounds)
+    if not parts or self.states_averaged == n.rounds:
+      return
+    self.states_averaged = n.rounds
+    average = d.ray.remote(num_cpus=0)(average_parts)
+    errors = (d.ray.exceptions.RayActorError, d.ray.exceptions.RayTaskError)
+    while workers := [w for w in pool.up() if w not in pool.jobs]:
+      sent = {w: pool.actors[w].state_parts.options(num_returns=2).remote(parts)
+              for w in workers}
+      mean = average.remote(*[ref for _, ref in sent.values()])
+      done = [pool.actors[w].set_state_parts.remote(parts, mean) for w in workers]
+      try:
+        d.ray.get(done)
+      except errors:
+        dead = [w for w in workers if not pool.worker_alive(w)]
+        for w in dead:
+          pool.lose(w, "died in a state average")
+        if dead:
+          continue
+        raise
+      n.sent_bytes += sum(meta["bytes"] for meta in d.ray.get([m for m, _ in sent.values()]))
+      logging.info("ray: round %d starts from %s averaged over workers %s", n.rounds,
+                   "/".join(parts), workers)
+      return
 
   def mark(self) -> int:
     return self.d.counts.rounds

@@ -247,3 +247,10 @@ class ServerProcess:
 
   def param_norm(self) -> float:
     return float(self._norm(self.arrays["params"]))
+
+
+def average_parts(*rows):
+  """A state average's mean (Algorithm.state_sync: the workers' optimizer-state parts, each
+  row [1, ...]), as the runner's all-reduce averages them; run as a Ray task."""
+  return jax.tree.map(lambda *xs: np.mean(np.concatenate(xs), axis=0, keepdims=True)
+                      .astype(xs[0].dtype), *rows)

@@ -118,6 +118,21 @@ class WorkerProcess:
     sync_index = view.round * len(self.segments) + self.segments[segment].sync
     return aggregate.sender_keys(self.r.config.seed, sync_index, self.ids)
 
+  # --- a state average (Algorithm.state_sync: DES-LOC's moments), between rounds ---------
+
+  def state_parts(self, parts: tuple[str, ...]) -> tuple[dict, object]:
+    """({"bytes": what it sends}, the `parts` of its optimizer state) for the server's
+    average."""
+    with self._lock:
+      sent = jax.device_get(self.r.worker_state_sync.take(self.state.opt_state, parts))
+    return {"bytes": sum(np.asarray(x).nbytes for x in jax.tree.leaves(sent))}, sent
+
+  def set_state_parts(self, parts: tuple[str, ...], values) -> None:
+    """Its optimizer state with `parts` replaced by the average the server sent back."""
+    with self._lock:
+      self.state = self.state._replace(opt_state=self.r.worker_state_sync.put(
+          self.state.opt_state, parts, jax.tree.map(jnp.asarray, values)))
+
   def checkpoint_state(self, unpushed_job: int | None) -> dict:
     """Its state for a checkpoint: as it was before job `unpushed_job` (started or not) if
     that job's push is not applied yet, else as it is."""
