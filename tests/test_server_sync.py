@@ -162,3 +162,31 @@ def test_units_no_present_worker_trained_keep_their_values():
   moved = np.abs(np.asarray(out.params) - np.asarray(state.params)) > 0
   assert not moved[~np.asarray(half)].any()  # the units only worker 0 trains
   assert moved[np.asarray(half)].mean() > 0.9  # everything worker 1 trains
+
+
+def test_noloco_on_a_server_a_worker_whose_peer_missed_keeps_its_own_model():
+  """The Ray server's NoLoCo round (the runner's sync over every worker's row of φ, δ):
+  worker 3 sent nothing, so its peer's pair mean is its own trained model, worker 3's row
+  stays as it was, and the other pair swaps as in the runner."""
+  from lowcomm_jax.algorithms.noloco import pairings, peers
+  from lowcomm_jax.runtimes.ray.server import ServerProcess
+  c = load_config("smoke", algorithm="noloco", num_workers=4, inner_steps=2, runtime="ray",
+                  **{"mesh.replica": 1})
+  server = ServerProcess(c)
+  before = jax.tree.map(np.asarray, server.arrays["opt_state"].per_worker[0])
+  peer = peers(pairings(4, c.seed), c.seed, 0)
+  deltas = np.random.default_rng(4).normal(0, 1e-2, before.phi.shape).astype(np.float32)
+  for w in (0, 1, 2):
+    server.contribute({"worker": w, "version": 0, "tokens": 8, "loss": 2.0}, deltas[w])
+  server.close_round()
+  after = jax.tree.map(np.asarray, server.arrays["opt_state"].per_worker[0])
+  np.testing.assert_array_equal(after.phi[3], before.phi[3])
+  np.testing.assert_array_equal(after.momentum[3], before.momentum[3])
+  lr = c.outer.lr  # δ starts at 0: δ_i = −lr·(φ_i − pair mean of the trained models)
+  trained = before.phi - deltas
+  for i in range(3):
+    pair_mean = trained[i] if peer[i] == 3 else (trained[i] + trained[peer[i]]) / 2
+    np.testing.assert_allclose(after.phi[i], before.phi[i] - lr * (before.phi[i] - pair_mean),
+                               rtol=0, atol=1e-6)
+  # θ: the consensus of the workers that came (worker 3's stale row would hold it back)
+  np.testing.assert_allclose(server.arrays["params"], after.phi[:3].mean(0), rtol=0, atol=1e-6)

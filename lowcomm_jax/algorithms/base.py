@@ -86,24 +86,11 @@ class Algorithm:
     """This algorithm's own config problems, each 'field=value: fix'."""
     return []
 
-  def ray_gaps(self, c: ml_collections.ConfigDict) -> list[str]:
-    """What the Ray runtime (runtimes/ray/) lacks to run it with `c` (empty: it runs there),
-    read from the declarations, never the name. Asynchronous algorithms run there as their
-    `server_rules` applied per push; synchronous ones as quorum rounds of their `segments`,
-    each closed by its fragment's sync as a parameter server runs it, the workers keeping
-    their own state, memory and (`keeps_worker_params`) θ_w, pulling what `worker_rule`
-    reads of the outer state, and sending the server the parts of their optimizer states
-    that `state_sync` averages. The server keeps no per-worker sync state."""
-    if not self.synchronous:
-      return []
-    gaps = []
-    rule = self.worker_rule(c)
-    if rule is not None and rule.reads_sync_state:
-      gaps.append("its workers start from their own row of the sync's state")
-    return gaps
-
   def partial_rounds(self, c: ml_collections.ConfigDict) -> bool:
-    """Whether a round may close without some live workers (Ray's `ray.min_quorum`): a late
+    """Whether a round may close without some live workers (Ray's `ray.min_quorum`; every
+    algorithm runs on Ray from these declarations: asynchronous ones as their
+    `server_rules` applied per push, synchronous ones as quorum rounds of their
+    `segments`, runtimes/ray/quorum.py): a late
     Δ then folds into the next round's sync, which must sync the same fragment (one
     segment); its job must not have read an outer state the server no longer holds (no
     worker rule), nor miss an average of the workers' states (no state sync)."""

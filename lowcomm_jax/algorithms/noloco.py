@@ -108,6 +108,20 @@ class GossipSync(Sync):
   def consensus(self, per_worker_state: NoLoCoState) -> jax.Array:
     return per_worker_state.phi.mean(axis=0)
 
+  def fill_absent(self, deltas_RxN, present, per_worker_state, round_index: int):
+    """A worker whose peer sent nothing keeps its own model that round: the absent peer's
+    row is made to arrive where the present worker's steps took it (θ_j = θ_i, so the pair
+    mean is θ_i)."""
+    c = self.config
+    peer = peers(pairings(len(present), c.seed), c.seed, round_index)
+    phi = np.asarray(per_worker_state.phi)
+    out = np.array(deltas_RxN)
+    for j in np.flatnonzero(~np.asarray(present)):
+      i = peer[j]
+      if present[i]:
+        out[j] = phi[j] - (phi[i] - out[i])
+    return out
+
   def place(self, replica_devices):
     self.per_device = True  # a permute's peers are devices (or, on one, vmapped workers)
     per_device = self.config.num_workers // replica_devices

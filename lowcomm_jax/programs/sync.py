@@ -48,6 +48,16 @@ class Sync:
   # outer rule moves θ.
   consensus = None
 
+  def fill_absent(self, deltas_RxN, present, per_worker_state, round_index: int):
+    """Δ rows [R, N] (host numpy) for a parameter server's round that the workers not
+    `present` missed, for a sync whose workers keep their own state in it (`consensus`):
+    what the absent rows hold so that the present workers' step is what the algorithm wants
+    without them. Their own rows of the state are restored after the step. The default
+    leaves the zeros (a mean weighs the absent rows 0 in `make_server_sync`, which other
+    syncs run)."""
+    del present, per_worker_state, round_index
+    return deltas_RxN
+
   def __init__(self, config: ml_collections.ConfigDict, hosts, d_ff: int):
     c = config
     self.config = c

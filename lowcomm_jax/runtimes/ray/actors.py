@@ -59,7 +59,11 @@ def initial_state(r) -> steps.TrainState:
 
 def initial_rule_state(r, name: str, params):
   """Server `name`'s rule state at θ `params`: an asynchronous server's rule's, or a
-  synchronous run's outer rules' (a tuple, one per fragment, the runner's `per_fragment`)."""
+  synchronous run's outer rules' (a tuple, one per fragment, the runner's `per_fragment`),
+  or where the workers read their own rows of the sync's state (NoLoCo) the runner's whole
+  outer state, rows and all."""
+  if r.local_reads_own:
+    return r.state_spec.init(params).outer
   if r.algorithm.synchronous:
     layout = r.model.layout
     return tuple(rule.init(layout.fragment_slice(params, p))

@@ -18,9 +18,6 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
   if c.runtime != "ray":
     return list(out)
   if algorithm is not None:  # (its declarations say what it needs: algorithms/base.py)
-    for gap in algorithm.ray_gaps(c):
-      out.append(f"algorithm={c.algorithm!r}: the Ray runtime cannot run it yet ({gap}); run "
-                 "it on runtime='spmd' or in the simulator")
     check(algorithm.partial_rounds(c) or y.min_quorum == 0, "ray.min_quorum",
           f"{c.algorithm} needs every live worker in each round (its segments sync "
           "different fragments, its workers read the outer state, or their optimizer states "

@@ -206,7 +206,7 @@ class Pool:
       order, self.counts.next_order = self.counts.next_order, self.counts.next_order + 1
     server = self.server_of(worker)
     pulled_version, params, outer = self.servers[server].pull.options(num_returns=3).remote(
-        version)
+        version, worker)
     meta, sent = self.actors[worker].job.options(num_returns=2).remote(
         pulled_version, params, outer, lr_step, steps, order)
     self.jobs[worker] = Job(worker, order, lr_step, steps, pulled_version, meta, sent,

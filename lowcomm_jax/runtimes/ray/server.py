@@ -16,9 +16,11 @@ from lowcomm_jax.sim import GLOBAL
 
 
 class ServerProcess:
-  """The global parameter server: θ, the algorithm's server rule and its state, the version
-  (pushes applied), and the models that jobs still out pulled (their drift; and a resumed
-  run's jobs start again from them)."""
+  """The global parameter server: θ, the algorithm's server rule and its state (a
+  synchronous run's: its outer rules', and the sync's rows where workers read their own),
+  the version (pushes applied, or syncs closed), the open round's contributions, and the
+  models that jobs still out pulled (their drift; and a resumed run's jobs start again from
+  them)."""
 
   def __init__(self, config: ml_collections.ConfigDict, restored: dict | None = None,
                name: str = GLOBAL, *, standby: bool = False):
@@ -34,10 +36,17 @@ class ServerProcess:
                     else None)
     self._rng = initial_state(r).rng  # the run's key: a round's attack draws from it
     self._rng_key = jax.random.key(0)  # (the codec keys' shape and type)
-    self._syncs = self._round_syncs() if r.algorithm.synchronous else None
+    # Workers that start from their own row of the sync's state (NoLoCo): the server keeps
+    # every row and runs the runner's own sync over them (each row a worker's, as vmapped
+    # workers are), θ the rows' consensus. Other synchronous runs: make_server_sync.
+    self._own_rows = r.local_reads_own
+    self._consensus = jax.jit(r.sync.consensus) if self._own_rows else None
+    self._syncs = (self._round_syncs() if r.algorithm.synchronous and not self._own_rows
+                   else None)
     # Versions count syncs: a synchronous round of P segments is P versions (segment
     # version % P of round version // P).
-    self.segments = len(self._syncs) if self._syncs else 1
+    self.segments = (len(r.algorithm.segments(r.config, r.config.inner_steps))
+                     if r.algorithm.synchronous else 1)
     self._norm = jax.jit(lambda p: jnp.sqrt(jnp.sum(jnp.square(p))))
     self._exchange = servers.RegionalExchange()
     self.mesh = r.topology.mesh
@@ -102,18 +111,28 @@ class ServerProcess:
     (their gradients are at θ: there is no drift to measure)."""
     return self.version, np.asarray(self.arrays["params"])
 
-  def pull(self, version: int | None = None) -> tuple[int, np.ndarray, object]:
-    """(version, θ, the outer rules' state or None) for a worker's next job: the newest, or
-    (a job started again after a resume) the one that job had pulled. The outer state goes
-    along only where the workers' rule reads it (eager updates: `Run.local_reads_rules`;
-    such runs close rounds only with every live worker, so a pull is of the newest)."""
+  def pull(self, version: int | None = None, worker: int | None = None
+           ) -> tuple[int, np.ndarray, object]:
+    """(version, θ, what the worker reads of the outer state or None) for `worker`'s next
+    job: the newest, or (a job started again after a resume) the one that job had pulled.
+    The outer state goes along only where the workers' rule reads it, as (its own rows of
+    the per-worker state, the outer rules' state): the rules' for eager updates
+    (`Run.local_reads_rules`), its row of the sync's state too for NoLoCo
+    (`Run.local_reads_own`). Such runs close rounds only with every live worker, so a pull
+    is of the newest."""
     if version is None:
       version = self.version
       held = self.snapshots.setdefault(version, [self.arrays["params"], 0])
     else:
       held = self.snapshots[version]
     held[1] += 1
-    outer = (jax.device_get(self.arrays["opt_state"]) if self.r.local_reads_rules else None)
+    outer = None
+    if self._own_rows:
+      state = self.arrays["opt_state"]
+      outer = (jax.device_get(jax.tree.map(lambda x: x[worker:worker + 1], state.per_worker)),
+               jax.device_get(state.per_fragment))
+    elif self.r.local_reads_rules:
+      outer = ((), jax.device_get(self.arrays["opt_state"]))
     return version, np.asarray(held[0]), outer
 
   def _release(self, version: int):
@@ -167,7 +186,9 @@ class ServerProcess:
     runner's (sync_program.make_server_sync): decode, attack, weights, robust rule, outer
     rule. Workers that sent nothing this round have no row (weight 0)."""
     contributed = bool(self._rows)
-    if contributed:
+    if contributed and self._own_rows:
+      self._close_own_rows()
+    elif contributed:
       a = self.arrays
       round_, segment = divmod(self.version, self.segments)
       state = steps.TrainState(jnp.asarray(round_, jnp.int32), self._rng, a["params"],
@@ -180,6 +201,31 @@ class ServerProcess:
     self.version += 1
     self._hold()
     return {"version": self.version, "applied": contributed}
+
+  def _close_own_rows(self) -> None:
+    """The runner's own sync (`Run.programs.syncs`, the simulator's too) over every worker's
+    row of Δ and of the sync's state; the rows of workers that sent nothing are filled as the
+    algorithm says (`Sync.fill_absent`) and then keep their state. θ is the consensus of
+    the rows that came."""
+    a, r = self.arrays, self.r
+    round_, segment = divmod(self.version, self.segments)
+    fragment = r.algorithm.segments(r.config, r.config.inner_steps)[segment].sync
+    received, _, signals = self._round_inputs()
+    present = np.asarray(signals.tokens) > 0
+    outer = a["opt_state"]
+    if not present.all():
+      received = jnp.asarray(r.sync.fill_absent(
+          np.asarray(received), present, jax.device_get(outer.per_worker[fragment]),
+          round_ * self.segments + fragment))
+    state = steps.TrainState(jnp.asarray(round_, jnp.int32), self._rng, a["params"], outer)
+    with jax.set_mesh(self.mesh):
+      state, _ = self.programs.syncs[segment](state, received, signals, metrics=False)
+    rows = jax.tree.map(
+        lambda new, old: jnp.where(present.reshape((-1,) + (1,) * (new.ndim - 1)), new, old),
+        state.outer.per_worker, outer.per_worker)
+    a["opt_state"] = state.outer._replace(per_worker=rows)
+    # θ: the consensus of the workers in this round (a dead worker's row would hold θ back)
+    a["params"] = self._consensus(jax.tree.map(lambda x: x[np.flatnonzero(present)], rows[0]))
 
   def _round_syncs(self) -> list:
     """The synchronous algorithm's sync per segment, as a parameter server runs it."""

@@ -86,9 +86,9 @@ class WorkerProcess:
     self.delay_s = seconds
 
   def _view(self, round_: int, params: np.ndarray, outer=None) -> steps.TrainState:
-    """What the local programs read of the global state of round `round_` (`outer`: the
-    outer rules' states, where the workers' rule reads them)."""
-    outer = (steps.OuterState((), jax.tree.map(jnp.asarray, outer)) if outer is not None
+    """What the local programs read of the global state of round `round_` (`outer`: where
+    the workers' rule reads it, (its own rows of the sync's state, the outer rules'))."""
+    outer = (steps.OuterState(*jax.tree.map(jnp.asarray, outer)) if outer is not None
              else ())
     return self.r.local_input(steps.TrainState(
         jnp.asarray(round_, jnp.int32), self.rng, jnp.asarray(params), outer))
