@@ -83,6 +83,16 @@ def config_of(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
   return config
 
 
+def run_of(config: ml_collections.ConfigDict):
+  """The run built as the one that wrote its checkpoints: a Ray run as its servers build
+  it (one device, a row per worker id), others as the runner does."""
+  if config.runtime == "ray":
+    from lowcomm_jax.runtimes.ray import checkpoints as ray_checkpoints
+    return ray_checkpoints.run_of(config)
+  from lowcomm_jax.runtimes.spmd import train  # the runner's stack, loaded only when exporting
+  return train.build(config, check_memory=False)
+
+
 def latest_params(r, workdir: str | pathlib.Path) -> tuple[int, dict]:
   """(round, the model's parameter tree) of the workdir's latest checkpoint: the global θ,
   or for LoRA the base with the adapters merged in. `r`: the run, built."""
@@ -152,17 +162,12 @@ class WidthModel:
 def width_model(workdir: str | pathlib.Path, width: float) -> WidthModel:
   """The width-`width` model of the workdir's latest checkpoint (module docstring): what
   `export_width` writes and bench/smollm2_generate.py --workdir runs."""
-  from lowcomm_jax.runtimes.spmd import train  # the runner's stack, loaded only when exporting
   config = config_of(workdir)
   check_width(config, width)
   if not list((pathlib.Path(workdir) / "checkpoints").glob("[0-9]*")):
     raise ExportError(f"{workdir}: no checkpoint to export; run it first")
   check.validate_here(config)  # this command's one validation (main's is the run's)
-  if config.runtime == "ray":  # built as its servers were (their checkpoints' shapes)
-    from lowcomm_jax.runtimes.ray import checkpoints as ray_checkpoints
-    r = ray_checkpoints.run_of(config)
-  else:
-    r = train.build(config, check_memory=False)
+  r = run_of(config)
   step, params = latest_params(r, workdir)
   d_ff = r.model.cfg.d_ff
   m = hidden_units(d_ff, width)

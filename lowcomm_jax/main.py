@@ -132,9 +132,9 @@ def main(argv):
     return  # process 0 reports for the run (and exports)
   print(json.dumps(summary, indent=2))
   if _EXPORT_MERGED.value:
-    from lowcomm_jax.export import export_merged
+    from lowcomm_jax.export import export_merged, run_of
     try:
-      written = export_merged(train.build(_CONFIG.value), workdir, _EXPORT_MERGED.value)
+      written = export_merged(run_of(_CONFIG.value), workdir, _EXPORT_MERGED.value)
     except (ValueError, OSError, CheckpointMismatch) as e:
       print(f"lowcomm_jax: error: --export_merged: {e}", file=sys.stderr)
       sys.exit(2)

@@ -79,6 +79,10 @@ def test_config_problems_name_their_field():
   for name in ("diloco", "streaming", "one_step_delay", "eager", "overlap", "pier", "desloc",
                "noloco"):
     assert _problems(runtime="ray", algorithm=name, rounds=40, **{"mesh.replica": 1}) == [], name
+  # NoLoCo's joiner would start its row from θ₀: refused (a rejoin keeps its row)
+  joins = _problems(runtime="ray", algorithm="noloco", num_workers=4,
+                    **{"mesh.replica": 1, "ray.chaos": ("add_worker@3",)})
+  assert len(joins) == 1 and joins[0].startswith("ray.chaos=") and "rejoin_worker" in joins[0]
   # several fragments a round: a round closes only with every live worker
   quorum = _problems(runtime="ray", algorithm="streaming", inner_steps=4,
                      **{"mesh.replica": 1, "ray.min_quorum": 1, "ray.apply_order": "arrival"})
@@ -432,6 +436,7 @@ def test_a_host_table_on_ray_trains_and_exports_as_the_runner(cluster, tmp_path)
   assert set(summary["eval_loss_by_width"]) == {"1", "0.5"}
   for width, loss in runner["eval_loss_by_width"].items():
     assert abs(summary["eval_loss_by_width"][width] - loss) < 1e-5 * loss
+  assert summary["bytes_sent"] == runner["bytes_sent"]
   written = [load_file(export.export_width(tmp_path / run, 0.5, tmp_path / f"{run}_half"))
              for run in ("ray", "runner")]
   assert sorted(written[0]) == sorted(written[1])

@@ -170,10 +170,9 @@ def robust_combine(*, rule: str, signal: str, num_workers: int, trim: int = 1,
               else jnp.zeros((num_workers,), jnp.float32))
     seen = signal_lib.observe(state.signals, losses=losses, norms=norms, cosines=cosines,
                               probes=probes, ema=signal_ema, present=present)
-    if signal == "none":
-      weights = seen.weights
-      if present is not None:  # uniform over the present workers
-        weights = jnp.where(present, 1.0, 0.0) / jnp.maximum(present.sum(), 1)
+    if signal == "none":  # uniform (over the present workers, in a round some missed)
+      weights = (jnp.full((num_workers,), 1.0 / num_workers, jnp.float32) if present is None
+                 else jnp.where(present, 1.0, 0.0) / jnp.maximum(present.sum(), 1))
     else:
       weights = signal_lib.weights_from(
           signal_lib.signal_of(seen, signal), state.signals.weights, temperature=temperature,

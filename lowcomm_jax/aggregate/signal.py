@@ -62,13 +62,19 @@ def init(num_workers: int) -> SignalState:
 def observe(state: SignalState, *, losses, norms, cosines, probes, ema: float,
             present=None) -> SignalState:
   """The signals after one more round; the first round sets them. `present` [W] (a parameter
-  server's round that some workers missed): an absent worker's signals stay as they were."""
+  server's round that some workers missed): an absent worker's signals stay as they were,
+  a worker seen for the first time (its norm EMA still 0) is set rather than mixed, and
+  observations are centred on the present workers' mean."""
   first = state.rounds == 0
+  mean = jnp.mean
+  if present is not None:
+    first = first | (state.norm == 0)
+    mean = lambda v: jnp.where(present, v, 0.0).sum() / jnp.maximum(present.sum(), 1)
   mix = lambda old, new: jnp.where(first, new, ema * old + (1.0 - ema) * new)
   # The exponentially weighted variance, var ← ema·(var + (1 − ema)·(x − m_prev)²), of each
   # worker's observation relative to the workers' mean: the trend all workers share
   # (losses falling as training goes) is not noise.
-  centered = lambda v: v - jnp.mean(v)
+  centered = lambda v: v - mean(v)
   spread = lambda var, m, x: jnp.where(
       first, 0.0, ema * (var + (1.0 - ema) * (centered(x) - centered(m)) ** 2))
   seen = state._replace(rounds=state.rounds + 1, loss=mix(state.loss, losses),

@@ -148,6 +148,8 @@ def make_server_sync(sync, rule: optax.GradientTransformation, *, layout: ParamL
       combined = part.ravel(codec.average(received, part.abstract, keys))
     else:
       deltas = jax.vmap(decode)(received, keys) if codec is not None else received
+      if not full:  # whatever an absent row decodes to counts for nothing
+        deltas = jnp.where(present[:, None], deltas, 0.0)
       if attack is not None:
         deltas = attack(deltas, jax.random.fold_in(round_key(state), 0xA77AC + fragment))
       if sync.robust:

@@ -18,6 +18,12 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
   if c.runtime != "ray":
     return list(out)
   if algorithm is not None:  # (its declarations say what it needs: algorithms/base.py)
+    rule = algorithm.worker_rule(c)
+    joins = any(str(e).startswith("add_worker") for e in y.chaos)
+    check(not (joins and rule is not None and rule.reads_sync_state), "ray.chaos",
+          f"{c.algorithm}'s workers keep their own row of the sync's state, and a row for a "
+          "worker that joins mid-run would start from θ₀: use kill_worker/rejoin_worker "
+          "(a rejoining worker keeps its row)")
     check(algorithm.partial_rounds(c) or y.min_quorum == 0, "ray.min_quorum",
           f"{c.algorithm} needs every live worker in each round (its segments sync "
           "different fragments, its workers read the outer state, or their optimizer states "

@@ -37,6 +37,8 @@ class QuorumRounds(Progress):
     if d.counts.rounds < d.c.rounds:
       if self.segment == 0:
         self._average_states()
+        if worker not in d.pool.actors:  # it died in the average
+          return
       configured = d.pool.configured_inner_steps(worker)
       start = d.r.algorithm.segments(d.c, configured)[self.segment].start
       steps = d.r.algorithm.segments(d.c, d.pool.inner_steps_of(worker))[self.segment].steps
@@ -45,8 +47,9 @@ class QuorumRounds(Progress):
   def _average_states(self) -> None:
     """Before a round whose average of the workers' optimizer states is due
     (`Algorithm.state_sync`: DES-LOC's moments), once: every live worker's parts, their mean
-    (a Ray task: the driver holds references only), back to each. A worker that dies on the
-    way is lost and the rest average again without it."""
+    (a Ray task: the driver holds references only), back to each. A worker that dies before
+    every part is in is lost and the rest average again without it; one that dies taking
+    the mean is lost, the others keep theirs."""
     d, n, pool = self.d, self.d.counts, self.d.pool
     parts = d.r.state_sync_due(n.rounds)
     if not parts or self.states_averaged == n.rounds:
@@ -57,21 +60,30 @@ class QuorumRounds(Progress):
     while workers := [w for w in pool.up() if w not in pool.jobs]:
       sent = {w: pool.actors[w].state_parts.options(num_returns=2).remote(parts)
               for w in workers}
-      mean = average.remote(*[ref for _, ref in sent.values()])
-      done = [pool.actors[w].set_state_parts.remote(parts, mean) for w in workers]
-      try:
-        d.ray.get(done)
+      try:  # every part in before any worker takes a mean
+        metas = d.ray.get([meta for meta, _ in sent.values()])
       except errors:
-        dead = [w for w in workers if not pool.worker_alive(w)]
-        for w in dead:
-          pool.lose(w, "died in a state average")
-        if dead:
-          continue
-        raise
-      n.sent_bytes += sum(meta["bytes"] for meta in d.ray.get([m for m, _ in sent.values()]))
+        self._lose_dead(workers)
+        continue
+      mean = average.remote(*[ref for _, ref in sent.values()])
+      done = {w: pool.actors[w].set_state_parts.remote(parts, mean) for w in workers}
+      for w, ref in done.items():
+        try:
+          d.ray.get(ref)
+        except errors:  # it died taking the mean: the others have theirs
+          self._lose_dead([w])
+      n.sent_bytes += sum(meta["bytes"] for meta in metas)
       logging.info("ray: round %d starts from %s averaged over workers %s", n.rounds,
                    "/".join(parts), workers)
       return
+
+  def _lose_dead(self, workers) -> None:
+    pool = self.d.pool
+    dead = [w for w in workers if w in pool.actors and not pool.worker_alive(w)]
+    if not dead:
+      raise RuntimeError(f"a state average failed and workers {workers} are all alive")
+    for w in dead:
+      pool.lose(w, "died in a state average")
 
   def mark(self) -> int:
     return self.d.counts.rounds
