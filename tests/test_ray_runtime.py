@@ -205,15 +205,15 @@ def test_a_checkpoints_meta_gives_a_resumed_driver_what_it_counted_and_dylus_h()
   config = _config(**{"outer.dylu": True})
   before = RayDriver(config)
   pool = before.pool
-  pool.speeds, pool.inner_steps = {0: 40.0, 1: 10.0}, {0: 4, 1: 1}
+  pool.rows.speeds, pool.rows.inner_steps = {0: 40.0, 1: 10.0}, {0: 4, 1: 1}
   pool.delays, pool.lost, pool.data = {1: 0.5}, [2], {"0": {"position": 7}}
   before.counts.pushes, before.counts.applied_steps = 5, 10
   meta = json.loads(json.dumps(before._meta(wall=3.0, last=False)))
   after = RayDriver(config)
-  assert after.pool.inner_steps_of(0) == after.pool.inner_steps_of(1) == 2  # (config's H)
+  assert after.pool.rows.inner_steps_of(0) == after.pool.rows.inner_steps_of(1) == 2  # (config's H)
   after._resume_from(meta)
-  assert [after.pool.inner_steps_of(w) for w in (0, 1)] == [4, 1]
-  assert after.pool.speeds == pool.speeds and after.pool.delays == pool.delays
+  assert [after.pool.rows.inner_steps_of(w) for w in (0, 1)] == [4, 1]
+  assert after.pool.rows.speeds == pool.rows.speeds and after.pool.delays == pool.delays
   assert after.pool.lost == [2] and after.pool.data == pool.data
   assert after.counts == before.counts
   assert after.wall_before() == 3.0 and not after.finished
@@ -472,7 +472,7 @@ def test_a_lost_workers_tier_is_counted_and_untrained_units_are_said(caplog):
                                      ("worker_lost", 0, 1.0, {"0.5": 1})]
   assert [f for e, f in notes if e == "units_untrained"] == [{"first": 64, "last": 127}]
   assert "no live worker trains FFN units 64..127" in caplog.text
-  assert pool.host_of[3].tier == 1.0 and pool.configured_inner_steps(3) == config.inner_steps
+  assert pool.rows.host_of[3].tier == 1.0 and pool.rows.configured_inner_steps(3) == config.inner_steps
 
 
 @pytest.mark.ray_slow

@@ -181,34 +181,22 @@ def robust_combine(*, rule: str, signal: str, num_workers: int, trim: int = 1,
           present=present)
     seen = seen._replace(weights=weights)
     stacked, w = all_u, weights
-    if present is not None:
-      return _combine_present(stacked, w, present, state.center, seen)
-    if bucket > 1:
+    if bucket > 1:  # (never with `present`: refused above)
       key = jax.random.fold_in(jax.random.key(seed), round_index)
       stacked, w = buckets(all_u, weights, key, bucket)
     if rule == "mean":
-      # Uniform weights (no signal, or still warming up) give the plain mean exactly.
+      # Uniform weights (no signal, or still warming up) give the plain mean exactly; with
+      # absent workers (weight 0) they are never uniform: their mean is the weighted one.
       uniform = jnp.all(w == w[0])
       out = jax.tree.map(lambda m, x: jnp.where(uniform, jnp.mean(x, axis=0), m),
                          weighted_mean(stacked, w), stacked)
     elif rule == "median":
-      out = median(stacked)
+      out = median(stacked) if present is None else present_median(stacked, present)
     elif rule == "trimmed_mean":
-      out = trimmed_mean(stacked, trim)
+      out = (trimmed_mean(stacked, trim) if present is None
+             else present_trimmed_mean(stacked, present, trim))
     else:
       out, _ = centered_clip(stacked, state.center, w, iters=clip_iters,
-                             tau=clip_tau if clip_tau > 0 else None)
-    return out, RobustState(out, seen)
-
-  def _combine_present(stacked, w, present, center, seen):
-    if rule == "mean":
-      out = weighted_mean(stacked, w)
-    elif rule == "median":
-      out = present_median(stacked, present)
-    elif rule == "trimmed_mean":
-      out = present_trimmed_mean(stacked, present, trim)
-    else:
-      out, _ = centered_clip(stacked, center, w, iters=clip_iters,
                              tau=clip_tau if clip_tau > 0 else None, present_W=present)
     return out, RobustState(out, seen)
 

@@ -295,6 +295,11 @@ def make_eval_step(widths: tuple[tuple[int, LossFn], ...], d_ff: int, layout: Pa
   return eval_step
 
 
+def run_key(seed: int) -> jax.Array:
+  """The run's key (as key data): every round key and random draw of the run folds it."""
+  return jax.random.key_data(jax.random.key(seed))
+
+
 def init_state(params, *, seed: int, layout: ParamLayout, aggregators, rules,
                num_workers: int) -> TrainState:
   """Round-0 global state (each fragment's aggregator state stacked once per worker)."""
@@ -305,7 +310,7 @@ def init_state(params, *, seed: int, layout: ParamLayout, aggregators, rules,
                                    aggregator.init(part)))
     per_fragment.append(rule.init(part))
   return TrainState(round=jnp.zeros((), jnp.int32),
-                    rng=jax.random.key_data(jax.random.key(seed)),
+                    rng=run_key(seed),
                     params=params, outer=OuterState(tuple(per_worker), tuple(per_fragment)))
 
 

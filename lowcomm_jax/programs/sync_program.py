@@ -67,7 +67,7 @@ def make_sync(aggregator: optax.GradientTransformationExtraArgs,
 
   def sync(state: TrainState, deltas_R, signals: Signals, metrics: bool = True):
     if attack is not None:  # adversaries replace what they send (aggregate.make_attack)
-      deltas_R = attack(deltas_R, jax.random.fold_in(round_key(state), 0xA77AC + fragment))
+      deltas_R = attack(deltas_R, _attack_key(state, fragment))
     weight_R = (signals.tokens if weigh_tokens
                 else jnp.ones(signals.tokens.shape, jnp.float32))
     # Σ_w weights from the replicated signals: computed here, never communicated.
@@ -151,7 +151,7 @@ def make_server_sync(sync, rule: optax.GradientTransformation, *, layout: ParamL
       if not full:  # whatever an absent row decodes to counts for nothing
         deltas = jnp.where(present[:, None], deltas, 0.0)
       if attack is not None:
-        deltas = attack(deltas, jax.random.fold_in(round_key(state), 0xA77AC + fragment))
+        deltas = attack(deltas, _attack_key(state, fragment))
       if sync.robust:
         combined = deltas  # the robust rule, inside `rule`, combines the rows
         if not full:
@@ -195,3 +195,8 @@ def make_probe(loss_fn: LossFn, layout: ParamLayout, fragment: int, windows_BxL1
 
 def _replace(parts: tuple, i: int, value) -> tuple:
   return parts[:i] + (value,) + parts[i + 1:]
+
+
+def _attack_key(state: TrainState, fragment: int) -> jax.Array:
+  """A round's attack draws (a worker's sync and a server's draw the same)."""
+  return jax.random.fold_in(round_key(state), 0xA77AC + fragment)

@@ -18,12 +18,6 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
   if c.runtime != "ray":
     return list(out)
   if algorithm is not None:  # (its declarations say what it needs: algorithms/base.py)
-    rule = algorithm.worker_rule(c)
-    joins = any(str(e).startswith("add_worker") for e in y.chaos)
-    check(not (joins and rule is not None and rule.reads_sync_state), "ray.chaos",
-          f"{c.algorithm}'s workers keep their own row of the sync's state, and a row for a "
-          "worker that joins mid-run would start from θ₀: use kill_worker/rejoin_worker "
-          "(a rejoining worker keeps its row)")
     check(algorithm.partial_rounds(c) or y.min_quorum == 0, "ray.min_quorum",
           f"{c.algorithm} needs every live worker in each round (its segments sync "
           "different fragments, its workers read the outer state, or their optimizer states "
@@ -87,4 +81,10 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
         killed.pop(e.worker, None)
     check(sum(e.action == "kill_server" for e in events) <= 1, "ray.chaos",
           "the server is killed at most once")
+    rule = algorithm.worker_rule(c) if algorithm is not None else None
+    joins = any(e.action == "add_worker" for e in events)
+    check(not (joins and rule is not None and rule.reads_sync_state), "ray.chaos",
+          f"{c.algorithm}'s workers keep their own row of the sync's state, and a row for a "
+          "worker that joins mid-run would start from θ₀: use kill_worker/rejoin_worker "
+          "(a rejoining worker keeps its row)")
   return list(out)

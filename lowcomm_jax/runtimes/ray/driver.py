@@ -242,8 +242,8 @@ class RayDriver:
     return {"unsent": self.regions.unsent if self.regions is not None else {},
             "counts": dataclasses.asdict(self.counts), "data": pool.data, "lost": pool.lost,
             "delays": {str(k): v for k, v in pool.delays.items()},
-            "speeds": {str(k): v for k, v in pool.speeds.items()},
-            "inner_steps": {str(k): v for k, v in pool.inner_steps.items()},
+            "speeds": {str(k): v for k, v in pool.rows.speeds.items()},
+            "inner_steps": {str(k): v for k, v in pool.rows.inner_steps.items()},
             "wall_seconds": wall, "finished": last and self.finished}
 
   def _resume_from(self, meta: dict) -> None:
@@ -254,8 +254,8 @@ class RayDriver:
       self.regions.unsent = dict(meta["unsent"])
     pool.data, pool.lost = meta["data"], list(meta["lost"])
     pool.delays = as_ints(meta["delays"])
-    pool.speeds = as_ints(meta.get("speeds", {}))  # (not in checkpoints before DyLU kept them)
-    pool.inner_steps = as_ints(meta.get("inner_steps", {}))
+    pool.rows.speeds = as_ints(meta.get("speeds", {}))  # (not in checkpoints before DyLU kept them)
+    pool.rows.inner_steps = as_ints(meta.get("inner_steps", {}))
     self._wall_before, self.finished = meta["wall_seconds"], meta["finished"]
 
   def complete(self) -> bool:

@@ -14,9 +14,9 @@ from typing import Callable
 
 import ml_collections
 
-from lowcomm_jax.assemble.hosts import settle_inner_steps
 from lowcomm_jax.runtimes.ray import chaos as chaos_lib, cluster
 from lowcomm_jax.runtimes.ray.accounts import Counts, Job
+from lowcomm_jax.runtimes.ray.rows import WorkerRows
 from lowcomm_jax.runtimes.ray.server import ServerProcess
 from lowcomm_jax.runtimes.ray.worker import WorkerProcess
 from lowcomm_jax.sim import GLOBAL
@@ -31,12 +31,10 @@ class Pool:
 
   def __init__(self, config: ml_collections.ConfigDict, counts: Counts,
                restore_latest: Callable[[], tuple], note: Callable[..., None], hosts=()):
-    """`hosts`: the host table with a row for every worker id the run may use (chaos's
-    joiners too): each worker's tier, batch and H. None given: every worker full width, of
-    the config's batch and H."""
+    """`hosts`: the host table with a row for every worker id the run may use (rows.py)."""
     self.c, self.counts = config, counts
-    self.host_of = {w: h for h in hosts for w in h.worker_ids}
     self.restore_latest, self.note = restore_latest, note
+    self.rows = WorkerRows(config, hosts, note)  # each worker's tier and H (DyLU)
     self.ray = cluster.import_ray()
     self.events = chaos_lib.parse(config.ray.chaos)
     self.servers: dict[str, object] = {}
@@ -50,8 +48,6 @@ class Pool:
     # Server calls that changed a server's state since the last checkpoint, in order, as
     # (server, method, args): a restored server is fed its own again.
     self.since_checkpoint: list[tuple[str, str, tuple]] = []
-    self.inner_steps: dict[int, int] = {}  # H per worker where DyLU settled one
-    self.speeds: dict[int, float] = {}  # DyLU: steps per second, per worker
     self.on_join: Callable[[int], None] = lambda worker: None
     self.on_lose: Callable[[int], None] = lambda worker: None
     self.jobs_done: dict[int, int] = {}  # per live worker process
@@ -129,8 +125,9 @@ class Pool:
     if worker in self.lost:
       self.lost.remove(worker)
     self.counts.workers_joined += 1
-    self.note("worker_joined", worker=worker, live=len(self.actors), **self._tier(worker))
-    self.settle_inner_steps("worker joined")
+    self.note("worker_joined", worker=worker, live=len(self.actors),
+              **self.rows.tier_fields(worker, self.actors))
+    self.rows.settle("worker joined", self.actors)
     self.on_join(worker)
 
   def up(self) -> list[int]:
@@ -179,10 +176,11 @@ class Pool:
         # (a pull from a dead server fails: no matter)
         self.servers[job.server].drop.remote(job.version)
     self.on_lose(worker)
-    self.note("worker_lost", worker=worker, why=why, live=len(self.actors), **self._tier(worker))
-    self._untrained_tiers()
-    self.speeds.pop(worker, None)
-    self.settle_inner_steps("worker lost")
+    self.note("worker_lost", worker=worker, why=why, live=len(self.actors),
+              **self.rows.tier_fields(worker, self.actors))
+    self.rows.say_untrained(self.actors)
+    self.rows.speeds.pop(worker, None)
+    self.rows.settle("worker lost", self.actors)
     if not self.actors:
       raise RuntimeError(f"every worker is gone ({why}); the run cannot go on. Resume it "
                          "from its last checkpoint when workers are back")
@@ -265,7 +263,8 @@ class Pool:
     if "data" in meta:
       self.data[str(job.worker)] = meta["data"]
     self.jobs_done[job.worker] += 1
-    self._measured(job.worker, meta)
+    if self.jobs_done[job.worker] > 1:  # (its first job compiles: not a speed)
+      self.rows.measured(job.worker, meta, self.actors)
     return meta
 
   def discard(self, job: Job) -> None:
@@ -381,55 +380,3 @@ class Pool:
         worker = e.worker if e.action == "rejoin_worker" else n.next_worker
         n.next_worker += e.action == "add_worker"
         self.join(worker)
-
-  def _tier(self, worker: int) -> dict:
-    """A membership event's tier fields: the worker's tier, and the live workers per tier."""
-    if not self.host_of:
-      return {}
-    live: dict[str, int] = {}
-    for w in self.actors:
-      key = f"{self.host_of[w].tier:g}"
-      live[key] = live.get(key, 0) + 1
-    return {"tier": self.host_of[worker].tier, "live_per_tier": live}
-
-  def _untrained_tiers(self) -> None:
-    """Says so when no live worker trains the widest FFN units (every worker of the widest
-    tier is gone): until one joins, the server's rounds leave those units as they are."""
-    trained = max((self.host_of[w].hidden for w in self.actors), default=0)
-    widest = max(h.hidden for h in self.host_of.values()) if self.host_of else 0
-    if self.host_of and trained < widest:
-      logging.warning("ray: no live worker trains FFN units %d..%d (the widest live tier "
-                      "trains %d); the server leaves them as they are until one joins",
-                      trained, widest - 1, trained)
-      self.note("units_untrained", first=trained, last=widest - 1)
-
-  def configured_inner_steps(self, worker: int) -> int:
-    """H of `worker`'s host-table row (the config's inner_steps without a table)."""
-    host = self.host_of.get(worker)
-    return host.inner_steps if host is not None else self.c.inner_steps
-
-  def inner_steps_of(self, worker: int) -> int:
-    """The H its next job takes: DyLU's where it settled one, else its row's."""
-    return self.inner_steps.get(worker, self.configured_inner_steps(worker))
-
-  def _measured(self, worker: int, meta: dict) -> None:
-    """DyLU (`outer.dylu`): a worker's speed is its steps per second of job (its first job
-    compiles, so it is not counted); H is settled again from the live workers' speeds once
-    all are known, and whenever membership changes."""
-    if not self.c.outer.dylu or self.jobs_done[worker] <= 1:
-      return
-    first = worker not in self.speeds
-    self.speeds[worker] = meta["steps"] / max(meta["job_seconds"], 1e-9)
-    if first:
-      self.settle_inner_steps("speed measured")
-
-  def settle_inner_steps(self, why: str) -> None:
-    if not self.c.outer.dylu:
-      return
-    live = sorted(self.actors)
-    speeds = [self.speeds.get(w, 0.0) for w in live]
-    settled = dict(zip(live, settle_inner_steps(
-        self.c, [self.configured_inner_steps(w) for w in live], speeds)))
-    if settled != {w: self.inner_steps_of(w) for w in live}:
-      self.inner_steps.update(settled)
-      self.note("inner_steps", why=why, inner_steps={str(w): h for w, h in settled.items()})

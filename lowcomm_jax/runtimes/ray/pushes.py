@@ -24,7 +24,7 @@ class Pushes(Progress):
     remaining = d.plan.total_steps - n.dispatched_steps
     if remaining <= 0:
       return
-    steps = min(d.pool.inner_steps_of(worker), remaining)
+    steps = min(d.pool.rows.inner_steps_of(worker), remaining)
     if clock is None:
       clock = n.dispatched_steps // d.c.num_workers
     n.dispatched_steps += steps

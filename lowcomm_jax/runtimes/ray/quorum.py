@@ -27,6 +27,8 @@ class QuorumRounds(Progress):
     self.segment = 0  # the open segment of the open round (marks are at round ends)
     self.segments = len(d.r.algorithm.segments(d.c, d.c.inner_steps))
     self.states_averaged = None  # the round whose workers' state average is done
+    self._average = (d.ray.remote(num_cpus=0)(average_parts)  # (DES-LOC's moments)
+                     if d.r.worker_state_sync is not None else None)
 
   def start_next(self, worker: int, clock: int | None = None) -> None:
     """`worker`'s next job, the open segment from its θ (every worker, every segment); its
@@ -39,9 +41,9 @@ class QuorumRounds(Progress):
         self._average_states()
         if worker not in d.pool.actors:  # it died in the average
           return
-      configured = d.pool.configured_inner_steps(worker)
+      configured = d.pool.rows.configured_inner_steps(worker)
       start = d.r.algorithm.segments(d.c, configured)[self.segment].start
-      steps = d.r.algorithm.segments(d.c, d.pool.inner_steps_of(worker))[self.segment].steps
+      steps = d.r.algorithm.segments(d.c, d.pool.rows.inner_steps_of(worker))[self.segment].steps
       d.pool.dispatch(worker, d.counts.rounds * configured + start, steps)
 
   def _average_states(self) -> None:
@@ -55,7 +57,6 @@ class QuorumRounds(Progress):
     if not parts or self.states_averaged == n.rounds:
       return
     self.states_averaged = n.rounds
-    average = d.ray.remote(num_cpus=0)(average_parts)
     errors = (d.ray.exceptions.RayActorError, d.ray.exceptions.RayTaskError)
     while workers := [w for w in pool.up() if w not in pool.jobs]:
       sent = {w: pool.actors[w].state_parts.options(num_returns=2).remote(parts)
@@ -65,7 +66,7 @@ class QuorumRounds(Progress):
       except errors:
         self._lose_dead(workers)
         continue
-      mean = average.remote(*[ref for _, ref in sent.values()])
+      mean = self._average.remote(*[ref for _, ref in sent.values()])
       done = {w: pool.actors[w].set_state_parts.remote(parts, mean) for w in workers}
       for w, ref in done.items():
         try:

@@ -34,8 +34,7 @@ class ServerProcess:
     codec = r.sync.codec
     self._decode = (jax.jit(servers.make_decode(codec, r.model.layout)) if codec
                     else None)
-    self._rng = initial_state(r).rng  # the run's key: a round's attack draws from it
-    self._rng_key = jax.random.key(0)  # (the codec keys' shape and type)
+    self._rng = steps.run_key(r.config.seed)  # a round's attack draws from it
     # Workers that start from their own row of the sync's state (NoLoCo): the server keeps
     # every row and runs the runner's own sync over them (each row a worker's, as vmapped
     # workers are), θ the rows' consensus. Other synchronous runs: make_server_sync.
@@ -241,8 +240,7 @@ class ServerProcess:
     senders' codec keys, and the signals (tokens 0: no row)."""
     slots = self.r.config.num_workers
     tokens, losses = np.zeros(slots, np.float32), np.zeros(slots, np.float32)
-    key_like = np.asarray(jax.random.key_data(self._rng_key))
-    keys = np.zeros((slots,) + key_like.shape, key_like.dtype)
+    keys = np.zeros((slots,) + self._rng.shape, self._rng.dtype)  # (key data, as the run's)
     sent = {}
     for w, (payload, meta) in self._rows.items():
       tokens[w], losses[w] = meta["tokens"], meta.get("loss", 0.0)

@@ -103,7 +103,8 @@ class WorkerProcess:
       keys = self._codec_keys(view, segment)
       fragment = self.segments[segment].sync
       payload, state = self.encoders[fragment](update, self.codec_state[fragment], keys)
-      self.codec_state = _replace(self.codec_state, fragment, state)
+      self.codec_state = (self.codec_state[:fragment] + (state,)
+                          + self.codec_state[fragment + 1:])
       meta["codec_key"] = np.asarray(jax.random.key_data(keys[0]))
       sent = jax.device_get(jax.tree.map(lambda x: x[0], payload))
     meta["bytes"] = sum(np.asarray(x).nbytes for x in jax.tree.leaves(sent))
@@ -222,7 +223,3 @@ class WorkerProcess:
                 batch_size=self.r.topology.hosts[self.host].batch_size,
                 compute_seconds=epoch["seconds"], data=self.streams.get_state())
     return meta, sent
-
-
-def _replace(parts: tuple, i: int, value) -> tuple:
-  return parts[:i] + (value,) + parts[i + 1:]
