@@ -13,6 +13,7 @@ import logging
 
 import jax
 import ml_collections
+import numpy as np
 
 from lowcomm_jax.programs import steps
 from lowcomm_jax.sim import GLOBAL
@@ -47,6 +48,12 @@ def built(config: ml_collections.ConfigDict, what: str):
   # worker (or the server, no worker): the layout's memory estimate is not this process's.
   r = build(one_device(config), check_memory=False)
   return r, jitted_steps(r, donate=False)
+
+
+def initial_params(r) -> np.ndarray:
+  """The run's θ₀ on the host: made once by the driver and sent to the processes it
+  starts, so that none of them makes it again (a rejoining worker's start-up)."""
+  return np.asarray(jax.device_get(r.state_spec.initial_params()))
 
 
 def initial_state(r) -> steps.TrainState:

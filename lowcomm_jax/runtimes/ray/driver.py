@@ -29,7 +29,7 @@ from lowcomm_jax.assemble.build import build
 from lowcomm_jax.run.checkpoint import CheckpointMismatch
 from lowcomm_jax.runtimes.ray import checkpoints, cluster
 from lowcomm_jax.runtimes.ray.accounts import Counts
-from lowcomm_jax.runtimes.ray.actors import server_rules, server_view
+from lowcomm_jax.runtimes.ray.actors import initial_params, server_rules, server_view
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.runtimes.ray.epochs import Epochs
 from lowcomm_jax.runtimes.ray.pool import Pool
@@ -185,6 +185,8 @@ class RayDriver:
       in_flight = meta["in_flight"]  # started again as they were
     self.started_ray = cluster.connect(self.c)
     t0 = time.perf_counter()
+    # θ₀ made once here, not by each process that starts (a rejoining worker's start-up).
+    pool.theta0 = self.ray.put(initial_params(self.r))
     pool.start_server(servers.get(GLOBAL))
     for name in self._region_names():
       pool.start_server(servers.get(name), name)

@@ -39,6 +39,9 @@ class Pool:
     self.events = chaos_lib.parse(config.ray.chaos)
     self.servers: dict[str, object] = {}
     self.standby = None  # a server process with no state yet (ray.standby_server)
+    # The run's θ₀ in the object store (the driver's): processes that start fresh rows or
+    # a fresh server take it instead of making it (None: each makes its own).
+    self.theta0 = None
     self.server_of: Callable[[int], str] = lambda worker: GLOBAL
     self.actors: dict[int, object] = {}  # live workers
     self.jobs: dict[int, Job] = {}  # worker -> its job in flight
@@ -75,7 +78,8 @@ class Pool:
         logging.warning("ray: the standby server is gone (%s); starting a new one",
                         type(e).__name__)
         self.ray.kill(standby, no_restart=True)
-    self.servers[name] = self._server_remote().remote(self.c, restored, name)
+    self.servers[name] = self._server_remote().remote(self.c, restored, name,
+                                                      params0=self.theta0)
     self.ray.get(self.servers[name].ping.remote(), timeout=self.c.ray.recover_timeout_s)
     return False
 
@@ -86,7 +90,7 @@ class Pool:
     """With `ray.standby_server`, a server process built beside the live ones, without
     waiting for it: a dead server's successor then skips the process start."""
     if self.c.ray.standby_server and self.standby is None:
-      self.standby = self._server_remote().remote(self.c, standby=True)
+      self.standby = self._server_remote().remote(self.c, standby=True, params0=self.theta0)
 
   def start_worker(self, worker: int, restored: dict | None = None) -> None:
     """Starts `worker`'s process: from `restored` (a checkpoint's), else where its data
@@ -98,7 +102,8 @@ class Pool:
     # Two threads: a checkpoint reads the worker's state while a job runs.
     remote = self.ray.remote(max_concurrency=2,
                              **cluster.actor_options(self.c, worker=True))(WorkerProcess)
-    self.actors[worker] = remote.remote(self._config_of(worker), worker, restored, sleep)
+    self.actors[worker] = remote.remote(self._config_of(worker), worker, restored, sleep,
+                                        params0=self.theta0)
     self.jobs_done[worker] = 0  # of this process (its first compiles)
     if worker in self.delays:
       self.actors[worker].delay.remote(self.delays[worker])

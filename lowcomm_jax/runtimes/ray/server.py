@@ -23,10 +23,13 @@ class ServerProcess:
   them)."""
 
   def __init__(self, config: ml_collections.ConfigDict, restored: dict | None = None,
-               name: str = GLOBAL, *, standby: bool = False):
-    """Server `name` from `restored` (a checkpoint's) or fresh. A `standby` is built (its
-    process started, the run built, nothing compiled yet) and holds no state: `load` makes
-    it a server when one dies (`ray.standby_server`)."""
+               name: str = GLOBAL, *, standby: bool = False,
+               params0: np.ndarray | None = None):
+    """Server `name` from `restored` (a checkpoint's) or fresh (from `params0`, the
+    driver's θ₀, if given). A `standby` is built (its process started, the run built,
+    nothing compiled yet) and holds no state: `load` makes it a server when one dies
+    (`ray.standby_server`)."""
+    self._params0 = params0
     # One row per worker that may ever take part (chaos adds some): the run's sync, robust
     # rule and attack are built for that many.
     self.r, self.programs = r, _ = built(server_view(with_worker_slots(config)),
@@ -66,7 +69,8 @@ class ServerProcess:
     # θ, its rule's state, and for a regional server (HALoS's LPS) its model after the last
     # merge and at its last push to the global server (servers.RegionalExchange's arrays).
     if restored is None:
-      params = initial_state(self.r).params
+      params = (jnp.asarray(self._params0) if self._params0 is not None
+                else initial_state(self.r).params)
       self.arrays = {"params": params, "opt_state": initial_rule_state(self.r, name, params)}
       self.version = 0
       if name != GLOBAL:

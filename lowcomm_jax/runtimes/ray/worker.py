@@ -13,7 +13,7 @@ from lowcomm_jax import aggregate
 from lowcomm_jax.programs import optimizers
 from lowcomm_jax.programs import servers
 from lowcomm_jax.programs import steps
-from lowcomm_jax.runtimes.ray.actors import built, initial_state
+from lowcomm_jax.runtimes.ray.actors import built, initial_params
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 
 
@@ -22,15 +22,17 @@ class WorkerProcess:
   is `steps` local steps from a pulled θ, returned as (meta, what it sends)."""
 
   def __init__(self, config: ml_collections.ConfigDict, worker: int,
-               restored: dict | None = None, step_sleep_s: float = 0.0):
+               restored: dict | None = None, step_sleep_s: float = 0.0,
+               params0: np.ndarray | None = None):
     """`restored`: {"data": its stream's state} (a worker that rejoins), and from a
-    checkpoint {"state", "codec"} too."""
+    checkpoint {"state", "codec"} too. `params0`: the run's θ₀ (the driver's, sent once
+    through the object store), so that a starting worker does not make it again: its
+    initial state (a fresh row) starts from it."""
     from lowcomm_jax.parallel import mesh as mesh_lib
     restored = restored or {}
     self.worker, self.step_sleep_s, self.delay_s = worker, step_sleep_s, 0.0
     self.r, programs = r, programs = built(with_worker_slots(config), f"worker {worker}")
-    state = initial_state(r)
-    self.rng = state.rng
+    self.rng = jnp.asarray(steps.run_key(r.config.seed))
     # Its host-table row: its tier, batch and H (every host is local to a one-device run).
     self.host = next(h.index for h in r.topology.hosts if worker in h.worker_ids)
     # Its local program per segment of a round (one for most algorithms; Streaming
@@ -38,13 +40,15 @@ class WorkerProcess:
     self.locals = programs.local[self.host]
     self.segments = r.algorithm.segments(r.config, r.config.inner_steps)
     self.mesh = r.topology.local_mesh
+    if params0 is None and ("state" not in restored or programs.accumulate):
+      params0 = np.asarray(initial_params(r))
     if "state" in restored:
       self.state = jax.tree.map(jnp.asarray, restored["state"])
     else:  # one fresh row of its host's
       with jax.set_mesh(self.mesh):
         init_one = r.programs.init_workers[self.host]  # (unjitted: `workers` is static)
         self.state = jax.jit(lambda params: init_one(params, workers=1))(
-            mesh_lib.local_view(state.params, self.mesh))
+            mesh_lib.local_view(jnp.asarray(params0), self.mesh))
     self.batches_on = mesh_lib.round_batches(self.mesh)
     self.ids = jax.device_put(np.asarray([worker], np.int32), mesh_lib.per_worker(self.mesh))
     self.streams = r.data.streams[self.host].of_workers([worker])
@@ -70,7 +74,7 @@ class WorkerProcess:
     self.accumulate = programs.accumulate[self.host] if programs.accumulate else None
     self.epoch, self.collected = None, None
     if self.accumulate is not None:  # compiled before it counts as up: a joining peer's
-      self._begin_epoch(-1, np.asarray(state.params))  # first micro-batch is not a compile
+      self._begin_epoch(-1, params0)  # first micro-batch is not a compile
       zeros = np.zeros((1, r.topology.hosts[self.host].batch_size, r.config.data.seq_len + 1),
                        np.int32)
       with jax.set_mesh(self.mesh):
