@@ -10,6 +10,9 @@ with XLA's RESOURCE_EXHAUSTED. The estimate counts what each replica device hold
                  buffer, its Δ, and while its round runs its θ copy, gradient and
                  activations (workers on a device are vmapped: they all run at once)
 
+The simulator holds every worker's state but runs its jobs `sim.jobs_per_call` at a time:
+only that many jobs' temporaries count (`choose_sim_width` picks the widest that fits).
+
 It is rough (XLA's temporaries vary) and errs low, so it refuses only runs that cannot fit.
 LOWCOMM_MEMORY_CHECK=0 skips it.
 """
@@ -113,12 +116,39 @@ def estimate(r) -> dict[str, int]:
     if r.algorithm.keeps_worker_params(c):  # each worker's own θ_w, full width
       out["worker_params"] += copies * per_device * params
     out["deltas"] += per_device * params
-    # Hosts run one after another: only the largest round's temporaries count.
-    running = per_device * (merged + step_temporaries(
+    # Hosts run one after another: only the largest round's temporaries count. The
+    # simulator runs its jobs `sim_width` at a time.
+    at_once = min(per_device, sim_width(c)) if c.sim.enabled else per_device
+    running = at_once * (merged + step_temporaries(
         r.model.cfg, tier["param_bytes"], h.batch_size // data, c.data.seq_len, tp,
         hidden=h.hidden))
     out["round_temporaries"] = max(out["round_temporaries"], running)
   return out
+
+
+SIM_MAX_WIDTH = 8  # the simulator's jobs per call, chosen: wider gains little on a CPU
+
+
+def sim_width(c) -> int:
+  """The simulator's jobs per call as configured (`sim.jobs_per_call`; 0, automatic, is
+  estimated at 1, the least it needs)."""
+  return max(int(c.sim.jobs_per_call), 1)
+
+
+def choose_sim_width(r) -> int:
+  """The simulator's jobs per call: `sim.jobs_per_call`, or (0) the widest power of two up
+  to SIM_MAX_WIDTH and num_workers whose temporaries fit beside the run's states."""
+  c = r.config
+  if c.sim.jobs_per_call:
+    return int(c.sim.jobs_per_call)
+  widest = min(SIM_MAX_WIDTH, 1 << (max(c.num_workers, 1).bit_length() - 1))
+  have, _ = available_bytes(list(r.topology.local_mesh.devices.flat))
+  parts = estimate(r)  # at one job per call
+  one_job, rest = parts["round_temporaries"], sum(parts.values()) - parts["round_temporaries"]
+  width = 1
+  while width < widest and (not have or rest + 2 * width * one_job <= have):
+    width *= 2
+  return width
 
 
 def check(r) -> None:
@@ -145,6 +175,13 @@ def check(r) -> None:
   workers = max(len(r.topology.hosts[i].worker_ids) for i in r.topology.local_hosts)
   per_device = math.ceil(workers / max(r.topology.local_mesh.shape["replica"], 1))
   largest = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
+  if c.sim.enabled:
+    raise OutOfMemory([
+        f"num_workers={c.num_workers}: the simulation needs about {_gib(need)} but "
+        f"{_gib(have)} is available ({source}) with {sim_width(c)} job(s) per call "
+        f"(largest: {', '.join(f'{k} {_gib(v)}' for k, v in largest)}). Lower "
+        "--config.num_workers, --config.sim.jobs_per_call (0: chosen to fit) or the model "
+        "(model.name, data.batch_size), or set LOWCOMM_MEMORY_CHECK=0 to try anyway"])
   raise OutOfMemory([
       f"num_workers={c.num_workers}: needs about {_gib(need)} per device but "
       f"{_gib(have)} is available ({source}); {per_device} worker(s) per device "

@@ -137,27 +137,41 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
   narrow = hidden != d_ff
   sync, mix, mix_at = segment.sync, segment.mix, segment.mix_at
 
-  def inner_steps(params, opt_state, batches, keys, frozen):
+  def inner_steps(params, opt_state, batches, keys, frozen, taken=None):
+    """The scan of steps over `batches`; with `taken` (a traced count), steps from `taken`
+    on are skipped: they leave the carry as it was, bit for bit, and their loss is 0."""
     def inner_step(carry, batch_and_key):
       local_params, opt_state = carry
       batch, step_key = batch_and_key
       loss, grads = grad_fn(local_params, batch, step_key, frozen)
       updates, opt_state = inner_tx.update(grads, opt_state, local_params)
       return (optax.apply_updates(local_params, updates), opt_state), loss
-    return jax.lax.scan(inner_step, (params, opt_state), (batches, keys))
+    if taken is None:
+      return jax.lax.scan(inner_step, (params, opt_state), (batches, keys))
+
+    def step_or_skip(carry, indexed):
+      k, batch_and_key = indexed
+      loss_shape = jax.eval_shape(inner_step, carry, batch_and_key)[1]
+      skip = lambda carry, _: (carry, jnp.zeros(loss_shape.shape, loss_shape.dtype))
+      return jax.lax.cond(k < taken, inner_step, skip, carry, batch_and_key)
+    return jax.lax.scan(step_or_skip, (params, opt_state),
+                        (jnp.arange(batches.shape[0]), (batches, keys)))
 
   def worker(global_flat, round_, rule_state, sync_state, own_flat, opt_state, steps, memory,
-             batches, key, frozen):
+             batches, key, taken, frozen):
     global_params = layout.unravel(global_flat)
     if not local_steps:  # DDP: the gradient at θ is the contribution
       loss, grads = _gradient_at(grad_fn, global_params, hidden, narrow, batches[0], key, frozen)
       return layout.fragment_slice(layout.ravel(grads), sync), (), loss[None]
     s = batches.shape[0]
+    # (Keys are counter-based: the first n of a split of S are those of a split of n, so a
+    # job of `taken` < S steps draws the keys it would draw alone.)
     step_keys = jax.random.split(key, s * count)[index * s:(index + 1) * s]
+    s = s if taken is None else taken
     if worker_rule is not None:
       start_flat = worker_rule.start(global_flat, rule_state, memory, sync_state)
       (trained, opt_state), losses_s = inner_steps(layout.unravel(start_flat), opt_state,
-                                                   batches, step_keys, frozen)
+                                                   batches, step_keys, frozen, taken)
       delta, memory = worker_rule.finish(start_flat, layout.ravel(trained), memory)
       return delta, WorkerState((), opt_state, steps + s, memory), losses_s
     own = layout.unravel(own_flat) if keeps_params else global_params
@@ -187,7 +201,7 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
       losses.append(first)
     own = landed(own)
     (trained, opt_state), rest = inner_steps(tier(own), opt_state, batches[mix_at:],
-                                             step_keys[mix_at:], frozen)
+                                             step_keys[mix_at:], frozen, taken)
     own_flat = layout.ravel(full(trained, own))
     losses.append(rest)
     delta = (layout.fragment_slice(global_flat, sync) - layout.fragment_slice(own_flat, sync))
@@ -196,24 +210,30 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
             losses_s)
 
   def local(state: TrainState, workers: WorkerState | tuple, batches_GxSxBxL1, worker_ids_G,
-            *, frozen=()):
+            steps_G=None, *, frozen=()):
+    """`steps_G` (optional, [G] int32): worker g takes only its first steps_G[g] of the S
+    batches (the rest are padding, and their losses 0), so one program serves every H up
+    to S (the simulator's jobs). One segment without a mix inside it only."""
     keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(round_key(state), worker_ids_G)
     rule_state = state.outer.per_fragment[0] if worker_rule is not None else ()
     # The host's own rows [G] of the sync's per-worker state (NoLoCo's φ_w).
     reads_own = worker_rule is not None and worker_rule.reads_sync_state
     sync_state = state.outer.per_worker[0] if reads_own else ()
+    if steps_G is not None and (count > 1 or mix_at > 0):
+      raise ValueError("steps_G: one segment without a mix inside it only")
+    taken_axis = None if steps_G is None else 0
     if not local_steps:
       own, opt_state, steps, memory = (), (), (), ()
-      in_axes = (None, None, None, None, None, None, None, None, 0, 0, None)
+      in_axes = (None, None, None, None, None, None, None, None, 0, 0, taken_axis, None)
     else:
       own, opt_state, steps, memory = workers
       in_axes = (None, None, None, 0 if reads_own else None, 0 if keeps_params else None,
-                 0, 0, 0, 0, 0, None)
+                 0, 0, 0, 0, 0, taken_axis, None)
     mapped = map_host_workers(worker, in_axes, batches_GxSxBxL1.shape[0], mesh,
                                       axis_name)
     delta, workers, losses = mapped(
         state.params, state.round, rule_state, sync_state, own, opt_state, steps, memory,
-        batches_GxSxBxL1, keys, frozen)
+        batches_GxSxBxL1, keys, steps_G, frozen)
     return delta, workers, losses
 
   return local

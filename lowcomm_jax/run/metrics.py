@@ -175,6 +175,24 @@ class ReadyClock:
         self._recorded.notify_all()
 
 
+_LOWERED_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+_lowered = [0]  # programs this process has lowered
+
+
+def _count_lowering(event: str, duration: float, **kwargs) -> None:
+  if event == _LOWERED_EVENT:
+    _lowered[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_lowering)
+
+
+def programs_lowered() -> int:
+  """Programs this process has made so far, each compiled or loaded from the persistent
+  cache (JAX's monitoring events: one per program lowered)."""
+  return _lowered[0]
+
+
 def announce_compile(jitted, what: str) -> None:
   """Logs "compiling <what>…" before a jitted function's first call: compiling a real model
   takes minutes, which would otherwise pass in silence."""

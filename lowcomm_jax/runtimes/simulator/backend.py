@@ -35,12 +35,35 @@ def _without_empty(tree: dict) -> dict:
 # one per leaf (the simulator's bookkeeping between steps stays cheap).
 @jax.jit
 def _take(tree, idx):
+  """Rows `idx` of a stacked tree; an index past the end (a padding lane) reads the last."""
   return jax.tree.map(lambda x: x[idx], tree)
 
 
 @jax.jit
 def _put(tree, idx, values):
-  return jax.tree.map(lambda x, v: x.at[idx].set(v), tree, values)
+  """`tree` with rows `idx` set to `values`; rows past the end (padding lanes) are dropped."""
+  return jax.tree.map(lambda x, v: x.at[idx].set(v, mode="drop"), tree, values)
+
+
+# The workers' stack is written in place (donated): a copy would cost every worker's state
+# per call, so a run's cost would grow with W². Its checkpoint is a synchronous host copy
+# (run/checkpoint.py), so no save reads it later.
+_put_in_place = jax.jit(_put.__wrapped__, donate_argnums=0)
+
+
+def call_sizes(jobs: int, width: int) -> list[tuple[int, int]]:
+  """The calls a group of `jobs` jobs runs in, as (jobs, lanes): powers of two up to
+  `width` (itself a power of two), largest first, so the programs compiled are at most
+  log2(width) + 1 whatever the group sizes. A lone job left over from a larger group runs
+  in a padded pair: a group's jobs run batched, as they always did."""
+  sizes = []
+  while jobs:
+    size = min(width, 1 << (jobs.bit_length() - 1))
+    sizes.append((size, size))
+    jobs -= size
+  if width > 1 and len(sizes) > 1 and sizes[-1][0] == 1:
+    sizes[-1] = (1, 2)
+  return sizes
 
 
 @jax.jit
@@ -50,17 +73,36 @@ def _unstack(tree):
 
 
 @jax.jit
+def _mean_losses(losses, taken):
+  """Each job's mean loss over the steps it took (`taken` None: every step)."""
+  if taken is None:
+    return losses.mean(axis=1)
+  took = jnp.arange(losses.shape[1]) < taken[:, None]
+  return jnp.where(took, losses, 0).sum(axis=1) / taken.astype(losses.dtype)
+
+
+@jax.jit
 def _stack(trees):
   return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
 
 
 class SimBackend:
 
-  def __init__(self, r: Run, programs: Programs, plan: Plan, state: steps.TrainState, workers):
+  def __init__(self, r: Run, programs: Programs, plan: Plan, state: steps.TrainState, workers,
+               *, width: int = 1):
+    """`width`: the most jobs one call runs (a power of two): the activations the process
+    holds at once are that many jobs' (assemble/memory.py chooses it)."""
     c = r.config
     self.r, self.plan, self.config = r, plan, c
+    # Asynchronous jobs of any H (DyLU) run in one program of the largest H, one job per
+    # call: the steps past its own are a branch not taken (steps.make_local_segment's
+    # steps_G), so it costs its own H and ends exactly as the program of its H would, with
+    # whatever else started at that instant. A synchronous segment's jobs share one H and
+    # run `width` at a time.
+    self.max_steps = max(plan.inner_steps)
     self.rng = state.rng
     self.rules = r.algorithm.server_rules(c, plan)
+    self.width = 1 if self.rules else width
     # The runner's own jitted programs (assemble/jitted.jitted_steps): one per segment of a round.
     self.local_programs, self.syncs = programs.local[0], programs.syncs
     self._consensus = jax.jit(r.sync.consensus) if r.sync.consensus is not None else None
@@ -132,8 +174,10 @@ class SimBackend:
       self.job_lr_step[job.id] = self.started_steps // self.plan.num_workers
 
   def flush(self, next_batches) -> None:
-    """Runs the jobs started since the last flush: one vmapped call per (server state, H).
-    `next_batches(worker_ids, steps)` -> [G, steps, B, L+1] training batches."""
+    """Runs the jobs started since the last flush: those pulled from one server state in
+    calls of at most `width` vmapped jobs (`call_sizes`; asynchronous jobs one by one, at
+    the largest H, padded). `next_batches(worker_ids, steps)` -> [G, steps, B, L+1]
+    training batches."""
     if self.state_sync is not None and self._queued and not self.rules:
       version = self._queued[0].version
       parts = self.r.state_sync_due(version)
@@ -144,35 +188,63 @@ class SimBackend:
         self._state_synced = version
     groups: dict[tuple, list[Job]] = {}
     for job in self._queued:
-      groups.setdefault(self.job_snapshot[job.id] + (job.steps, job.segment), []).append(job)
+      key = self.job_snapshot[job.id] + (job.segment,) + (() if self.rules else (job.steps,))
+      groups.setdefault(key, []).append(job)
       self.started_steps += job.steps
     self._queued = []
-    for (server, revision, steps_, segment), jobs in groups.items():
+    for (server, revision, segment, *_), jobs in groups.items():
       jobs.sort(key=lambda j: j.worker)
-      ids = np.asarray([j.worker for j in jobs], np.int32)
       # The round key folds in the pulled version: (version, worker) never repeats.
       # (Synchronous schedules start a round's jobs at its sync, so the global outer state
       # a worker rule reads is the one they pulled.)
       view = self.r.local_input(steps.TrainState(
           jnp.asarray(jobs[0].version, jnp.int32), self.rng, self.snapshots[(server, revision)],
           self.servers[GLOBAL]["opt_state"] if not self.rules else ()))
-      everyone = len(ids) == self.plan.num_workers  # ids are sorted: all, in order
-      workers = self.workers if everyone else _take(self.workers, ids)
-      if self.rules:
-        lr_steps = np.asarray([self.job_lr_step.pop(j.id) for j in jobs], np.int32)
-        workers = workers._replace(
-            opt_state=optimizers.at_schedule_step(workers.opt_state, lr_steps))
-      deltas, opt_state, losses = self.local_programs[segment](
-          view, workers, jax.device_put(next_batches(ids, steps_), self._batches_on),
-          jax.device_put(ids, self._ids_on))
-      self.workers = opt_state if everyone else _put(self.workers, ids, opt_state)
-      if self._roundtrip is not None:  # what the server receives is the decoded payload
-        keys = servers.codec_keys(view, ids)
-        deltas, sent_state = self._roundtrip(deltas, _take(self.codec_states, ids), keys)
-        self.codec_states = _put(self.codec_states, ids, sent_state)
-      per_job = _unstack({"delta": deltas, "loss": losses.mean(axis=1)})
-      for job, message in zip(jobs, per_job):
-        self.messages[job.id] = message
+      batches = self._batches(jobs, next_batches)
+      done = 0
+      for count, lanes in call_sizes(len(jobs), self.width):
+        self._run(view, segment, jobs[done:done + count], batches[done:done + count], lanes)
+        done += count
+
+  def _batches(self, jobs: list[Job], next_batches) -> np.ndarray:
+    """The jobs' training batches [G, S, B, L+1]: asynchronous jobs' padded to the largest
+    H with zeros (steps they skip). Each worker's stream moves by its own job's steps."""
+    if not self.rules:
+      return next_batches(np.asarray([j.worker for j in jobs], np.int32), jobs[0].steps)
+    out = None
+    for steps_ in sorted({j.steps for j in jobs}):
+      rows = [i for i, j in enumerate(jobs) if j.steps == steps_]
+      got = next_batches(np.asarray([jobs[i].worker for i in rows], np.int32), steps_)
+      if out is None:
+        out = np.zeros((len(jobs), self.max_steps) + got.shape[2:], got.dtype)
+      out[rows, :steps_] = got
+    return out
+
+  def _run(self, view, segment: int, jobs: list[Job], batches: np.ndarray, lanes: int) -> None:
+    """One call of the local program for `jobs`, padded to `lanes` (padding lanes read the
+    last worker's state, train on zeros, and are not written back)."""
+    pad = lanes - len(jobs)
+    ids = np.asarray([j.worker for j in jobs] + [self.plan.num_workers] * pad, np.int32)
+    if pad:
+      batches = np.concatenate([batches, np.zeros((pad,) + batches.shape[1:], batches.dtype)])
+    workers = _take(self.workers, ids)
+    taken = None
+    if self.rules:
+      lr_steps = np.asarray([self.job_lr_step.pop(j.id) for j in jobs] + [0] * pad, np.int32)
+      workers = workers._replace(
+          opt_state=optimizers.at_schedule_step(workers.opt_state, lr_steps))
+      taken = np.asarray([j.steps for j in jobs] + [0] * pad, np.int32)
+    deltas, trained, losses = self.local_programs[segment](
+        view, workers, jax.device_put(batches, self._batches_on),
+        jax.device_put(ids, self._ids_on), taken)
+    self.workers = _put_in_place(self.workers, ids, trained)
+    if self._roundtrip is not None:  # what the server receives is the decoded payload
+      keys = servers.codec_keys(view, ids)
+      deltas, sent_state = self._roundtrip(deltas, _take(self.codec_states, ids), keys)
+      self.codec_states = _put(self.codec_states, ids, sent_state)
+    per_job = _unstack({"delta": deltas, "loss": _mean_losses(losses, taken)})
+    for job, message in zip(jobs, per_job):
+      self.messages[job.id] = message
 
   def _release(self, job: Job) -> None:
     key = self.job_snapshot.pop(job.id)

@@ -23,11 +23,12 @@ import optax
 
 from lowcomm_jax.config.error import ConfigError
 from lowcomm_jax.run import loop
+from lowcomm_jax.assemble import memory
 from lowcomm_jax.assemble.build import build
 from lowcomm_jax.assemble.jitted import init_run, jitted_steps
 from lowcomm_jax.assemble.plan import make_plan, one_device
 from lowcomm_jax.run.checkpoint import Checkpointer, CheckpointMismatch
-from lowcomm_jax.run.metrics import announce_compile
+from lowcomm_jax.run.metrics import announce_compile, format_eta
 from lowcomm_jax.run.workdir import holds_lock
 from lowcomm_jax.parallel import mesh as mesh_lib
 from lowcomm_jax.sim import EventLoop
@@ -53,7 +54,8 @@ class Simulation:
     # Nothing donated: its servers outlive the calls (backend.py).
     self.programs = programs = jitted_steps(r, donate=False)
     state, workers = init_run(r, programs)
-    self.backend = SimBackend(r, programs, self.plan, state, workers[0])
+    self.backend = SimBackend(r, programs, self.plan, state, workers[0],
+                              width=memory.choose_sim_width(r))
     self.schedule = r.algorithm.schedule(self.plan, self.backend)
     self.loop = EventLoop()
     self.streams = r.data.streams[0]
@@ -136,6 +138,7 @@ class SimDriver:
     self.sim, self.c = sim, sim.c
     self.param_norm = jax.jit(optax.tree.norm)
     self.finished, self._wall_before = False, 0.0
+    self._progress = SimProgress(sim.plan.total_steps)
 
   def open(self, files: RunFiles, latest: int | None) -> dict | None:
     sim, c, ckpt = self.sim, self.c, files.ckpt
@@ -180,6 +183,7 @@ class SimDriver:
       return None
     while len(sim.loop):
       sim.advance()
+      self._progress.tick(sim.loop.now, schedule.acct.applied_steps)
       if schedule.progress() != self.mark:
         break
     # The schedule drained every worker: the final evaluation and checkpoint.
@@ -238,6 +242,30 @@ class SimDriver:
     pass
 
 
+class SimProgress:
+  """A log line every `every_s` wall seconds between the run loop's own: virtual time,
+  inner steps applied of the run's, wall time and an ETA from the applied steps' rate since
+  the first one (a round-equivalent of many slow workers can take minutes)."""
+
+  def __init__(self, total_steps: int, every_s: float = 10.0):
+    self.total, self.every_s = total_steps, every_s
+    self.first = None  # (wall time, applied steps) when steps were first applied
+    self.last_line = time.perf_counter()
+
+  def tick(self, virtual_seconds: float, applied: int) -> None:
+    now = time.perf_counter()
+    if applied and self.first is None:
+      self.first = (now, applied)
+    if self.first is None or now - self.last_line < self.every_s:
+      return
+    self.last_line = now
+    wall, done = now - self.first[0], applied - self.first[1]
+    left = (self.total - applied) * wall / done if done > 0 else math.inf
+    logging.info("sim: virtual %.1fs  %s/%s inner steps applied  wall %s  ETA %s",
+                 virtual_seconds, f"{applied:,}", f"{self.total:,}", format_eta(wall),
+                 format_eta(left))
+
+
 def _idle_fractions(a, now: float) -> list[float]:
   """Per worker, the share of virtual time not spent computing (waiting at a barrier or for
   a transfer). Compute is booked when a job starts, so mid-run values are a lower bound."""
@@ -275,6 +303,7 @@ def _summary(sim: Simulation, eval_loss: float, wall: float) -> dict:
       # DDP would all-reduce dense fp32 gradients at every inner step.
       "bytes_sent_ddp_equivalent": plan.param_bytes * a.applied_steps // c.num_workers,
       "wall_seconds": wall,
+      "jobs_per_call": sim.backend.width,
       "server_region": plan.network.server_region,
       # The global server shares a region with workers (an explicit choice: sim.network).
       "server_colocated": plan.network.server_region in plan.network.worker_region,

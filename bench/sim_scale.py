@@ -1,0 +1,129 @@
+"""The simulator at scale (issue 52): start-up, wall time, peak memory and programs compiled,
+for configs/sim_geo.py's three methods and against the number of workers.
+
+  python bench/sim_scale.py [--parts geo,workers] [--workers 4 16 64]
+      [--models pythia_14m,small] [--timeout 1200] [--out bench/results/sim_scale.jsonl]
+  python bench/sim_scale.py --report [--out ...]
+
+Every case is its own `python -m lowcomm_jax.main` process with the persistent compilation
+cache off (`compile_cache_dir=''`), so start-up is the compile it needs; its peak RSS is
+the kernel's (os.wait4). Rows are appended to --out as each case ends.
+
+geo:     configs/sim_geo.py with each method (diloco, async_dn_dylu, halos), as the README
+         runs it.
+workers: W = 4, 16, 64 workers of each model (pythia_14m with the GPT-2 tokenizer, and
+         `small` on bytes; batch 8 × 128), async_dn + DyLU ('moderate' speeds) and DiLoCo,
+         at a fixed 2 rounds of H = 5 per worker: wall seconds per applied inner step (after
+         start-up) and peak RSS.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+GEO_METHODS = ("diloco", "async_dn_dylu", "halos")
+ALGORITHMS = {"async_dn_dylu": ["--config.algorithm=async_dn", "--config.outer.dylu=True",
+                                "--config.sim.heterogeneity=moderate"],
+              "diloco": ["--config.algorithm=diloco"]}
+MODELS = {"pythia_14m": ["--config.model.name=pythia_14m", "--config.data.tokenizer=gpt2"],
+          "small": ["--config.model.name=small", "--config.data.tokenizer=byte"]}
+
+
+def run_case(name: str, args: list[str], timeout: float) -> dict:
+  """One main.py process: its summary's figures, its wall seconds and peak RSS (the
+  kernel's, from wait4)."""
+  with tempfile.TemporaryDirectory() as workdir:
+    cmd = [sys.executable, "-m", "lowcomm_jax.main", *args, f"--workdir={workdir}",
+           "--config.compile_cache_dir="]
+    err_path = pathlib.Path(workdir) / "stderr.txt"
+    start = time.perf_counter()
+    with err_path.open("w") as err:
+      proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
+      timed_out = False
+      while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+          break
+        if not timed_out and time.perf_counter() - start > timeout:
+          proc.kill()
+          timed_out = True
+        time.sleep(0.2)
+      proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
+    row = {"case": name, "args": args,
+           "returncode": "timeout" if timed_out else proc.returncode,
+           "seconds": time.perf_counter() - start, "peak_rss_gib": usage.ru_maxrss / 2**20}
+    summary_path = pathlib.Path(workdir) / "summary.json"
+    if proc.returncode == 0 and summary_path.exists():
+      s = json.loads(summary_path.read_text())
+      steps = s["total_inner_steps"]
+      row.update({k: s.get(k) for k in ("eval_loss", "wall_seconds", "startup_seconds",
+                                        "programs_compiled", "programs_from_cache",
+                                        "jobs_per_call", "total_inner_steps",
+                                        "virtual_seconds", "num_workers")})
+      row["wall_per_step_s"] = (s["wall_seconds"] - s["startup_seconds"]) / max(steps, 1)
+    else:
+      row["error"] = err_path.read_text()[-2000:]
+    return row
+
+
+def cases(parts: list[str], workers: list[int], models: list[str]):
+  if "geo" in parts:
+    for method in GEO_METHODS:
+      yield f"geo_{method}", [f"--config=configs/sim_geo.py:{method}"]
+  if "workers" in parts:
+    for model in models:
+      for algorithm, flags in ALGORITHMS.items():
+        for w in workers:
+          yield (f"workers_{model}_{algorithm}_{w}",
+                 ["--config=configs/base.py", "--config.sim.enabled=True",
+                  f"--config.num_workers={w}", "--config.rounds=2", "--config.inner_steps=5",
+                  "--config.data.batch_size=8", "--config.data.seq_len=128",
+                  "--config.eval_every=2", "--config.checkpoint_every=2",
+                  "--config.eval_batches=2", *MODELS[model], *flags])
+
+
+def report(path: pathlib.Path) -> None:
+  rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  print("| case | wall s | start-up s | wall per applied step s | peak RSS GiB | programs "
+        "compiled | jobs per call | eval loss |")
+  print("|---|---|---|---|---|---|---|---|")
+  for r in rows:
+    if r["returncode"] != 0:
+      print(f"| {r['case']} | {r['seconds']:.0f} ({r['returncode']}) | | | "
+            f"{r.get('peak_rss_gib') or 0:.2f} | | | |")
+      continue
+    print(f"| {r['case']} | {r['wall_seconds']:.1f} | {r['startup_seconds']:.1f} | "
+          f"{r['wall_per_step_s']:.4f} | {r['peak_rss_gib']:.2f} | {r['programs_compiled']} | "
+          f"{r['jobs_per_call']} | {r['eval_loss']:.4f} |")
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--parts", default="geo,workers")
+  p.add_argument("--workers", type=int, nargs="+", default=[4, 16, 64])
+  p.add_argument("--models", default="pythia_14m,small")
+  p.add_argument("--timeout", type=float, default=1200.0)
+  p.add_argument("--out", default=str(REPO / "bench" / "results" / "sim_scale.jsonl"))
+  p.add_argument("--report", action="store_true")
+  a = p.parse_args()
+  out = pathlib.Path(a.out)
+  if a.report:
+    report(out)
+    return
+  out.parent.mkdir(parents=True, exist_ok=True)
+  for name, args in cases(a.parts.split(","), a.workers, a.models.split(",")):
+    row = run_case(name, args, a.timeout)
+    with out.open("a") as f:
+      f.write(json.dumps(row) + "\n")
+    print(json.dumps({k: v for k, v in row.items() if k not in ("args", "error")}),
+          flush=True)
+
+
+if __name__ == "__main__":
+  main()

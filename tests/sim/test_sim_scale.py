@@ -1,0 +1,97 @@
+"""The simulator at scale (issue 52): jobs in calls of a fixed width, one program for every
+H, skipped steps that change nothing, a program count that does not grow with W."""
+
+import runpy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import REPO, load_config, rerun_with_default_compile, set_fields
+from lowcomm_jax.assemble.build import build
+from lowcomm_jax.assemble.jitted import init_run, jitted_steps
+from lowcomm_jax.assemble.plan import one_device
+from lowcomm_jax.programs import steps
+from lowcomm_jax.runtimes.simulator import simulate
+from lowcomm_jax.runtimes.simulator.backend import call_sizes
+
+
+def test_calls_are_powers_of_two_up_to_the_width_and_never_leave_a_job_alone():
+  assert call_sizes(1, 8) == [(1, 1)]
+  assert call_sizes(16, 8) == [(8, 8), (8, 8)]
+  assert call_sizes(7, 8) == [(4, 4), (2, 2), (1, 2)]  # the lone one padded to a pair
+  assert call_sizes(6, 4) == [(4, 4), (2, 2)]
+  assert call_sizes(5, 1) == [(1, 1)] * 5
+  for jobs in range(1, 40):
+    sizes = call_sizes(jobs, 8)
+    assert sum(n for n, _ in sizes) == jobs
+    assert {lanes for _, lanes in sizes} <= {1, 2, 4, 8}
+
+
+def test_a_skipped_step_leaves_the_worker_bit_for_bit_as_it_was(request):
+  """An asynchronous job runs alone, in the program of the largest H: its steps past its own
+  are skipped (a branch not taken) and leave it exactly as the program of its own H does
+  (as XLA compiles by default; the suite's fast compile rounds the two programs apart)."""
+  if rerun_with_default_compile(request):
+    return
+  config = load_config("smoke", num_workers=1, inner_steps=5,
+                       **{"algorithm": "async_dn", "sim.enabled": True})
+  r = build(one_device(config))
+  programs = jitted_steps(r, donate=False)
+  state, workers = init_run(r, programs)
+  local, view, workers = programs.local[0][0], r.local_input(state), workers[0]
+  ids = jnp.zeros((1,), jnp.int32)
+  batches = np.asarray(r.data.streams[0].next_steps(np.arange(1), 5))
+  for taken in (3, 5):  # part of the steps, and all of them
+    own_h = local(view, workers, batches[:, :taken], ids)
+    padded = batches.copy()
+    padded[:, taken:] = 0  # what the simulator pads with
+    largest_h = local(view, workers, padded, ids, jnp.full((1,), taken, jnp.int32))
+    for a, b in zip(jax.tree.leaves(own_h[:2]), jax.tree.leaves(largest_h[:2])):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(own_h[2]), np.asarray(largest_h[2])[:, :taken])
+    assert not np.asarray(largest_h[2])[:, taken:].any()
+    assert int(np.asarray(largest_h[1].steps)[0]) == taken
+
+
+def _dylu(workers: int, **overrides):
+  return load_config("smoke", **{"algorithm": "async_dn", "outer.dylu": True,
+                                 "num_workers": workers, "rounds": 2, "inner_steps": 4,
+                                 "sim.enabled": True, "sim.heterogeneity": "very",
+                                 "sim.jobs_per_call": 4, "eval_every": 2,
+                                 "checkpoint_every": 1, **overrides})
+
+
+def test_the_programs_compiled_do_not_grow_with_the_workers_or_their_h(tmp_path):
+  counts = {}
+  for workers in (4, 16):
+    jax.clear_caches()  # each run makes its own programs
+    summary = simulate.run(_dylu(workers), tmp_path / str(workers))
+    # every program made: compiled, or loaded from the suite's compilation cache
+    counts[workers] = summary["programs_compiled"] + summary["programs_from_cache"]
+    assert len(set(summary["workers"][w]["inner_steps"] for w in range(workers))) > 1
+  assert 0 < counts[16] <= counts[4], counts
+
+
+def test_a_sixteen_worker_simulation_resumes_exactly(tmp_path):
+  config = _dylu(16, rounds=3)
+  whole = simulate.run(config, tmp_path / "whole")
+  assert simulate.run(config, tmp_path / "split", stop_after_checkpoints=1)["stopped_at"] == 1
+  resumed = simulate.run(config, tmp_path / "split")
+  for key in ("eval_loss", "train_loss", "virtual_seconds", "total_inner_steps", "workers"):
+    assert resumed[key] == whole[key], key
+  np.testing.assert_array_equal(
+      np.asarray(simulate.final_global_params(config, tmp_path / "whole")),
+      np.asarray(simulate.final_global_params(config, tmp_path / "split")))
+
+
+@pytest.mark.parametrize("method", ["diloco", "async_dn_dylu", "halos"])
+def test_sim_geo_takes_a_one_round_smoke_override(tmp_path, method):
+  config = runpy.run_path(str(REPO / "configs" / "sim_geo.py"))["get_config"](method)
+  config = set_fields(config, {"rounds": 1, "inner_steps": 2, "model.name": "tiny",
+                               "data.tokenizer": "byte", "data.seq_len": 32,
+                               "eval_every": 1, "eval_batches": 1})
+  summary = simulate.run(config, tmp_path)
+  assert summary["num_workers"] == 16 and np.isfinite(summary["eval_loss"])
+  assert summary["total_inner_steps"] >= 16 * 2
