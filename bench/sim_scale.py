@@ -1,7 +1,7 @@
 """The simulator at scale (issue 52): start-up, wall time, peak memory and programs compiled,
 for configs/sim_geo.py's three methods and against the number of workers.
 
-  python bench/sim_scale.py [--parts geo,workers] [--workers 4 16 64]
+  python bench/sim_scale.py [--parts geo,workers] [--workers 4 16 64] [--set=--config.F=V ...]
       [--models pythia_14m,small] [--timeout 1200] [--out bench/results/sim_scale.jsonl]
   python bench/sim_scale.py --report [--out ...]
 
@@ -15,6 +15,10 @@ workers: W = 4, 16, 64 workers of each model (pythia_14m with the GPT-2 tokenize
          `small` on bytes; batch 8 × 128), async_dn + DyLU ('moderate' speeds) and DiLoCo,
          at a fixed 2 rounds of H = 5 per worker: wall seconds per applied inner step (after
          start-up) and peak RSS.
+
+Each row also gives the model FLOP/s of its training (model/flops.py's count of the applied
+tokens over the wall seconds after start-up) against this CPU's float32 matmul rate,
+measured by this process before the cases run (bench/mfu.py's `matmul_rate`, 2048², alone).
 """
 
 import argparse
@@ -65,17 +69,32 @@ def run_case(name: str, args: list[str], timeout: float) -> dict:
       row.update({k: s.get(k) for k in ("eval_loss", "wall_seconds", "startup_seconds",
                                         "programs_compiled", "programs_from_cache",
                                         "jobs_per_call", "total_inner_steps",
-                                        "virtual_seconds", "num_workers")})
+                                        "virtual_seconds", "num_workers", "tokens",
+                                        "compile_seconds")})
       row["wall_per_step_s"] = (s["wall_seconds"] - s["startup_seconds"]) / max(steps, 1)
+      row["model_flops_per_s"] = (s["tokens"] * _train_flops_per_token(args)
+                                  / max(s["wall_seconds"] - s["startup_seconds"], 1e-9))
     else:
       row["error"] = err_path.read_text()[-2000:]
     return row
 
 
-def cases(parts: list[str], workers: list[int], models: list[str]):
+def _train_flops_per_token(args: list[str]) -> float:
+  """model/flops.py's training FLOPs per token of the case's model (its flags, or the
+  sim_geo config's pythia_14m at seq 128)."""
+  from lowcomm_jax.model import flops, presets
+  flag = lambda name, default: next((a.split("=", 1)[1] for a in args
+                                     if a.startswith(f"--config.{name}=")), default)
+  name, seq = flag("model.name", "pythia_14m"), int(flag("data.seq_len", 128))
+  cfg = presets.get_preset(name, tokenizer_vocab=50257 if flag("data.tokenizer", "gpt2")
+                           == "gpt2" else 256)
+  return flops.train_flops_per_token(cfg, seq)
+
+
+def cases(parts: list[str], workers: list[int], models: list[str], extra: list[str]):
   if "geo" in parts:
     for method in GEO_METHODS:
-      yield f"geo_{method}", [f"--config=configs/sim_geo.py:{method}"]
+      yield f"geo_{method}", [f"--config=configs/sim_geo.py:{method}", *extra]
   if "workers" in parts:
     for model in models:
       for algorithm, flags in ALGORITHMS.items():
@@ -85,22 +104,36 @@ def cases(parts: list[str], workers: list[int], models: list[str]):
                   f"--config.num_workers={w}", "--config.rounds=2", "--config.inner_steps=5",
                   "--config.data.batch_size=8", "--config.data.seq_len=128",
                   "--config.eval_every=2", "--config.checkpoint_every=2",
-                  "--config.eval_batches=2", *MODELS[model], *flags])
+                  "--config.eval_batches=2", *MODELS[model], *flags, *extra])
 
 
 def report(path: pathlib.Path) -> None:
   rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-  print("| case | wall s | start-up s | wall per applied step s | peak RSS GiB | programs "
-        "compiled | jobs per call | eval loss |")
-  print("|---|---|---|---|---|---|---|---|")
+  peak = next((r["matmul_flops_per_s"] for r in rows if "matmul_flops_per_s" in r), None)
+  if peak:
+    print(f"float32 matmul 2048², this CPU: {peak / 1e9:.0f} GFLOP/s")
+  print("| case | wall s | start-up s (compiling) | wall per applied step s | peak RSS GiB | "
+        "programs compiled | jobs per call | model GFLOP/s (of matmul) | eval loss |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  share = lambda r: f" ({r['model_flops_per_s'] / peak:.0%})" if peak else ""
   for r in rows:
+    if "case" not in r:
+      continue
+    if r["returncode"] == 0 and "model_flops_per_s" not in r:  # a row of an older version
+      flag = lambda name, default: int(next((a.split("=", 1)[1] for a in r["args"]
+                                             if a.startswith(f"--config.{name}=")), default))
+      tokens = r["total_inner_steps"] * flag("data.batch_size", 8) * flag("data.seq_len", 128)
+      r["model_flops_per_s"] = (tokens * _train_flops_per_token(r["args"])
+                                / (r["wall_seconds"] - r["startup_seconds"]))
     if r["returncode"] != 0:
       print(f"| {r['case']} | {r['seconds']:.0f} ({r['returncode']}) | | | "
-            f"{r.get('peak_rss_gib') or 0:.2f} | | | |")
+            f"{r.get('peak_rss_gib') or 0:.2f} | | | | |")
       continue
-    print(f"| {r['case']} | {r['wall_seconds']:.1f} | {r['startup_seconds']:.1f} | "
+    compiling = f" ({r['compile_seconds']:.1f})" if r.get("compile_seconds") is not None else ""
+    print(f"| {r['case']} | {r['wall_seconds']:.1f} | {r['startup_seconds']:.1f}{compiling} | "
           f"{r['wall_per_step_s']:.4f} | {r['peak_rss_gib']:.2f} | {r['programs_compiled']} | "
-          f"{r['jobs_per_call']} | {r['eval_loss']:.4f} |")
+          f"{r['jobs_per_call']} | {r['model_flops_per_s'] / 1e9:.0f}{share(r)} | "
+          f"{r['eval_loss']:.4f} |")
 
 
 def main():
@@ -111,13 +144,20 @@ def main():
   p.add_argument("--timeout", type=float, default=1200.0)
   p.add_argument("--out", default=str(REPO / "bench" / "results" / "sim_scale.jsonl"))
   p.add_argument("--report", action="store_true")
+  p.add_argument("--set", action="append", default=[],
+                 help="a flag more for every case, e.g. --set=--config.rounds=1 (repeatable)")
   a = p.parse_args()
   out = pathlib.Path(a.out)
   if a.report:
     report(out)
     return
   out.parent.mkdir(parents=True, exist_ok=True)
-  for name, args in cases(a.parts.split(","), a.workers, a.models.split(",")):
+  sys.path.insert(0, str(REPO / "bench"))
+  import jax.numpy as jnp
+  from mfu import matmul_rate
+  with out.open("a") as f:  # this CPU's matmul rate, alone, before the cases
+    f.write(json.dumps({"matmul_flops_per_s": matmul_rate(jnp.float32, 2048, calls=2)}) + "\n")
+  for name, args in cases(a.parts.split(","), a.workers, a.models.split(","), a.set):
     row = run_case(name, args, a.timeout)
     with out.open("a") as f:
       f.write(json.dumps(row) + "\n")

@@ -98,6 +98,8 @@ def estimate(r) -> dict[str, int]:
   codec_state, rule_state = r.state_spec.abstract.outer
   # Without donation (CPU) a round's new worker states sit beside the old ones.
   copies = 1 if r.topology.mesh.devices.flat[0].platform != "cpu" else 2
+  if c.sim.enabled:  # the stack is written in place; a call's own lanes go in and out
+    copies = 1
   out = {"params": params, "outer_state": ledger.tree_bytes(rule_state),
          "outer_temporaries": 2 * params,
          "codec_buffers": math.ceil(ledger.tree_bytes(codec_state) / global_replicas),
@@ -116,17 +118,18 @@ def estimate(r) -> dict[str, int]:
     if r.algorithm.keeps_worker_params(c):  # each worker's own θ_w, full width
       out["worker_params"] += copies * per_device * params
     out["deltas"] += per_device * params
+    if c.sim.enabled and not r.algorithm.synchronous:  # each job out holds the θ it pulled
+      out["pulled_snapshots"] = out.get("pulled_snapshots", 0) + per_device * params
     # Hosts run one after another: only the largest round's temporaries count. The
     # simulator runs its jobs `sim_width` at a time.
     at_once = min(per_device, sim_width(c)) if c.sim.enabled else per_device
-    running = at_once * (merged + step_temporaries(
+    lanes_in_out = 2 * (tier["optimizer_bytes"] + (params if r.algorithm.keeps_worker_params(c)
+                                                   else 0)) if c.sim.enabled else 0
+    running = at_once * (merged + lanes_in_out + step_temporaries(
         r.model.cfg, tier["param_bytes"], h.batch_size // data, c.data.seq_len, tp,
         hidden=h.hidden))
     out["round_temporaries"] = max(out["round_temporaries"], running)
   return out
-
-
-SIM_MAX_WIDTH = 8  # the simulator's jobs per call, chosen: wider gains little on a CPU
 
 
 def sim_width(c) -> int:
@@ -136,19 +139,21 @@ def sim_width(c) -> int:
 
 
 def choose_sim_width(r) -> int:
-  """The simulator's jobs per call: `sim.jobs_per_call`, or (0) the widest power of two up
-  to SIM_MAX_WIDTH and num_workers whose temporaries fit beside the run's states."""
+  """The simulator's synchronous jobs per call: `sim.jobs_per_call`, or (0) every worker
+  (one call a round, as the runner vmaps its workers on one device) if their temporaries
+  fit twice over beside the run's states (the estimate errs low), else the widest power of
+  two that does."""
   c = r.config
   if c.sim.jobs_per_call:
     return int(c.sim.jobs_per_call)
-  widest = min(SIM_MAX_WIDTH, 1 << (max(c.num_workers, 1).bit_length() - 1))
   have, _ = available_bytes(list(r.topology.local_mesh.devices.flat))
   parts = estimate(r)  # at one job per call
   one_job, rest = parts["round_temporaries"], sum(parts.values()) - parts["round_temporaries"]
-  width = 1
-  while width < widest and (not have or rest + 2 * width * one_job <= have):
-    width *= 2
-  return width
+  workers = max(c.num_workers, 1)
+  for width in [workers] + [1 << k for k in range(workers.bit_length() - 1, -1, -1)]:
+    if not have or rest + 2 * width * one_job <= have:
+      return width
+  return 1
 
 
 def check(r) -> None:

@@ -196,8 +196,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.sim.jitter = 0.0  # per-step duration noise: x (1 + jitter * N(0, 1))
   c.sim.straggler_prob = 0.0  # chance a job runs straggler_slowdown times slower
   c.sim.straggler_slowdown = 3.0  # how much slower a straggling job runs
-  # Jobs one call runs, vmapped (a power of two): the activations held at once are theirs.
-  # 0: the widest up to 8 that fits the memory beside the workers' states.
+  # Synchronous jobs one call runs, vmapped: the activations held at once are theirs.
+  # 0: every worker if they fit beside the workers' states, else the widest power of two.
   c.sim.jobs_per_call = 0
   c.sim.network = ml_collections.ConfigDict()
   c.sim.network.regions = 1  # workers fill regions in contiguous blocks

@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 from lowcomm_jax.run import compile_cache
 from lowcomm_jax.run.checkpoint import Checkpointer
 from lowcomm_jax.run.metric_names import widths_of
-from lowcomm_jax.run.metrics import programs_lowered
+from lowcomm_jax.run.metrics import compile_seconds, programs_lowered
 from lowcomm_jax.run.files import RunFiles
 
 
@@ -114,6 +114,7 @@ def run(driver: Driver, files: RunFiles, *, t_start: float,
   `t_start`: when this invocation started (time.time()), for the run's wall seconds."""
   c = files.config
   compiled_before, lowered_before = compile_cache.counts(), programs_lowered()
+  compiling_before = compile_seconds()
   latest = files.open_checkpoints()
   try:
     summary = driver.open(files, latest)
@@ -211,5 +212,6 @@ def run(driver: Driver, files: RunFiles, *, t_start: float,
   # Its programs: every one made (lowered), less those the persistent cache had.
   summary.update(startup_seconds=startup,
                  programs_compiled=programs_lowered() - lowered_before - loaded,
-                 programs_from_cache=loaded)
+                 programs_from_cache=loaded,
+                 compile_seconds=compile_seconds() - compiling_before)
   return files.write_summary(summary, resumes, write_files=driver.writes_files)

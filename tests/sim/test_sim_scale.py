@@ -17,16 +17,15 @@ from lowcomm_jax.runtimes.simulator import simulate
 from lowcomm_jax.runtimes.simulator.backend import call_sizes
 
 
-def test_calls_are_powers_of_two_up_to_the_width_and_never_leave_a_job_alone():
+def test_a_round_runs_in_calls_of_one_shape():
   assert call_sizes(1, 8) == [(1, 1)]
+  assert call_sizes(16, 16) == [(16, 16)]
   assert call_sizes(16, 8) == [(8, 8), (8, 8)]
-  assert call_sizes(7, 8) == [(4, 4), (2, 2), (1, 2)]  # the lone one padded to a pair
-  assert call_sizes(6, 4) == [(4, 4), (2, 2)]
+  assert call_sizes(7, 4) == [(4, 4), (3, 4)]  # the last padded
   assert call_sizes(5, 1) == [(1, 1)] * 5
-  for jobs in range(1, 40):
+  for jobs in range(9, 40):
     sizes = call_sizes(jobs, 8)
-    assert sum(n for n, _ in sizes) == jobs
-    assert {lanes for _, lanes in sizes} <= {1, 2, 4, 8}
+    assert sum(n for n, _ in sizes) == jobs and {lanes for _, lanes in sizes} == {8}
 
 
 def test_a_skipped_step_leaves_the_worker_bit_for_bit_as_it_was(request):
@@ -70,6 +69,7 @@ def test_the_programs_compiled_do_not_grow_with_the_workers_or_their_h(tmp_path)
     summary = simulate.run(_dylu(workers), tmp_path / str(workers))
     # every program made: compiled, or loaded from the suite's compilation cache
     counts[workers] = summary["programs_compiled"] + summary["programs_from_cache"]
+    assert summary["compile_seconds"] > 0
     assert len(set(summary["workers"][w]["inner_steps"] for w in range(workers))) > 1
   assert 0 < counts[16] <= counts[4], counts
 
@@ -95,3 +95,33 @@ def test_sim_geo_takes_a_one_round_smoke_override(tmp_path, method):
   summary = simulate.run(config, tmp_path)
   assert summary["num_workers"] == 16 and np.isfinite(summary["eval_loss"])
   assert summary["total_inner_steps"] >= 16 * 2
+
+
+def test_the_memory_check_counts_one_call_of_jobs_and_names_the_width(monkeypatch):
+  from lowcomm_jax.assemble import memory
+  runs = {(w, width): build(one_device(load_config(
+              "smoke", num_workers=w, **{"sim.enabled": True, "sim.jobs_per_call": width})),
+              check_memory=False)
+          for w, width in ((16, 1), (16, 4), (64, 4))}
+  temporaries = {k: memory.estimate(r)["round_temporaries"] for k, r in runs.items()}
+  assert temporaries[(16, 4)] == 4 * temporaries[(16, 1)]  # one call's jobs
+  assert temporaries[(64, 4)] == temporaries[(16, 4)]  # not every worker's
+  states = memory.estimate(runs[(64, 4)])["inner_optimizer"]
+  assert states == 4 * memory.estimate(runs[(16, 4)])["inner_optimizer"]  # states do grow
+  # Room for everything: every worker in one call; less room: the widest power of two.
+  auto = build(one_device(load_config("smoke", num_workers=12, **{"sim.enabled": True})),
+               check_memory=False)
+  assert memory.choose_sim_width(auto) == 12
+  one_job = temporaries[(16, 1)]
+  states = sum(memory.estimate(auto).values()) - one_job
+  for room, width in ((12, 12), (11, 8), (5, 4), (1, 1)):  # room for jobs, twice over
+    monkeypatch.setattr(memory, "available_bytes", lambda devices, room=room: (
+        states + 2 * room * one_job, "a test device"))
+    assert memory.choose_sim_width(auto) == width, room
+  # Too little for even one job per call: refused in one line naming the fields.
+  monkeypatch.setattr(memory, "available_bytes", lambda devices: (2**20, "a test device"))
+  with pytest.raises(memory.OutOfMemory) as e:
+    build(one_device(load_config("smoke", num_workers=16, **{"sim.enabled": True})))
+  (message,) = e.value.problems
+  assert message.startswith("num_workers=16: the simulation needs about ")
+  assert "--config.sim.jobs_per_call" in message and "\n" not in message

@@ -52,18 +52,13 @@ _put_in_place = jax.jit(_put.__wrapped__, donate_argnums=0)
 
 
 def call_sizes(jobs: int, width: int) -> list[tuple[int, int]]:
-  """The calls a group of `jobs` jobs runs in, as (jobs, lanes): powers of two up to
-  `width` (itself a power of two), largest first, so the programs compiled are at most
-  log2(width) + 1 whatever the group sizes. A lone job left over from a larger group runs
-  in a padded pair: a group's jobs run batched, as they always did."""
-  sizes = []
-  while jobs:
-    size = min(width, 1 << (jobs.bit_length() - 1))
-    sizes.append((size, size))
-    jobs -= size
-  if width > 1 and len(sizes) > 1 and sizes[-1][0] == 1:
-    sizes[-1] = (1, 2)
-  return sizes
+  """The calls a group of `jobs` jobs runs in, as (jobs, lanes): one call if they fit in
+  `width`, else calls of `width` lanes, the last padded. A synchronous round's group is
+  every worker, each round, so its calls are always one shape: one program."""
+  if jobs <= width:
+    return [(jobs, jobs)]
+  full, rest = divmod(jobs, width)
+  return [(width, width)] * full + ([(rest, width)] if rest else [])
 
 
 @jax.jit
@@ -90,8 +85,8 @@ class SimBackend:
 
   def __init__(self, r: Run, programs: Programs, plan: Plan, state: steps.TrainState, workers,
                *, width: int = 1):
-    """`width`: the most jobs one call runs (a power of two): the activations the process
-    holds at once are that many jobs' (assemble/memory.py chooses it)."""
+    """`width`: the most synchronous jobs one call runs: the activations the process holds
+    at once are that many jobs' (assemble/memory.py chooses it)."""
     c = r.config
     self.r, self.plan, self.config = r, plan, c
     # Asynchronous jobs of any H (DyLU) run in one program of the largest H, one job per
