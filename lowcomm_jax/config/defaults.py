@@ -196,9 +196,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.sim.jitter = 0.0  # per-step duration noise: x (1 + jitter * N(0, 1))
   c.sim.straggler_prob = 0.0  # chance a job runs straggler_slowdown times slower
   c.sim.straggler_slowdown = 3.0  # how much slower a straggling job runs
-  # Synchronous jobs one call runs, vmapped: the activations held at once are theirs.
-  # 0: every worker if they fit beside the workers' states, else the widest power of two.
-  c.sim.jobs_per_call = 0
+  c.sim.jobs_per_call = 0  # synchronous jobs run in one vmapped call (their activations are
+  # | held at once); 0: every worker if they fit in memory, else the widest power of two
   c.sim.network = ml_collections.ConfigDict()
   c.sim.network.regions = 1  # workers fill regions in contiguous blocks
   c.sim.network.worker_regions = ()  # or: the region of each worker
