@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 
+from lowcomm_jax.report import has_summary, read_summary
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GEO_METHODS = ("diloco", "async_dn_dylu", "halos")
 ALGORITHMS = {"async_dn_dylu": ["--config.algorithm=async_dn", "--config.outer.dylu=True",
@@ -72,9 +74,8 @@ def run_case(name: str, args: list[str], timeout: float) -> dict:
     row["log_compile_seconds"] = sum(float(x) for x in re.findall(
         r"Finished (?:XLA compilation of|tracing|jaxpr to MLIR module conversion) .*? in "
         r"([0-9.e+-]+) sec", err_path.read_text()))
-    summary_path = pathlib.Path(workdir) / "summary.json"
-    if proc.returncode == 0 and summary_path.exists():
-      s = json.loads(summary_path.read_text())
+    if proc.returncode == 0 and has_summary(workdir):
+      s = read_summary(workdir)
       row.update({k: s.get(k) for k in ("eval_loss", "wall_seconds", "startup_seconds",
                                         "programs_compiled", "programs_from_cache",
                                         "jobs_per_call", "total_inner_steps",
@@ -161,9 +162,8 @@ def main():
     report(out)
     return
   out.parent.mkdir(parents=True, exist_ok=True)
-  sys.path.insert(0, str(REPO / "bench"))
   import jax.numpy as jnp
-  from mfu import matmul_rate
+  from mfu import matmul_rate  # (bench/ is first on sys.path)
   with out.open("a") as f:  # this CPU's matmul rate, alone, before the cases
     f.write(json.dumps({"matmul_flops_per_s": matmul_rate(jnp.float32, 2048, calls=2)}) + "\n")
   for name, args in cases(a.parts.split(","), a.workers, a.models.split(","), a.set):

@@ -23,8 +23,9 @@ THETA0 = np.array([1.0, -2.0, 0.5], np.float32)
 TARGETS = np.array([[0.0, 0.0, 0.0], [2.0, 1.0, -1.0], [4.0, -4.0, 3.0]], np.float32)
 
 
-def _local_round(state, workers, batches_GxHxN, ids):
-  """Δ_w = ½(θ − t_w) with t_w = the worker's 'batch'; `steps` counts jobs."""
+def _local_round(state, workers, batches_GxHxN, ids, steps_G=None):
+  """Δ_w = ½(θ − t_w) with t_w = the worker's 'batch'; `steps` counts jobs (`steps_G`, the
+  steps each job takes of the padded batches, is read by the real program only)."""
   delta = 0.5 * (state.params[None] - batches_GxHxN[:, 0])
   return delta, workers._replace(steps=workers.steps + 1), jnp.zeros(batches_GxHxN.shape[:2])
 

@@ -125,3 +125,15 @@ def test_the_memory_check_counts_one_call_of_jobs_and_names_the_width(monkeypatc
   (message,) = e.value.problems
   assert message.startswith("num_workers=16: the simulation needs about ")
   assert "--config.sim.jobs_per_call" in message and "\n" not in message
+
+
+def test_the_progress_line_gives_virtual_time_steps_and_an_eta(caplog):
+  progress = simulate.SimProgress(total_steps=1000, every_s=0.0)
+  with caplog.at_level("INFO"):
+    progress.tick(5.0, 0)  # nothing applied yet: no rate, no line
+    progress.tick(10.0, 100)  # the first applied steps: the rate is counted from here
+    progress.tick(20.0, 300)
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("sim: ")]
+  assert len(lines) == 2
+  assert lines[-1].startswith("sim: virtual 20.0s  300/1,000 inner steps applied  wall ")
+  assert "ETA " in lines[-1] and "ETA ?" not in lines[-1]
