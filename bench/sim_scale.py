@@ -87,14 +87,18 @@ def run_case(name: str, args: list[str], timeout: float) -> dict:
     return row
 
 
+def _flag(args: list[str], name: str, default):
+  """The case's `--config.<name>=` value, else `default` (sim_geo's own, where it has it)."""
+  return type(default)(next((a.split("=", 1)[1] for a in args
+                             if a.startswith(f"--config.{name}=")), default))
+
+
 def _train_flops_per_token(args: list[str]) -> float:
   """model/flops.py's training FLOPs per token of the case's model (its flags, or the
   sim_geo config's pythia_14m at seq 128)."""
   from lowcomm_jax.model import flops, presets
-  flag = lambda name, default: next((a.split("=", 1)[1] for a in args
-                                     if a.startswith(f"--config.{name}=")), default)
-  name, seq = flag("model.name", "pythia_14m"), int(flag("data.seq_len", 128))
-  cfg = presets.get_preset(name, tokenizer_vocab=50257 if flag("data.tokenizer", "gpt2")
+  name, seq = _flag(args, "model.name", "pythia_14m"), _flag(args, "data.seq_len", 128)
+  cfg = presets.get_preset(name, tokenizer_vocab=50257 if _flag(args, "data.tokenizer", "gpt2")
                            == "gpt2" else 256)
   return flops.train_flops_per_token(cfg, seq)
 
@@ -128,9 +132,8 @@ def report(path: pathlib.Path) -> None:
     if "case" not in r:
       continue
     if r["returncode"] == 0:  # training seconds: the wall less the compiling
-      flag = lambda name, default: int(next((a.split("=", 1)[1] for a in r["args"]
-                                             if a.startswith(f"--config.{name}=")), default))
-      tokens = r["total_inner_steps"] * flag("data.batch_size", 8) * flag("data.seq_len", 128)
+      tokens = (r["total_inner_steps"] * _flag(r["args"], "data.batch_size", 8)
+                * _flag(r["args"], "data.seq_len", 128))
       compiling = r.get("compile_seconds") or r.get("log_compile_seconds") or 0.0
       r["compile_seconds"] = compiling
       train_s = r["wall_seconds"] - compiling

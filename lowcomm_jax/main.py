@@ -125,9 +125,10 @@ def main(argv):
   except failures as e:
     print(f"lowcomm_jax: error: {e}", file=sys.stderr)
     sys.exit(2)
-  compiled, loaded = compile_cache.counts()
-  logging.info("compilation: %d program(s) compiled, %d loaded from the cache%s", compiled,
-               loaded, f" in {cache_dir}" if cache_dir else " (off: compile_cache_dir='')")
+  compiled, loaded, seconds = compile_cache.counts()
+  logging.info("compilation: %d program(s) compiled, %d loaded from the cache%s (%.1f s)",
+               compiled, loaded, f" in {cache_dir}" if cache_dir else
+               " (off: compile_cache_dir='')", seconds)
   if jax.process_index() != 0:
     return  # process 0 reports for the run (and exports)
   print(json.dumps(summary, indent=2))

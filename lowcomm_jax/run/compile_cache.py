@@ -13,19 +13,32 @@ import threading
 import jax
 import jax.monitoring
 
-_REQUESTS = "/jax/compilation_cache/compile_requests_use_cache"
 _HITS = "/jax/compilation_cache/cache_hits"
-_counts = {_REQUESTS: 0, _HITS: 0}
+_LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # one per program made
+# What making a program costs: tracing, lowering, and XLA's compile (a program the cache
+# had costs its load instead, which JAX times as no compile).
+_COSTS = ("/jax/core/compile/jaxpr_trace_duration", _LOWERED,
+          "/jax/core/compile/backend_compile_duration",
+          "/jax/compilation_cache/cache_retrieval_time_sec")
+_made = {"programs": 0, "hits": 0, "seconds": 0.0}
 _lock = threading.Lock()
 
 
-def _count(event: str, **_) -> None:
-  if event in _counts:
+def _count_hit(event: str, **_) -> None:
+  if event == _HITS:
     with _lock:
-      _counts[event] += 1
+      _made["hits"] += 1
 
 
-jax.monitoring.register_event_listener(_count)
+def _count_made(event: str, duration: float, **_) -> None:
+  if event in _COSTS:
+    with _lock:
+      _made["seconds"] += duration
+      _made["programs"] += event == _LOWERED
+
+
+jax.monitoring.register_event_listener(_count_hit)
+jax.monitoring.register_event_duration_secs_listener(_count_made)
 
 
 def enable(path: str) -> str | None:
@@ -47,8 +60,8 @@ def enable(path: str) -> str | None:
   return folder
 
 
-def counts() -> tuple[int, int]:
-  """(programs compiled, programs loaded from the cache) by this process so far, among those
-  that went through the cache (none while it is off)."""
+def counts() -> tuple[int, int, float]:
+  """(programs compiled, programs loaded from the cache, seconds spent making programs:
+  tracing, lowering, compiling or loading) by this process so far."""
   with _lock:
-    return _counts[_REQUESTS] - _counts[_HITS], _counts[_HITS]
+    return _made["programs"] - _made["hits"], _made["hits"], _made["seconds"]

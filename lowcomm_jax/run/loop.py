@@ -18,7 +18,6 @@ from typing import Any, Callable, Protocol
 from lowcomm_jax.run import compile_cache
 from lowcomm_jax.run.checkpoint import Checkpointer
 from lowcomm_jax.run.metric_names import widths_of
-from lowcomm_jax.run.metrics import compile_seconds, programs_lowered
 from lowcomm_jax.run.files import RunFiles
 
 
@@ -113,8 +112,7 @@ def run(driver: Driver, files: RunFiles, *, t_start: float,
   driver's `stopped()` record after `stop_after_checkpoints` saves (as a preemption would).
   `t_start`: when this invocation started (time.time()), for the run's wall seconds."""
   c = files.config
-  compiled_before, lowered_before = compile_cache.counts(), programs_lowered()
-  compiling_before = compile_seconds()
+  compiled_before = compile_cache.counts()
   latest = files.open_checkpoints()
   try:
     summary = driver.open(files, latest)
@@ -207,11 +205,9 @@ def run(driver: Driver, files: RunFiles, *, t_start: float,
   summary = driver.summary(evals["eval_loss"], scalars, wall_seconds)
   if by_width := widths_of(evals):  # the last evaluation at every width (Run.evaluation)
     summary["eval_loss_by_width"] = by_width
-  loaded = compile_cache.counts()[1] - compiled_before[1]
+  compiled, loaded, compiling = (now - before for now, before in zip(compile_cache.counts(),
+                                                                     compiled_before))
   # This invocation's start-up: compiles (or cache loads), data, the first mark's dispatch.
-  # Its programs: every one made (lowered), less those the persistent cache had.
-  summary.update(startup_seconds=startup,
-                 programs_compiled=programs_lowered() - lowered_before - loaded,
-                 programs_from_cache=loaded,
-                 compile_seconds=compile_seconds() - compiling_before)
+  summary.update(startup_seconds=startup, programs_compiled=compiled,
+                 programs_from_cache=loaded, compile_seconds=compiling)
   return files.write_summary(summary, resumes, write_files=driver.writes_files)

@@ -175,37 +175,6 @@ class ReadyClock:
         self._recorded.notify_all()
 
 
-_LOWERED_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
-# What making a program costs: tracing it, lowering it, and XLA's compile (a program the
-# persistent cache had costs its load instead, which JAX times as no compile).
-_COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", _LOWERED_EVENT,
-                   "/jax/core/compile/backend_compile_duration",
-                   "/jax/compilation_cache/cache_retrieval_time_sec")
-_made = {"programs": 0, "seconds": 0.0}  # by this process so far
-
-
-def _count_compiles(event: str, duration: float, **kwargs) -> None:
-  if event in _COMPILE_EVENTS:
-    _made["seconds"] += duration
-    if event == _LOWERED_EVENT:
-      _made["programs"] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_compiles)
-
-
-def programs_lowered() -> int:
-  """Programs this process has made so far, each compiled or loaded from the persistent
-  cache (JAX's monitoring events: one per program lowered)."""
-  return _made["programs"]
-
-
-def compile_seconds() -> float:
-  """Seconds this process has spent making programs so far: tracing, lowering, compiling
-  or loading them from the persistent cache."""
-  return _made["seconds"]
-
-
 def announce_compile(jitted, what: str) -> None:
   """Logs "compiling <what>…" before a jitted function's first call: compiling a real model
   takes minutes, which would otherwise pass in silence."""

@@ -41,7 +41,7 @@ class WorkerProcess:
     self.segments = r.algorithm.segments(r.config, r.config.inner_steps)
     self.mesh = r.topology.local_mesh
     if params0 is None and ("state" not in restored or programs.accumulate):
-      params0 = np.asarray(initial_params(r))
+      params0 = initial_params(r)
     if "state" in restored:
       self.state = jax.tree.map(jnp.asarray, restored["state"])
     else:  # one fresh row of its host's
