@@ -24,12 +24,13 @@ What is measured, per method at its tuned point and per seed:
   half the bytes; a flat ring instead of the faster collective) are replays of the same
   trained run.
 
-Tuning (seed 0; BENCHMARKS.md lists each grid): DDP's lr, with and without gradient
-accumulation (3 micro-batches per step: 3× the batch, a third of the steps); DiLoCo's H,
-outer lr/momentum, with and without DyLU; async DN + DyLU's outer lr/momentum and H;
-HALoS's outer lr/momentum. DDP is tuned by final loss (it sets the targets); the others by
-the most targets reached, then the time to the tightest of them. The tuned points then run
-on the other seeds.
+Tuning, on a seed of its own (`--tune_seed`, 100) that no tested run uses: DDP's lr ×
+warmup × batch (gradient accumulation: 3 micro-batches per step is 3× the batch and a third
+of the steps), 12 points; DiLoCo's H × outer lr/momentum, with and without DyLU, 12 points;
+async DN + DyLU's H × outer lr/momentum, 4; HALoS's outer lr/momentum, 2. DDP is picked by
+final loss (it sets the targets); the others by the most targets reached (those of DDP's
+pick on the tuning seed), then the time to the tightest of them. The picked points then run
+on seeds 0 .. seeds − 1, which give every number reported.
 
   python bench/wan_time_to_loss.py [--jobs 2] [--seeds 3] [--budget 1] [--workdir DIR]
 
@@ -59,20 +60,22 @@ STEP_SECONDS = 16384 * 855e6 / (0.4 * 312e12)
 SMALL_PARAMS = 858_880  # the byte-level `small` model
 STEPS = 150  # inner steps per worker: the same tokens for every method
 TARGETS = (1.01, 1.03, 1.10)  # × the tuned DDP's final eval loss
+TUNE_SEED = 100  # where every method picks its point; the tested seeds are 0 .. seeds − 1
 OUTER = {"o07m09": {"outer.lr": 0.7, "outer.momentum": 0.9},
          "o10m05": {"outer.lr": 1.0, "outer.momentum": 0.5}}
 FREE = {"sim.network.bytes_scale": 1e-12, "sim.network.intra_latency_s": 0.0,
         "sim.network.inter_latency_s": 0.0}
 
 
-def _ddp(lr: float, accumulate: int) -> dict:
+def _ddp(lr: float, warmup: int, accumulate: int) -> dict:
   # Gradient accumulation: `accumulate` micro-batches per step is a batch that many times
-  # larger for that many times the compute, and a third of the syncs.
+  # larger for that many times the compute, and that many times fewer syncs. `warmup` is in
+  # micro-batches, as STEPS is.
   return {"algorithm": "ddp", "optimizer.lr": lr, "inner_steps": 1,
           "rounds": STEPS // accumulate, "data.batch_size": 8 * accumulate,
           "sim.step_seconds": STEP_SECONDS * accumulate,
           "optimizer.decay_steps": STEPS // accumulate, "eval_every": 10 // accumulate or 1,
-          "log_every": 10 // accumulate or 1, "optimizer.warmup_steps": 20 // accumulate}
+          "log_every": 10 // accumulate or 1, "optimizer.warmup_steps": warmup // accumulate}
 
 
 def _local(algorithm: str, h: int, outer: str, budget: float, **fields) -> dict:
@@ -87,8 +90,9 @@ def grids(budget: float = 1.0) -> dict:
   x = "" if budget == 1 else f"_x{budget:g}"
   local = lambda *a, **f: _local(*a, budget, **f)
   return {
-      "ddp": {f"lr{lr:g}": _ddp(lr, 1) for lr in (1e-3, 3e-3, 1e-2)},
-      "ddp_accum3": {f"lr{lr:g}": _ddp(lr, 3) for lr in (3e-3, 1e-2)},
+      # The same number of points as DiLoCo's grid: lr × warmup × batch (accumulation).
+      "ddp": {f"lr{lr:g}_w{w}_a{a}": _ddp(lr, w, a)
+              for lr, w, a in itertools.product((1e-3, 3e-3, 1e-2), (10, 30), (1, 3))},
       "diloco": {**{f"H{h}_{o}{x}": local("diloco", h, o) for h, o in
                     itertools.product((10, 5, 25, 50), OUTER)},
                  **{f"H{h}_{o}_dylu{x}": local("diloco", h, o, **{"outer.dylu": True})
@@ -102,7 +106,7 @@ def grids(budget: float = 1.0) -> dict:
 
 
 GRIDS = grids()
-SYNCHRONOUS = ("ddp", "ddp_accum3", "diloco")
+SYNCHRONOUS = ("ddp", "diloco")
 
 
 def case_name(method: str, point: str, seed: int) -> str:
@@ -124,12 +128,12 @@ def config(fields: dict, seed: int):
   return c
 
 
-def all_cases(seeds: int) -> dict[str, tuple[dict, int]]:
+def all_cases(seeds: int, tune_seed: int) -> dict[str, tuple[dict, int]]:
   """Every case this bench may run: name -> (fields, seed)."""
   out = {}
   for method, grid in GRIDS.items():
     for point, fields in grid.items():
-      for seed in range(seeds):
+      for seed in [*range(seeds), tune_seed]:
         out[case_name(method, point, seed)] = (fields, seed)
   return out
 
@@ -173,10 +177,16 @@ def targets(workdir: pathlib.Path, seeds: int, ddp_point: str) -> list[float]:
   return [base * t for t in TARGETS]
 
 
-def tuned_ddp(workdir: pathlib.Path, seeds: int) -> str:
-  """DDP's lr by its mean final loss over the seeds (it sets the targets)."""
-  return min(GRIDS["ddp"], key=lambda p: stats.mean_sd(
-      _summary(workdir, case_name("ddp", p, s))["eval_loss"] for s in range(seeds))[0])
+def tuned_ddp(workdir: pathlib.Path, tune_seed: int) -> str:
+  """DDP's point by its final loss on the tuning seed (it sets the targets)."""
+  return min(GRIDS["ddp"],
+             key=lambda p: _summary(workdir, case_name("ddp", p, tune_seed))["eval_loss"])
+
+
+def tuning_goals(workdir: pathlib.Path, tune_seed: int, ddp_point: str) -> list[float]:
+  """The targets the other methods are tuned against: DDP's pick on the tuning seed."""
+  base = _summary(workdir, case_name("ddp", ddp_point, tune_seed))["eval_loss"]
+  return [base * t for t in TARGETS]
 
 
 def score(rows: list[dict], goals: list[float]) -> tuple:
@@ -186,9 +196,11 @@ def score(rows: list[dict], goals: list[float]) -> tuple:
   return (-len(hits), hits[0][0] if hits else 0.0, rows[-1]["eval_loss"])
 
 
-def tuned(workdir: pathlib.Path, method: str, goals: list[float]) -> str:
+def tuned(workdir: pathlib.Path, method: str, goals: list[float], tune_seed: int) -> str:
   grid = GRIDS[method]
-  return min(grid, key=lambda p: score(_rows(workdir, case_name(method, p, 0)), goals))
+  if len(grid) == 1:  # picked elsewhere (--picks_from)
+    return next(iter(grid))
+  return min(grid, key=lambda p: score(_rows(workdir, case_name(method, p, tune_seed)), goals))
 
 
 def method_rows(workdir, method, point, seeds, goals, clocks) -> list[dict]:
@@ -304,24 +316,19 @@ def report(workdir: pathlib.Path, seeds: int, picks: dict, goals: list[float],
   return "\n".join(lines)
 
 
-def tuning_table(workdir: pathlib.Path, seeds: int, picks: dict, goals: list[float]) -> str:
-  """Every grid point: DDP's by its mean final loss over the seeds, the others on seed 0 by
-  the targets they reach and how soon."""
-  lines = ["| method | point | seeds | final eval loss | "
+def tuning_table(workdir: pathlib.Path, tune_seed: int, picks: dict, goals: list[float]) -> str:
+  """Every grid point on the tuning seed: its final loss and when it reaches the tuning
+  targets (DDP's pick on that seed, +1% / +3% / +10%)."""
+  lines = [f"| method | point | final eval loss (seed {tune_seed}) | "
            + " | ".join(f"time to +{round((t - 1) * 100)}%" for t in TARGETS)
-           + " | picked |", "|---|---|---|---|" + "---|" * len(TARGETS) + "---|"]
+           + " | picked |", "|---|---|---|" + "---|" * len(TARGETS) + "---|"]
   for method, grid in GRIDS.items():
     for point in grid:
-      runs = range(seeds) if method == "ddp" else (0,)
-      rows = [_rows(workdir, case_name(method, point, s)) for s in runs]
-      losses = [_summary(workdir, case_name(method, point, s))["eval_loss"] for s in runs]
-      loss = _fmt(losses, "{:.4f}") if len(losses) > 1 else f"{losses[0]:.4f}"
-      times = []
-      for g in goals:
-        hits = [crossing(r, g) for r in rows]
-        times.append(_fmt([h and h[0] for h in hits]) if len(hits) > 1 else
-                     "never" if hits[0] is None else f"{hits[0][0]:.1f}")
-      lines.append(f"| {method} | {point} | {len(losses)} | {loss} | " + " | ".join(times)
+      name = case_name(method, point, tune_seed)
+      rows = _rows(workdir, name)
+      times = ["never" if (h := crossing(rows, g)) is None else f"{h[0]:.1f}" for g in goals]
+      lines.append(f"| {method} | {point} | {_summary(workdir, name)['eval_loss']:.4f} | "
+                   + " | ".join(times)
                    + f" | {'**yes**' if picks.get(method) == point else ''} |")
   return "\n".join(lines)
 
@@ -329,6 +336,8 @@ def tuning_table(workdir: pathlib.Path, seeds: int, picks: dict, goals: list[flo
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--seeds", type=int, default=3)
+  p.add_argument("--tune_seed", type=int, default=TUNE_SEED,
+                 help="the seed every method's point is picked on (not one of the tested)")
   p.add_argument("--jobs", type=int, default=2)
   p.add_argument("--workdir", type=pathlib.Path, default=REPO / "bench/results/wan")
   p.add_argument("--budget", type=float, default=1.0,
@@ -342,40 +351,48 @@ def main() -> None:
   if args.picks_from:  # the local methods' picked points only, at this budget
     picked = json.loads(args.picks_from.read_text())["picks"]
     x = "" if args.budget == 1 else f"_x{args.budget:g}"
-    GRIDS = {m: grid if m.startswith("ddp") else {picked[m] + x: grid[picked[m] + x]}
+    GRIDS = {m: grid if m == "ddp" else {picked[m] + x: grid[picked[m] + x]}
              for m, grid in GRIDS.items()}
-  cases = all_cases(args.seeds)
+  if args.tune_seed < args.seeds:
+    p.error(f"--tune_seed {args.tune_seed} is one of the tested seeds 0..{args.seeds - 1}")
+  cases = all_cases(args.seeds, args.tune_seed)
   if args.only:
     fields, seed = cases[args.only]
     sim_grid.run_case(config(fields, seed), args.workdir / args.only)
     return
   forward = [a for a in sys.argv[1:]]
-  # 1. DDP's grid on every seed (the targets), every other grid on seed 0.
-  first = [n for n in cases if n.startswith("ddp.") or n.endswith(".s0")]
+  # 1. Every grid on the tuning seed (a grid of one point was picked elsewhere).
+  first = [case_name(m, pt, args.tune_seed) for m, grid in GRIDS.items() if len(grid) > 1
+           for pt in grid]
   if failed := sim_grid.run_grid(__file__, first, args.workdir, args.jobs, forward):
     sys.exit(f"failed: {failed} (logs in {args.workdir / 'logs'})")
-  picks = {"ddp": tuned_ddp(args.workdir, args.seeds)}
-  goals = targets(args.workdir, args.seeds, picks["ddp"])
+  picks = {"ddp": tuned_ddp(args.workdir, args.tune_seed)}
+  tune_goals = tuning_goals(args.workdir, args.tune_seed, picks["ddp"])
   for method in GRIDS:
     if method != "ddp":
-      picks[method] = tuned(args.workdir, method, goals)
-  print("tuned:", picks, "targets:", [round(g, 4) for g in goals], flush=True)
-  # 2. The tuned points on every seed.
+      picks[method] = tuned(args.workdir, method, tune_goals, args.tune_seed)
+  print("tuned:", picks, flush=True)
+  # 2. The picked points on the tested seeds; the targets are DDP's mean over them.
   second = [case_name(m, pt, s) for m, pt in picks.items() for s in range(args.seeds)]
   if failed := sim_grid.run_grid(__file__, second, args.workdir, args.jobs, forward):
     sys.exit(f"failed: {failed} (logs in {args.workdir / 'logs'})")
+  goals = targets(args.workdir, args.seeds, picks["ddp"])
+  print("targets:", [round(g, 4) for g in goals], flush=True)
   clocks = Clocks()
   results = {m: method_rows(args.workdir, m, pt, args.seeds, goals, clocks)
              for m, pt in picks.items()}
-  tuning = {m: {pt: score(_rows(args.workdir, case_name(m, pt, 0)), goals)
+  tuning = {m: {pt: score(_rows(args.workdir, case_name(m, pt, args.tune_seed)), tune_goals)
                 for pt in GRIDS[m]} for m in GRIDS if m != "ddp"}
-  table = (report(args.workdir, args.seeds, picks, goals, results) + "\n\nTuning:\n\n"
-           + tuning_table(args.workdir, args.seeds, picks, goals))
+  table = (report(args.workdir, args.seeds, picks, goals, results)
+           + f"\n\nTuning (seed {args.tune_seed}; targets "
+           + ", ".join(f"{g:.4f}" for g in tune_goals) + "):\n\n"
+           + tuning_table(args.workdir, args.tune_seed, picks, tune_goals))
   print(table)
   tag = "" if args.budget == 1 else f"_x{args.budget:g}"
   (args.workdir / f"wan{tag}.md").write_text(table + "\n")
   (args.workdir / f"result{tag}.json").write_text(json.dumps(
-      {"picks": picks, "targets": goals, "results": results, "tuning_seed0": tuning},
+      {"picks": picks, "targets": goals, "results": results, "tune_seed": args.tune_seed,
+       "tuning_goals": tune_goals, "tuning": tuning},
       indent=1))
 
 

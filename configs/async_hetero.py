@@ -9,7 +9,11 @@ reference experiments:
 
     python -m lowcomm_jax.main --config=configs/async_hetero.py
 
-On a CPU, the byte-level `tiny` model (its windows are at most 64 tokens) in its own workdir:
+On a CPU, the byte-level `small` model (configs/base.py, SIZES):
+
+    python -m lowcomm_jax.main --config=configs/async_hetero.py:cpu
+
+or the smaller `tiny` model (its windows are at most 64 tokens) in its own workdir:
 
     python -m lowcomm_jax.main --config=configs/async_hetero.py --config.model.name=tiny \
         --config.data.tokenizer=byte --config.data.seq_len=64 --workdir=runs/async_hetero_tiny
@@ -21,7 +25,7 @@ import runpy
 _base = runpy.run_path(str(pathlib.Path(__file__).with_name("base.py")))
 
 
-def get_config():
+def get_config(size: str = "pythia"):
   c = _base["get_config"]()
   c.algorithm = "async_dn"
   c.num_workers = 8
@@ -30,8 +34,7 @@ def get_config():
   c.eval_every = 5  # round-equivalents (num_workers * inner_steps steps applied)
   c.checkpoint_every = 5
   c.outer.dylu = True
-  c.model.name = "pythia_14m"
-  c.data.tokenizer = "gpt2"
+  _base["sized"](c, size, size)
   c.data.seq_len = 128
   c.data.batch_size = 8
   c.sim.enabled = True

@@ -2,6 +2,11 @@
 
     python -m lowcomm_jax.main --config=configs/sim_geo.py:halos
 
+trains pythia_14m on GPT-2 BPE; `halos,cpu` the byte-level `small` model (configs/base.py,
+SIZES), which a 2-core CPU runs in under 3 minutes:
+
+    python -m lowcomm_jax.main --config=configs/sim_geo.py:halos,cpu
+
 Inside a region 100 Gb/s; between regions 0.1-1 Gb/s and 30-150 ms (the matrix below);
 worker speeds 'moderate' (0.5-1x). The global server sits in a fifth region of its own,
 1 Gb/s and 50 ms from each (sim.network.inter_gbps, inter_latency_s); transfers share the
@@ -34,17 +39,18 @@ INTER_LATENCY_S = ((0.0, 0.03, 0.08, 0.15),
                    (0.15, 0.15, 0.1, 0.0))
 
 
-def get_config(method: str = "halos"):
+def get_config(arg: str = "halos"):
+  method, _, size = arg.partition(",")
   if method not in METHODS:
-    raise ValueError(f"unknown method {method!r}; use one of {sorted(METHODS)}")
+    raise ValueError(f"config argument {arg!r}: use METHOD[,SIZE] with METHOD one of "
+                     f"{sorted(METHODS)}, SIZE one of {sorted(_base['SIZES'])}")
   c = _base["get_config"]()
   c.num_workers = 16
   c.rounds = 10
   c.inner_steps = 10
   c.eval_every = 2
   c.checkpoint_every = 5
-  c.model.name = "pythia_14m"
-  c.data.tokenizer = "gpt2"
+  _base["sized"](c, size or "pythia", arg)
   c.data.batch_size = 8
   c.sim.enabled = True
   c.sim.heterogeneity = "moderate"

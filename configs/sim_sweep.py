@@ -1,6 +1,7 @@
 """Heterogeneity sweep in the simulator: one method at one heterogeneity level.
 
     python -m lowcomm_jax.main --config=configs/sim_sweep.py:async_dn_dylu,very
+    python -m lowcomm_jax.main --config=configs/sim_sweep.py:async_dn_dylu,very,cpu
 
 Methods, all at the same budget of num_workers x rounds x inner_steps inner steps:
   diloco         synchronous DiLoCo (rounds wait for the slowest worker)
@@ -8,7 +9,8 @@ Methods, all at the same budget of num_workers x rounds x inner_steps inner step
   async_dn       asynchronous, Delayed Nesterov (N = num_workers)
   async_dn_dylu  asynchronous, Delayed Nesterov + Dynamic Local Updates
 Levels: none | slight | moderate | very (lowcomm_jax/sim/speeds.py). The default model is
-Pythia-14M's shape on GPT-2 BPE; bench/sim_scenarios.py runs the whole grid.
+Pythia-14M's shape on GPT-2 BPE; the size `cpu` trains the byte-level `small` model instead
+(configs/base.py, SIZES). bench/sim_scenarios.py runs the whole grid.
 """
 
 import pathlib
@@ -25,9 +27,10 @@ METHODS = {
 
 
 def get_config(arg: str = "async_dn_dylu,moderate"):
-  method, _, level = arg.partition(",")
+  method, _, rest = arg.partition(",")
+  level, _, size = rest.partition(",")
   if method not in METHODS or not level:
-    raise ValueError(f"config argument {arg!r}: use METHOD,LEVEL with METHOD one of "
+    raise ValueError(f"config argument {arg!r}: use METHOD,LEVEL[,SIZE] with METHOD one of "
                      f"{sorted(METHODS)}, e.g. configs/sim_sweep.py:async_dn_dylu,very")
   c = _base["get_config"]()
   c.num_workers = 4
@@ -35,8 +38,7 @@ def get_config(arg: str = "async_dn_dylu,moderate"):
   c.inner_steps = 20
   c.eval_every = 3
   c.checkpoint_every = 5
-  c.model.name = "pythia_14m"
-  c.data.tokenizer = "gpt2"
+  _base["sized"](c, size or "pythia", arg)
   c.data.batch_size = 8
   c.sim.enabled = True
   c.sim.heterogeneity = level

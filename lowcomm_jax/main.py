@@ -1,7 +1,7 @@
 """Command line: `python -m lowcomm_jax.main --config=configs/X.py [--config.a.b=v] [--workdir=DIR]`.
 
-The default workdir is `runs/<config file name>`. Re-running the same command resumes from
-the workdir's latest checkpoint; a finished run returns its summary at once.
+The default workdir is `runs/<config file name>[_<its argument>]`. Re-running the same command
+resumes from the workdir's latest checkpoint; a finished run returns its summary at once.
 `--print_config` prints the resolved config, each field with its meaning, and exits.
 """
 
@@ -55,7 +55,11 @@ def _validate_early(config) -> None:
 
 
 def default_workdir(config_path: str) -> str:
-  return str(pathlib.Path("runs") / pathlib.Path(config_path.split(":")[0]).stem)
+  """runs/<config file name>, and its argument if it has one (configs/sim_geo.py:halos,cpu
+  -> runs/sim_geo_halos_cpu): each variant of a config is a run of its own."""
+  path, _, arg = config_path.partition(":")
+  name = "_".join([pathlib.Path(path).stem] + [part for part in arg.split(",") if part])
+  return str(pathlib.Path("runs") / name)
 
 
 class _QuietCheckpointing(logging.Filter):

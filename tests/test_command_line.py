@@ -26,6 +26,8 @@ CASES = [
     (["--config=configs/smoke.py", "--config.hosts[0].tier=0.5"],
      "--config.hosts[0].tier: hosts is empty"),
     (["--config", "configs/smoke.py", "--config.rounds[0]=1"], "rounds is not a list"),
+    (["--config=configs/sim_geo.py:halos,huge"],
+     "config argument 'halos,huge': size 'huge' is not one of ['cpu', 'pythia']"),
 ]
 
 
@@ -42,6 +44,23 @@ def test_good_overrides_pass(monkeypatch):
   config = command_line.check(["--config=configs/diloco_hetero.py", "--config.hosts[3].tier=0.5",
                                "--config.sim.network.inter_gbps", "2", "--workdir=x"])
   assert config.num_workers == 4  # the file's config, before overrides
+
+
+@pytest.mark.parametrize("arg,model,tokenizer", [
+    ("configs/sim_geo.py:halos", "pythia_14m", "gpt2"),
+    ("configs/sim_geo.py:halos,cpu", "small", "byte"),
+    ("configs/sim_sweep.py:diloco,very,cpu", "small", "byte"),
+    ("configs/async_hetero.py:cpu", "small", "byte"),
+])
+def test_a_study_config_takes_a_size_and_each_variant_has_its_own_workdir(arg, model, tokenizer,
+                                                                         monkeypatch):
+  from lowcomm_jax.main import default_workdir
+  monkeypatch.chdir(REPO)
+  config = command_line.check([f"--config={arg}"])
+  assert (config.model.name, config.data.tokenizer) == (model, tokenizer)
+  path, _, variant = arg.partition(":")
+  assert default_workdir(arg) == "runs/" + "_".join([path[8:-3]] + variant.split(","))
+  assert default_workdir("configs/smoke.py") == "runs/smoke"
 
 
 def _main(*args):
