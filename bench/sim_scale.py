@@ -1,7 +1,7 @@
 """The simulator at scale (issue 52): start-up, wall time, peak memory and programs compiled,
 for configs/sim_geo.py's three methods and against the number of workers.
 
-  python bench/sim_scale.py [--parts geo,workers] [--workers 4 16 64] [--set=--config.F=V ...]
+  python bench/sim_scale.py [--parts geo,workers,readme] [--workers 4 16 64] [--set=--config.F=V ...]
       [--models pythia_14m,small] [--timeout 1200] [--out bench/results/sim_scale.jsonl]
   python bench/sim_scale.py --report [--out ...]
 
@@ -10,8 +10,11 @@ so start-up is the compile it needs (summary.json's compile_seconds: tracing, lo
 compiling; JAX's own compile log where a version has no such field); its peak RSS is the
 kernel's (os.wait4). Rows are appended to --out as each case ends.
 
-geo:     configs/sim_geo.py with each method (diloco, async_dn_dylu, halos), as the README
-         runs it.
+geo:     configs/sim_geo.py with each method (diloco, async_dn_dylu, halos), as written
+         (pythia_14m on GPT-2 BPE).
+readme:  the README simulator section's example commands, at the size `cpu` (the byte-level
+         `small` model): async_hetero.py:cpu, sim_sweep.py:diloco,very,cpu and sim_geo.py with
+         each method. The goal: each under 3 minutes on a 2-core CPU.
 workers: W = 4, 16, 64 workers of each model (pythia_14m with the GPT-2 tokenizer, and
          `small` on bytes; batch 8 × 128), async_dn + DyLU ('moderate' speeds) and DiLoCo,
          at a fixed 2 rounds of H = 5 per worker: wall seconds per applied inner step (after
@@ -97,9 +100,11 @@ def _train_flops_per_token(args: list[str]) -> float:
   """model/flops.py's training FLOPs per token of the case's model (its flags, or the
   sim_geo config's pythia_14m at seq 128)."""
   from lowcomm_jax.model import flops, presets
-  name, seq = _flag(args, "model.name", "pythia_14m"), _flag(args, "data.seq_len", 128)
-  cfg = presets.get_preset(name, tokenizer_vocab=50257 if _flag(args, "data.tokenizer", "gpt2")
-                           == "gpt2" else 256)
+  cpu = any(a.startswith("--config=") and a.endswith("cpu") for a in args)  # size `cpu`
+  name = _flag(args, "model.name", "small" if cpu else "pythia_14m")
+  seq = _flag(args, "data.seq_len", 128)
+  tokenizer = _flag(args, "data.tokenizer", "byte" if cpu else "gpt2")
+  cfg = presets.get_preset(name, tokenizer_vocab=50257 if tokenizer == "gpt2" else 256)
   return flops.train_flops_per_token(cfg, seq)
 
 
@@ -107,6 +112,11 @@ def cases(parts: list[str], workers: list[int], models: list[str], extra: list[s
   if "geo" in parts:
     for method in GEO_METHODS:
       yield f"geo_{method}", [f"--config=configs/sim_geo.py:{method}", *extra]
+  if "readme" in parts:
+    for config in ("async_hetero.py:cpu", "sim_sweep.py:diloco,very,cpu",
+                   *(f"sim_geo.py:{m},cpu" for m in GEO_METHODS)):
+      yield f"readme_{config.replace('.py:', '_').replace(',', '_')}", [
+          f"--config=configs/{config}", *extra]
   if "workers" in parts:
     for model in models:
       for algorithm, flags in ALGORITHMS.items():
