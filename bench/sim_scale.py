@@ -12,7 +12,7 @@ kernel's (os.wait4). Rows are appended to --out as each case ends.
 
 geo:     configs/sim_geo.py with each method (diloco, async_dn_dylu, halos), as written
          (pythia_14m on GPT-2 BPE).
-readme:  the README simulator section's example commands, at the size `cpu` (the byte-level
+readme:  docs/simulator.md's example commands, at the size `cpu` (the byte-level
          `small` model): async_hetero.py:cpu, sim_sweep.py:diloco,very,cpu and sim_geo.py with
          each method. The goal: each under 3 minutes on a 2-core CPU.
 workers: W = 4, 16, 64 workers of each model (pythia_14m with the GPT-2 tokenizer, and

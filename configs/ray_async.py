@@ -10,8 +10,8 @@ the process; on a CPU the byte-level `tiny` model):
     python -m lowcomm_jax.main --config=configs/ray_async.py
 
 On a cluster: `RAY_worker_niceness=0 ray start --head` on one host, the same with
-`--address=HEAD:6379` on the others, then add --config.ray.address=auto (README.md: GPUs,
-ports, priority and who can reach them).
+`--address=HEAD:6379` on the others, then add --config.ray.address=auto (docs/ray.md: GPUs,
+ports, priority; docs/trust-model.md: who can reach them).
 """
 
 import pathlib

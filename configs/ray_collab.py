@@ -11,7 +11,7 @@ nobody waits for a micro-batch past `ray.grace_s` once the target is reached. On
     python -m lowcomm_jax.main --config=configs/ray_collab.py --workdir=runs/ray_collab
 
 Try a crash and a newcomer: --config.ray.chaos="('kill_worker=1@10','add_worker@20')"
-(counts of micro-batches). On a cluster, see configs/ray_async.py and README.md.
+(counts of micro-batches). On a cluster, see configs/ray_async.py and docs/ray.md.
 """
 
 import pathlib

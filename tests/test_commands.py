@@ -1,12 +1,14 @@
 """Every command the docs show is accepted as written, without running it.
 
-Collected: README.md's ```bash blocks and its inline commands (`python ...`, `pip ...`,
-`tensorboard ...`, `sbatch ...`), and the commands and `--config.x=y` hints in the
-docstrings of configs/*.py. Each is split into simple commands (`&&`, leading VAR=value):
+Collected: the ```bash blocks and inline commands (`python ...`, `pip ...`,
+`tensorboard ...`, `sbatch ...`) of README.md and of every page in docs/, and the commands
+and `--config.x=y` hints in the docstrings of configs/*.py. Each is split into simple
+commands (`&&`, leading VAR=value):
 
   python -m lowcomm_jax.main   flags parsed the way main.py parses them (its own absl flags,
                                ml_collections overrides), then check.validate on the
-                               devices the command's XLA_FLAGS (or launcher) gives it
+                               devices the command's XLA_FLAGS (or launcher) gives it, in
+                               as many processes as its JAX_NUM_PROCESSES (or launcher) says
   scripts and other modules    their argparse parser takes the arguments (the script runs up
                                to its parse, then stops); launch/local.py's main arguments
                                are checked as above on its processes
@@ -56,20 +58,28 @@ def _optional_included(command: str) -> str:
   return re.sub(r"\[(\s*-[^\]]*)\]", r"\1", command)
 
 
-def readme_commands() -> list[tuple[str, str]]:
-  text = (REPO / "README.md").read_text()
+DOC_PAGES = ["README.md", *(f"docs/{p.name}" for p in sorted((REPO / "docs").glob("*.md")))]
+
+
+def markdown_commands(where: str) -> list[tuple[str, str]]:
+  """The commands a markdown file shows, each labelled with the file (`where`, from REPO)."""
+  text = (REPO / where).read_text()
   out = []
   for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
     for line in _logical_lines(block):
       line = line.split(" # ")[0].strip()  # trailing comments
       if line and not line.startswith("#"):
-        out.append(("README.md", line))
+        out.append((where, line))
   prose = re.sub(r"```.*?```", "", text, flags=re.S)
   for span in re.findall(r"`([^`]+)`", prose):
     span = " ".join(span.split())
     if _is_command(span):
-      out.append(("README.md", _optional_included(span)))
+      out.append((where, _optional_included(span)))
   return out
+
+
+def doc_commands() -> list[tuple[str, str]]:
+  return [command for page in DOC_PAGES for command in markdown_commands(page)]
 
 
 def _docstring(path: pathlib.Path) -> str:
@@ -90,7 +100,7 @@ def config_commands() -> list[tuple[str, str]]:
   return out
 
 
-COMMANDS = readme_commands() + config_commands()
+COMMANDS = doc_commands() + config_commands()
 
 
 # --- checking ---------------------------------------------------------------------------
@@ -154,6 +164,15 @@ def _device_count(env: dict) -> int:
   return int(match.group(1)) if match else 1  # a CPU exposes one device by default
 
 
+def _processes(args: list[str], env: dict) -> int:
+  """Processes a real host's command joins: --config.distributed.num_processes, else
+  JAX_NUM_PROCESSES, else one."""
+  for arg in args:
+    if arg.startswith("--config.distributed.num_processes="):
+      return int(arg.partition("=")[2]) or 1
+  return int(env.get("JAX_NUM_PROCESSES", "1"))
+
+
 def check_main(args: list[str], *, devices_per_process: int, processes: int = 1):
   """main.py's flag parsing on a fresh FlagValues, then the validation it does first."""
   import lowcomm_jax.main as main
@@ -205,7 +224,7 @@ def check_simple(words: list[str], env: dict, created: set[str], monkeypatch):
     # Its parser also validates the process's absl flags (main's --config is required).
     with mock.patch.object(flags.FlagValues, "validate_all_flags", lambda self: None):
       tb.TensorBoard().configure(argv=["tensorboard", *args])
-  elif program == "ray":  # `ray start ...` (README, the Ray runtime): Ray's click parser
+  elif program == "ray":  # `ray start ...` (docs/ray.md, a cluster): Ray's click parser
     import click
     from ray.scripts.scripts import cli
     assert args and args[0] in cli.commands, f"ray has no command {args[:1]}"
@@ -223,8 +242,8 @@ def check_simple(words: list[str], env: dict, created: set[str], monkeypatch):
       module, args = args[1], args[2:]
       if module == "lowcomm_jax.main" and {"--help", "--helpfull", "--helpshort"} & set(args):
         import lowcomm_jax.main  # noqa: F401  (absl's app.run adds the help flags)
-      elif module == "lowcomm_jax.main":
-        check_main(args, devices_per_process=_device_count(env))
+      elif module == "lowcomm_jax.main":  # one process of several (real hosts)
+        check_main(args, devices_per_process=_device_count(env), processes=_processes(args, env))
       elif module == "venv":
         assert len(args) == 1, args
         created.add(f"{args[0]}/bin/activate")
@@ -248,9 +267,33 @@ def check_simple(words: list[str], env: dict, created: set[str], monkeypatch):
 def test_the_docs_show_the_commands_this_test_expects():
   # The collector itself must keep finding them (a format change would silently skip).
   found = {command for _, command in COMMANDS}
-  assert len([c for c in found if "lowcomm_jax.main" in c]) >= 12
-  assert any("launch/local.py" in c for c in found)
+  pages = {where for where, _ in COMMANDS}
+  assert len(DOC_PAGES) >= 10 and "docs/runtimes-and-hosts.md" in DOC_PAGES
+  # Every page that shows a ```bash block or an inline command yields commands.
+  for page in DOC_PAGES:
+    text = (REPO / page).read_text()
+    if "```bash" in text:
+      assert page in pages, f"{page} shows commands but none were collected"
+  readme = {command for where, command in COMMANDS if where == "README.md"}
+  # README: the two commands, and a command per runtime of its "Which runtime" table.
+  assert any(c.startswith("python3 -m venv .venv") and c.endswith("diloco_hetero.py")
+             for c in readme)
+  assert any(c.endswith('pip install -e ".[test]" && python -m pytest -q') for c in readme)
+  assert "python -m lowcomm_jax.main --config=configs/sim_geo.py:halos,cpu" in readme
+  assert any("--config.runtime=ray" in c for c in readme)
+  assert len([c for c in found if "lowcomm_jax.main" in c]) >= 40
+  assert len([c for c in pages if c.startswith("docs/")]) >= 10
+  # The main job on 2 and 4 processes (launch/local.py) and on real hosts.
+  hosts = {command for where, command in COMMANDS if where == "docs/runtimes-and-hosts.md"}
+  assert ("python launch/local.py --num_processes 2 -- --config=configs/diloco_hetero.py:1.0,0.25"
+          in hosts)
+  assert "python launch/local.py --num_processes 4 -- --config=configs/diloco_hetero.py" in hosts
+  for n in (2, 4):
+    assert any(c.startswith(f"JAX_COORDINATOR_ADDRESS=10.0.0.1:1234 JAX_NUM_PROCESSES={n} ")
+               for c in hosts), n
+  assert any("--config.hosts[1]." in c for c in hosts)
   assert any("tensorboard" in c for c in found) and any("lowcomm_jax.report" in c for c in found)
+  assert any(c.startswith("sbatch ") for c in found) and any(c.startswith("ray start") for c in found)
   assert any("async_hetero.py --config.model.name=tiny" in c for c in found)
 
 
@@ -297,6 +340,12 @@ REJECTED = [
      "lowcomm_jax.report: its parser rejected the arguments"),
     ("python launch/local.py --num_processes 4 -- --config=configs/smoke.py --config.rounds=0",
      _config_error, r"rounds=0: need at least one outer round(.|\n)*not divisible by the 4 processes"),
+    # A host table needs one row per process: the main job's 4 rows on 2 processes.
+    ("python launch/local.py --num_processes 2 -- --config=configs/diloco_hetero.py",
+     _config_error, "the host table has 4 rows but 2 processes joined"),
+    ("JAX_COORDINATOR_ADDRESS=10.0.0.1:1234 JAX_NUM_PROCESSES=2 JAX_PROCESS_ID=0 "
+     "python -m lowcomm_jax.main --config=configs/diloco_hetero.py",
+     _config_error, "the host table has 4 rows but 2 processes joined"),
     ('pip install -e ".[no_such_extra]"', lambda: AssertionError,
      "pyproject.toml has no extra {'no_such_extra'}"),
     ("tensorboard --no_such_flag", lambda: SystemExit, "^2$"),  # its argparse: exit 2

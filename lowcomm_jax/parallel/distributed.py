@@ -6,7 +6,7 @@ launch/local.py), or SLURM's variables. With none of them the run stays single-p
 
 Process 0's coordinator listens on the coordinator address's host only (not every
 interface, JAX's default) unless `distributed.coordinator_bind_address` says otherwise.
-It is unauthenticated: see README.md, "Trust model".
+It is unauthenticated: see docs/trust-model.md.
 
 Before JAX joins, the processes take a roll call (roll_call.py) on the coordinator's port,
 so a process that never starts is named instead of JAX aborting every process.

@@ -4,7 +4,7 @@ Each process p > 0 connects to process 0 on the coordinator's port and says its 
 0 answers "go" once all are present. JAX's own join waits out its timeout and then aborts
 every process with "another task died", naming nobody; the roll call fails after
 `distributed.join_timeout_s` naming the processes that never came. It listens only while
-the processes join and is unauthenticated, like the coordinator (README, "Trust model").
+the processes join and is unauthenticated, like the coordinator (docs/trust-model.md).
 """
 
 import ipaddress

@@ -20,7 +20,7 @@ class RayUnavailable(RuntimeError):
 # background work: on a host with anything else busy at niceness 0 (a data prep, a second
 # job, a test suite) they get a few percent of a core and the run crawls. Here the actors
 # are the training, so a Ray this process starts runs them at the driver's priority. A
-# cluster started by `ray start` takes it from RAY_worker_niceness=0 (README).
+# cluster started by `ray start` takes it from RAY_worker_niceness=0 (docs/ray.md, "Priority").
 SYSTEM_CONFIG = {"worker_niceness": 0}
 
 
