@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 # The suite's programs are tiny and run a few steps: compiling them is most of its time. XLA's
 # CPU backend without LLVM optimization and with its older per-op emitters compiles them
-# about 3.5x faster (BUILD_NOTES: "a fast, never-flaky suite (part 2)").
+# about 3.5x faster (BUILD_NOTES: "Fast-compile flags for the suite").
 _FAST_COMPILE_WANTED = ("--xla_backend_optimization_level=0 "
                         "--xla_llvm_disable_expensive_passes=true "
                         "--xla_cpu_use_fusion_emitters=false")
