@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import functools
+import importlib.util
 import os
 
 import jax
@@ -87,6 +88,11 @@ def _check_run(c: ml_collections.ConfigDict, problems: Problems) -> None:
                         f"--config.algorithm={other.name} or leave them at their defaults")
   for field in ("eval_every", "checkpoint_every", "log_every"):
     check(c[field] >= 0, field, "must be >= 0 (0: only at the end)")
+  check(c.metrics.writer in ("tensorboard", "clu"), "metrics.writer",
+        "use 'tensorboard' (no TensorFlow) or 'clu'")
+  # clu.metric_writers imports TensorFlow: looked for, not imported (it takes seconds).
+  check(c.metrics.writer != "clu" or importlib.util.find_spec("tensorflow") is not None,
+        "metrics.writer", "needs TensorFlow (pip install tensorflow-cpu), or use 'tensorboard'")
   check(c.eval_batches >= 1, "eval_batches", "need at least one validation batch")
   check(c.seed >= 0, "seed", "must be >= 0 (random streams derive from it)")
   # (a resume checks the fields against the stored config; a fresh run names them too)

@@ -38,6 +38,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint_every = 10  # rounds between checkpoints (0: only at the end)
   c.keep_checkpoints = 2  # how many checkpoints orbax keeps
   c.log_every = 1  # rounds between metric writes (TensorBoard + metrics.jsonl)
+  c.metrics = ml_collections.ConfigDict()
+  c.metrics.writer = "tensorboard"  # TensorBoard's event files: 'tensorboard' (tensorboard's own
+  # | record writer, no TensorFlow) | 'clu' (clu.metric_writers.create_default_writer: TensorFlow's
+  # | summary writer, and a log line per row; needs TensorFlow). metrics.jsonl is the same either way
   c.overlap_sync = True  # delayed syncs (one_step_delay, eager, overlap) run inside the next
   # | round's program, their collective beside its local steps, where every process runs one
   # | host of the same shape; rounds that evaluate or save sync at once (False: separate

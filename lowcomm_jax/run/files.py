@@ -54,7 +54,8 @@ class RunFiles:
     """Opens the metrics files; on the writing process records a resume under changed
     fields (config.json, and an event row that supersedes later rows). Returns the run's
     recorded resumes."""
-    self.logger = MetricsLogger(self.workdir, rounds=self.config.rounds, write_files=write_files)
+    self.logger = MetricsLogger(self.workdir, rounds=self.config.rounds, write_files=write_files,
+                                writer=self.config.metrics.writer)
     if not write_files:
       return []
     if self.config_changes:

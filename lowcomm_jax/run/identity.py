@@ -25,7 +25,7 @@ FILE = "config.json"
 # Changes that cannot alter the trained parameters (the distributed fields a restart on
 # other nodes changes; not num_processes, which decides whose checkpoint parts exist).
 RESUMABLE = ("rounds", "eval_every", "checkpoint_every", "keep_checkpoints", "log_every",
-             "overlap_sync", "resume_allow", "compile_cache_dir",
+             "metrics.writer", "overlap_sync", "resume_allow", "compile_cache_dir",
              "distributed.coordinator_address",
              "distributed.coordinator_bind_address", "distributed.process_id",
              "distributed.heartbeat_timeout_s", "distributed.join_timeout_s",

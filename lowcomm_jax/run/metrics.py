@@ -1,7 +1,8 @@
 """Metric files and the console progress line.
 
 Every scalar goes to TensorBoard event files under `<workdir>/tensorboard` (scalar
-summaries, written with tensorboard's own record writer: no TensorFlow) and as one JSON
+summaries, written with tensorboard's own record writer: no TensorFlow; or, with
+`metrics.writer='clu'`, through clu.metric_writers, which needs TensorFlow) and as one JSON
 object per write to `<workdir>/metrics.jsonl` (for report.py and plots). The console gets
 one short progress line per logged round, nothing else. The x axis everywhere is `step`,
 inner steps completed per worker (= rounds * H), so DDP and DiLoCo runs line up.
@@ -104,6 +105,26 @@ class EventWriter:
     self._records.close()
 
 
+class CluWriter:
+  """`metrics.writer='clu'`: the same scalars through `clu.metric_writers`'s default writer
+  (TensorFlow's summary writer, and a log line per write). clu.metric_writers imports
+  TensorFlow, so it is imported only here; config/check.py refuses 'clu' without TensorFlow."""
+
+  def __init__(self, logdir: pathlib.Path):
+    from clu import metric_writers  # noqa: PLC0415 -- imports TensorFlow
+    self._writer = metric_writers.create_default_writer(str(logdir), asynchronous=False)
+
+  def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+    self._writer.write_scalars(step, dict(scalars))
+    self._writer.flush()  # as EventWriter: TensorBoard sees each row at once
+
+  def close(self) -> None:
+    self._writer.close()
+
+
+WRITERS = {"tensorboard": EventWriter, "clu": CluWriter}  # metrics.writer (config/defaults.py)
+
+
 def format_eta(seconds: float) -> str:
   """m:ss (h:mm:ss from an hour)."""
   if not math.isfinite(seconds):
@@ -188,7 +209,8 @@ class MetricsLogger:
   """Scalars to TensorBoard and metrics.jsonl (where `write_files`: process 0), progress
   lines to the log."""
 
-  def __init__(self, workdir: pathlib.Path, *, rounds: int, write_files: bool = True):
+  def __init__(self, workdir: pathlib.Path, *, rounds: int, write_files: bool = True,
+               writer: str = "tensorboard"):
     self.rounds = rounds
     self._console = write_files  # one progress line per run, from the process that writes
     self._jsonl = self._events = None
@@ -198,7 +220,7 @@ class MetricsLogger:
       path = pathlib.Path(workdir) / "metrics.jsonl"
       self._logged_through = last_step(path)
       self._jsonl = JsonlWriter(path)
-      self._events = EventWriter(pathlib.Path(workdir) / "tensorboard")
+      self._events = WRITERS[writer](pathlib.Path(workdir) / "tensorboard")
 
   def write(self, step: int, scalars: Mapping) -> None:
     """Scalars to both files, unless `step` was logged before a resume."""

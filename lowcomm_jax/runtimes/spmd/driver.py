@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from lowcomm_jax.run import loop
+from lowcomm_jax.run import loop, run_metrics
 from lowcomm_jax.config.error import ConfigError
 from lowcomm_jax.assemble.spec import Run
 from lowcomm_jax.assemble.jitted import init_run, jitted_steps
@@ -114,6 +114,9 @@ class RoundDriver:
                  "round", c.algorithm, c.num_workers, len(hosts), r.topology.local_hosts,
                  dict(r.topology.mesh.shape), r.model.name, r.model.param_count / 1e6,
                  self.start, c.rounds, self.sched.inner_steps, self.round_bytes.sent)
+    if self.writes_files:  # shapes only: nothing is fetched (LoRA: the adapters, what trains)
+      logging.info("parameters (θ, stored flat; clu.parameter_overview):\n%s",
+                   run_metrics.overview(r.model.layout.abstract))
     return None
 
   def position(self) -> tuple[int, int, int]:
@@ -191,7 +194,8 @@ class RoundDriver:
     if isinstance(metrics, _Later):  # a held sync's: run with the next round (read late)
       assert metrics.value is not None, f"round {round_}'s held sync was never run"
       metrics = metrics.value
-    scalars = jax.device_get(metrics)
+    # train_loss through the run's clu Collection (run/run_metrics.py), computed on device.
+    scalars = jax.device_get(run_metrics.train_scalars(metrics))
     problem = None
     if not (math.isfinite(scalars["train_loss"]) and math.isfinite(scalars["param_norm"])):
       problem = (f"round {round_} (train_loss={scalars['train_loss']}, "
