@@ -1,0 +1,240 @@
+"""Real processes over real slow links on one machine (issue 54, part 1: the links).
+
+Each node is a network namespace joined to a bridge in the root namespace by a veth pair.
+Its NIC is rate-limited both ways with `tc`'s token bucket (`tbf`): egress inside the
+namespace is the node's uplink, egress on the bridge side its downlink. Addresses come from
+a private test range (a /24 of 10.213.0.0/16 per run tag) and nothing is routed off the
+machine. The
+kernel here has no `netem`, so links add no delay: at these payloads (MBs over 10-100 Mb/s)
+a transfer's time is its bytes over the rate, and 10-150 ms of latency would be a few
+percent of it.
+
+Everything made is named with one run tag (`lc<tag>...`), and torn down on exit, on
+Ctrl-C, on SIGTERM and on error: the namespaces (their veth ends and every process still
+running in them go with them), the bridge side's veths and the bridge. `leftovers()` lists
+anything of the tag still there.
+
+  python bench/real_links.py --nodes 2 --mbps 80 -- CMD ...   # CMD runs with the links up;
+                                                              # node i is NODE<i> in its env
+  python bench/real_links.py --nodes 2 --mbps 80 --probe 10   # time 10 MB node 0 -> node 1
+
+Needs root and the `ip` and `tc` tools (iproute2); it refuses in one line otherwise.
+"""
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+SUBNET = "10.213"  # a private test range: 10.213.<k>.<i+1> per node, .254 the bridge
+
+
+class LinksError(RuntimeError):
+  """The machine cannot build the links (not root, no iproute2, no namespaces)."""
+
+
+def preflight() -> None:
+  """Raises LinksError, one line naming what is missing, unless links can be built here."""
+  if os.geteuid() != 0:
+    raise LinksError("bench/real_links.py needs root (network namespaces and tc); "
+                     "run it as root or with sudo")
+  missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+  if missing:
+    raise LinksError(f"bench/real_links.py needs {' and '.join(missing)} (iproute2): "
+                     "apt-get install iproute2")
+  probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+  if probe.returncode:
+    raise LinksError(f"bench/real_links.py: `ip netns` does not work here: "
+                     f"{probe.stderr.strip()}")
+
+
+def _run(*args: str) -> None:
+  subprocess.run(args, check=True, capture_output=True, text=True)
+
+
+def tbf(device: str, mbps: float, namespace: str | None = None) -> list[str]:
+  """The `tc` command that limits `device`'s egress to `mbps` (a bucket of 10 ms of
+  traffic, at least 32 KiB: tbf needs one timer tick's worth, and a small bucket starves TCP
+  at high rates)."""
+  burst = max(32 * 1024, int(mbps * 1e6 / 8 / 100))
+  prefix = ["ip", "netns", "exec", namespace] if namespace else []
+  return prefix + ["tc", "qdisc", "replace", "dev", device, "root", "tbf", "rate",
+                   f"{mbps}mbit", "burst", str(burst), "latency", "200ms"]
+
+
+class Links:
+  """`nodes` namespaces behind links of `mbps` each way (a number, or one per node).
+
+      with Links(2, 80) as links:
+        links.run(0, ["python", "-c", "..."])   # in node 0's namespace
+        links.address(1)                        # node 1's address
+  """
+
+  def __init__(self, nodes: int, mbps, *, tag: str | None = None, subnet: str | None = None):
+    if nodes < 1 or nodes > 200:
+      raise ValueError(f"nodes={nodes}: use 1 to 200")
+    self.nodes = nodes
+    self.mbps = list(mbps) if isinstance(mbps, (list, tuple)) else [float(mbps)] * nodes
+    if len(self.mbps) != nodes or min(self.mbps) <= 0:
+      raise ValueError(f"mbps={mbps}: one positive rate, or one per node ({nodes})")
+    self.tag = tag or f"{os.getpid() % 100000:05d}"  # interface names: 15 characters at most
+    self.bridge = f"lc{self.tag}b"
+    # One /24 per tag, so that runs side by side (a test suite's workers) do not share one.
+    self.subnet = subnet or f"{SUBNET}.{int(self.tag) % 250}"
+    self._up = False
+
+  def namespace(self, i: int) -> str:
+    return f"lc{self.tag}n{i}"
+
+  def _host_veth(self, i: int) -> str:
+    return f"lc{self.tag}v{i}"
+
+  def address(self, i: int) -> str:
+    return f"{self.subnet}.{i + 1}"
+
+  def up(self) -> "Links":
+    preflight()
+    self._up = True  # from here on, down() cleans up whatever part was made
+    _run("ip", "link", "add", self.bridge, "type", "bridge")
+    _run("ip", "addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)
+    _run("ip", "link", "set", self.bridge, "up")
+    for i in range(self.nodes):
+      ns, veth = self.namespace(i), self._host_veth(i)
+      _run("ip", "netns", "add", ns)
+      _run("ip", "link", "add", veth, "type", "veth", "peer", "name", f"{veth}p")
+      _run("ip", "link", "set", f"{veth}p", "netns", ns)
+      _run("ip", "netns", "exec", ns, "ip", "link", "set", f"{veth}p", "name", "eth0")
+      _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.address(i)}/24", "dev",
+           "eth0")
+      _run("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
+      _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+      _run("ip", "link", "set", veth, "master", self.bridge)
+      _run("ip", "link", "set", veth, "up")
+      _run(*tbf("eth0", self.mbps[i], ns))  # the node's uplink
+      _run(*tbf(veth, self.mbps[i]))  # its downlink
+    return self
+
+  def run(self, i: int, command: list[str], **kwargs) -> subprocess.Popen:
+    """`command` started in node i's namespace."""
+    return subprocess.Popen(["ip", "netns", "exec", self.namespace(i), *command], **kwargs)
+
+  def down(self) -> None:
+    """Removes everything of this tag; safe to call twice, or after a partial `up`."""
+    if not self._up:
+      return
+    for i in range(self.nodes):
+      ns = self.namespace(i)
+      pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
+      for pid in pids.stdout.split():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+          os.kill(int(pid), signal.SIGKILL)
+      subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+      subprocess.run(["ip", "link", "del", self._host_veth(i)], capture_output=True)
+    subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+    self._up = False
+
+  def leftovers(self) -> list[str]:
+    """Namespaces and links of this tag that still exist."""
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    mine = f"lc{self.tag}"
+    found = [line.split()[0] for line in names.splitlines() if line.startswith(mine)]
+    found += [line.split(":")[1].strip().split("@")[0] for line in links.splitlines()
+              if f" {mine}" in line]
+    return found
+
+  def __enter__(self) -> "Links":
+    # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the links come down.
+    self._old_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+      return self.up()
+    except BaseException:
+      self.down()
+      signal.signal(signal.SIGTERM, self._old_term)
+      raise
+
+  def __exit__(self, *exc) -> None:
+    try:
+      self.down()
+    finally:
+      signal.signal(signal.SIGTERM, self._old_term)
+
+
+def _raise_interrupt(signum, frame):
+  raise KeyboardInterrupt(f"signal {signum}")
+
+
+# A receiver and a sender in plain sockets: what a transfer over the links takes.
+_RECEIVE = """
+import socket, sys, time
+s = socket.create_server(("0.0.0.0", {port}))
+print("ready", flush=True)
+conn, _ = s.accept()
+got, t0 = 0, None
+while got < {nbytes}:
+  chunk = conn.recv(1 << 20)
+  if not chunk:
+    break
+  t0 = t0 or time.perf_counter()
+  got += len(chunk)
+print(got, time.perf_counter() - t0, flush=True)
+"""
+_SEND = """
+import socket
+c = socket.create_connection(("{host}", {port}))
+c.sendall(bytes({nbytes}))
+c.close()
+"""
+
+
+def probe(links: Links, src: int, dst: int, nbytes: int, port: int = 47123) -> float:
+  """Seconds to move `nbytes` over TCP from node `src` to node `dst`, first byte to last,
+  as the receiver sees it."""
+  receiver = links.run(dst, [sys.executable, "-c", _RECEIVE.format(port=port, nbytes=nbytes)],
+                       stdout=subprocess.PIPE, text=True)
+  try:
+    assert receiver.stdout.readline().strip() == "ready"
+    sender = links.run(src, [sys.executable, "-c", _SEND.format(
+        host=links.address(dst), port=port, nbytes=nbytes)])
+    sender.wait(timeout=600)
+    got, seconds = receiver.stdout.readline().split()
+    receiver.wait(timeout=60)
+  finally:
+    receiver.kill()
+  if int(got) != nbytes:
+    raise RuntimeError(f"probe: {got} of {nbytes} bytes arrived")
+  return float(seconds)
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--nodes", type=int, default=2)
+  p.add_argument("--mbps", type=float, default=80.0, help="every node's NIC, each way")
+  p.add_argument("--probe", type=float, help="MB to time from node 0 to node 1, then exit")
+  p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD: run with the links up")
+  a = p.parse_args()
+  try:
+    preflight()
+  except LinksError as e:
+    sys.exit(f"error: {e}")
+  with Links(a.nodes, a.mbps) as links:
+    if a.probe:
+      nbytes = int(a.probe * 1e6)
+      seconds = probe(links, 0, 1, nbytes)
+      ideal = nbytes * 8 / (a.mbps * 1e6)
+      print(f"{a.probe:g} MB in {seconds:.3f} s over {a.mbps:g} Mb/s: {ideal / seconds:.1%} "
+            f"of line rate")
+      return
+    command = a.command[1:] if a.command[:1] == ["--"] else a.command
+    if command:
+      env = dict(os.environ, **{f"NODE{i}": links.address(i) for i in range(a.nodes)},
+                 **{f"NODE{i}_NS": links.namespace(i) for i in range(a.nodes)})
+      sys.exit(subprocess.run(command, env=env).returncode)
+
+
+if __name__ == "__main__":
+  main()
