@@ -5,6 +5,7 @@ and virtual time, each method at its best outer lr, over seeds.
     python bench/noloco_vs_diloco.py --out results.jsonl            # runs, one line each
     python bench/noloco_vs_diloco.py --out results.jsonl --report   # the table
     python bench/noloco_vs_diloco.py --clock     # virtual times only (sim/replay.py)
+    python bench/noloco_vs_diloco.py --clock --diloco_collective ring   # DiLoCo on a flat ring
 
 Each run is the real command line in its own process. The model is `tiny` on bytes, and
 `sim.network.bytes_scale` makes its payload take a 124M-parameter model's time on the wire
@@ -79,8 +80,10 @@ def report(rows: list[dict]) -> None:
           f"virtual time ratio {ratio.mean():.3f} ± {ratio.std(ddof=1):.3f}")
 
 
-def clock() -> None:
-  """NoLoCo's virtual time over DiLoCo's for the runs' 20 rounds, per seed."""
+def clock(diloco_collective: str = "auto") -> None:
+  """NoLoCo's virtual time over DiLoCo's for the runs' 20 rounds, per seed; DiLoCo's
+  all-reduce as `diloco_collective` ('auto': the faster of ring and hierarchical, as the runs
+  had it; 'ring' separates what shared links alone did to the ratio)."""
   import runpy
   from lowcomm_jax.runtimes.simulator import simulate
   ratios = []
@@ -92,6 +95,8 @@ def clock() -> None:
           "algorithm": method, "seed": seed, "model.name": "tiny", "data.tokenizer": "byte",
           "data.seq_len": 64, "rounds": 20,
           "sim.network.bytes_scale": float(f"{124_000_000 / TINY_PARAMS:.1f}")})
+      if method == "diloco":
+        c.sim.network.collective = diloco_collective
       seconds[method] = simulate.clock(c)[-1][0]
     ratios.append(seconds["noloco"] / seconds["diloco"])
     print(f"seed {seed}: diloco {seconds['diloco']:.1f} s, noloco {seconds['noloco']:.1f} s, "
@@ -104,9 +109,11 @@ def main() -> None:
   parser.add_argument("--out")
   parser.add_argument("--report", action="store_true", help="print the table of --out")
   parser.add_argument("--clock", action="store_true", help="virtual times only, no training")
+  parser.add_argument("--diloco_collective", default="auto", choices=("auto", "ring", "hierarchical"),
+                      help="--clock: DiLoCo's all-reduce")
   a = parser.parse_args()
   if a.clock:
-    return clock()
+    return clock(a.diloco_collective)
   if not a.out:
     parser.error("--out is required (or --clock)")
   out = pathlib.Path(a.out)
