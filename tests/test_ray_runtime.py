@@ -135,6 +135,21 @@ def test_buckets_are_refused_on_ray_in_one_line():
                       "attack.workers": (0,), "aggregate.signal": "loss_ema"}) == []
 
 
+def test_actors_are_pinned_to_the_nodes_named_by_their_resources():
+  from lowcomm_jax.runtimes.ray import cluster as ray_cluster
+  config = _config()
+  config.ray.worker_nodes = ("node0", "", "node2")
+  config.ray.server_node = "node9"
+  options = lambda **kw: ray_cluster.actor_options(config, **kw).get("resources")
+  assert options(worker=True, index=0) == {"node0": 0.01}
+  assert options(worker=True, index=1) is None and options(worker=True, index=3) is None
+  assert options(worker=True, index=2) == {"node2": 0.01}
+  assert options(worker=False) == {"node9": 0.01}
+  too_many = _problems(runtime="ray", algorithm="diloco", num_workers=2,
+                       **{"mesh.replica": 1, "ray.worker_nodes": ("a", "b", "c")})
+  assert len(too_many) == 1 and too_many[0].startswith("ray.worker_nodes=")
+
+
 def test_bad_ray_input_is_refused_in_one_line_before_work(monkeypatch):
   """Issue 51's bad input, each refused in one line naming the field or the fix."""
   import time

@@ -173,6 +173,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.ray.bind_address = ""  # a Ray started here: the address its services listen on
   # | ('' : Ray's default; '127.0.0.1' keeps every port on this machine)
   c.ray.gpus_per_worker = 0.0  # GPUs each worker actor holds (0.5: two workers share one)
+  c.ray.worker_nodes = ()  # per worker: a custom resource its actor needs, which pins it to
+  # | the node started with it (`ray start --resources='{"node2": 1}'`); () or '': anywhere
+  c.ray.server_node = ""  # the same for every server process ('': anywhere)
   c.ray.apply_order = "arrival"  # 'arrival': pushes applied as they come | 'dispatch': in
   # | the order their jobs started (reproducible runs: tests, comparison with the simulator)
   c.ray.step_sleep_s = ()  # per worker: seconds slept per inner step (imposed slowness)

@@ -54,6 +54,11 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
   check(not sizes or c.collab.target_batch_size > 0, "ray.batch_sizes",
         "per-worker batch sizes are for collaborative epochs (collab.target_batch_size > 0), "
         "where samples weigh each peer; elsewhere give a host table's batch_size per row")
+  nodes = list(y.worker_nodes)
+  check(len(nodes) <= c.num_workers and all(isinstance(n, str) for n in nodes),
+        "ray.worker_nodes", f"give at most one resource name per worker ({c.num_workers}), "
+        "'' for anywhere, e.g. ('node0', 'node1')")
+  check(isinstance(y.server_node, str), "ray.server_node", "give a resource name, or ''")
   sleeps = list(y.step_sleep_s)
   check(not sleeps or (len(sleeps) == c.num_workers and min(sleeps) >= 0),
         "ray.step_sleep_s", f"give one non-negative number per worker ({c.num_workers})")

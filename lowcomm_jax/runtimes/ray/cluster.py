@@ -108,13 +108,16 @@ def warn_if_niced(what: str) -> None:
                     "start Ray with RAY_worker_niceness=0 ray start ...", what, niceness)
 
 
-def actor_options(c: ml_collections.ConfigDict, *, worker: bool) -> dict:
-  """Scheduling and environment of a server or worker actor: the driver's JAX_*, LOWCOMM_*
-  and TIKTOKEN_* variables (data, caches, the CPU platform of a test). Workers may hold a
-  GPU (or a share: several JAX processes on one GPU must not preallocate its memory), or
-  several (`mesh.data` × `model.tp.size` devices each). The driver's forced host device
-  count is not theirs: a worker of several devices on CPUs gets its own count, everyone
-  else runs on one device."""
+def actor_options(c: ml_collections.ConfigDict, *, worker: bool,
+                  index: int | None = None) -> dict:
+  """Scheduling and environment of a server or worker actor (`index`: which worker): the
+  driver's JAX_*, LOWCOMM_* and TIKTOKEN_* variables (data, caches, the CPU platform of a
+  test). Workers may hold a GPU (or a share: several JAX processes on one GPU must not
+  preallocate its memory), or several (`mesh.data` × `model.tp.size` devices each). The
+  driver's forced host device count is not theirs: a worker of several devices on CPUs
+  gets its own count, everyone else runs on one device. `ray.worker_nodes` and
+  `ray.server_node` pin actors to nodes by a custom resource (a sliver of it, so a node's
+  standby server and a restarted worker still fit)."""
   env = {k: v for k, v in os.environ.items()
          if k.startswith(("JAX_", "LOWCOMM_", "TIKTOKEN_"))}
   env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
@@ -128,4 +131,9 @@ def actor_options(c: ml_collections.ConfigDict, *, worker: bool) -> dict:
   if worker and c.ray.gpus_per_worker:
     options["num_gpus"] = c.ray.gpus_per_worker
     env.pop("JAX_PLATFORMS", None)  # the driver's (a CPU-only head's 'cpu') is not theirs
+  nodes = list(c.ray.worker_nodes)
+  node = (nodes[index] if index is not None and index < len(nodes) else "") if worker \
+      else c.ray.server_node
+  if node:
+    options["resources"] = {node: 0.01}
   return options

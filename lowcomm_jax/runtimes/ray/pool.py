@@ -101,7 +101,8 @@ class Pool:
       restored = {"data": self.data[str(worker)]}
     # Two threads: a checkpoint reads the worker's state while a job runs.
     remote = self.ray.remote(max_concurrency=2,
-                             **cluster.actor_options(self.c, worker=True))(WorkerProcess)
+                             **cluster.actor_options(self.c, worker=True, index=worker))(
+                                 WorkerProcess)
     self.actors[worker] = remote.remote(self._config_of(worker), worker, restored, sleep,
                                         params0=self.theta0)
     self.jobs_done[worker] = 0  # of this process (its first compiles)
