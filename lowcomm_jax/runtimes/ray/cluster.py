@@ -53,7 +53,10 @@ def connect(c: ml_collections.ConfigDict) -> bool:
   try:
     with warnings.catch_warnings():  # Ray spawns its services; this process runs no JAX there
       warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
-      ray.init(num_cpus=y.num_cpus or os.cpu_count(), _system_config=SYSTEM_CONFIG, **kwargs)
+      # address="local": a Ray of its own, even where another runs on this machine (without
+      # it ray.init joins the newest one `ray start` made, and refuses num_cpus there).
+      ray.init(address="local", num_cpus=y.num_cpus or os.cpu_count(),
+               _system_config=SYSTEM_CONFIG, **kwargs)
   except Exception as e:  # Ray's own start: its services timed out, a port was taken, ...
     ray.shutdown()
     cause = (str(e).strip().splitlines() or [type(e).__name__])[0]
