@@ -52,14 +52,13 @@ Row = collections.namedtuple("Row", COLUMNS)
 def group_of(verdict: str) -> str | None:
   """The opening's group of `verdict`; None for the appendix-only verdicts."""
   v = verdict.lower()
-  if v.startswith(APPENDIX_ONLY):
+  starts = lambda words: re.match(rf"{re.escape(words)}\b", v) is not None  # whole words
+  if any(starts(w) for w in APPENDIX_ONLY):
     return None
-  # Longest prefix first: "not met" before "met", "not distinguishable" before nothing.
-  matches = [(len(p), name) for name, prefixes in GROUPS for p in prefixes if v.startswith(p)]
-  if not matches:
-    raise ValueError(f"verdict {verdict!r} starts with none of the words BENCHMARKS.md "
-                     "defines")
-  return max(matches)[1]
+  for name, prefixes in GROUPS:
+    if any(starts(p) for p in prefixes):
+      return name
+  raise ValueError(f"verdict {verdict!r} starts with none of the words BENCHMARKS.md defines")
 
 
 def anchor(heading: str) -> str:
@@ -70,11 +69,14 @@ def anchor(heading: str) -> str:
 
 
 def anchors(text: str) -> set[str]:
-  """Every heading's anchor (a repeated heading gets -1, -2, ... as on GitHub)."""
+  """Every heading's anchor (a repeated heading gets -1, -2, ... as on GitHub); a `#` line
+  inside a fenced code block is a comment, not a heading."""
   seen = collections.Counter()
-  out = set()
+  out, fenced = set(), False
   for line in text.splitlines():
-    if m := re.match(r"^#{1,6} (.+)$", line):
+    if line.lstrip().startswith(("```", "~~~")):
+      fenced = not fenced
+    elif not fenced and (m := re.match(r"^#{1,6} (.+)$", line)):
       a = anchor(m.group(1))
       out.add(a if not seen[a] else f"{a}-{seen[a]}")
       seen[a] += 1
@@ -126,7 +128,7 @@ def problems(text: str, rows: list[Row]) -> list[str]:
     elif link.group(1).startswith("#"):
       if link.group(1)[1:] not in targets:
         out.append(f"{where}: no heading has the anchor {link.group(1)}")
-    elif not (REPO / link.group(1)).exists():
+    elif not (REPO / link.group(1).partition("#")[0]).exists():
       out.append(f"{where}: no file {link.group(1)}")
   return out
 

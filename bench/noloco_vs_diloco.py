@@ -114,6 +114,8 @@ def main() -> None:
   a = parser.parse_args()
   if a.clock:
     return clock(a.diloco_collective)
+  if a.diloco_collective != "auto":
+    parser.error("--diloco_collective is for --clock (the runs use the config's collective)")
   if not a.out:
     parser.error("--out is required (or --clock)")
   out = pathlib.Path(a.out)

@@ -30,6 +30,7 @@ import json
 import os
 import pathlib
 import re
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -100,10 +101,13 @@ def _train_flops_per_token(args: list[str]) -> float:
   """model/flops.py's training FLOPs per token of the case's model (its flags, or the
   sim_geo config's pythia_14m at seq 128)."""
   from lowcomm_jax.model import flops, presets
-  cpu = any(a.startswith("--config=") and a.endswith("cpu") for a in args)  # size `cpu`
-  name = _flag(args, "model.name", "small" if cpu else "pythia_14m")
+  config = next((a.split("=", 1)[1] for a in args if a.startswith("--config=")), "")
+  size = config.partition(":")[2].split(",")[-1] if ":" in config else ""
+  sizes = runpy.run_path(str(REPO / "configs" / "base.py"))["SIZES"]
+  fields = sizes.get(size, sizes["pythia"])  # the study configs' size (configs/base.py)
+  name = _flag(args, "model.name", fields["model.name"])
   seq = _flag(args, "data.seq_len", 128)
-  tokenizer = _flag(args, "data.tokenizer", "byte" if cpu else "gpt2")
+  tokenizer = _flag(args, "data.tokenizer", fields["data.tokenizer"])
   cfg = presets.get_preset(name, tokenizer_vocab=50257 if tokenizer == "gpt2" else 256)
   return flops.train_flops_per_token(cfg, seq)
 

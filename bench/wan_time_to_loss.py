@@ -316,14 +316,15 @@ def report(workdir: pathlib.Path, seeds: int, picks: dict, goals: list[float],
   return "\n".join(lines)
 
 
-def tuning_table(workdir: pathlib.Path, tune_seed: int, picks: dict, goals: list[float]) -> str:
-  """Every grid point on the tuning seed: its final loss and when it reaches the tuning
-  targets (DDP's pick on that seed, +1% / +3% / +10%)."""
+def tuning_table(workdir: pathlib.Path, tune_seed: int, picks: dict, goals: list[float],
+                 methods: list[str]) -> str:
+  """Every grid point of `methods` on the tuning seed: its final loss and when it reaches
+  the tuning targets (DDP's pick on that seed, +1% / +3% / +10%)."""
   lines = [f"| method | point | final eval loss (seed {tune_seed}) | "
            + " | ".join(f"time to +{round((t - 1) * 100)}%" for t in TARGETS)
            + " | picked |", "|---|---|---|" + "---|" * len(TARGETS) + "---|"]
-  for method, grid in GRIDS.items():
-    for point in grid:
+  for method in methods:
+    for point in GRIDS[method]:
       name = case_name(method, point, tune_seed)
       rows = _rows(workdir, name)
       times = ["never" if (h := crossing(rows, g)) is None else f"{h[0]:.1f}" for g in goals]
@@ -349,7 +350,12 @@ def main() -> None:
   global GRIDS
   GRIDS = grids(args.budget)
   if args.picks_from:  # the local methods' picked points only, at this budget
-    picked = json.loads(args.picks_from.read_text())["picks"]
+    earlier = json.loads(args.picks_from.read_text())
+    if earlier.get("tune_seed") != args.tune_seed:
+      p.error(f"--picks_from {args.picks_from}: its points were picked on "
+              f"{'seed ' + str(earlier['tune_seed']) if 'tune_seed' in earlier else 'a tested seed'}"
+              f", not --tune_seed {args.tune_seed}; rerun it at --budget 1 first")
+    picked = earlier["picks"]
     x = "" if args.budget == 1 else f"_x{args.budget:g}"
     GRIDS = {m: grid if m == "ddp" else {picked[m] + x: grid[picked[m] + x]}
              for m, grid in GRIDS.items()}
@@ -381,12 +387,13 @@ def main() -> None:
   clocks = Clocks()
   results = {m: method_rows(args.workdir, m, pt, args.seeds, goals, clocks)
              for m, pt in picks.items()}
+  tuned_here = [m for m in GRIDS if len(GRIDS[m]) > 1]  # the others were --picks_from's
   tuning = {m: {pt: score(_rows(args.workdir, case_name(m, pt, args.tune_seed)), tune_goals)
-                for pt in GRIDS[m]} for m in GRIDS if m != "ddp"}
+                for pt in GRIDS[m]} for m in tuned_here if m != "ddp"}
   table = (report(args.workdir, args.seeds, picks, goals, results)
            + f"\n\nTuning (seed {args.tune_seed}; targets "
            + ", ".join(f"{g:.4f}" for g in tune_goals) + "):\n\n"
-           + tuning_table(args.workdir, args.tune_seed, picks, tune_goals))
+           + tuning_table(args.workdir, args.tune_seed, picks, tune_goals, tuned_here))
   print(table)
   tag = "" if args.budget == 1 else f"_x{args.budget:g}"
   (args.workdir / f"wan{tag}.md").write_text(table + "\n")

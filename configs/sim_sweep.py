@@ -18,6 +18,7 @@ import runpy
 
 _base = runpy.run_path(str(pathlib.Path(__file__).with_name("base.py")))
 
+LEVELS = ("none", "slight", "moderate", "very")  # lowcomm_jax/sim/speeds.py
 METHODS = {
     "diloco": {"algorithm": "diloco"},
     "async": {"algorithm": "async"},
@@ -29,9 +30,10 @@ METHODS = {
 def get_config(arg: str = "async_dn_dylu,moderate"):
   method, _, rest = arg.partition(",")
   level, _, size = rest.partition(",")
-  if method not in METHODS or not level:
+  if method not in METHODS or level not in LEVELS:
     raise ValueError(f"config argument {arg!r}: use METHOD,LEVEL[,SIZE] with METHOD one of "
-                     f"{sorted(METHODS)}, e.g. configs/sim_sweep.py:async_dn_dylu,very")
+                     f"{sorted(METHODS)}, LEVEL one of {list(LEVELS)}, SIZE one of "
+                     f"{sorted(_base['SIZES'])}, e.g. configs/sim_sweep.py:diloco,very,cpu")
   c = _base["get_config"]()
   c.num_workers = 4
   c.rounds = 15

@@ -58,8 +58,10 @@ def default_workdir(config_path: str) -> str:
   """runs/<config file name>, and its argument if it has one (configs/sim_geo.py:halos,cpu
   -> runs/sim_geo_halos_cpu): each variant of a config is a run of its own."""
   path, _, arg = config_path.partition(":")
-  name = "_".join([pathlib.Path(path).stem] + [part for part in arg.split(",") if part])
-  return str(pathlib.Path("runs") / name)
+  # only the characters a name needs: an argument cannot lead the workdir out of runs/
+  parts = ["".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in part)
+           for part in arg.split(",") if part]
+  return str(pathlib.Path("runs") / "_".join([pathlib.Path(path).stem] + parts))
 
 
 class _QuietCheckpointing(logging.Filter):

@@ -29,6 +29,11 @@ def test_each_verdict_word_has_its_group(verdict, group):
   assert claims.group_of(verdict) == group
 
 
+def test_a_verdict_word_counts_only_whole():
+  with pytest.raises(ValueError, match="starts with none of the words"):
+    claims.group_of("metric moved")
+
+
 def test_a_bad_row_is_named():
   text = (REPO / "BENCHMARKS.md").read_text()
   row = claims.table(text)[0]
@@ -47,3 +52,4 @@ def test_anchors_follow_githubs_rule():
   assert claims.anchor("Geo-distributed: 4 regions × 4 workers") == \
       "geo-distributed-4-regions--4-workers"
   assert claims.anchors("## A\n## A\n") == {"a", "a-1"}
+  assert claims.anchors("```bash\n# a comment\n```\n## B\n") == {"b"}

@@ -26,6 +26,8 @@ CASES = [
     (["--config=configs/smoke.py", "--config.hosts[0].tier=0.5"],
      "--config.hosts[0].tier: hosts is empty"),
     (["--config", "configs/smoke.py", "--config.rounds[0]=1"], "rounds is not a list"),
+    (["--config=configs/sim_sweep.py:diloco,cpu"],
+     "config argument 'diloco,cpu': use METHOD,LEVEL[,SIZE] with METHOD one of"),
     (["--config=configs/sim_geo.py:halos,huge"],
      "config argument 'halos,huge': size 'huge' is not one of ['cpu', 'pythia']"),
 ]
@@ -46,6 +48,12 @@ def test_good_overrides_pass(monkeypatch):
   assert config.num_workers == 4  # the file's config, before overrides
 
 
+WORKDIRS = {"configs/sim_geo.py:halos": "runs/sim_geo_halos",
+            "configs/sim_geo.py:halos,cpu": "runs/sim_geo_halos_cpu",
+            "configs/sim_sweep.py:diloco,very,cpu": "runs/sim_sweep_diloco_very_cpu",
+            "configs/async_hetero.py:cpu": "runs/async_hetero_cpu"}
+
+
 @pytest.mark.parametrize("arg,model,tokenizer", [
     ("configs/sim_geo.py:halos", "pythia_14m", "gpt2"),
     ("configs/sim_geo.py:halos,cpu", "small", "byte"),
@@ -58,9 +66,10 @@ def test_a_study_config_takes_a_size_and_each_variant_has_its_own_workdir(arg, m
   monkeypatch.chdir(REPO)
   config = command_line.check([f"--config={arg}"])
   assert (config.model.name, config.data.tokenizer) == (model, tokenizer)
-  path, _, variant = arg.partition(":")
-  assert default_workdir(arg) == "runs/" + "_".join([path[8:-3]] + variant.split(","))
+  assert default_workdir(arg) == WORKDIRS[arg]
   assert default_workdir("configs/smoke.py") == "runs/smoke"
+  assert default_workdir("configs/sim_geo.py:halos,") == "runs/sim_geo_halos"
+  assert default_workdir("configs/x.py:a/../../etc") == "runs/x_a-..-..-etc"
 
 
 def _main(*args):

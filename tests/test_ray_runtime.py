@@ -145,6 +145,13 @@ def test_actors_are_pinned_to_the_nodes_named_by_their_resources():
   assert options(worker=True, index=1) is None and options(worker=True, index=3) is None
   assert options(worker=True, index=2) == {"node2": 0.01}
   assert options(worker=False) == {"node9": 0.01}
+  class Cluster:  # what a cluster of two plain nodes offers
+    cluster_resources = staticmethod(lambda: {"CPU": 4.0, "node0": 1.0, "node2": 1.0})
+  with pytest.raises(ray_cluster.RayUnavailable, match="ray.server_node: 'node9' is not a "
+                     "resource of this Ray cluster; start that node with ray start"):
+    ray_cluster._nodes_present(config, Cluster)
+  config.ray.server_node = "node2"
+  ray_cluster._nodes_present(config, Cluster)
   too_many = _problems(runtime="ray", algorithm="diloco", num_workers=2,
                        **{"mesh.replica": 1, "ray.worker_nodes": ("a", "b", "c")})
   assert len(too_many) == 1 and too_many[0].startswith("ray.worker_nodes=")

@@ -58,9 +58,15 @@ def _same_as_float32(a: float, b: float) -> bool:
 
 @pytest.fixture(scope="module")
 def runner_run(tmp_path_factory):
-  """The smoke run, 3 rounds (H = 2), evaluated at rounds 2 and 3: its workdir."""
+  """The smoke run, 3 rounds (H = 2), evaluated at rounds 2 and 3: its workdir. Every row's
+  train metrics must have gone through the run's clu Collection (counted here)."""
   workdir = tmp_path_factory.mktemp("runner")
-  train.run(load_config("smoke", rounds=3, eval_every=2, checkpoint_every=3), workdir)
+  calls = []
+  real = run_metrics.train_scalars
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(run_metrics, "train_scalars", lambda m: calls.append(1) or real(m))
+    train.run(load_config("smoke", rounds=3, eval_every=2, checkpoint_every=3), workdir)
+  assert len(calls) == 3  # one per logged round
   return workdir
 
 

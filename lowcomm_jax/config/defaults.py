@@ -174,7 +174,8 @@ def get_config() -> ml_collections.ConfigDict:
   # | ('' : Ray's default; '127.0.0.1' keeps every port on this machine)
   c.ray.gpus_per_worker = 0.0  # GPUs each worker actor holds (0.5: two workers share one)
   c.ray.worker_nodes = ()  # per worker: a custom resource its actor needs, which pins it to
-  # | the node started with it (`ray start --resources='{"node2": 1}'`); () or '': anywhere
+  # | the node started with it (`ray start --resources='{"node2": 1}'`); () : anywhere,
+  # | an entry '': that worker anywhere
   c.ray.server_node = ""  # the same for every server process ('': anywhere)
   c.ray.apply_order = "arrival"  # 'arrival': pushes applied as they come | 'dispatch': in
   # | the order their jobs started (reproducible runs: tests, comparison with the simulator)

@@ -29,7 +29,7 @@ RESUMABLE = ("rounds", "eval_every", "checkpoint_every", "keep_checkpoints", "lo
              "distributed.coordinator_address",
              "distributed.coordinator_bind_address", "distributed.process_id",
              "distributed.heartbeat_timeout_s", "distributed.join_timeout_s",
-             "collab.wait_timeout_s", "eval.widths")
+             "collab.wait_timeout_s", "eval.widths", "ray.worker_nodes", "ray.server_node")
 # Changes a checkpoint cannot continue under (its shapes, H schedule or plan): never allowed.
 FIXED = ("algorithm", "num_workers", "inner_steps", "hosts", "outer.dylu",
          "distributed.num_processes", "data.seq_len", "data.tokenizer", "data.batch_mode",

@@ -4,7 +4,7 @@ Every scalar goes to TensorBoard event files under `<workdir>/tensorboard` (scal
 summaries, written with tensorboard's own record writer: no TensorFlow; or, with
 `metrics.writer='clu'`, through clu.metric_writers, which needs TensorFlow) and as one JSON
 object per write to `<workdir>/metrics.jsonl` (for report.py and plots). The console gets
-one short progress line per logged round, nothing else. The x axis everywhere is `step`,
+one short progress line per logged round (and, with the 'clu' writer, clu's line per row). The x axis everywhere is `step`,
 inner steps completed per worker (= rounds * H), so DDP and DiLoCo runs line up.
 
 metrics.jsonl is append-only: a resumed run never deletes or rewrites rows. Resume is

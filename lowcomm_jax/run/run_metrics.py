@@ -1,8 +1,9 @@
 """A logged row's train metrics as one `clu.metrics.Collection`, and the parameter overview.
 
-Why clu here: the Collection declares what a row's train metrics are and how they merge
-(`Average`: rounds merged by their means, each counted once), in the form Flax code reads,
-and is read (`compute()`, on the device) once per logged row. `clu.metrics` and
+Why clu here: the Collection declares what a row's train metrics are, in the form Flax code
+reads, and is read (`compute()`, on the device) once per logged row. Today a row is one
+round, so the Collection holds that round's value; merging rounds (`merge`) is where a
+longer log period would add them up. `clu.metrics` and
 `clu.parameter_overview` import only absl, flax, jax and numpy; `clu.metric_writers` imports
 TensorFlow, so it is reached only through `metrics.writer='clu'` (run/metrics.py), which
 the config check refuses where TensorFlow is missing.
@@ -25,7 +26,8 @@ from clu import parameter_overview
 
 @flax.struct.dataclass
 class TrainMetrics(clu_metrics.Collection):
-  """A synchronous round's train metrics (the runner's rounds and collaborative epochs)."""
+  """A synchronous round's train metrics (the runner's rounds; collaborative epochs report
+  their host-side mean instead)."""
   train_loss: clu_metrics.Average.from_output("train_loss")
 
 

@@ -47,6 +47,7 @@ def connect(c: ml_collections.ConfigDict) -> bool:
     ray.init(address=y.address, **kwargs)
     logging.info("joined the Ray cluster at %s: %s", y.address, ray.cluster_resources())
     _enough_gpus(c, ray)
+    _nodes_present(c, ray)
     return False
   if y.bind_address:
     kwargs["_node_ip_address"] = y.bind_address
@@ -67,6 +68,7 @@ def connect(c: ml_collections.ConfigDict) -> bool:
   logging.info("started a local Ray: %s", ray.cluster_resources())
   try:
     _enough_gpus(c, ray)
+    _nodes_present(c, ray)  # a local Ray has none of them
   except RayUnavailable:
     ray.shutdown()
     raise
@@ -109,6 +111,18 @@ def warn_if_niced(what: str) -> None:
   if niceness > 0:
     logging.warning("ray: %s runs at niceness %d, so other work on this host starves it; "
                     "start Ray with RAY_worker_niceness=0 ray start ...", what, niceness)
+
+
+def _nodes_present(c: ml_collections.ConfigDict, ray) -> None:
+  """Refuses (one line) a `ray.worker_nodes` / `ray.server_node` resource no node offers:
+  an actor asking for it would wait for it forever."""
+  have = ray.cluster_resources()
+  named = [("ray.worker_nodes", n) for n in c.ray.worker_nodes if n]
+  named += [("ray.server_node", c.ray.server_node)] if c.ray.server_node else []
+  for field, node in named:
+    if node not in have:
+      raise RayUnavailable(f"{field}: {node!r} is not a resource of this Ray cluster; start "
+                           f"that node with ray start --resources='{{\"{node}\": 1}}'")
 
 
 def actor_options(c: ml_collections.ConfigDict, *, worker: bool,
