@@ -17,6 +17,14 @@ anything of the tag still there.
   python bench/real_links.py --nodes 2 --mbps 80 -- CMD ...   # CMD runs with the links up;
                                                               # node i is NODE<i> in its env
   python bench/real_links.py --nodes 2 --mbps 80 --probe 10   # time 10 MB node 0 -> node 1
+  python bench/real_links.py --nodes 3 --ray -- python my_driver.py   # a Ray cluster over
+      # the links: the head in node 0, a raylet in each other node, each offering the custom
+      # resource node<i>; the command runs in node 0 with RAY_ADDRESS set
+
+Ray runs inside the namespaces only, so tearing them down stops it: `ray stop` is never
+called, because it would kill every Ray on the machine. Its token authentication is off
+(`RAY_AUTH_MODE=disabled`): `ray start` turns it on by default, and nodes in other
+namespaces then fail to join.
 
 Needs root and the `ip` and `tc` tools (iproute2); it refuses in one line otherwise.
 """
@@ -24,6 +32,7 @@ Needs root and the `ip` and `tc` tools (iproute2); it refuses in one line otherw
 import argparse
 import contextlib
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -122,30 +131,66 @@ class Links:
     """`command` started in node i's namespace."""
     return subprocess.Popen(["ip", "netns", "exec", self.namespace(i), *command], **kwargs)
 
+  def start_ray(self, port: int = 6379) -> str:
+    """A Ray cluster over the links: the head in node 0 (its files under `ray_dir`), a
+    raylet in each other node, node i offering the resource `node<i>` and one CPU. Returns
+    the head's address."""
+    head = f"{self.address(0)}:{port}"
+    for i in range(self.nodes):
+      where = ([f"--head", f"--port={port}", "--include-dashboard=false",
+                f"--temp-dir={self.ray_dir}"] if i == 0 else [f"--address={head}"])
+      done = subprocess.run(
+          ["ip", "netns", "exec", self.namespace(i), "ray", "start", *where,
+           f"--node-ip-address={self.address(i)}", "--num-cpus=1",
+           f"--resources={{\"node{i}\": 1}}", "--disable-usage-stats"],
+          capture_output=True, text=True, env=ray_env())
+      if done.returncode:
+        raise RuntimeError(f"ray start in node {i} failed: {done.stderr.strip()[-300:]}")
+    return head
+
+  @property
+  def ray_dir(self) -> str:
+    return f"/tmp/lcray{self.tag}"
+
   def down(self) -> None:
     """Removes everything of this tag; safe to call twice, or after a partial `up`."""
     if not self._up:
       return
     for i in range(self.nodes):
       ns = self.namespace(i)
-      pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True)
-      for pid in pids.stdout.split():
-        with contextlib.suppress(ProcessLookupError, ValueError):
-          os.kill(int(pid), signal.SIGKILL)
+      deadline = time.monotonic() + 10  # SIGKILL lands asynchronously: wait until none is left
+      while (pids := self._pids(ns)) and time.monotonic() < deadline:
+        for pid in pids:
+          with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
       subprocess.run(["ip", "netns", "del", ns], capture_output=True)
       subprocess.run(["ip", "link", "del", self._host_veth(i)], capture_output=True)
     subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+    shutil.rmtree(self.ray_dir, ignore_errors=True)
     self._up = False
 
+  @staticmethod
+  def _pids(namespace: str) -> list[int]:
+    """Live processes in `namespace` (zombies, already dead, left out)."""
+    listed = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+    live = []
+    for pid in listed.stdout.split():
+      with contextlib.suppress(OSError):
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state != "Z":
+          live.append(int(pid))
+    return live
+
   def leftovers(self) -> list[str]:
-    """Namespaces and links of this tag that still exist."""
+    """Namespaces, links and Ray files of this tag that still exist."""
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     mine = f"lc{self.tag}"
     found = [line.split()[0] for line in names.splitlines() if line.startswith(mine)]
     found += [line.split(":")[1].strip().split("@")[0] for line in links.splitlines()
               if f" {mine}" in line]
-    return found
+    return found + ([self.ray_dir] if os.path.exists(self.ray_dir) else [])
 
   def __enter__(self) -> "Links":
     # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the links come down.
@@ -162,6 +207,12 @@ class Links:
       self.down()
     finally:
       signal.signal(signal.SIGTERM, self._old_term)
+
+
+def ray_env() -> dict:
+  """The environment of every Ray process of the links: token authentication off (on by
+  default since `ray start` enables it, and a node in another namespace then cannot join)."""
+  return dict(os.environ, RAY_AUTH_MODE="disabled", RAY_worker_niceness="0")
 
 
 def _raise_interrupt(signum, frame):
@@ -215,6 +266,8 @@ def main() -> None:
   p.add_argument("--nodes", type=int, default=2)
   p.add_argument("--mbps", type=float, default=80.0, help="every node's NIC, each way")
   p.add_argument("--probe", type=float, help="MB to time from node 0 to node 1, then exit")
+  p.add_argument("--ray", action="store_true",
+                 help="start a Ray cluster over the links; the command runs in node 0")
   p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD: run with the links up")
   a = p.parse_args()
   try:
@@ -230,9 +283,14 @@ def main() -> None:
             f"of line rate")
       return
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
-    if command:
-      env = dict(os.environ, **{f"NODE{i}": links.address(i) for i in range(a.nodes)},
-                 **{f"NODE{i}_NS": links.namespace(i) for i in range(a.nodes)})
+    env = dict(ray_env(), **{f"NODE{i}": links.address(i) for i in range(a.nodes)},
+               **{f"NODE{i}_NS": links.namespace(i) for i in range(a.nodes)})
+    if a.ray:
+      env["RAY_ADDRESS"] = links.start_ray()
+      if command:  # the driver beside the head: a Ray driver needs a raylet on its node
+        driver = links.run(0, command, env=env)
+        sys.exit(driver.wait())
+    elif command:
       sys.exit(subprocess.run(command, env=env).returncode)
 
 

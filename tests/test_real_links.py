@@ -66,3 +66,30 @@ def test_without_root_it_refuses_in_one_line(monkeypatch):
   with pytest.raises(real_links.LinksError, match="needs root") as e:
     real_links.preflight()
   assert "\n" not in str(e.value)
+
+
+_MOVE = """
+import os, time, numpy as np, ray
+ray.init(address=os.environ["RAY_ADDRESS"])
+make = ray.remote(resources={"node0": 0.01})(lambda: np.ones(10_000_000, np.uint8))
+take = ray.remote(resources={"node1": 0.01})(lambda x: int(x.sum()))
+ref = make.remote()
+ray.wait([ref])
+t = time.perf_counter()
+assert ray.get(take.remote(ref)) == 10_000_000
+print(time.perf_counter() - t)
+"""
+
+
+@needs_links
+def test_a_ray_object_crosses_the_link_at_no_more_than_its_rate():
+  """10 MB made on node 0 and read on node 1 moves over node 0's uplink and node 1's
+  downlink, 80 Mb/s each: at least 1.0 s."""
+  with real_links.Links(2, 80) as links:
+    env = dict(real_links.ray_env(), RAY_ADDRESS=links.start_ray())
+    driver = links.run(0, [sys.executable, "-c", _MOVE], env=env, stdout=subprocess.PIPE,
+                       text=True)
+    out, _ = driver.communicate(timeout=120)
+    assert driver.returncode == 0, out
+  assert float(out.split()[-1]) >= 0.95 * 10_000_000 * 8 / 80e6
+  assert links.leftovers() == []
