@@ -17,6 +17,8 @@ anything of the tag still there.
   python bench/real_links.py --nodes 2 --mbps 80 -- CMD ...   # CMD runs with the links up;
                                                               # node i is NODE<i> in its env
   python bench/real_links.py --nodes 2 --mbps 80 --probe 10   # time 10 MB node 0 -> node 1
+  python bench/real_links.py --mbps 50 --throughput 0.1 1 3 10 30   # Ray objects of those MB
+      # from node 0 to node 1: the fraction of line rate Ray's transport uses
   python bench/real_links.py --nodes 3 --ray -- python my_driver.py   # a Ray cluster over
       # the links: the head in node 0, a raylet in each other node, each offering the custom
       # resource node<i>; the command runs in node 0 with RAY_ADDRESS set
@@ -31,6 +33,7 @@ Needs root and the `ip` and `tc` tools (iproute2); it refuses in one line otherw
 
 import argparse
 import contextlib
+import json
 import os
 import pathlib
 import shutil
@@ -261,11 +264,44 @@ def probe(links: Links, src: int, dst: int, nbytes: int, port: int = 47123) -> f
   return float(seconds)
 
 
+_THROUGHPUT = """
+import json, os, sys, time, numpy as np, ray
+ray.init(address=os.environ["RAY_ADDRESS"])
+make = ray.remote(resources={"node0": 0.01})(lambda n: np.ones(n, np.uint8))
+take = ray.remote(resources={"node1": 0.01})(lambda x: int(x.size))
+for mb in json.loads(sys.argv[1]):
+  for repeat in range(3):
+    ref = make.remote(int(mb * 1e6))
+    ray.wait([ref])
+    t = time.perf_counter()
+    assert ray.get(take.remote(ref)) == int(mb * 1e6)
+    print(json.dumps({"mb": mb, "repeat": repeat, "seconds": time.perf_counter() - t}),
+          flush=True)
+"""
+
+
+def throughput(links: Links, sizes_mb: list[float], mbps: float) -> list[dict]:
+  """Each size moved 3 times as a Ray object from node 0 to node 1 (made there, read here:
+  the read includes scheduling the reading task), and the fraction of line rate used."""
+  env = dict(ray_env(), RAY_ADDRESS=links.start_ray())
+  driver = links.run(0, [sys.executable, "-c", _THROUGHPUT, json.dumps(sizes_mb)], env=env,
+                     stdout=subprocess.PIPE, text=True)
+  out, _ = driver.communicate(timeout=3600)
+  if driver.returncode:
+    raise RuntimeError(f"the throughput driver failed (rc {driver.returncode})")
+  rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+  for r in rows:
+    r["line_rate_fraction"] = r["mb"] * 8e6 / (mbps * 1e6) / r["seconds"]
+  return rows
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--nodes", type=int, default=2)
   p.add_argument("--mbps", type=float, default=80.0, help="every node's NIC, each way")
   p.add_argument("--probe", type=float, help="MB to time from node 0 to node 1, then exit")
+  p.add_argument("--throughput", type=float, nargs="+", metavar="MB",
+                 help="Ray objects of these sizes from node 0 to node 1, 3 times each")
   p.add_argument("--ray", action="store_true",
                  help="start a Ray cluster over the links; the command runs in node 0")
   p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD: run with the links up")
@@ -275,6 +311,11 @@ def main() -> None:
   except LinksError as e:
     sys.exit(f"error: {e}")
   with Links(a.nodes, a.mbps) as links:
+    if a.throughput:
+      for r in throughput(links, a.throughput, a.mbps):
+        print(f"{r['mb']:g} MB: {r['seconds']:.3f} s, {r['line_rate_fraction']:.1%} of "
+              f"{a.mbps:g} Mb/s", flush=True)
+      return
     if a.probe:
       nbytes = int(a.probe * 1e6)
       seconds = probe(links, 0, 1, nbytes)
