@@ -48,7 +48,7 @@ def rows(workers: int, gbps: float, step_s: float) -> list[dict]:
     nbytes = dense if codec is None else codec.payload_bytes(like)
     op = "allreduce" if codec is None else "allgather"
     seconds, how = collectives.seconds(net, op, range(workers), nbytes)
-    h = 1 if c.algorithm == "ddp" else c.inner_steps
+    h = c.inner_steps  # 1 for DDP
     out.append({"recipe": name, "codec": c.compress.codec, "H": h, "payload_mb": nbytes / 1e6,
                 "op": op, "collective": how, "sync_s": seconds, "per_step_s": seconds / h,
                 "x_step": seconds / h / step_s})

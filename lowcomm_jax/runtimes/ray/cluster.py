@@ -148,9 +148,11 @@ def actor_options(c: ml_collections.ConfigDict, *, worker: bool,
   if worker and c.ray.gpus_per_worker:
     options["num_gpus"] = c.ray.gpus_per_worker
     env.pop("JAX_PLATFORMS", None)  # the driver's (a CPU-only head's 'cpu') is not theirs
-  nodes = list(c.ray.worker_nodes)
-  node = (nodes[index] if index is not None and index < len(nodes) else "") if worker \
-      else c.ray.server_node
+  if worker:
+    nodes = list(c.ray.worker_nodes)
+    node = nodes[index] if index is not None and index < len(nodes) else ""
+  else:
+    node = c.ray.server_node
   if node:
     options["resources"] = {node: 0.01}
   return options
