@@ -65,7 +65,9 @@ def preflight() -> None:
 
 
 def _run(*args: str) -> None:
-  subprocess.run(args, check=True, capture_output=True, text=True)
+  done = subprocess.run(args, capture_output=True, text=True)
+  if done.returncode:
+    raise RuntimeError(f"`{' '.join(args)}` failed: {done.stderr.strip()}")
 
 
 def tbf(device: str, mbps: float, namespace: str | None = None) -> list[str]:
@@ -86,13 +88,24 @@ class Links:
         links.address(1)                        # node 1's address
   """
 
-  def __init__(self, nodes: int, mbps, *, tag: str | None = None, subnet: str | None = None):
+  def __init__(self, nodes: int, mbps, *, tag: str | None = None, subnet: str | None = None,
+               regions=None, region_mbps=None):
+    """`mbps`: every node's NIC, each way (a number, or one per node). `regions`: each
+    node's region (None: every node on the one bridge); `region_mbps`: each region's uplink
+    and downlink, shared by every transfer between it and the other regions."""
     if nodes < 1 or nodes > 200:
       raise ValueError(f"nodes={nodes}: use 1 to 200")
     self.nodes = nodes
     self.mbps = list(mbps) if isinstance(mbps, (list, tuple)) else [float(mbps)] * nodes
     if len(self.mbps) != nodes or min(self.mbps) <= 0:
       raise ValueError(f"mbps={mbps}: one positive rate, or one per node ({nodes})")
+    self.regions = list(regions) if regions is not None else None
+    self.region_mbps = list(region_mbps) if region_mbps is not None else []
+    if self.regions is not None and (
+        len(self.regions) != nodes or min(self.regions) < 0
+        or max(self.regions) >= len(self.region_mbps) or min(self.region_mbps) <= 0):
+      raise ValueError(f"regions={regions}, region_mbps={region_mbps}: one region per node "
+                       f"({nodes}), each with a positive uplink rate")
     self.tag = tag or f"{os.getpid() % 100000:05d}"  # interface names: 15 characters at most
     self.bridge = f"lc{self.tag}b"
     # One /24 per tag, so that runs side by side (a test suite's workers) do not share one.
@@ -102,6 +115,10 @@ class Links:
   def namespace(self, i: int) -> str:
     return f"lc{self.tag}n{i}"
 
+  def region_namespace(self, k: int) -> str:
+    """Region k's switch: a bridge of its nodes' links and its uplink to the core bridge."""
+    return f"lc{self.tag}r{k}"
+
   def _host_veth(self, i: int) -> str:
     return f"lc{self.tag}v{i}"
 
@@ -109,25 +126,45 @@ class Links:
     return f"{self.subnet}.{i + 1}"
 
   def up(self) -> "Links":
+    """One flat subnet on bridges (no routing): a node's link ends on the core bridge, or on
+    its region's bridge, whose uplink ends on the core bridge. Each link is limited both
+    ways: egress at each end."""
     preflight()
     self._up = True  # from here on, down() cleans up whatever part was made
     _run("ip", "link", "add", self.bridge, "type", "bridge")
     _run("ip", "addr", "add", f"{self.subnet}.254/24", "dev", self.bridge)
     _run("ip", "link", "set", self.bridge, "up")
+    for k, mbps in enumerate(self.region_mbps if self.regions is not None else []):
+      ns, up = self.region_namespace(k), f"lc{self.tag}u{k}"
+      _run("ip", "netns", "add", ns)
+      _run("ip", "-n", ns, "link", "add", "name", "sw", "type", "bridge")  # ('br' would parse
+      _run("ip", "-n", ns, "link", "set", "sw", "up")  # as an abbreviated keyword)
+      _run("ip", "link", "add", up, "type", "veth", "peer", "name", f"{up}p")
+      _run("ip", "link", "set", f"{up}p", "netns", ns)
+      _run("ip", "-n", ns, "link", "set", "dev", f"{up}p", "name", "uplink")
+      _run("ip", "-n", ns, "link", "set", "dev", "uplink", "master", "sw")
+      _run("ip", "-n", ns, "link", "set", "dev", "uplink", "up")
+      _run("ip", "link", "set", up, "master", self.bridge)
+      _run("ip", "link", "set", up, "up")
+      _run(*tbf("uplink", mbps, ns))  # the region's uplink
+      _run(*tbf(up, mbps))  # its downlink
     for i in range(self.nodes):
       ns, veth = self.namespace(i), self._host_veth(i)
+      switch = self.region_namespace(self.regions[i]) if self.regions is not None else None
+      on_switch = ["ip", "-n", switch] if switch else ["ip"]
       _run("ip", "netns", "add", ns)
       _run("ip", "link", "add", veth, "type", "veth", "peer", "name", f"{veth}p")
       _run("ip", "link", "set", f"{veth}p", "netns", ns)
-      _run("ip", "netns", "exec", ns, "ip", "link", "set", f"{veth}p", "name", "eth0")
-      _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{self.address(i)}/24", "dev",
-           "eth0")
-      _run("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
-      _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-      _run("ip", "link", "set", veth, "master", self.bridge)
-      _run("ip", "link", "set", veth, "up")
+      _run("ip", "-n", ns, "link", "set", f"{veth}p", "name", "eth0")
+      _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+      _run("ip", "-n", ns, "link", "set", "eth0", "up")
+      _run("ip", "-n", ns, "link", "set", "lo", "up")
+      if switch:
+        _run("ip", "link", "set", veth, "netns", switch)
+      _run(*on_switch, "link", "set", veth, "master", "sw" if switch else self.bridge)
+      _run(*on_switch, "link", "set", veth, "up")
       _run(*tbf("eth0", self.mbps[i], ns))  # the node's uplink
-      _run(*tbf(veth, self.mbps[i]))  # its downlink
+      _run(*tbf(veth, self.mbps[i], switch))  # its downlink
     return self
 
   def run(self, i: int, command: list[str], **kwargs) -> subprocess.Popen:
@@ -169,6 +206,11 @@ class Links:
         time.sleep(0.05)
       subprocess.run(["ip", "netns", "del", ns], capture_output=True)
       subprocess.run(["ip", "link", "del", self._host_veth(i)], capture_output=True)
+    for k in range(len(self.region_mbps) if self.regions is not None else 0):
+      # (its bridge and the veths on it with it; the uplink's root end at once, as a
+      # namespace's devices go lazily)
+      subprocess.run(["ip", "link", "del", f"lc{self.tag}u{k}"], capture_output=True)
+      subprocess.run(["ip", "netns", "del", self.region_namespace(k)], capture_output=True)
     subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
     shutil.rmtree(self.ray_dir, ignore_errors=True)
     self._up = False
@@ -299,7 +341,12 @@ def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--nodes", type=int, default=2)
   p.add_argument("--mbps", type=float, default=80.0, help="every node's NIC, each way")
+  p.add_argument("--regions", type=int, nargs="+", metavar="R",
+                 help="each node's region (default: every node on one bridge)")
+  p.add_argument("--region_mbps", type=float, nargs="+", metavar="MBPS",
+                 help="each region's uplink and downlink")
   p.add_argument("--probe", type=float, help="MB to time from node 0 to node 1, then exit")
+  p.add_argument("--probe_to", type=int, default=1, help="the probe's receiving node")
   p.add_argument("--throughput", type=float, nargs="+", metavar="MB",
                  help="Ray objects of these sizes from node 0 to node 1, 3 times each")
   p.add_argument("--ray", action="store_true",
@@ -310,7 +357,7 @@ def main() -> None:
     preflight()
   except LinksError as e:
     sys.exit(f"error: {e}")
-  with Links(a.nodes, a.mbps) as links:
+  with Links(a.nodes, a.mbps, regions=a.regions, region_mbps=a.region_mbps) as links:
     if a.throughput:
       for r in throughput(links, a.throughput, a.mbps):
         print(f"{r['mb']:g} MB: {r['seconds']:.3f} s, {r['line_rate_fraction']:.1%} of "
@@ -318,10 +365,9 @@ def main() -> None:
       return
     if a.probe:
       nbytes = int(a.probe * 1e6)
-      seconds = probe(links, 0, 1, nbytes)
-      ideal = nbytes * 8 / (a.mbps * 1e6)
-      print(f"{a.probe:g} MB in {seconds:.3f} s over {a.mbps:g} Mb/s: {ideal / seconds:.1%} "
-            f"of line rate")
+      seconds = probe(links, 0, a.probe_to, nbytes)
+      print(f"{a.probe:g} MB node 0 -> {a.probe_to} in {seconds:.3f} s: "
+            f"{nbytes * 8 / 1e6 / seconds:.1f} Mb/s")
       return
     command = a.command[1:] if a.command[:1] == ["--"] else a.command
     env = dict(ray_env(), **{f"NODE{i}": links.address(i) for i in range(a.nodes)},

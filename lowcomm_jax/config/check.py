@@ -344,9 +344,9 @@ def _check_sim(c: ml_collections.ConfigDict, check, problems: list[str],
   s = c.sim
   if not s.enabled:
     keep = ("enabled",)
-    if (c.runtime == "ray" and c.algorithm in ALGORITHMS
-        and algorithms.get(c.algorithm).regional_servers):  # regions place the Ray workers
-      keep += ("network.regions", "network.worker_regions")
+    if c.runtime == "ray":  # the links its nodes sit on (bench/real_links.py builds them;
+      # config.json records them for a replay); HALoS's regions place its workers too
+      keep += tuple(f"network.{field}" for field in s.network)
     changed = _changed_from_base(s, "sim", keep)
     if changed:
       problems.append(f"{', '.join(changed)}: ignored unless sim.enabled=True; set "

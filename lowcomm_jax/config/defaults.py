@@ -206,6 +206,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.sim.straggler_slowdown = 3.0  # how much slower a straggling job runs
   c.sim.jobs_per_call = 0  # synchronous jobs run in one vmapped call (their activations are
   # | held at once); 0: every worker if they fit in memory, else the widest power of two
+  # The network: the simulator's links; under runtime='ray', the links its nodes sit on
+  # (bench/real_links.py builds them; config.json keeps them for the simulator's replay).
   c.sim.network = ml_collections.ConfigDict()
   c.sim.network.regions = 1  # workers fill regions in contiguous blocks
   c.sim.network.worker_regions = ()  # or: the region of each worker
@@ -215,7 +217,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.sim.network.region_gbps = 0.0  # each region's uplink and downlink, shared by all its
   # | inter-region transfers (sim/flows.py: max-min fair); 0: its fastest link's bandwidth
   c.sim.network.collective = "auto"  # synchronous rounds: ring | hierarchical (inside each
-  # | region, then across regions) | auto (the faster; sim/collectives.py)
+  # | region, then across regions) | auto (the faster; sim/collectives.py) | server (a
+  # | parameter server's rounds, as the Ray runtime runs them: pulls, then contributions)
   c.sim.network.intra_gbps = 100.0  # bandwidth inside a region: each node's NIC
   c.sim.network.intra_latency_s = 1e-4  # seconds, inside a region
   c.sim.network.inter_gbps = 1.0  # bandwidth between any two regions

@@ -16,6 +16,10 @@ all-gathered, n each):
                 ring forwards each region's block, the leader sends each worker the rest.
                 Regions run their inside phases at once; the leaders' phase waits for all.
   auto          the faster of the two for the placement (the default).
+  server        not a collective: the rounds of a parameter server, as the Ray runtime runs
+                them (each worker pulls θ from it and sends its contribution back;
+                sim/sync_schedules.SyncRounds times them). Only rounds of one sync each
+                (DiLoCo's kind) take it; a collective asked for under it is refused.
 
 Nothing else is on the wire while a synchronous collective runs, so its time is computed
 once, alone.
@@ -27,7 +31,7 @@ from collections.abc import Sequence
 from lowcomm_jax.sim.flows import deliveries
 from lowcomm_jax.sim.network import Network
 
-COLLECTIVES = ("auto", "ring", "hierarchical")
+COLLECTIVES = ("auto", "ring", "hierarchical", "server")
 _BRUTE_FORCE_REGIONS = 6  # beyond this, rings visit regions in index order
 
 
@@ -128,6 +132,10 @@ _TIMES = {("allreduce", "ring"): ring_allreduce_seconds,
 def seconds(net: Network, op: str, workers: Sequence[int], nbytes: float,
             how: str = "auto") -> tuple[float, str]:
   """(seconds, the collective used) of `op` ('allreduce' | 'allgather') over `workers`."""
+  if how == "server":
+    raise ValueError("sim.network.collective='server' times a parameter server's rounds of "
+                     "one sync each (DiLoCo's kind); this schedule all-reduces: use ring, "
+                     "hierarchical or auto")
   if how != "auto":
     return _TIMES[op, how](net, workers, nbytes), how
   ring = _TIMES[op, "ring"](net, workers, nbytes)

@@ -5,9 +5,12 @@ transfers are the only ones); gossip's pairwise exchanges share links through si
 import dataclasses
 
 from lowcomm_jax.sim import collectives
+from lowcomm_jax.sim.collectives import node
 from lowcomm_jax.sim.events import Event, EventLoop
 from lowcomm_jax.sim.flows import deliveries
 from lowcomm_jax.sim.schedules import GLOBAL, Backend, Job, Plan, Schedule
+
+SERVER = "server"  # sim.network.collective: the rounds of a parameter server, as on Ray
 
 
 def collective_seconds(plan: Plan, nbytes: float) -> tuple[float, str]:
@@ -20,12 +23,18 @@ def collective_seconds(plan: Plan, nbytes: float) -> tuple[float, str]:
 
 class SyncRounds(Schedule):
   """Synchronous DiLoCo: every worker starts a round from the same global version; the
-  round ends when the slowest finishes plus one all-reduce (all-gather if compressed)."""
+  round ends when the slowest finishes plus one all-reduce (all-gather if compressed).
+  With `collective='server'` the round is the Ray runtime's instead: each worker pulls θ
+  from the parameter server, computes, and sends its contribution back; the round ends at
+  the last arrival (`_server_round_seconds`)."""
 
   def __init__(self, plan: Plan, backend: Backend, *, state_due=None,
                state_part_bytes: int = 0):
     super().__init__(plan, backend)
-    self.comm_seconds, self.collective_used = collective_seconds(plan, plan.delta_bytes)
+    if plan.collective == SERVER:
+      self.comm_seconds, self.collective_used = 0.0, SERVER
+    else:
+      self.comm_seconds, self.collective_used = collective_seconds(plan, plan.delta_bytes)
     # Workers' own state averaged before some rounds (DES-LOC's moments): which parts before
     # the round after `completed` rounds, and each part's bytes per worker (a dense
     # all-reduce ahead of the round's compute).
@@ -41,18 +50,36 @@ class SyncRounds(Schedule):
     if not nbytes or p.num_workers < 2:
       return 0.0
     self.acct.bytes_sent += p.num_workers * nbytes
-    return collectives.seconds(p.network, "allreduce", range(p.num_workers), nbytes,
-                               p.collective)[0]
+    how = "auto" if p.collective == SERVER else p.collective  # timed as the all-reduce it is
+    return collectives.seconds(p.network, "allreduce", range(p.num_workers), nbytes, how)[0]
 
   def _begin_round(self, loop: EventLoop) -> None:
     p = self.plan
     state_seconds = self._state_seconds()
     jobs = [self._new_job(loop, w, GLOBAL, p.inner_steps[w]) for w in range(p.num_workers)]
-    if p.num_workers > 1:  # a lone worker talks to nobody
+    if p.collective == SERVER:
       self.acct.bytes_sent += p.num_workers * p.delta_bytes
-    end = (loop.now + state_seconds + max(j.compute_seconds for j in jobs)
-           + self.comm_seconds)
+      self.acct.server_bytes_sent += p.num_workers * p.param_bytes
+      end = loop.now + state_seconds + self._server_round_seconds(jobs)
+    else:
+      if p.num_workers > 1:  # a lone worker talks to nobody
+        self.acct.bytes_sent += p.num_workers * p.delta_bytes
+      end = (loop.now + state_seconds + max(j.compute_seconds for j in jobs)
+             + self.comm_seconds)
     loop.schedule(end, "round_end", jobs=[dataclasses.asdict(j) for j in jobs])
+
+  def _server_round_seconds(self, jobs: list[Job]) -> float:
+    """A parameter server's round: every worker pulls θ (dense) at its start, computes once
+    it has arrived, then sends its contribution (the codec's payload). The pulls share the
+    server's way out, the contributions its way in; the two directions never share a
+    resource (links are full duplex), so each phase is timed alone."""
+    p, net = self.plan, self.plan.network
+    server = (GLOBAL, net.server_region)
+    ends = [(node(j.worker), net.worker_region[j.worker]) for j in jobs]
+    pulled = deliveries(net, [(0.0, *server, *end, p.param_bytes) for end in ends])
+    arrived = deliveries(net, [(t + j.compute_seconds, *end, *server, p.delta_bytes)
+                               for t, j, end in zip(pulled, jobs, ends)])
+    return max(arrived)
 
   def handle(self, event: Event, loop: EventLoop) -> None:
     if event.kind != "round_end":

@@ -2,6 +2,7 @@
 checkpointed as JSON)."""
 
 import dataclasses
+import time
 
 from lowcomm_jax.sim import GLOBAL
 
@@ -97,3 +98,30 @@ class Counts:
         "bytes_sent_total": self.sent_bytes,
         "server_bytes_sent": self.pushes * plan.param_bytes,
         "bytes_sent_ddp_equivalent": plan.param_bytes * self.applied_steps // num_workers}
+
+
+class Timeline:
+  """This invocation's clock, which a replay in the simulator is held against
+  (bench/real_vs_sim.py): when the applied inner steps changed, in seconds since the first
+  job was dispatched, and each worker's measured compute seconds per inner step, job by job
+  (the first includes its compilation). Not checkpointed: a resumed run starts a new one."""
+
+  def __init__(self):
+    self.start: float | None = None
+    self.points: list = []  # [seconds, applied inner steps]
+    self.step_seconds: dict = {}  # worker -> [compute seconds per inner step of each job]
+
+  def open(self, applied_steps: int) -> None:
+    self.start, self.points = time.perf_counter(), [[0.0, applied_steps]]
+
+  def applied(self, steps: int) -> None:
+    if self.start is not None and steps != self.points[-1][1]:
+      self.points.append([round(time.perf_counter() - self.start, 4), steps])
+
+  def job(self, meta: dict) -> None:
+    if meta.get("steps"):
+      self.step_seconds.setdefault(str(meta["worker"]), []).append(
+          round(meta["compute_seconds"] / meta["steps"], 6))
+
+  def figures(self) -> dict:
+    return {"timeline": self.points, "step_seconds_by_job": self.step_seconds}

@@ -28,7 +28,7 @@ from lowcomm_jax.run import loop
 from lowcomm_jax.assemble.build import build
 from lowcomm_jax.run.checkpoint import CheckpointMismatch
 from lowcomm_jax.runtimes.ray import checkpoints, cluster
-from lowcomm_jax.runtimes.ray.accounts import Counts
+from lowcomm_jax.runtimes.ray.accounts import Counts, Timeline
 from lowcomm_jax.runtimes.ray.actors import initial_params, server_rules, server_view
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.runtimes.ray.epochs import Epochs
@@ -72,6 +72,7 @@ class RayDriver:
                        else checkpoints.run_of(config))
     self.plan = make_plan(r.config, r)
     self.counts = Counts(next_worker=config.num_workers)
+    self.timeline = Timeline()
     self.pool = Pool(config, self.counts, self._restore_latest, self._note,
                      hosts=self.server_run.topology.hosts)
     # HALoS: regional servers beside the global one (regions.py)
@@ -199,6 +200,7 @@ class RayDriver:
     logging.info("ray: server and %d workers up in %.1fs (%s)", len(live),
                  time.perf_counter() - t0, "resumed" if meta else "fresh")
     self.progress.opened()
+    self.timeline.open(self.counts.applied_steps)
     for j in sorted(in_flight, key=lambda j: j["order"]):
       pool.dispatch(j["worker"], j["lr_step"], j["steps"], j["order"], j["version"])
     self.idle_start()
@@ -273,7 +275,8 @@ class RayDriver:
            "params": model.param_count + model.frozen_count,
            "trainable_params": model.param_count, "codec": c.compress.codec,
            "eval_loss": eval_loss, **self._accounts(),
-           **n.run_figures(self.plan, c.num_workers), "wall_seconds": wall}
+           **n.run_figures(self.plan, c.num_workers), **self.timeline.figures(),
+           "wall_seconds": wall}
     return {**out, **self.progress.summary()}
 
   def close(self) -> None:

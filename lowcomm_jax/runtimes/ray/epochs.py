@@ -113,6 +113,7 @@ class Epochs(Progress):
     pool.call("close_round", changes=True)
     n.rounds += 1
     n.applied_steps += c.num_workers  # one optimizer step (of every worker's share)
+    self.d.timeline.applied(n.applied_steps)
     n.samples += contributed
     wall = time.perf_counter() - start
     self.last_epoch = {"samples": contributed, "epoch_seconds": wall,

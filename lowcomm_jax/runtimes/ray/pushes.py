@@ -47,6 +47,8 @@ class Pushes(Progress):
     n = d.counts
     info = d.pool.call("push", meta, job.sent, server=job.server, changes=True)
     n.applied_steps += job.steps
+    d.timeline.applied(n.applied_steps)
+    d.timeline.job(meta)
     if d.regions is not None:
       n.global_pushes += d.regions.pushed(
           d.pool, job.server, n.dispatched_steps >= d.plan.total_steps)

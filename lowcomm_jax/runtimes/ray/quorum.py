@@ -107,6 +107,7 @@ class QuorumRounds(Progress):
     n.late += info["staleness"] > 0
     self.round.steps += job.steps
     n.contributed(job.worker, meta, info["staleness"], None)
+    d.timeline.job(meta)
     d.pool.chaos()
 
   def _close_segment(self) -> bool:
@@ -114,6 +115,7 @@ class QuorumRounds(Progress):
     d, n = self.d, self.d.counts
     d.pool.call("close_round", changes=True)
     n.applied_steps += self.round.steps
+    d.timeline.applied(n.applied_steps)
     self.segment = (self.segment + 1) % self.segments
     n.rounds += self.segment == 0
     self.round.open()
