@@ -64,13 +64,14 @@ def links_for(config) -> real_links.Links:
 
 
 def real_run(links: real_links.Links, env: dict, case: str, seed: int, workdir: pathlib.Path,
-             workers: int) -> dict:
-  """The case's real run on Ray over `links` (a fresh workdir); its summary."""
+             workers: int, overrides: tuple = ()) -> dict:
+  """The case's real run on Ray over `links` (a fresh workdir); its summary. `overrides`:
+  more '--config.FIELD=VALUE' flags."""
   nodes = "(" + ",".join(f"'node{w + 1}'" for w in range(workers)) + ",)"
   command = [sys.executable, "-m", "lowcomm_jax.main", f"--config=configs/real_links.py:{case}",
              "--config.runtime=ray", "--config.ray.address=auto", f"--config.seed={seed}",
              f"--config.ray.worker_nodes={nodes}", "--config.ray.server_node=node0",
-             f"--workdir={workdir}"]
+             f"--workdir={workdir}", *overrides]
   with open(workdir.with_suffix(".log"), "w") as log:
     done = links.run(0, command, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     if done.wait(timeout=1800):
@@ -156,12 +157,71 @@ def run_case(case: str, seeds: list[int], out: pathlib.Path) -> None:
              if k in result}, flush=True)
 
 
+# Time to loss: DiLoCo (H 50) against DDP, every step through the server, at one rate;
+# evaluations along the way (each on the server, in the real wall time).
+TIME_TO_LOSS = {"diloco,50,100": ("--config.rounds=4", "--config.eval_every=1"),
+                "ddp,1,100": ("--config.rounds=200", "--config.eval_every=10")}
+
+
+def run_time_to_loss(seeds: list[int], out: pathlib.Path) -> None:
+  """Each TIME_TO_LOSS case's real runs, their evaluations and timelines, and the replay's
+  clock (collective 'server') at the same steps."""
+  from lowcomm_jax.config.command_line import load_config
+  for case, overrides in TIME_TO_LOSS.items():
+    config = load_config(str(ROOT / f"configs/real_links.py:{case}"))
+    folder = out / "time_to_loss" / case.replace(",", "_")
+    folder.mkdir(parents=True, exist_ok=True)
+    with links_for(config) as links:
+      env = dict(real_links.ray_env(), RAY_ADDRESS=links.start_ray())
+      for seed in seeds:
+        workdir = folder / f"seed{seed}"
+        if (workdir / "result.json").exists():
+          continue
+        summary = real_run(links, env, case, seed, workdir, config.num_workers, overrides)
+        steps = measured_speeds(summary["step_seconds_by_job"], config.num_workers)
+        evals = [(row["total_inner_steps"], row["eval_loss"])
+                 for row in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
+                 if "eval_loss" in row]
+        predicted = replay(workdir, steps, "server")
+        at = lambda points, applied: next(t for t, s in points if s >= applied)
+        result = {"case": case, "seed": seed, "step_seconds": steps,
+                  "evals": [{"applied_steps": a, "eval_loss": loss,
+                             "real_s": at(summary["timeline"], a),
+                             "predicted_s": at(predicted, a)} for a, loss in evals]}
+        (workdir / "result.json").write_text(json.dumps(result, indent=1))
+        print(json.dumps(result["evals"][-1]), flush=True)
+
+
+def time_to_loss_report(out: pathlib.Path) -> str:
+  """Real and predicted seconds to the target: the highest last eval loss of any run (every
+  run reaches it), per case, mean ± sd over seeds."""
+  results = {case: [json.loads(p.read_text()) for p in sorted(
+      (out / "time_to_loss" / case.replace(",", "_")).glob("seed*/result.json"))]
+      for case in TIME_TO_LOSS}
+  if not all(results.values()):
+    return ""
+  target = max(r["evals"][-1]["eval_loss"] for runs in results.values() for r in runs)
+  rows = [f"Target eval loss {target:.4f} (the highest last evaluation of any run).", "",
+          "| case | seeds | real s to target | predicted s | real / predicted |",
+          "|---|---|---|---|---|"]
+  for case, runs in results.items():
+    hits = [next(e for e in r["evals"] if e["eval_loss"] <= target) for r in runs]
+    real = [h["real_s"] for h in hits]
+    predicted = [h["predicted_s"] for h in hits]
+    ratio = [a / b for a, b in zip(real, predicted)]
+    sd = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0
+    rows.append(f"| {case} | {len(runs)} | {statistics.mean(real):.1f} ± {sd(real):.1f} | "
+                f"{statistics.mean(predicted):.1f} ± {sd(predicted):.1f} | "
+                f"{statistics.mean(ratio):.3f} ± {sd(ratio):.3f} |")
+  return "\n".join(rows)
+
+
 def report(out: pathlib.Path) -> str:
   """A markdown table: per case, real over predicted for the run after its first round
   (mean ± sd over seeds, each seed's), and the range of the per-round ratios."""
   rows = ["| case | seeds | real s (after round 1) | model | real / predicted, run | "
           "per round (min–max) |", "|---|---|---|---|---|---|"]
-  for folder in sorted(p for p in out.iterdir() if p.is_dir()):
+  for folder in sorted(p for p in out.iterdir() if p.is_dir() and p.name != "time_to_loss"):
     results = [json.loads(p.read_text()) for p in sorted(folder.glob("seed*/result.json"))]
     if not results:
       continue
@@ -183,10 +243,13 @@ def main() -> None:
   p.add_argument("--cases", nargs="+", default=[], help="configs/real_links.py arguments")
   p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/real_vs_sim"))
-  p.add_argument("--report", type=pathlib.Path, help="print the table of a finished --out")
+  p.add_argument("--time_to_loss", action="store_true",
+                 help="also DiLoCo (H 50) against DDP to a fixed eval loss (TIME_TO_LOSS)")
+  p.add_argument("--report", type=pathlib.Path, help="print the tables of a finished --out")
   a = p.parse_args()
   if a.report:
     print(report(a.report))
+    print(time_to_loss_report(a.report))
     return
   try:
     real_links.preflight()
@@ -195,7 +258,10 @@ def main() -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   for case in a.cases:
     run_case(case, a.seeds, a.out.resolve())
+  if a.time_to_loss:
+    run_time_to_loss(a.seeds, a.out.resolve())
   print(report(a.out.resolve()))
+  print(time_to_loss_report(a.out.resolve()))
 
 
 if __name__ == "__main__":

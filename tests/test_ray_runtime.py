@@ -120,6 +120,13 @@ def test_config_problems_name_their_field():
              for p in _problems(algorithm="diloco", **collab))
   # without a target batch DDP runs in quorum rounds of one gradient each
   assert _problems(algorithm="ddp", inner_steps=1, runtime="ray", **{"mesh.replica": 1}) == []
+  # sim.network under Ray: the links its nodes sit on (kept for a replay); the rest of
+  # sim.* would be ignored, and is refused
+  links = {"sim.network.intra_gbps": 0.02, "sim.network.server_region": 0}
+  assert _problems(runtime="ray", algorithm="diloco", **{"mesh.replica": 1, **links}) == []
+  assert any(p.startswith("sim.speeds=") and "ignored unless sim.enabled" in p
+             for p in _problems(runtime="ray", algorithm="diloco",
+                                **{"mesh.replica": 1, "sim.speeds": (1.0, 0.5)}))
 
 
 
@@ -255,6 +262,7 @@ def test_async_dn_reaches_its_pushes_and_neither_a_killed_server_nor_a_restart_c
   int8 = {"compress.codec": "int8"}
   plain, events = _run(_config(**int8), tmp_path / "plain")
   assert plain["pushes"] == 6 and plain["total_inner_steps"] == 12
+  assert [steps for _, steps in plain["timeline"]] == [0, 2, 4, 6, 8, 10, 12]  # per push
   assert sorted(plain["pushes_per_worker"].values()) == [3, 3]
   assert np.isfinite(plain["eval_loss"]) and events == []
   assert plain["workers_lost"] == plain["pushes_dropped"] == plain["server_restarts"] == 0
@@ -351,6 +359,13 @@ def test_diloco_in_full_quorum_rounds_trains_as_the_runner_does(cluster, tmp_pat
   assert summary["rounds_closed"] == 3 and summary["pushes"] == 3 * workers
   assert summary["late_contributions"] == 0 and summary["mean_staleness"] == 0
   assert summary["total_inner_steps"] == 6 * workers and events == []
+  # The timeline a replay is held against: a point per round, in time order, and each
+  # worker's seconds per inner step, job by job (bench/real_vs_sim.py).
+  times, steps = zip(*summary["timeline"])
+  assert steps == (0, 2 * workers, 4 * workers, 6 * workers)
+  assert list(times) == sorted(times) and times[-1] > 0
+  assert sorted(summary["step_seconds_by_job"]) == [str(w) for w in range(workers)]
+  assert all(len(jobs) == 3 and min(jobs) > 0 for jobs in summary["step_seconds_by_job"].values())
   runner = train.run(_config(algorithm="diloco", runtime="spmd",
                              **{"ray.apply_order": "arrival", **overrides}), tmp_path / "runner")
   assert abs(summary["eval_loss"] - runner["eval_loss"]) < 1e-5 * runner["eval_loss"]

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from conftest import REPO, bench_module
+from lowcomm_jax.config.command_line import load_config
 
 real_links = bench_module("real_links")
 
@@ -93,3 +94,45 @@ def test_a_ray_object_crosses_the_link_at_no_more_than_its_rate():
     assert driver.returncode == 0, out
   assert float(out.split()[-1]) >= 0.95 * 10_000_000 * 8 / 80e6
   assert links.leftovers() == []
+
+
+@needs_links
+def test_regions_limit_what_crosses_between_them_not_what_stays_inside():
+  """Node 0 in region 0, nodes 1 and 2 in region 1: NICs of 400 Mb/s, every region behind
+  an uplink of 40 Mb/s. 2 MB across takes at least 0.4 s; inside region 1, a tenth of it."""
+  with real_links.Links(3, 400, regions=[0, 1, 1], region_mbps=[40, 40]) as links:
+    across = real_links.probe(links, 0, 1, 2_000_000)
+    inside = real_links.probe(links, 1, 2, 2_000_000)
+    made = links.leftovers()
+  assert across >= 0.95 * 2_000_000 * 8 / 40e6, across
+  assert inside < 0.3 * across, (inside, across)
+  # 3 nodes, 2 region switches, 2 uplinks' root ends, the bridge (node links live in the
+  # switches' namespaces)
+  assert len(made) == 3 + 2 + 2 + 1, made
+  assert links.leftovers() == []
+
+
+real_vs_sim = bench_module("real_vs_sim")
+
+
+@pytest.mark.parametrize("place, regions, uplinks", [
+    ("flat", None, []),
+    ("own", [2, 0, 0, 1, 1], [25.0, 25.0, 25.0]),  # node 0 (the server) in a region of its own
+    ("colocated", [0, 0, 0, 1, 1], [25.0, 25.0])])
+def test_the_links_are_built_as_the_simulator_models_them(place, regions, uplinks):
+  config = load_config(str(REPO / f"configs/real_links.py:diloco,10,100,{place}"))
+  links = real_vs_sim.links_for(config)
+  assert links.nodes == 5 and links.mbps == [100.0] * 5
+  assert links.regions == regions and links.region_mbps == uplinks
+
+
+def test_links_the_machine_cannot_build_are_refused_in_one_line():
+  config = load_config(str(REPO / "configs/real_links.py:diloco,10,100"))
+  config.sim.network.inter_latency_s = 0.05
+  with pytest.raises(ValueError, match="no netem") as e:
+    real_vs_sim.links_for(config)
+  assert "\n" not in str(e.value)
+  config.sim.network.inter_latency_s = 0.0
+  config.sim.network.inter_gbps_matrix = ((1.0, 1.0), (1.0, 1.0))
+  with pytest.raises(ValueError, match="HTB"):
+    real_vs_sim.links_for(config)

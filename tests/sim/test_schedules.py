@@ -87,6 +87,27 @@ def test_sync_rounds_wait_for_the_slowest_worker_and_the_ring():
   assert schedule.acct.compute_seconds == [4.0, 8.0]  # idle: 6/10 and 2/10 of the time
 
 
+def test_server_rounds_are_pulls_computes_and_contributions_as_on_ray():
+  # collective='server' (the Ray runtime's rounds), one byte each way over NICs of 1 byte/s,
+  # the server a node of region 0. t=0: both pull at once through the server's NIC, half
+  # each: pulled at 2. w0 computes 2 s (to 4) and sends alone (arrives 5); w1 computes 4 s
+  # (to 6) and sends alone (7): the round ends at 7, the next at 14.
+  schedule, backend, times = _run("diloco", _plan((1.0, 0.5), collective="server"))
+  assert times == [(7.0, "round_end"), (14.0, "round_end")]
+  assert schedule.collective_used == "server"
+  assert schedule.acct.bytes_sent == 4 and schedule.acct.server_bytes_sent == 4
+  # The server in a region of its own behind links of 0.5 byte/s: the two pulls share that
+  # (a quarter byte/s each) and both arrive at 4; w0 sends at 6 (arrives 8), w1 at 8 (10).
+  _, _, times = _run("diloco", _plan((1.0, 0.5), collective="server", server_region=None,
+                                     inter_seconds_per_byte=2.0))
+  assert times == [(10.0, "round_end"), (20.0, "round_end")]
+
+
+def test_a_streaming_schedule_refuses_the_server_rounds():
+  with pytest.raises(ValueError, match="collective='server'"):
+    _run("streaming", _plan((1.0, 1.0), collective="server", fragment_bytes=(1, 1)))
+
+
 def test_async_workers_pull_latest_and_count_staleness_until_the_budget():
   # Worker 0 (speed 1: H = 2 in 2 s) and worker 1 (speed 0.5: 4 s), one byte each way; the
   # server's NIC carries 1 byte/s each way, shared by the transfers in flight.
