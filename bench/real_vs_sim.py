@@ -131,7 +131,6 @@ def run_case(case: str, seeds: list[int], out: pathlib.Path) -> None:
   from lowcomm_jax.config.command_line import load_config
   config = load_config(str(ROOT / f"configs/real_links.py:{case}"))
   links = links_for(config)
-  per_mark, marks = config.num_workers * config.inner_steps, config.rounds
   folder = out / case.replace(",", "_")
   folder.mkdir(parents=True, exist_ok=True)
   with links:
@@ -141,20 +140,69 @@ def run_case(case: str, seeds: list[int], out: pathlib.Path) -> None:
       if (workdir / "result.json").exists():
         continue
       started = time.time()
-      summary = real_run(links, env, case, seed, workdir, config.num_workers)
-      steps = measured_speeds(summary["step_seconds_by_job"], config.num_workers)
-      real = at_marks(summary["timeline"], per_mark, marks)
-      result = {"case": case, "seed": seed, "step_seconds": steps, "real_marks_s": real,
-                "eval_loss": summary["eval_loss"], "run_seconds": time.time() - started}
-      for name, collective in (("configured", None), ("server", "server")):
-        if name == "server" and config.algorithm not in ("diloco", "ddp"):
-          continue  # asynchronous schedules already time a server's pulls and pushes
-        predicted = at_marks(replay(workdir, steps, collective), per_mark, marks)
-        result[name] = {"predicted_marks_s": predicted, **compare(real, predicted)}
+      real_run(links, env, case, seed, workdir, config.num_workers)
+      result = predictions(workdir, case, seed)
+      result["run_seconds"] = time.time() - started
       (workdir / "result.json").write_text(json.dumps(result, indent=1))
       print(json.dumps({k: result[k] for k in ("case", "seed", "step_seconds")}),
-            {k: round(result[k]["run_ratio"], 3) for k in ("configured", "server")
-             if k in result}, flush=True)
+            {k: round(result[k]["run_ratio"], 3) for k in MODELS}, flush=True)
+
+
+# The simulator's models of the real run: the config's own collective ('auto': an all-reduce
+# among the workers for a synchronous round, each contribution sent once computed), and the
+# Ray runtime's ('server': rounds through the parameter server, one contribution taken at a
+# time).
+MODELS = {"configured": None, "server": "server"}
+
+
+def predictions(workdir: pathlib.Path, case: str, seed: int) -> dict:
+  """The real run in `workdir` against each model's replay of it."""
+  from lowcomm_jax import export
+  config = export.config_of(workdir)
+  summary = json.loads((workdir / "summary.json").read_text())
+  per_mark, marks = config.num_workers * config.inner_steps, config.rounds
+  steps = measured_speeds(summary["step_seconds_by_job"], config.num_workers)
+  real = at_marks(summary["timeline"], per_mark, marks)
+  result = {"case": case, "seed": seed, "step_seconds": steps, "real_marks_s": real,
+            "eval_loss": summary["eval_loss"]}
+  for name, collective in MODELS.items():
+    predicted = at_marks(replay(workdir, steps, collective), per_mark, marks)
+    result[name] = {"predicted_marks_s": predicted, **compare(real, predicted)}
+  if summary.get("job_moments"):
+    result["phases"] = phases(summary["job_moments"])
+  return result
+
+
+def phases(moments: list) -> dict:
+  """Where the real jobs' time went, each phase's median and maximum over the jobs after
+  each worker's first: its pull (dispatched → started: θ over the link), its compute
+  (started → finished) and its intake (finished → taken: waiting for the driver, the
+  contribution over the link, the server's apply)."""
+  seen, later = set(), []
+  for m in moments:
+    if m[0] in seen:
+      later.append(m)
+    seen.add(m[0])
+  out = {}
+  for name, (a, b) in {"pull": (2, 3), "compute": (3, 4), "intake": (4, 5)}.items():
+    spans = [m[b] - m[a] for m in later]
+    if spans:
+      out[name] = {"median_s": round(statistics.median(spans), 3), "max_s": round(max(spans), 3)}
+  return out
+
+
+def replay_all(out: pathlib.Path) -> None:
+  """Every finished real run under `out` replayed again (the simulator changed; the real
+  runs did not): result.json rewritten, its run_seconds kept."""
+  for done in sorted(out.glob("*/seed*/result.json")):
+    if done.parts[-3] == "time_to_loss":
+      continue
+    old = json.loads(done.read_text())
+    result = predictions(done.parent, old["case"], old["seed"])
+    result["run_seconds"] = old.get("run_seconds")
+    done.write_text(json.dumps(result, indent=1))
+    print(old["case"], old["seed"], {k: round(result[k]["run_ratio"], 3) for k in MODELS},
+          flush=True)
 
 
 # Time to loss: DiLoCo (H 50) against DDP, every step through the server, at one rate;
@@ -225,9 +273,7 @@ def report(out: pathlib.Path) -> str:
     results = [json.loads(p.read_text()) for p in sorted(folder.glob("seed*/result.json"))]
     if not results:
       continue
-    for model in ("configured", "server"):
-      if model not in results[0]:
-        continue
+    for model in MODELS:
       runs = [r[model]["run_ratio"] for r in results]
       rounds = [x for r in results for x in r[model]["round_ratio"]]
       sd = statistics.stdev(runs) if len(runs) > 1 else 0.0
@@ -246,7 +292,12 @@ def main() -> None:
   p.add_argument("--time_to_loss", action="store_true",
                  help="also DiLoCo (H 50) against DDP to a fixed eval loss (TIME_TO_LOSS)")
   p.add_argument("--report", type=pathlib.Path, help="print the tables of a finished --out")
+  p.add_argument("--replay", type=pathlib.Path,
+                 help="replay every real run of a finished --out again, then print the tables")
   a = p.parse_args()
+  if a.replay:
+    replay_all(a.replay.resolve())
+    a.report = a.replay
   if a.report:
     print(report(a.report))
     print(time_to_loss_report(a.report))

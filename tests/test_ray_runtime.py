@@ -366,6 +366,9 @@ def test_diloco_in_full_quorum_rounds_trains_as_the_runner_does(cluster, tmp_pat
   assert list(times) == sorted(times) and times[-1] > 0
   assert sorted(summary["step_seconds_by_job"]) == [str(w) for w in range(workers)]
   assert all(len(jobs) == 3 and min(jobs) > 0 for jobs in summary["step_seconds_by_job"].values())
+  moments = summary["job_moments"]  # [worker, steps, dispatched, started, finished, taken]
+  assert len(moments) == 3 * workers and all(m[1] == 2 for m in moments)
+  assert all(m[2] <= m[3] <= m[4] <= m[5] for m in moments), moments
   runner = train.run(_config(algorithm="diloco", runtime="spmd",
                              **{"ray.apply_order": "arrival", **overrides}), tmp_path / "runner")
   assert abs(summary["eval_loss"] - runner["eval_loss"]) < 1e-5 * runner["eval_loss"]

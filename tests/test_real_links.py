@@ -136,3 +136,23 @@ def test_links_the_machine_cannot_build_are_refused_in_one_line():
   config.sim.network.inter_gbps_matrix = ((1.0, 1.0), (1.0, 1.0))
   with pytest.raises(ValueError, match="HTB"):
     real_vs_sim.links_for(config)
+
+
+def test_real_against_predicted_skips_the_compiling_first_round():
+  """Marks at every W·H applied steps; the run's ratio is from the first mark to the last,
+  a worker's speed the median of its jobs after the first."""
+  points = [[0.0, 0], [5.0, 8], [7.0, 16], [9.0, 24], [11.5, 32]]
+  assert real_vs_sim.at_marks(points, 8, 4) == [5.0, 7.0, 9.0, 11.5]
+  assert real_vs_sim.at_marks([[0.0, 0], [1.0, 3], [2.0, 9]], 4, 2) == [2.0, 2.0]
+  result = real_vs_sim.compare([5.0, 7.0, 9.0, 11.5], [2.0, 4.0, 6.0, 8.0])
+  assert result["round_ratio"] == [1.0, 1.0, 1.25]
+  assert result["run_ratio"] == pytest.approx(6.5 / 6.0)
+  assert real_vs_sim.measured_speeds({"0": [2.0, 0.1, 0.3, 0.2], "1": [0.5]}, 2) == [0.2, 0.5]
+
+
+def test_a_jobs_phases_are_its_pull_compute_and_intake_after_each_workers_first():
+  moments = [[0, 2, 0.0, 3.0, 4.0, 5.0], [1, 2, 0.0, 3.5, 4.5, 6.0],  # first jobs: compiling
+             [0, 2, 5.0, 6.0, 6.5, 7.5], [1, 2, 6.0, 8.0, 8.5, 9.0]]
+  assert real_vs_sim.phases(moments) == {
+      "pull": {"median_s": 1.5, "max_s": 2.0}, "compute": {"median_s": 0.5, "max_s": 0.5},
+      "intake": {"median_s": 0.75, "max_s": 1.0}}

@@ -4,7 +4,7 @@ servers) is a flow sharing the links with the others in flight (sim/flows.py).""
 
 import dataclasses
 
-from lowcomm_jax.sim.collectives import node
+from lowcomm_jax.sim.collectives import SERVER, node
 from lowcomm_jax.sim.events import Event, EventLoop
 from lowcomm_jax.sim.flows import TICK, Flows
 from lowcomm_jax.sim.schedules import GLOBAL, Backend, Job, Plan, Schedule
@@ -20,6 +20,12 @@ class AsyncWorkers(Schedule):
   def __init__(self, plan: Plan, backend: Backend):
     super().__init__(plan, backend)
     self.flows = Flows(plan.network)
+    # collective='server': the server takes one contribution at a time, in the order they
+    # are ready, as the Ray driver hands them over (the others wait, computed, at their
+    # workers); else each is sent as soon as it is computed.
+    self.one_at_a_time = plan.collective == SERVER
+    self.waiting: list[dict] = []  # computed jobs whose contribution has not left
+    self.taking = False  # a contribution is on its way in
 
   def server_of(self, worker: int) -> str:
     return GLOBAL
@@ -57,12 +63,22 @@ class AsyncWorkers(Schedule):
       job = event.data["job"]
       loop.schedule(loop.now + job["compute_seconds"], "computed", job=job)
     elif event.kind == "computed":
-      job = event.data["job"]
-      self._send(loop, job["worker"], job["server"], self.plan.delta_bytes, "arrive", job=job)
+      self.waiting.append(event.data["job"])
+      self._send_next(loop)
     elif event.kind == "arrive":
+      self.taking = False
       self._arrive(loop, Job(**event.data["job"]))
+      self._send_next(loop)
     else:
       self._server_event(event, loop)
+
+  def _send_next(self, loop: EventLoop) -> None:
+    """The contributions that may leave now: every waiting one, or the first if the server
+    takes them one at a time and is free."""
+    while self.waiting and not (self.one_at_a_time and self.taking):
+      job = self.waiting.pop(0)
+      self.taking = True
+      self._send(loop, job["worker"], job["server"], self.plan.delta_bytes, "arrive", job=job)
 
   def _server_event(self, event: Event, loop: EventLoop) -> None:
     raise ValueError(f"unexpected event {event.kind!r}")
@@ -74,8 +90,10 @@ class AsyncWorkers(Schedule):
     self._dispatch(loop, job.worker)
 
   def state_dict(self) -> dict:
-    return {**super().state_dict(), "flows": self.flows.state_dict()}
+    return {**super().state_dict(), "flows": self.flows.state_dict(),
+            "waiting": list(self.waiting), "taking": self.taking}
 
   def load_state(self, state: dict) -> None:
     super().load_state(state)
     self.flows.load_state(state["flows"])
+    self.waiting, self.taking = list(state.get("waiting", [])), state.get("taking", False)

@@ -16,10 +16,13 @@ all-gathered, n each):
                 ring forwards each region's block, the leader sends each worker the rest.
                 Regions run their inside phases at once; the leaders' phase waits for all.
   auto          the faster of the two for the placement (the default).
-  server        not a collective: the rounds of a parameter server, as the Ray runtime runs
-                them (each worker pulls θ from it and sends its contribution back;
-                sim/sync_schedules.SyncRounds times them). Only rounds of one sync each
-                (DiLoCo's kind) take it; a collective asked for under it is refused.
+  server        not a collective: the transfers of a parameter server as the Ray runtime
+                makes them. A synchronous round: each worker pulls θ from the server and
+                sends its contribution back (sim/sync_schedules.SyncRounds). In every
+                schedule, the server takes contributions one at a time, in the order they
+                are ready (the Ray driver hands them over in turn). Only rounds of one
+                sync each (DiLoCo's kind) take it; a collective asked for under it is
+                refused.
 
 Nothing else is on the wire while a synchronous collective runs, so its time is computed
 once, alone.
@@ -32,6 +35,7 @@ from lowcomm_jax.sim.flows import deliveries
 from lowcomm_jax.sim.network import Network
 
 COLLECTIVES = ("auto", "ring", "hierarchical", "server")
+SERVER = "server"
 _BRUTE_FORCE_REGIONS = 6  # beyond this, rings visit regions in index order
 
 

@@ -5,12 +5,10 @@ transfers are the only ones); gossip's pairwise exchanges share links through si
 import dataclasses
 
 from lowcomm_jax.sim import collectives
-from lowcomm_jax.sim.collectives import node
+from lowcomm_jax.sim.collectives import SERVER, node
 from lowcomm_jax.sim.events import Event, EventLoop
 from lowcomm_jax.sim.flows import deliveries
 from lowcomm_jax.sim.schedules import GLOBAL, Backend, Job, Plan, Schedule
-
-SERVER = "server"  # sim.network.collective: the rounds of a parameter server, as on Ray
 
 
 def collective_seconds(plan: Plan, nbytes: float) -> tuple[float, str]:
@@ -69,17 +67,20 @@ class SyncRounds(Schedule):
     loop.schedule(end, "round_end", jobs=[dataclasses.asdict(j) for j in jobs])
 
   def _server_round_seconds(self, jobs: list[Job]) -> float:
-    """A parameter server's round: every worker pulls θ (dense) at its start, computes once
-    it has arrived, then sends its contribution (the codec's payload). The pulls share the
-    server's way out, the contributions its way in; the two directions never share a
-    resource (links are full duplex), so each phase is timed alone."""
+    """A parameter server's round: every worker pulls θ (dense) at its start and computes
+    once it has arrived; the server then takes the contributions (the codec's payloads) one
+    at a time, in the order they are ready. The pulls share the server's way out; the
+    contributions go the other way (links are full duplex), each alone on its path."""
     p, net = self.plan, self.plan.network
     server = (GLOBAL, net.server_region)
     ends = [(node(j.worker), net.worker_region[j.worker]) for j in jobs]
     pulled = deliveries(net, [(0.0, *server, *end, p.param_bytes) for end in ends])
-    arrived = deliveries(net, [(t + j.compute_seconds, *end, *server, p.delta_bytes)
-                               for t, j, end in zip(pulled, jobs, ends)])
-    return max(arrived)
+    taken = 0.0
+    for ready, end in sorted((t + j.compute_seconds, end)
+                             for t, j, end in zip(pulled, jobs, ends)):
+      start = max(ready, taken)
+      taken = deliveries(net, [(start, *end, *server, p.delta_bytes)])[0]
+    return taken
 
   def handle(self, event: Event, loop: EventLoop) -> None:
     if event.kind != "round_end":

@@ -103,6 +103,20 @@ def test_server_rounds_are_pulls_computes_and_contributions_as_on_ray():
   assert times == [(10.0, "round_end"), (20.0, "round_end")]
 
 
+def test_under_server_the_server_takes_one_contribution_at_a_time():
+  # Two equal workers (H = 2 in 2 s), one byte each way, NICs of 1 byte/s. Shared fairly,
+  # they stay in step: pulls arrive at 2, both send at 4 (half the server's NIC each: 6),
+  # pull again (8), send again (12). Taken one at a time, as the Ray driver does: w0's
+  # arrives at 5 and w1's, waiting, at 6; w0 pulls alone (6) and sends at 8 (9), w1 pulls
+  # at 6 (7) and sends at 9 (10): out of step, so the server's two directions both work.
+  arrivals = lambda times: [t for t, kind in times if kind == "arrive"]
+  _, _, fair = _run("async_dn", _plan((1.0, 1.0)))
+  assert arrivals(fair) == [6.0, 6.0, 12.0, 12.0]
+  schedule, _, serial = _run("async_dn", _plan((1.0, 1.0), collective="server"))
+  assert arrivals(serial) == [5.0, 6.0, 9.0, 10.0]
+  assert schedule.acct.applied_steps == 8 and schedule.waiting == []
+
+
 def test_a_streaming_schedule_refuses_the_server_rounds():
   with pytest.raises(ValueError, match="collective='server'"):
     _run("streaming", _plan((1.0, 1.0), collective="server", fragment_bytes=(1, 1)))

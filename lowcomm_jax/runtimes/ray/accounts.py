@@ -18,6 +18,7 @@ class Job:
   sent: object  # ObjectRef of what it sends (Δ, or the codec's payload); None: a micro-batch
   micro: bool = False  # a collaborative epoch's micro-batch (its θ is not the server's hold)
   server: str = GLOBAL  # the server it pulled from and pushes to
+  dispatched_at: float = 0.0  # time.time() at its dispatch (the Timeline's)
 
   def record(self, version: int) -> dict:
     """What a checkpoint keeps of a job in flight (a resumed run starts it again)."""
@@ -103,25 +104,35 @@ class Counts:
 class Timeline:
   """This invocation's clock, which a replay in the simulator is held against
   (bench/real_vs_sim.py): when the applied inner steps changed, in seconds since the first
-  job was dispatched, and each worker's measured compute seconds per inner step, job by job
-  (the first includes its compilation). Not checkpointed: a resumed run starts a new one."""
+  job was dispatched; each worker's measured compute seconds per inner step, job by job
+  (the first includes its compilation); and each job's moments, [worker, steps, dispatched,
+  started (its θ fetched), finished (its contribution ready), taken (by the server)], in
+  seconds on the same clock (every process reads the machine's time.time(): one machine, or
+  clocks kept in sync). Not checkpointed: a resumed run starts a new one."""
 
   def __init__(self):
-    self.start: float | None = None
+    self.start: float | None = None  # time.time() at the first dispatch
     self.points: list = []  # [seconds, applied inner steps]
     self.step_seconds: dict = {}  # worker -> [compute seconds per inner step of each job]
+    self.jobs: list = []
 
   def open(self, applied_steps: int) -> None:
-    self.start, self.points = time.perf_counter(), [[0.0, applied_steps]]
+    self.start, self.points = time.time(), [[0.0, applied_steps]]
 
   def applied(self, steps: int) -> None:
     if self.start is not None and steps != self.points[-1][1]:
-      self.points.append([round(time.perf_counter() - self.start, 4), steps])
+      self.points.append([round(time.time() - self.start, 4), steps])
 
-  def job(self, meta: dict) -> None:
-    if meta.get("steps"):
-      self.step_seconds.setdefault(str(meta["worker"]), []).append(
-          round(meta["compute_seconds"] / meta["steps"], 6))
+  def job(self, job: Job, meta: dict) -> None:
+    """A contribution taken: `job` as dispatched, `meta` as its worker returned it."""
+    if not meta.get("steps") or self.start is None:
+      return
+    self.step_seconds.setdefault(str(meta["worker"]), []).append(
+        round(meta["compute_seconds"] / meta["steps"], 6))
+    moments = (job.dispatched_at, meta.get("started_at"), meta.get("finished_at"), time.time())
+    self.jobs.append([meta["worker"], meta["steps"]] + [
+        None if t is None else round(t - self.start, 4) for t in moments])
 
   def figures(self) -> dict:
-    return {"timeline": self.points, "step_seconds_by_job": self.step_seconds}
+    return {"timeline": self.points, "step_seconds_by_job": self.step_seconds,
+            "job_moments": self.jobs}

@@ -214,7 +214,7 @@ class Pool:
     meta, sent = self.actors[worker].job.options(num_returns=2).remote(
         pulled_version, params, outer, lr_step, steps, order)
     self.jobs[worker] = Job(worker, order, lr_step, steps, pulled_version, meta, sent,
-                            server=server)
+                            server=server, dispatched_at=time.time())
 
   def dispatch_micro(self, worker: int, version: int, params) -> None:
     """Starts a micro-batch of `worker` at θ of `version` (`params`: its ObjectRef)."""

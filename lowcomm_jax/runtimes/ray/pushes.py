@@ -48,7 +48,7 @@ class Pushes(Progress):
     info = d.pool.call("push", meta, job.sent, server=job.server, changes=True)
     n.applied_steps += job.steps
     d.timeline.applied(n.applied_steps)
-    d.timeline.job(meta)
+    d.timeline.job(job, meta)
     if d.regions is not None:
       n.global_pushes += d.regions.pushed(
           d.pool, job.server, n.dispatched_steps >= d.plan.total_steps)

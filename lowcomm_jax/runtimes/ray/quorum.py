@@ -107,7 +107,7 @@ class QuorumRounds(Progress):
     n.late += info["staleness"] > 0
     self.round.steps += job.steps
     n.contributed(job.worker, meta, info["staleness"], None)
-    d.timeline.job(meta)
+    d.timeline.job(job, meta)
     d.pool.chaos()
 
   def _close_segment(self) -> bool:

@@ -152,7 +152,7 @@ class WorkerProcess:
           order: int) -> tuple[dict, object]:
     """`steps_` local steps from θ of `version` (segment version % segments of round
     version // segments), its lr schedule at `lr_step`: (meta, what it sends)."""
-    start = time.perf_counter()
+    start, started_at = time.perf_counter(), time.time()  # (θ is here: Ray fetched it)
     with self._lock:
       self.before = (self.state, self.codec_state, self.streams.get_state())
       self.running = order
@@ -164,7 +164,7 @@ class WorkerProcess:
           workers.opt_state, np.asarray([lr_step], np.int32)))
     batches = jax.device_put(self.streams.next_steps([0], steps_), self.batches_on)
     meta = {"worker": self.worker, "version": int(version), "steps": steps_, "order": order,
-            "tokens": int(self.r.tokens(steps_, self.host))}
+            "tokens": int(self.r.tokens(steps_, self.host)), "started_at": started_at}
     with jax.set_mesh(self.mesh):
       deltas, self.state, losses = self.locals[segment](view, workers, batches, self.ids)
       sent = self._to_send(view, deltas, meta, segment)
@@ -172,6 +172,7 @@ class WorkerProcess:
                 data=self.streams.get_state())
     time.sleep(self.step_sleep_s * steps_ + self.delay_s)
     meta["job_seconds"] = time.perf_counter() - start  # what DyLU's speeds are made of
+    meta["finished_at"] = time.time()
     return meta, sent
 
   # --- collaborative epochs (runtimes/ray/epochs.py) ---------------------------------------
