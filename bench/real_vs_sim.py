@@ -273,7 +273,7 @@ def report(out: pathlib.Path) -> str:
     results = [json.loads(p.read_text()) for p in sorted(folder.glob("seed*/result.json"))]
     if not results:
       continue
-    for model in MODELS:
+    for model in (m for m in MODELS if m in results[0]):
       runs = [r[model]["run_ratio"] for r in results]
       rounds = [x for r in results for x in r[model]["round_ratio"]]
       sd = statistics.stdev(runs) if len(runs) > 1 else 0.0
