@@ -162,6 +162,9 @@ def test_memory_estimate_counts_adamw_states_and_codec_buffers(smoke_config):
     ({"collab.target_batch_size": 32, "data.batch_mode": "different"},
      "algorithm='diloco': collaborative epochs average gradients at θ and take one optimizer "
      "step per epoch; use --config.algorithm=ddp (or set --config.collab.target_batch_size=0)"),
+    ({"algorithm": "streaming", "sim.enabled": True, "sim.network.collective": "server"},
+     "sim.network.collective='server': streaming's simulator schedule has no parameter "
+     "server's form; use auto, ring or hierarchical"),
     ({"algorithm": "halos", "sim.enabled": True, "aggregate.rule": "median"},
      "aggregate.rule='median': halos combines contributions its own way; use one of ['ddp', "
      "'diloco', 'streaming', 'one_step_delay', 'overlap', 'pier', 'desloc']"),

@@ -73,6 +73,9 @@ class Algorithm:
   # (aggregate/robust.py); False where contributions are combined its own way.
   robust_aggregation = True
   local_steps = True  # False: the local program is one gradient at θ (DDP)
+  # Its simulator schedule can time the Ray runtime's parameter server
+  # (sim.network.collective='server'): rounds of one sync, or asynchronous pushes.
+  server_schedule = True
   config_section = None  # its own config fields (c.<section>.*), if any
   # The sync's new θ (and what local programs read of the outer state) does not depend on
   # its own aggregate, only on earlier ones: the runner may run a round's sync inside the

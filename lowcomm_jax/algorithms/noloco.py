@@ -149,6 +149,7 @@ class NoLoCoWorkers:
 
 class NoLoCo(Algorithm):
   name = "noloco"
+  server_schedule = False  # (its simulator schedule has no parameter server's form)
   summary = ("DiLoCo without the all-reduce: each worker keeps its own outer weights and "
              "momentum and averages with one random peer per round")
   robust_aggregation = False  # no gather: each worker sees one peer

@@ -23,6 +23,7 @@ from lowcomm_jax.outer.one_step_delay import one_step_delay
 
 class OneStepDelay(DiLoCo):
   name = "one_step_delay"
+  server_schedule = False  # (its simulator schedule has no parameter server's form)
   summary = ("DiLoCo whose outer step applies the previous round's mean pseudo-gradient, "
              "so this round's travels during the next inner steps")
 

@@ -45,6 +45,7 @@ def fragment_of_blocks(n_layer: int, fragments: int, layout: str) -> list[int]:
 
 class StreamingDiLoCo(DiLoCo):
   name = "streaming"
+  server_schedule = False  # (its simulator schedule has no parameter server's form)
   config_section = "streaming"
   summary = ("Streaming DiLoCo: P model fragments sync in turn every H/P steps, each applied "
              "tau steps later and mixed with alpha")

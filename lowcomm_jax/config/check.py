@@ -353,6 +353,10 @@ def _check_sim(c: ml_collections.ConfigDict, check, problems: list[str],
                       "--config.sim.enabled=True or leave them at their defaults")
     return
   problems.extend(sim_checks.problems(c, num_processes))
+  if c.algorithm in ALGORITHMS:
+    check(c.sim.network.collective != "server" or algorithms.get(c.algorithm).server_schedule,
+          "sim.network.collective", f"{c.algorithm}'s simulator schedule has no parameter "
+          "server's form; use auto, ring or hierarchical")
   if c.data.batch_mode == "same":
     lockstep = c.algorithm in ALGORITHMS and not algorithms.get(c.algorithm).simulated_only
     check(lockstep and not c.outer.dylu, "data.batch_mode",

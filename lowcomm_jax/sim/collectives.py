@@ -20,9 +20,9 @@ all-gathered, n each):
                 makes them. A synchronous round: each worker pulls θ from the server and
                 sends its contribution back (sim/sync_schedules.SyncRounds). In every
                 schedule, the server takes contributions one at a time, in the order they
-                are ready (the Ray driver hands them over in turn). Only rounds of one
-                sync each (DiLoCo's kind) take it; a collective asked for under it is
-                refused.
+                are ready (the Ray driver hands them over in turn). Schedules of
+                several syncs a round (Streaming's) and NoLoCo's gossip have no such form
+                (`Algorithm.server_schedule`); a collective asked for under it is refused.
 
 Nothing else is on the wire while a synchronous collective runs, so its time is computed
 once, alone.
