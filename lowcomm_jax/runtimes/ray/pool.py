@@ -249,7 +249,19 @@ class Pool:
       return job if ready else None
     by_ref = {j.meta: j for j in self.jobs.values()}
     ready, _ = self.ray.wait(list(by_ref), num_returns=1, timeout=timeout)
-    return by_ref[ready[0]] if ready else None
+    if not ready:
+      return None
+    # ray.wait lists finished jobs in the order they were asked for, not the order they
+    # finished: with a backlog (the server takes one contribution at a time) the workers
+    # late in that order would wait for ever. Of every finished job, the first to finish.
+    ready, _ = self.ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0)
+    return min((by_ref[ref] for ref in ready), key=self._finished_at)
+
+  def _finished_at(self, job: Job) -> float:
+    try:
+      return self.ray.get(job.meta).get("finished_at", 0.0)
+    except self.ray.exceptions.RayError:  # a failed job first: its worker is dealt with
+      return float("-inf")
 
   def result(self, job: Job) -> dict | None:
     """A finished job's meta, taken off the jobs in flight; None if it failed (its worker
