@@ -77,7 +77,8 @@ def real_run(links: real_links.Links, env: dict, case: str, seed: int, workdir: 
     if done.wait(timeout=1800):
       raise RuntimeError(f"{case} seed {seed}: the real run failed (rc {done.returncode}); "
                          f"see {workdir.with_suffix('.log')}")
-  return json.loads((workdir / "summary.json").read_text())
+  from lowcomm_jax import report
+  return report.read_summary(workdir)
 
 
 def measured_speeds(step_seconds_by_job: dict, workers: int) -> list[float]:
@@ -159,7 +160,8 @@ def predictions(workdir: pathlib.Path, case: str, seed: int) -> dict:
   """The real run in `workdir` against each model's replay of it."""
   from lowcomm_jax import export
   config = export.config_of(workdir)
-  summary = json.loads((workdir / "summary.json").read_text())
+  from lowcomm_jax import report
+  summary = report.read_summary(workdir)
   per_mark, marks = config.num_workers * config.inner_steps, config.rounds
   steps = measured_speeds(summary["step_seconds_by_job"], config.num_workers)
   real = at_marks(summary["timeline"], per_mark, marks)
@@ -214,6 +216,7 @@ TIME_TO_LOSS = {"diloco,50,100": ("--config.rounds=4", "--config.eval_every=1"),
 def run_time_to_loss(seeds: list[int], out: pathlib.Path) -> None:
   """Each TIME_TO_LOSS case's real runs, their evaluations and timelines, and the replay's
   clock (collective 'server') at the same steps."""
+  from lowcomm_jax import report
   from lowcomm_jax.config.command_line import load_config
   for case, overrides in TIME_TO_LOSS.items():
     config = load_config(str(ROOT / f"configs/real_links.py:{case}"))
@@ -228,8 +231,7 @@ def run_time_to_loss(seeds: list[int], out: pathlib.Path) -> None:
         summary = real_run(links, env, case, seed, workdir, config.num_workers, overrides)
         steps = measured_speeds(summary["step_seconds_by_job"], config.num_workers)
         evals = [(row["total_inner_steps"], row["eval_loss"])
-                 for row in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
-                 if "eval_loss" in row]
+                 for row in report.read_metrics(workdir) if "eval_loss" in row]
         predicted = replay(workdir, steps, "server")
         at = lambda points, applied: next(t for t, s in points if s >= applied)
         result = {"case": case, "seed": seed, "step_seconds": steps,

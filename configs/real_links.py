@@ -2,10 +2,12 @@
 4 workers of the byte-level `small` model (a 3.4 MB pseudo-gradient) and a parameter
 server, on links that make the sync matter. The same file runs three ways:
 
-  bench/real_links.py --case ARG     Ray over namespaces and `tbf` links built from
-                                      sim.network (every NIC, region uplinks)
-  --config.runtime=ray               Ray on one machine, links unlimited
-  --config.sim.enabled=True          the simulator, on the links as sim.network gives them
+  bench/real_vs_sim.py --cases ARG    Ray over namespaces and `tbf` links built from
+                                      sim.network (every NIC, region uplinks; root)
+  as it is (runtime='ray')            Ray on one machine, links unlimited (sim.network
+                                      only describes them)
+  --config.runtime=spmd --config.sim.enabled=True
+                                      the simulator, on the links as sim.network gives them
 
 ARG is 'METHOD,H,MBPS[,PLACE]':
   METHOD  diloco | async_dn | int8 (DiLoCo, int8 payloads) | sparseloco (DiLoCo + SparseLoCo)
@@ -37,6 +39,7 @@ def get_config(arg: str = "diloco,10,20"):
                      f"{METHODS} and PLACE in {PLACES}")
   method, h, mbps, place = parts[0], int(parts[1]), float(parts[2]), (parts[3:] or ["flat"])[0]
   c = _base["get_config"]()
+  c.runtime = "ray"
   c.model.name = "small"
   c.data.tokenizer = "byte"
   c.data.seq_len = 64
