@@ -109,12 +109,18 @@ def replay(workdir: pathlib.Path, step_seconds: list[float], collective: str | N
   return simulate.clock(c)
 
 
+def time_at(points, applied: int) -> float:
+  """The first time in `points` ([seconds, inner steps applied]) the steps reach `applied`."""
+  return next(t for t, steps in points if steps >= applied)
+
+
 def at_marks(points, per_mark: int, marks: int) -> list[float]:
   """The first time the applied steps reach each multiple of `per_mark` (1..marks)."""
-  out = []
-  for k in range(1, marks + 1):
-    out.append(next(t for t, steps in points if steps >= k * per_mark))
-  return out
+  return [time_at(points, k * per_mark) for k in range(1, marks + 1)]
+
+
+def _sd(xs: list[float]) -> float:
+  return statistics.stdev(xs) if len(xs) > 1 else 0.0
 
 
 def compare(real: list[float], predicted: list[float]) -> dict:
@@ -158,9 +164,8 @@ MODELS = {"configured": None, "server": "server"}
 
 def predictions(workdir: pathlib.Path, case: str, seed: int) -> dict:
   """The real run in `workdir` against each model's replay of it."""
-  from lowcomm_jax import export
+  from lowcomm_jax import export, report
   config = export.config_of(workdir)
-  from lowcomm_jax import report
   summary = report.read_summary(workdir)
   per_mark, marks = config.num_workers * config.inner_steps, config.rounds
   steps = measured_speeds(summary["step_seconds_by_job"], config.num_workers)
@@ -233,11 +238,10 @@ def run_time_to_loss(seeds: list[int], out: pathlib.Path) -> None:
         evals = [(row["total_inner_steps"], row["eval_loss"])
                  for row in report.read_metrics(workdir) if "eval_loss" in row]
         predicted = replay(workdir, steps, "server")
-        at = lambda points, applied: next(t for t, s in points if s >= applied)
         result = {"case": case, "seed": seed, "step_seconds": steps,
                   "evals": [{"applied_steps": a, "eval_loss": loss,
-                             "real_s": at(summary["timeline"], a),
-                             "predicted_s": at(predicted, a)} for a, loss in evals]}
+                             "real_s": time_at(summary["timeline"], a),
+                             "predicted_s": time_at(predicted, a)} for a, loss in evals]}
         (workdir / "result.json").write_text(json.dumps(result, indent=1))
         print(json.dumps(result["evals"][-1]), flush=True)
 
@@ -259,10 +263,9 @@ def time_to_loss_report(out: pathlib.Path) -> str:
     real = [h["real_s"] for h in hits]
     predicted = [h["predicted_s"] for h in hits]
     ratio = [a / b for a, b in zip(real, predicted)]
-    sd = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0
-    rows.append(f"| {case} | {len(runs)} | {statistics.mean(real):.1f} ± {sd(real):.1f} | "
-                f"{statistics.mean(predicted):.1f} ± {sd(predicted):.1f} | "
-                f"{statistics.mean(ratio):.3f} ± {sd(ratio):.3f} |")
+    rows.append(f"| {case} | {len(runs)} | {statistics.mean(real):.1f} ± {_sd(real):.1f} | "
+                f"{statistics.mean(predicted):.1f} ± {_sd(predicted):.1f} | "
+                f"{statistics.mean(ratio):.3f} ± {_sd(ratio):.3f} |")
   return "\n".join(rows)
 
 
@@ -278,10 +281,9 @@ def report(out: pathlib.Path) -> str:
     for model in (m for m in MODELS if m in results[0]):
       runs = [r[model]["run_ratio"] for r in results]
       rounds = [x for r in results for x in r[model]["round_ratio"]]
-      sd = statistics.stdev(runs) if len(runs) > 1 else 0.0
       real_s = statistics.mean(r[model]["real_after_first_s"] for r in results)
       rows.append(f"| {results[0]['case']} | {len(runs)} | {real_s:.1f} | {model} | "
-                  f"{statistics.mean(runs):.3f} ± {sd:.3f} ({', '.join(f'{x:.3f}' for x in runs)})"
+                  f"{statistics.mean(runs):.3f} ± {_sd(runs):.3f} ({', '.join(f'{x:.3f}' for x in runs)})"
                   f" | {min(rounds):.3f}–{max(rounds):.3f} |")
   return "\n".join(rows)
 

@@ -25,7 +25,7 @@ class AsyncWorkers(Schedule):
     # workers); else each is sent as soon as it is computed.
     self.one_at_a_time = plan.collective == SERVER
     self.waiting: list[dict] = []  # computed jobs whose contribution has not left
-    self.taking = False  # a contribution is on its way in
+    self.taking = False  # one_at_a_time: a contribution is on its way in
 
   def server_of(self, worker: int) -> str:
     return GLOBAL
@@ -75,9 +75,9 @@ class AsyncWorkers(Schedule):
   def _send_next(self, loop: EventLoop) -> None:
     """The contributions that may leave now: every waiting one, or the first if the server
     takes them one at a time and is free."""
-    while self.waiting and not (self.one_at_a_time and self.taking):
+    while self.waiting and not self.taking:
       job = self.waiting.pop(0)
-      self.taking = True
+      self.taking = self.one_at_a_time
       self._send(loop, job["worker"], job["server"], self.plan.delta_bytes, "arrive", job=job)
 
   def _server_event(self, event: Event, loop: EventLoop) -> None:
