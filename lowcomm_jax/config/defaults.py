@@ -188,12 +188,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.ray.min_quorum = 0  # workers a round needs (0: every live worker)
   c.ray.grace_s = 0.0  # seconds a reached quorum waits for the others
   c.ray.recover_timeout_s = 120.0  # a restarted server or worker must answer within this
+  c.ray.collective_timeout_s = 600.0  # the peer form (sim.network.collective): a round's
+  # | collective gives up on members that have not finished within this, and is tried
+  # | again among the others (>= 5 s: round 1 compiles its programs)
   c.ray.standby_server = False  # keep a server process built and idle: a dead server's
   # | successor skips the process start (one more process and θ's memory on its node)
   c.ray.chaos = ()  # failures on cue (tests, benchmarks), each 'what@N' (N pushes applied):
   # | 'kill_worker=K@N', 'add_worker@N' (the next free id joins), 'rejoin_worker=K@N' (a
   # | killed worker back where its data stream was), 'kill_server@N' (once: it restarts from
-  # | the last checkpoint, the pushes since replayed), 'delay_worker=K:S@N' (S s per push)
+  # | the last checkpoint, the pushes since replayed), 'delay_worker=K:S@N' (S s per push),
+  # | 'crash_in_sync=K@N' (the peer form: K dies in the middle of the next collective)
 
   # --- simulator (lowcomm_jax/sim/, runtimes/simulator/simulate.py): virtual workers on a virtual clock -------
   c.sim = ml_collections.ConfigDict()
@@ -218,7 +222,9 @@ def get_config() -> ml_collections.ConfigDict:
   # | inter-region transfers (sim/flows.py: max-min fair); 0: its fastest link's bandwidth
   c.sim.network.collective = "auto"  # synchronous rounds: ring | hierarchical (inside each
   # | region, then across regions) | auto (the faster; sim/collectives.py) | server (a
-  # | parameter server's rounds, as the Ray runtime runs them: pulls, then contributions)
+  # | parameter server's rounds: pulls, then contributions). On Ray: 'server' runs quorum
+  # | rounds through the server actor; 'ring' or 'auto' (where the algorithm has the form:
+  # | runtimes/ray/checks.round_form) among the round's workers, each holding θ
   c.sim.network.intra_gbps = 100.0  # bandwidth inside a region: each node's NIC
   c.sim.network.intra_latency_s = 1e-4  # seconds, inside a region
   c.sim.network.inter_gbps = 1.0  # bandwidth between any two regions

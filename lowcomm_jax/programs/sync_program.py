@@ -112,7 +112,8 @@ def make_server_sync(sync, rule: optax.GradientTransformation, *, layout: ParamL
   (programs/sync.py) as `make_sync` is: the same codec, attack, weights, robust rule and
   outer `rule`. The server holds every worker's contribution at once, so it combines rows
   where the lockstep workers meet in collectives; the workers encoded their own Δ (their
-  error buffers stay with them, their keys are the compressed mean's).
+  error buffers stay with them, their keys are the compressed mean's). In the Ray runtime's
+  peer form, every member of a round runs this same program over the rows all-gathered.
 
   `received`: one row per worker slot (S = the server's num_workers): the codec's payloads
   stacked, or Δ [S, N_p]; an absent worker's row is zeros and its tokens in `signals` 0 (a
@@ -125,24 +126,15 @@ def make_server_sync(sync, rule: optax.GradientTransformation, *, layout: ParamL
   """
   part = layout.fragment(fragment)
   codec, attack = sync.codec, sync.attack
-  rule = optax.with_extra_args_support(rule)
+  weights = _row_weights(sync, part)
+  apply = _outer_step(sync, rule, layout=layout, fragment=fragment, count=count, last=last)
 
   def decode(payload, key):
     return part.ravel(codec.decode(payload, part.abstract, key))
 
-  def coordinate_weights(hidden, weight):  # a_w, as the nested mean's, over the flat Δ
-    mask = tier_mask(part.abstract, hidden)
-    return part.ravel(jax.tree.map(lambda m, x: jnp.broadcast_to(m, x.shape) * weight,
-                                   mask, part.abstract))
-
   def server_sync(state: TrainState, received, keys, signals: Signals, full: bool = False):
     present = signals.tokens > 0
-    weight_S = jnp.where(present, signals.tokens if sync.weigh_tokens else 1.0, 0.0)
-    round_index = state.round * count + fragment
-    params = layout.fragment_slice(state.params, fragment)
-    rule_state = state.outer.per_fragment[fragment]
-    extra = {"worker_losses": signals.loss, "round_index": round_index,
-             "theta": state.params}
+    extra = {}
     total = None
     if codec is not None and full and not (sync.robust or sync.nested or attack):
       combined = part.ravel(codec.average(received, part.abstract, keys))
@@ -157,10 +149,83 @@ def make_server_sync(sync, rule: optax.GradientTransformation, *, layout: ParamL
         if not full:
           extra["present"] = present
       else:
-        a_SxN = (jax.vmap(coordinate_weights)(signals.hidden, weight_S) if sync.nested
-                 else jnp.broadcast_to(weight_S[:, None], deltas.shape))
+        a_SxN = weights(signals)
         total = a_SxN.sum(0)
         combined = (a_SxN * deltas).sum(0) / jnp.where(total > 0, total, 1.0)
+    return apply(state, combined, signals, total, full, extra)
+
+  return server_sync
+
+
+def make_shard_mean(sync, *, layout: ParamLayout, fragment: int):
+  """`mean(Δ[M, n], hidden[M], tokens[M], start) -> [n]`: the weighted mean of one shard
+  (coordinates start..start+n of fragment p) over the M members of a round, as
+  `make_server_sync` weighs whole rows (tier mask × tokens or 1): the reduce-scatter of the
+  Ray runtime's peer form, where each member reduces its own shard. For syncs without a
+  codec, a robust rule or an attack (`peer_reduces`)."""
+  weights = _row_weights(sync, layout.fragment(fragment))
+
+  def mean(deltas_MxN, hidden_M, tokens_M, start):
+    a_MxN = jax.lax.dynamic_slice_in_dim(
+        weights(Signals(hidden_M, tokens_M, jnp.zeros_like(tokens_M))), start,
+        deltas_MxN.shape[1], axis=1)
+    total = a_MxN.sum(0)
+    return (a_MxN * deltas_MxN).sum(0) / jnp.where(total > 0, total, 1.0)
+
+  return mean
+
+
+def make_reduced_apply(sync, rule: optax.GradientTransformation, *, layout: ParamLayout,
+                       fragment: int, count: int, last: bool):
+  """`apply(state, combined[N_p], signals, full) -> state`: the outer step of fragment p
+  from the reduced Δ (the shards of `make_shard_mean`, all-gathered): what
+  `make_server_sync` does after its mean, on every member of a round (the outer state is
+  replicated). `signals` has a row per worker slot, tokens 0 for the absent."""
+  weights = _row_weights(sync, layout.fragment(fragment))
+  apply = _outer_step(sync, rule, layout=layout, fragment=fragment, count=count, last=last)
+
+  def reduced_apply(state: TrainState, combined, signals: Signals, full: bool = False):
+    total = None if full else weights(signals).sum(0)
+    return apply(state, combined, signals, total, full, {})
+
+  return reduced_apply
+
+
+def peer_reduces(sync) -> bool:
+  """Whether a round's rows may be reduced shard by shard (a weighted mean of dense rows),
+  or must be all-gathered whole (a codec's payloads, a robust rule, an attack)."""
+  return sync.codec is None and not sync.robust and sync.attack is None
+
+
+def _row_weights(sync, part):
+  """`weights(signals) -> a[S, N_p]`: each row's weight per coordinate, as the nested mean's
+  (tier mask × tokens or 1), zero for absent rows (tokens 0)."""
+  def coordinate_weights(hidden, weight):
+    mask = tier_mask(part.abstract, hidden)
+    return part.ravel(jax.tree.map(lambda m, x: jnp.broadcast_to(m, x.shape) * weight,
+                                   mask, part.abstract))
+
+  def weights(signals: Signals):
+    present = signals.tokens > 0
+    weight_S = jnp.where(present, signals.tokens if sync.weigh_tokens else 1.0, 0.0)
+    if sync.nested:
+      return jax.vmap(coordinate_weights)(signals.hidden, weight_S)
+    return jnp.broadcast_to(weight_S[:, None], (weight_S.shape[0], part.size))
+
+  return weights
+
+
+def _outer_step(sync, rule, *, layout: ParamLayout, fragment: int, count: int, last: bool):
+  """`apply(state, combined, signals, total, full, extra) -> state`: fragment p's outer
+  rule on the combined Δ (or, with a robust rule, the rows it combines); `total` (the
+  weights' sum per coordinate, or None) keeps the units no present worker trained."""
+  rule = optax.with_extra_args_support(rule)
+
+  def apply(state: TrainState, combined, signals: Signals, total, full: bool, extra: dict):
+    params = layout.fragment_slice(state.params, fragment)
+    rule_state = state.outer.per_fragment[fragment]
+    extra = {"worker_losses": signals.loss, "round_index": state.round * count + fragment,
+             "theta": state.params, **extra}
     updates, rule_state = rule.update(combined, rule_state, params, **extra)
     new_part = optax.apply_updates(params, updates)
     if not full and not sync.robust:  # units no present worker trained keep their values
@@ -170,7 +235,7 @@ def make_server_sync(sync, rule: optax.GradientTransformation, *, layout: ParamL
                                                        rule_state))
     return TrainState(state.round + 1 if last else state.round, state.rng, new_params, outer)
 
-  return server_sync
+  return apply
 
 
 def make_probe(loss_fn: LossFn, layout: ParamLayout, fragment: int, windows_BxL1,

@@ -19,11 +19,13 @@ class Job:
   micro: bool = False  # a collaborative epoch's micro-batch (its θ is not the server's hold)
   server: str = GLOBAL  # the server it pulled from and pushes to
   dispatched_at: float = 0.0  # time.time() at its dispatch (the Timeline's)
+  own: bool = False  # from its worker's own replica (the peer form): no server's pull
 
   def record(self, version: int) -> dict:
     """What a checkpoint keeps of a job in flight (a resumed run starts it again)."""
-    return {"worker": self.worker, "order": self.order, "lr_step": self.lr_step,
-            "steps": self.steps, "version": version, "server": self.server}
+    out = {"worker": self.worker, "order": self.order, "lr_step": self.lr_step,
+           "steps": self.steps, "version": version, "server": self.server}
+    return {**out, "own": True} if self.own else out
 
 
 @dataclasses.dataclass
@@ -57,6 +59,9 @@ class Counts:
   compute_seconds: dict = dataclasses.field(default_factory=dict)
   recoveries: list = dataclasses.field(default_factory=list)  # {"what", "seconds", ...}
   chaos_done: int = 0  # chaos events already fired
+  collective_retries: int = 0  # peer form: rounds' collectives tried again among survivors
+  wire_bytes: dict = dataclasses.field(default_factory=dict)  # peer form: worker -> [sent,
+  # received] on its own link by rounds' collectives (the arrays it sent and took)
 
   def contributed(self, worker: int, meta: dict, staleness: int, drift,
                   weight: float = 1.0) -> None:
@@ -96,7 +101,8 @@ class Counts:
                                            key=lambda kv: int(kv[0]))),
         "server_restarts": self.server_restarts, "pushes_replayed": self.pushes_replayed,
         "recoveries": self.recoveries, "compute_seconds_per_worker": self.compute_seconds,
-        "bytes_sent_total": self.sent_bytes,
+        "bytes_sent_total": self.sent_bytes, "wire_bytes_per_worker": self.wire_bytes,
+        "collective_retries": self.collective_retries,
         "server_bytes_sent": self.pushes * plan.param_bytes,
         "bytes_sent_ddp_equivalent": plan.param_bytes * self.applied_steps // num_workers}
 

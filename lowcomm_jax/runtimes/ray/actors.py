@@ -12,10 +12,12 @@ worker's key) or, without a codec, Δ; and small dicts.
 import logging
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from lowcomm_jax.programs import steps
+from lowcomm_jax.programs import sync_program
 from lowcomm_jax.sim import GLOBAL
 
 
@@ -87,3 +89,39 @@ def server_rules(r) -> dict:
   if r.algorithm.synchronous:
     return {GLOBAL: r.outer_rules[0]}
   return r.algorithm.server_rules(r.config, make_plan(r.config, r))
+
+
+def round_syncs(r) -> list:
+  """The synchronous algorithm's sync per segment, as a parameter server runs it over every
+  row at once (the server, and each member of a round in the peer form)."""
+  segments = r.algorithm.segments(r.config, r.config.inner_steps)
+  return [jax.jit(sync_program.make_server_sync(
+              r.sync, r.outer_rules[s.sync], layout=r.model.layout, fragment=s.sync,
+              count=len(segments), last=k == len(segments) - 1), static_argnames="full")
+          for k, s in enumerate(segments)]
+
+
+def round_inputs(r, rows: dict, rng) -> tuple:
+  """A round's rows ({worker: (what it sent, its meta)}) in worker order (zeros where a
+  worker sent nothing), the senders' codec keys, and the signals (tokens 0: no row), with
+  a row per worker slot of `r`."""
+  slots = r.config.num_workers
+  tokens, losses = np.zeros(slots, np.float32), np.zeros(slots, np.float32)
+  keys = np.zeros((slots,) + rng.shape, rng.dtype)  # (key data, as the run's)
+  sent = {}
+  for w, (payload, meta) in rows.items():
+    tokens[w], losses[w] = meta["tokens"], meta.get("loss", 0.0)
+    sent[w] = payload
+    if "codec_key" in meta:
+      keys[w] = meta["codec_key"]
+  like = next(iter(sent.values()))
+  zeros = jax.tree.map(np.zeros_like, like)
+  received = jax.tree.map(lambda *rows_: jnp.asarray(np.stack(rows_)),
+                          *[sent.get(w, zeros) for w in range(slots)])
+  return received, jax.random.wrap_key_data(jnp.asarray(keys)), round_signals(r, tokens, losses)
+
+
+def round_signals(r, tokens, losses) -> steps.Signals:
+  """A round's signals, a row per worker slot: hidden units, tokens (0: no row), losses."""
+  return steps.Signals(jnp.asarray(r.topology.hidden_per_worker),
+                       jnp.asarray(tokens, jnp.float32), jnp.asarray(losses, jnp.float32))

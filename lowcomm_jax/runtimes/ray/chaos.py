@@ -10,12 +10,15 @@ counted):
   kill_server@N       the (global) server dies; it restarts from the last checkpoint and
                       the calls that changed it since are replayed
   delay_worker=K:S@N  from then on, worker K's pushes wait S seconds before they are sent
+  crash_in_sync=K@N   worker K's process dies in the middle of the next round's collective
+                      (the peer form: it has taken its peers' shards and not answered)
 """
 
 import dataclasses
 import re
 
-ACTIONS = ("kill_worker", "rejoin_worker", "add_worker", "kill_server", "delay_worker")
+ACTIONS = ("kill_worker", "rejoin_worker", "add_worker", "kill_server", "delay_worker",
+           "crash_in_sync")
 _FORM = re.compile(r"^(?P<action>[a-z_]+)(=(tier:(?P<tier>[0-9.]+)|(?P<worker>\d+)"
                    r"(:(?P<seconds>[0-9.]+))?))?@(?P<after>\d+)$")
 
@@ -40,7 +43,7 @@ def parse(events) -> list[ChaosEvent]:
   for text in events:
     m = _FORM.match(str(text).strip())
     action = m and m["action"]
-    needs_worker = action in ("kill_worker", "rejoin_worker", "delay_worker")
+    needs_worker = action in ("kill_worker", "rejoin_worker", "delay_worker", "crash_in_sync")
     ok = (m is not None and action in ACTIONS and int(m["after"]) >= 1
           and needs_worker == (m["worker"] is not None)
           and (action == "delay_worker") == (m["seconds"] is not None)
@@ -48,8 +51,8 @@ def parse(events) -> list[ChaosEvent]:
     if not ok:
       raise ValueError(f"{text!r} is not a chaos event; use one of 'kill_worker=K@N', "
                        "'rejoin_worker=K@N', 'add_worker@N', 'add_worker=tier:T@N' "
-                       "(0 < T <= 1), 'kill_server@N', 'delay_worker=K:S@N' (N >= 1 applied "
-                       "pushes)")
+                       "(0 < T <= 1), 'kill_server@N', 'delay_worker=K:S@N', "
+                       "'crash_in_sync=K@N' (N >= 1 applied pushes)")
     out.append(ChaosEvent(action, int(m["after"]), int(m["worker"] or -1) if needs_worker
                           else -1, float(m["seconds"] or 0.0), float(m["tier"] or 1.0)))
   return sorted(out, key=lambda e: e.after)

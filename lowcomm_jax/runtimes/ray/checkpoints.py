@@ -38,7 +38,8 @@ def abstract(r, region_names, meta: dict):
            "opt_state": jax.eval_shape(lambda p: initial_rule_state(r, name, p), params)}
     if name != GLOBAL:
       out.update(reference=params, at_push=params)
-    pulled = [j for j in meta["in_flight"] if j.get("server", GLOBAL) == name]
+    pulled = [j for j in meta["in_flight"]
+              if j.get("server", GLOBAL) == name and not j.get("own")]
     if pulled:
       out["snapshots"] = {str(j["version"]): params for j in pulled}
     return out

@@ -9,6 +9,28 @@ from lowcomm_jax.runtimes.ray import chaos
 RUNTIMES = ("spmd", "ray")
 
 
+def peer_capable(c: ml_collections.ConfigDict, algorithm) -> str:
+  """Why `algorithm`'s rounds have no peer form on Ray ('' : they have one)."""
+  if algorithm.progress(c) != "rounds":
+    return (f"{c.algorithm}'s parameter server is the algorithm (asynchronous pushes)"
+            if not algorithm.synchronous else
+            f"{c.algorithm} with collab.target_batch_size > 0 runs collaborative epochs "
+            "through the server")
+  rule = algorithm.worker_rule(c)
+  if rule is not None and rule.reads_sync_state:
+    return f"{c.algorithm}'s workers read their own rows of the sync's state, which the server keeps"
+  return ""
+
+
+def round_form(c: ml_collections.ConfigDict, algorithm) -> str:
+  """How a Ray run's rounds move their bytes: 'peers' (the quorum's workers reduce among
+  themselves, each holding θ: replica.py) where the algorithm has that form and
+  `sim.network.collective` is 'auto' or 'ring'; else 'server' (the server actor)."""
+  if c.sim.network.collective == "server" or peer_capable(c, algorithm):
+    return "server"
+  return "peers"
+
+
 def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> list[str]:
   """Problems of `runtime='ray'` with `algorithm` (None: unknown name, reported elsewhere)."""
   out = Problems(c)
@@ -48,6 +70,22 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
   check(0 <= y.min_quorum <= c.num_workers, "ray.min_quorum",
         f"must be in 0..num_workers ({c.num_workers}); 0: every live worker")
   check(y.grace_s >= 0, "ray.grace_s", "must be >= 0")
+  # Round 1's collective compiles its programs on every member: seconds, not milliseconds.
+  check(y.collective_timeout_s >= 5, "ray.collective_timeout_s",
+        "must be >= 5 seconds (a round's first collective compiles its programs); the "
+        "default 600 also covers a big model's shards over slow links")
+  collective = c.sim.network.collective
+  if algorithm is not None:
+    why = peer_capable(c, algorithm)
+    check(not (why and collective in ("ring", "hierarchical")), "sim.network.collective",
+          f"{why}: it has no collective form on Ray; use 'auto' or 'server'")
+  regions = max(c.sim.network.regions, len(set(c.sim.network.worker_regions)))
+  check(collective != "hierarchical" or regions > 1, "sim.network.collective",
+        "'hierarchical' reduces inside each region, then across them, and the network has "
+        "one region: use 'ring', or give sim.network.regions > 1")
+  check(collective != "hierarchical" or regions <= 1, "sim.network.collective",
+        "the Ray runtime's rounds reduce in one ring-like exchange among the quorum; "
+        "'hierarchical' is not built on Ray yet: use 'ring' or 'auto'")
   sizes = list(y.batch_sizes)
   check(not sizes or (len(sizes) == c.num_workers and min(sizes) >= 1), "ray.batch_sizes",
         f"give one batch size >= 1 per worker ({c.num_workers}), or () for data.batch_size")
@@ -74,7 +112,7 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
         check(e.tier in tiers, "ray.chaos",
               f"{e}: a joining worker trains one of the run's tiers {tiers} (the host "
               "table's), so its programs and evaluation widths exist; use one of them")
-      if e.action in ("kill_worker", "delay_worker"):
+      if e.action in ("kill_worker", "delay_worker", "crash_in_sync"):
         check(0 <= e.worker < c.num_workers, "ray.chaos",
               f"{e} names worker {e.worker}; workers are 0..{c.num_workers - 1}")
       if e.action == "kill_worker":
@@ -86,6 +124,17 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
         killed.pop(e.worker, None)
     check(sum(e.action == "kill_server" for e in events) <= 1, "ray.chaos",
           "the server is killed at most once")
+    if algorithm is not None:
+      peers = round_form(c, algorithm) == "peers"
+      check(not (peers and any(e.action == "kill_server" for e in events)), "ray.chaos",
+            "kill_server: this run's rounds have no server (the quorum's workers reduce "
+            "among themselves); set sim.network.collective='server' to test the server's")
+      check(peers or not any(e.action == "crash_in_sync" for e in events), "ray.chaos",
+            "crash_in_sync: this run has no collective among workers (its rounds go "
+            "through the server); use kill_worker")
+      check(not (peers and y.standby_server), "ray.standby_server",
+            "this run's rounds have no server (the quorum's workers reduce among "
+            "themselves); set it False, or sim.network.collective='server'")
     rule = algorithm.worker_rule(c) if algorithm is not None else None
     joins = any(e.action == "add_worker" for e in events)
     check(not (joins and rule is not None and rule.reads_sync_state), "ray.chaos",

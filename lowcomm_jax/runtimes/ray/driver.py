@@ -31,7 +31,9 @@ from lowcomm_jax.runtimes.ray import checkpoints, cluster
 from lowcomm_jax.runtimes.ray.accounts import Counts, Timeline
 from lowcomm_jax.runtimes.ray.actors import initial_params, server_rules, server_view
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
+from lowcomm_jax.runtimes.ray.checks import round_form
 from lowcomm_jax.runtimes.ray.epochs import Epochs
+from lowcomm_jax.runtimes.ray.peer_rounds import PeerRounds
 from lowcomm_jax.runtimes.ray.pool import Pool
 from lowcomm_jax.runtimes.ray.pushes import Pushes
 from lowcomm_jax.runtimes.ray.quorum import QuorumRounds
@@ -83,7 +85,9 @@ class RayDriver:
     self.started_ray = False
     self.files: RunFiles | None = None
     self.finished, self.mark, self._wall_before = False, 0, 0.0
-    self.progress = PROGRESS[r.algorithm.progress(config)](self)
+    progress = r.algorithm.progress(config)
+    self.progress = (PeerRounds if round_form(config, r.algorithm) == "peers"
+                     else PROGRESS[progress])(self)
     self.unit = self.progress.unit
     self.pool.on_join = self.progress.start_next
     self.pool.on_lose = self.progress.on_lose
@@ -117,7 +121,7 @@ class RayDriver:
 
   def _reading(self, take_train_loss: bool) -> loop.Reading:
     n = self.counts
-    norm = self.pool.call("param_norm")
+    norm = self.progress.global_call("param_norm")
     problem = None
     if not (math.isfinite(n.loss_sum) and math.isfinite(norm)):
       problem = f"push {n.pushes} (train-loss sum {n.loss_sum}, global param norm {norm})"
@@ -137,7 +141,7 @@ class RayDriver:
     return handle
 
   def evaluate(self) -> dict[str, float]:
-    return self.r.evaluation(self.pool.call("evaluate"))
+    return self.r.evaluation(self.progress.global_call("evaluate"))
 
   def position(self) -> tuple[int, int, int]:
     return self.mark, self.progress.step_count(), self.progress.tokens()
@@ -188,7 +192,7 @@ class RayDriver:
     t0 = time.perf_counter()
     # θ₀ made once here, not by each process that starts (a rejoining worker's start-up).
     pool.theta0 = self.ray.put(initial_params(self.r))
-    pool.start_server(servers.get(GLOBAL))
+    self.progress.restore_global(servers.get(GLOBAL))
     for name in self._region_names():
       pool.start_server(servers.get(name), name)
     live = (sorted(int(w) for w in meta["live"]) if meta is not None
@@ -202,7 +206,7 @@ class RayDriver:
     self.progress.opened()
     self.timeline.open(self.counts.applied_steps)
     for j in sorted(in_flight, key=lambda j: j["order"]):
-      pool.dispatch(j["worker"], j["lr_step"], j["steps"], j["order"], j["version"])
+      self.progress.resume_job(j)
     self.idle_start()
     self.mark = self.progress.mark()
     return None
@@ -226,9 +230,7 @@ class RayDriver:
         jobs = self.progress.jobs_to_resume()
         in_flight = [j.record(v)
                      for j, v in zip(jobs, self.ray.get([j.version for j in jobs]))]
-        states = {name: self.ray.get(actor.state.remote(
-                      [j["version"] for j in in_flight if j["server"] == name]))
-                  for name, actor in pool.servers.items()}
+        states = self.progress.global_states(in_flight)
         break
       except self.ray.exceptions.RayActorError as e:  # a server died: recover it, again
         for name in list(pool.servers):

@@ -57,6 +57,7 @@ class Pool:
     # Workers started mid-run and not up yet (worker -> when it was started): their first
     # job waits in the actor's queue; nobody waits for them (a quorum does not count them).
     self.joining: dict[int, float] = {}
+    self.crash_in_sync: int | None = None  # chaos: the worker to die in the next collective
 
   # --- actors -----------------------------------------------------------------------------
 
@@ -179,8 +180,8 @@ class Pool:
       if not job.micro:
         n.pushes_dropped += 1
         n.dispatched_steps -= job.steps
-        # (a pull from a dead server fails: no matter)
-        self.servers[job.server].drop.remote(job.version)
+        if not job.own:  # (a pull from a dead server fails: no matter)
+          self.servers[job.server].drop.remote(job.version)
     self.on_lose(worker)
     self.note("worker_lost", worker=worker, why=why, live=len(self.actors),
               **self.rows.tier_fields(worker, self.actors))
@@ -215,6 +216,20 @@ class Pool:
         pulled_version, params, outer, lr_step, steps, order)
     self.jobs[worker] = Job(worker, order, lr_step, steps, pulled_version, meta, sent,
                             server=server, dispatched_at=time.time())
+
+  def dispatch_own(self, worker: int, version, lr_step: int, steps: int,
+                   order: int | None = None) -> None:
+    """Starts a job of `worker` from the θ its own replica holds (the peer form of quorum
+    rounds): `version`, the version it starts from (an int, or the reference an adopt of
+    a peer's replica returns: the job waits for it)."""
+    if order is None:
+      order, self.counts.next_order = self.counts.next_order, self.counts.next_order + 1
+    if isinstance(version, int):
+      version = self.ray.put(version)
+    meta, sent = self.actors[worker].job.options(num_returns=2).remote(
+        version, None, None, lr_step, steps, order)
+    self.jobs[worker] = Job(worker, order, lr_step, steps, version, meta, sent,
+                            dispatched_at=time.time(), own=True)
 
   def dispatch_micro(self, worker: int, version: int, params) -> None:
     """Starts a micro-batch of `worker` at θ of `version` (`params`: its ObjectRef)."""
@@ -269,7 +284,7 @@ class Pool:
     try:
       meta = self.ray.get(job.meta)
     except self.ray.exceptions.RayActorError as e:  # the worker's process, or the server's
-      if not job.micro and not self.server_alive(job.server):  # (a micro-batch: no pull)
+      if not (job.micro or job.own) and not self.server_alive(job.server):  # (no pull)
         self.recover_server(f"pull failed: {type(e).__name__}", job.server)
       elif self.jobs.get(job.worker) is job:  # the worker itself died
         self.lose(job.worker, f"{type(e).__name__}")
@@ -388,6 +403,8 @@ class Pool:
       logging.info("ray: chaos %s", e)
       if e.action == "kill_worker" and e.worker in self.actors:
         self.lose(e.worker, "chaos: killed")
+      elif e.action == "crash_in_sync":
+        self.crash_in_sync = e.worker
       elif e.action == "kill_server":
         self.ray.kill(self.server, no_restart=True)
       elif e.action == "delay_worker":

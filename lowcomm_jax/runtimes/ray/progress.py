@@ -17,6 +17,7 @@ class Progress:
   """The defaults every mode shares; a mode overrides what differs."""
 
   unit = "round"  # what a mark is, in log lines
+  has_server = True  # the global state is the server actors' (not the workers' replicas)
   late_figures = False  # whether the figures count contributions from an older round's θ
 
   def __init__(self, d):
@@ -49,6 +50,28 @@ class Progress:
   def jobs_to_resume(self) -> list:
     """The jobs in flight a checkpoint keeps (a resumed run starts them again)."""
     return sorted(self.d.pool.jobs.values(), key=lambda j: j.order)
+
+  def restore_global(self, state: dict | None) -> None:
+    """A checkpoint's global server state (None: fresh) as the run opens: the servers."""
+    d = self.d
+    d.pool.start_server(state)
+
+  def global_call(self, method: str):
+    """`method` of the global state's holder (evaluate, param_norm)."""
+    return self.d.pool.call(method)
+
+  def global_states(self, in_flight: list[dict]) -> dict:
+    """What a checkpoint keeps of the global state, by server: each server's state, with
+    the models the jobs in flight pulled."""
+    ray, pool = self.d.ray, self.d.pool
+    return {name: ray.get(actor.state.remote(
+                [j["version"] for j in in_flight if j["server"] == name]))
+            for name, actor in pool.servers.items()}
+
+  def resume_job(self, job: dict) -> None:
+    """A checkpoint's job in flight, started again as it was."""
+    self.d.pool.dispatch(job["worker"], job["lr_step"], job["steps"], job["order"],
+                         job["version"])
 
   def opened(self) -> None:
     """The run (re)started, its actors up, before the jobs a checkpoint kept start again."""

@@ -8,9 +8,9 @@ import numpy as np
 
 from lowcomm_jax.programs import servers
 from lowcomm_jax.programs import steps
-from lowcomm_jax.programs import sync_program
 from lowcomm_jax.runtimes.ray.actors import (built, initial_rule_state, initial_state,
-                                             server_rules, server_view)
+                                             round_inputs, round_syncs, server_rules,
+                                             server_view)
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.sim import GLOBAL
 
@@ -43,7 +43,7 @@ class ServerProcess:
     # workers are), θ the rows' consensus. Other synchronous runs: make_server_sync.
     self._own_rows = r.local_reads_own
     self._consensus = jax.jit(r.sync.consensus) if self._own_rows else None
-    self._syncs = (self._round_syncs() if r.algorithm.synchronous and not self._own_rows
+    self._syncs = (round_syncs(r) if r.algorithm.synchronous and not self._own_rows
                    else None)
     # Versions count syncs: a synchronous round of P segments is P versions (segment
     # version % P of round version // P).
@@ -230,34 +230,8 @@ class ServerProcess:
     # θ: the consensus of the workers in this round (a dead worker's row would hold θ back)
     a["params"] = self._consensus(jax.tree.map(lambda x: x[np.flatnonzero(present)], rows[0]))
 
-  def _round_syncs(self) -> list:
-    """The synchronous algorithm's sync per segment, as a parameter server runs it."""
-    r = self.r
-    segments = r.algorithm.segments(r.config, r.config.inner_steps)
-    return [jax.jit(sync_program.make_server_sync(
-                r.sync, r.outer_rules[s.sync], layout=r.model.layout, fragment=s.sync,
-                count=len(segments), last=k == len(segments) - 1), static_argnames="full")
-            for k, s in enumerate(segments)]
-
   def _round_inputs(self):
-    """The open round's rows in worker order (zeros where a worker sent nothing), the
-    senders' codec keys, and the signals (tokens 0: no row)."""
-    slots = self.r.config.num_workers
-    tokens, losses = np.zeros(slots, np.float32), np.zeros(slots, np.float32)
-    keys = np.zeros((slots,) + self._rng.shape, self._rng.dtype)  # (key data, as the run's)
-    sent = {}
-    for w, (payload, meta) in self._rows.items():
-      tokens[w], losses[w] = meta["tokens"], meta.get("loss", 0.0)
-      sent[w] = payload
-      if "codec_key" in meta:
-        keys[w] = meta["codec_key"]
-    like = next(iter(sent.values()))
-    zeros = jax.tree.map(np.zeros_like, like)
-    received = jax.tree.map(lambda *rows: jnp.asarray(np.stack(rows)),
-                            *[sent.get(w, zeros) for w in range(slots)])
-    signals = steps.Signals(jnp.asarray(self.r.topology.hidden_per_worker),
-                            jnp.asarray(tokens), jnp.asarray(losses))
-    return received, jax.random.wrap_key_data(jnp.asarray(keys)), signals
+    return round_inputs(self.r, self._rows, self._rng)
 
   # --- HALoS: a regional server's exchange with the global one (algorithms/halos.py) ----
 

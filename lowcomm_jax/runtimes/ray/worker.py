@@ -13,8 +13,10 @@ from lowcomm_jax import aggregate
 from lowcomm_jax.programs import optimizers
 from lowcomm_jax.programs import servers
 from lowcomm_jax.programs import steps
+from lowcomm_jax.runtimes.ray import replica as replica_lib
 from lowcomm_jax.runtimes.ray.actors import built, initial_params
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
+from lowcomm_jax.runtimes.ray.checks import round_form
 
 
 class WorkerProcess:
@@ -40,8 +42,12 @@ class WorkerProcess:
     self.locals = programs.local[self.host]
     self.segments = r.algorithm.segments(r.config, r.config.inner_steps)
     self.mesh = r.topology.local_mesh
-    if params0 is None and ("state" not in restored or programs.accumulate):
+    # The peer form of quorum rounds: the worker holds the global state itself (replica.py)
+    peers = round_form(config, r.algorithm) == "peers"
+    if params0 is None and ("state" not in restored or programs.accumulate or peers):
       params0 = initial_params(r)
+    self.replica = replica_lib.Replica(r, params0) if peers else None
+    self.programs = programs
     if "state" in restored:
       self.state = jax.tree.map(jnp.asarray, restored["state"])
     else:  # one fresh row of its host's
@@ -157,6 +163,11 @@ class WorkerProcess:
       self.before = (self.state, self.codec_state, self.streams.get_state())
       self.running = order
     round_, segment = divmod(version, len(self.segments))
+    if params is None:  # the peer form: from its own replica, which is at that version
+      if self.replica.version != version:
+        raise RuntimeError(f"worker {self.worker}: a job from version {version}, but its "
+                           f"replica holds version {self.replica.version}")
+      params, outer = self.replica.params, self.replica.view_outer()
     view = self._view(round_, params, outer)
     workers = self.state  # (DDP's workers keep nothing)
     if self.r.algorithm.local_steps:
@@ -173,7 +184,67 @@ class WorkerProcess:
     time.sleep(self.step_sleep_s * steps_ + self.delay_s)
     meta["job_seconds"] = time.perf_counter() - start  # what DyLU's speeds are made of
     meta["finished_at"] = time.time()
+    if self.replica is not None:  # kept for the round's collective (and a retry of it)
+      self.replica.keep(int(version), sent, meta)
+      if self.replica.reduces:  # its shards go to the members, not the whole of it
+        sent = None
     return meta, sent
+
+  # --- the peer form of quorum rounds (replica.py: what each step computes) ---------------
+
+  def share(self) -> dict:
+    return self.replica.share()
+
+  def adopt(self, state: dict) -> int:
+    return self.replica.adopt(state)
+
+  def scatter(self, version: int, members: int):
+    """Its contribution from `version` in `members` shards (one return value each)."""
+    shards = self.replica.shards(version, members)
+    return tuple(shards) if members > 1 else shards[0]
+
+  def reduce_shard(self, round_version: int, index: int, members: list[int], tokens,
+                   crash: bool, *shards) -> np.ndarray:
+    if crash:
+      replica_lib.crash_here()
+    return self.replica.reduce_shard(round_version, index, members, tokens, shards)
+
+  def apply_reduced(self, round_version: int, members: list[int], tokens, losses,
+                    *reduced) -> dict:
+    mine = reduced[members.index(self.worker)]
+    digest = self.replica.apply_reduced(round_version, members, tokens, losses, reduced)
+    # Its shards to each other member and its reduced shard to each; the mirror in (shards
+    # of a fragment differ in length by at most one coordinate).
+    others = sum(x.nbytes for x in reduced) - mine.nbytes
+    both = int(others + mine.nbytes * (len(members) - 1))
+    return {"hash": digest, "sent": both, "received": both}
+
+  def apply_gathered(self, round_version: int, metas: dict, crash: bool, *rows) -> dict:
+    if crash:
+      replica_lib.crash_here()
+    members = sorted(metas)
+    got = dict(zip(members, rows))
+    digest = self.replica.apply_gathered(
+        round_version, {w: (got[w], metas[w]) for w in members})
+    size = lambda tree: sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
+    mine = size(got[self.worker])
+    return {"hash": digest, "sent": int(mine * (len(members) - 1)),
+            "received": int(sum(size(got[w]) for w in members) - mine)}
+
+  def commit(self, round_version: int) -> int:
+    return self.replica.commit(round_version)
+
+  def skip(self, round_version: int) -> int:
+    return self.replica.skip(round_version)
+
+  def evaluate(self) -> list[float]:
+    """The eval loss of its replica's θ at each of the run's eval widths."""
+    windows = jax.device_put(self.r.data.eval_windows)
+    with jax.set_mesh(self.r.topology.mesh):
+      return [float(x) for x in np.asarray(self.programs.eval(self.replica.params, windows))]
+
+  def param_norm(self) -> float:
+    return float(np.linalg.norm(np.asarray(self.replica.params, np.float64)))
 
   # --- collaborative epochs (runtimes/ray/epochs.py) ---------------------------------------
 

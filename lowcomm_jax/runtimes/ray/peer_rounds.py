@@ -1,0 +1,270 @@
+"""Quorum rounds in the peer form (`checks.round_form` 'peers'): the driver keeps the
+control plane of quorum.py (which contributions make a round, `ray.min_quorum`,
+`ray.grace_s`, late contributions, joins and losses), and the round's members move the
+bytes among themselves (replica.py): no process holds θ for the others, and no link
+carries every worker's payload.
+
+What differs from the server form:
+- every worker holds a replica of θ and the outer rules' state, and a job starts from its
+  own; a worker behind the open round (one that joined, one whose job outlived a round)
+  first adopts a live member's replica (torchft's healing, peer to peer);
+- a round closes with a collective among its members: its shards reduced and all-gathered,
+  or its rows all-gathered (replica.py), each member staging the outer step. The staged θ's
+  hashes must agree before any member commits;
+- a member that dies or does not finish within `ray.collective_timeout_s` is lost, and the
+  collective is tried again among the others from the contributions they kept: nothing is
+  applied twice (a commit is by version), and no replica moves without the others;
+- evaluation, parameter norms and checkpoints read a live member's replica; a checkpoint's
+  global state is a replica's, in the server's layout, and a resumed run's workers adopt it.
+"""
+
+import logging
+
+from lowcomm_jax.programs import sync_program
+from lowcomm_jax.runtimes.ray.quorum import QuorumRounds
+from lowcomm_jax.sim import GLOBAL
+
+
+class PeerRounds(QuorumRounds):
+
+  has_server = False
+
+  def __init__(self, d):
+    super().__init__(d)
+    self.version = 0  # syncs closed: the version the open round's members start from
+    self.held: dict[int, int | None] = {}  # worker -> the version its replica holds
+    self.rows: dict[int, tuple[dict, object]] = {}  # the open round: worker -> (meta, sent)
+    self.adopting: dict[int, object] = {}  # worker -> its adopt's reference, in flight
+    self.restored = None  # a resumed run's global state (object ref), for the workers
+    self.reduces = sync_program.peer_reduces(d.r.sync)
+
+  # --- what the driver asks of the global state -------------------------------------------
+
+  def restore_global(self, state: dict | None) -> None:
+    """A checkpoint's global state (None: a fresh run, each replica starts at θ₀)."""
+    if state is not None:
+      self.version = int(state["version"])
+      self.restored = self.d.ray.put({k: state[k] for k in ("params", "opt_state", "version")})
+
+  def opened(self) -> None:
+    super().opened()
+    pool = self.d.pool
+    for w in pool.actors:
+      if self.restored is None:
+        self.held[w] = 0
+      else:  # one copy from the driver to each worker, at a resume only
+        self.adopting[w] = pool.actors[w].adopt.remote(self.restored)
+        self.held[w] = self.version
+    self._settle_adopts(list(self.adopting))
+
+  def _current(self, besides: int | None = None) -> int | None:
+    """A live worker whose replica is at the open round's version (the lowest id)."""
+    return next((w for w in sorted(self.d.pool.actors)
+                 if w != besides and self.held.get(w) == self.version
+                 and w not in self.adopting and w not in self.d.pool.joining), None)
+
+  def global_call(self, method: str):
+    """`method` (evaluate, param_norm) of a current replica."""
+    errors = self.d.ray.exceptions.RayActorError
+    while True:
+      w = self._current()
+      if w is None:
+        raise RuntimeError(f"no live worker holds θ of version {self.version}")
+      try:
+        return self.d.ray.get(getattr(self.d.pool.actors[w], method).remote())
+      except errors as e:
+        self.d.pool.lose(w, f"{type(e).__name__} answering {method}")
+
+  def global_states(self, in_flight) -> dict:
+    """The checkpoint's global state: a current replica's, in the server's layout (no
+    snapshots: jobs in flight start from a replica's θ)."""
+    del in_flight
+    state = self.global_call("share")
+    return {GLOBAL: {**state, "snapshots": {}}}
+
+  def resume_job(self, job: dict) -> None:
+    """A checkpoint's job in flight, started again (from the restored θ: a job that had
+    started from an older one starts from it too)."""
+    self.d.pool.dispatch_own(job["worker"], self.version, job["lr_step"], job["steps"],
+                             job["order"])
+
+  def summary(self) -> dict:
+    return {**super().summary(), "round_form": "peers", "server_bytes_sent": 0}
+
+  # --- jobs -------------------------------------------------------------------------------
+
+  def start_next(self, worker: int, clock: int | None = None) -> None:
+    d = self.d
+    if d.counts.rounds >= d.c.rounds or worker not in d.pool.actors:
+      return
+    if self.segment == 0:
+      self._average_states()
+      if worker not in d.pool.actors:
+        return
+    version = self._bring_up(worker)
+    configured = d.pool.rows.configured_inner_steps(worker)
+    start = d.r.algorithm.segments(d.c, configured)[self.segment].start
+    steps = d.r.algorithm.segments(d.c, d.pool.rows.inner_steps_of(worker))[self.segment].steps
+    d.pool.dispatch_own(worker, version, d.counts.rounds * configured + start, steps)
+
+  def _bring_up(self, worker: int):
+    """`worker`'s replica at the open round's version: the version (an int), or the
+    reference of the adopt that takes a current peer's replica there."""
+    if worker in self.adopting:
+      return self.adopting[worker]
+    if self.held.get(worker) == self.version:
+      return self.version
+    source = self._current(besides=worker)
+    if source is None:
+      raise RuntimeError(f"worker {worker} is behind (version {self.held.get(worker)}) and "
+                         f"no live worker holds θ of version {self.version}; resume the run "
+                         "from its last checkpoint")
+    pool = self.d.pool
+    self.adopting[worker] = pool.actors[worker].adopt.remote(pool.actors[source].share.remote())
+    self.held[worker] = self.version
+    return self.adopting[worker]
+
+  def _settle_adopts(self, workers) -> None:
+    """Waits for `workers`' adopts in flight (a joiner's first job waits for its own, and
+    nobody else does); a worker that died taking one is lost."""
+    errors = self.d.ray.exceptions.RayError
+    for w in workers:
+      ref = self.adopting[w]
+      try:
+        self.d.ray.get(ref, timeout=self.d.c.ray.recover_timeout_s)
+      except errors as e:
+        if w in self.d.pool.actors:
+          self.d.pool.lose(w, f"{type(e).__name__} adopting a peer's replica")
+      self.adopting.pop(w, None)
+
+  def _take(self, job) -> None:
+    d = self.d
+    meta = d.pool.result(job)
+    if meta is None:
+      return
+    n = d.counts
+    self.adopting.pop(job.worker, None)  # (its job waited for its adopt)
+    staleness = self.version - meta["version"]
+    if staleness % self.segments:  # another segment's fragment: no round of it is open
+      n.pushes_dropped += 1
+      d.pool.chaos()
+      return
+    if staleness:  # late: its replica joins the open round at its θ before it closes
+      self._bring_up(job.worker)
+    self.rows[job.worker] = (meta, job.sent)
+    n.late += staleness > 0
+    n.contributed(job.worker, meta, staleness, None)
+    d.timeline.job(job, meta)
+    d.pool.chaos()
+
+  def on_lose(self, worker: int) -> None:
+    """A lost worker's contribution goes with it (its shards and payloads were its own)."""
+    if self.rows.pop(worker, None) is not None:
+      self.d.counts.pushes_dropped += 1
+    self.held.pop(worker, None)
+    self.adopting.pop(worker, None)
+
+  # --- a round's close: the collective ----------------------------------------------------
+
+  def _close_segment(self) -> bool:
+    d, n = self.d, self.d.counts
+    v = self.version
+    self._settle_adopts([w for w in self.rows if w in self.adopting])
+    while True:
+      members = [w for w in sorted(self.rows) if w in d.pool.actors]
+      if not members:
+        break
+      outcome = self._collective(v, members)
+      if outcome is not None:
+        self._commit(v, members, outcome)
+        break
+      n.collective_retries += 1
+    n.applied_steps += sum(meta["steps"] for meta, _ in self.rows.values())
+    d.timeline.applied(n.applied_steps)
+    if not self.rows:  # nobody contributed: θ stays, every current replica moves on
+      for w in [w for w, h in self.held.items() if h == v and w in d.pool.actors]:
+        d.ray.get(d.pool.actors[w].skip.remote(v))
+        self.held[w] = v + 1
+    self.rows = {}
+    self.version = v + 1
+    self.segment = (self.segment + 1) % self.segments
+    n.rounds += self.segment == 0
+    self.round.open()
+    d.idle_start()
+    return self.segment == 0
+
+  def _collective(self, v: int, members: list[int]) -> dict | None:
+    """Round `v`'s collective among `members`: {worker: {hash, sent, received}}, or None
+    after losing the members that died or did not finish in time (then try again)."""
+    d, pool = self.d, self.d.pool
+    actors = [pool.actors[w] for w in members]
+    crash, pool.crash_in_sync = pool.crash_in_sync, None
+    metas = {w: self.rows[w][0] for w in members}
+    if self.reduces:
+      m = len(members)
+      tokens = [float(metas[w]["tokens"]) for w in members]
+      losses = [float(metas[w].get("loss", 0.0)) for w in members]
+      shards = []
+      for w, actor in zip(members, actors):
+        out = actor.scatter.options(num_returns=m).remote(metas[w]["version"], m)
+        shards.append(list(out) if m > 1 else [out])
+      reduced = [actor.reduce_shard.remote(v, j, members, tokens, w == crash,
+                                           *[shards[i][j] for i in range(m)])
+                 for j, (w, actor) in enumerate(zip(members, actors))]
+      staged = [actor.apply_reduced.remote(v, members, tokens, losses, *reduced)
+                for actor in actors]
+    else:
+      small = {w: {k: metas[w][k] for k in ("tokens", "loss", "codec_key") if k in metas[w]}
+               for w in members}
+      staged = [actor.apply_gathered.remote(v, small, w == crash,
+                                            *[self.rows[i][1] for i in members])
+                for w, actor in zip(members, actors)]
+    ready, _ = d.ray.wait(staged, num_returns=len(staged),
+                          timeout=d.c.ray.collective_timeout_s)
+    try:
+      if len(ready) == len(staged):
+        return dict(zip(members, d.ray.get(staged)))
+    except d.ray.exceptions.RayTaskError as e:
+      if not isinstance(e.cause, (d.ray.exceptions.RayActorError,
+                                  d.ray.exceptions.ObjectLostError)):
+        raise RuntimeError(f"round {v}'s collective failed: {e}") from e
+    except d.ray.exceptions.RayError:
+      pass
+    self._lose_failed(v, members, staged, ready)
+    return None
+
+  def _lose_failed(self, v: int, members, staged, ready) -> None:
+    """After a failed collective: the members that died, else those that did not finish
+    within ray.collective_timeout_s, are lost (their contributions with them)."""
+    pool = self.d.pool
+    dead = [w for w in members if not pool.worker_alive(w)]
+    done = set(ready)
+    slow = [w for w, ref in zip(members, staged) if ref not in done]
+    lost = dead or slow
+    if not lost:
+      raise RuntimeError(f"round {v}'s collective failed and members {members} are alive "
+                         "and finished")
+    for w in lost:
+      why = ("died in a round's collective" if dead else
+             f"did not finish a round's collective within ray.collective_timeout_s="
+             f"{self.d.c.ray.collective_timeout_s}")
+      pool.lose(w, why)
+    logging.warning("ray: round %d's collective is tried again without workers %s", v, lost)
+
+  def _commit(self, v: int, members: list[int], outcome: dict) -> None:
+    """Every member commits the staged round, once their hashes agree."""
+    d, n = self.d, self.d.counts
+    hashes = {w: o["hash"] for w, o in outcome.items()}
+    if len(set(hashes.values())) != 1:
+      raise RuntimeError(f"round {v}: the members' θ differ after the same collective "
+                         f"({hashes}); the replicas have diverged")
+    refs = {w: d.pool.actors[w].commit.remote(v) for w in members}
+    for w, ref in refs.items():
+      try:
+        d.ray.get(ref)
+        self.held[w] = v + 1
+      except d.ray.exceptions.RayActorError as e:  # the others have the round: it is lost
+        d.pool.lose(w, f"{type(e).__name__} committing a round")
+    for w, o in outcome.items():
+      sent, received = n.wire_bytes.get(str(w), [0, 0])
+      n.wire_bytes[str(w)] = [sent + o["sent"], received + o["received"]]

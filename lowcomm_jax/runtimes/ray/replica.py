@@ -1,0 +1,180 @@
+"""A worker's replica of the global state in the peer form of quorum rounds
+(`checks.round_form`: 'peers'): θ, the outer rules' state and the version (syncs closed),
+held by every worker as DiLoCo defines it, and the worker's part of a round's collective.
+
+A round's members (the workers whose contributions are in it, in worker order) move the
+bytes among themselves; the driver passes object references only:
+
+  dense mean (`sync_program.peer_reduces`), M members, Δ of n coordinates:
+    shards(i):        member i cuts its Δ into M shards            ─► shard refs
+    reduce_shard(j):  member j takes shard j of every member, their weighted mean
+                      (`make_shard_mean`)                          ─► reduced shard j
+    apply_reduced:    every member takes the M reduced shards, the outer rule on the
+                      whole mean (`make_reduced_apply`)            ─► staged θ', its hash
+    per link: (M−1)/M·n out and in for each half: 2·(M−1)/M·n, a ring all-reduce's bytes
+  a codec's payloads, a robust rule, an attack:
+    apply_gathered:   every member takes every member's row, the parameter server's own
+                      program over them (`make_server_sync`)       ─► staged θ', its hash
+    per link: its payload to M−1 members, theirs from each (the ledger's all-gather)
+  commit: the staged state becomes the replica's (once: a commit of a version already
+  applied is nothing), or abort: it is dropped and the round tried again among survivors.
+
+Every member runs the same program on the same bytes, so θ' is the same everywhere; the
+driver compares the hashes before any member commits.
+"""
+
+import hashlib
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowcomm_jax.programs import steps
+from lowcomm_jax.programs import sync_program
+from lowcomm_jax.runtimes.ray.actors import (initial_rule_state, round_inputs, round_signals,
+                                             round_syncs)
+from lowcomm_jax.sim import GLOBAL
+
+
+def shard_bounds(n: int, members: int) -> list[tuple[int, int]]:
+  """[start, end) of each of `members` shards of n coordinates (sizes differ by at most 1)."""
+  return [(k * n // members, (k + 1) * n // members) for k in range(members)]
+
+
+def params_hash(params) -> str:
+  return hashlib.blake2b(np.asarray(params).tobytes(), digest_size=16).hexdigest()
+
+
+class Replica:
+  """θ, the outer rules' state and the version one worker holds, what it contributed and
+  has not seen applied yet, and the state a round staged."""
+
+  def __init__(self, r, params0):
+    self.r = r
+    segments = r.algorithm.segments(r.config, r.config.inner_steps)
+    self.segments = len(segments)
+    self._rng = steps.run_key(r.config.seed)
+    layout = r.model.layout
+    self.reduces = sync_program.peer_reduces(r.sync)
+    self._gathered = round_syncs(r) if not self.reduces else None
+    self._means = [jax.jit(sync_program.make_shard_mean(r.sync, layout=layout,
+                                                        fragment=s.sync))
+                   for s in segments] if self.reduces else None
+    self._applies = [jax.jit(sync_program.make_reduced_apply(
+        r.sync, r.outer_rules[s.sync], layout=layout, fragment=s.sync, count=len(segments),
+        last=k == len(segments) - 1), static_argnames="full")
+        for k, s in enumerate(segments)] if self.reduces else None
+    self._lock = threading.Lock()  # a share (a checkpoint, a heal) reads while rounds run
+    params = jnp.asarray(params0)
+    self._set(0, params, initial_rule_state(r, GLOBAL, params))
+    self.kept = {}  # the version a contribution was computed from -> (what it sent, meta)
+    self.staged = None  # (round version, TrainState) of the round being closed
+
+  def _set(self, version: int, params, opt_state) -> None:
+    with self._lock:
+      self.version, self.params, self.opt_state = version, params, opt_state
+
+  def share(self) -> dict:
+    """The replica as host arrays: what a joining or lagging worker adopts, and what a
+    checkpoint keeps of the run's global state."""
+    with self._lock:
+      return {"params": np.asarray(self.params), "opt_state": jax.device_get(self.opt_state),
+              "version": self.version}
+
+  def adopt(self, state: dict) -> int:
+    """Takes a peer's (or a checkpoint's) replica; what it contributed is kept."""
+    self._set(int(state["version"]), jnp.asarray(state["params"]),
+              jax.tree.map(jnp.asarray, state["opt_state"]))
+    self.staged = None
+    return self.version
+
+  def keep(self, version: int, sent, meta: dict) -> None:
+    self.kept[version] = (sent, meta)
+
+  def view_outer(self):
+    """What the worker's rule reads of the outer state (eager updates), or None."""
+    return ((), jax.device_get(self.opt_state)) if self.r.local_reads_rules else None
+
+  def shards(self, version: int, members: int) -> list[np.ndarray]:
+    """The contribution computed from `version`, cut into `members` shards."""
+    delta = np.asarray(self.kept[version][0])
+    return [delta[a:b] for a, b in shard_bounds(delta.shape[0], members)]
+
+  def reduce_shard(self, round_version: int, index: int, members: list[int], tokens,
+                   shards) -> np.ndarray:
+    """Shard `index` of the round's mean: the members' shards of it, weighted."""
+    start = shard_bounds(self._fragment_size(round_version), len(members))[index][0]
+    hidden = np.asarray(self.r.topology.hidden_per_worker)[members]
+    mean = self._means[round_version % self.segments](
+        jnp.asarray(np.stack(shards)), jnp.asarray(hidden),
+        jnp.asarray(tokens, jnp.float32), np.int32(start))
+    return np.asarray(mean)
+
+  def _fragment_size(self, round_version: int) -> int:
+    layout = self.r.model.layout
+    fragment = self.r.algorithm.segments(self.r.config, self.r.config.inner_steps)[
+        round_version % self.segments].sync
+    return layout.fragment(fragment).size
+
+  def _state(self, round_version: int) -> steps.TrainState:
+    if self.version != round_version:
+      raise RuntimeError(f"a round of version {round_version} reached a replica at "
+                         f"version {self.version}: it was not brought up to date")
+    return steps.TrainState(jnp.asarray(round_version // self.segments, jnp.int32),
+                            self._rng, self.params, steps.OuterState((), self.opt_state))
+
+  def _full(self, members) -> bool:
+    return len(members) == self.r.config.num_workers
+
+  def apply_reduced(self, round_version: int, members: list[int], tokens, losses,
+                    reduced) -> str:
+    """Stages the outer step on the all-gathered mean; its θ's hash."""
+    slots = self.r.config.num_workers
+    tokens_S, losses_S = np.zeros(slots, np.float32), np.zeros(slots, np.float32)
+    tokens_S[members], losses_S[members] = tokens, losses
+    state = self._applies[round_version % self.segments](
+        self._state(round_version), jnp.asarray(np.concatenate(reduced)),
+        round_signals(self.r, tokens_S, losses_S), full=self._full(members))
+    return self._stage(round_version, state)
+
+  def apply_gathered(self, round_version: int, rows: dict) -> str:
+    """Stages the parameter server's program over every member's row ({worker: (what it
+    sent, meta)}); its θ's hash."""
+    received, keys, signals = round_inputs(self.r, rows, self._rng)
+    state = self._gathered[round_version % self.segments](
+        self._state(round_version), received, keys, signals, full=self._full(list(rows)))
+    return self._stage(round_version, state)
+
+  def _stage(self, round_version: int, state: steps.TrainState) -> str:
+    self.staged = (round_version, state)
+    return params_hash(state.params)
+
+  def commit(self, round_version: int) -> int:
+    """The staged round becomes the replica (nothing if it is already applied); the
+    contributions it took are let go."""
+    if self.version == round_version + 1:
+      return self.version
+    version, state = self.staged
+    if version != round_version:
+      raise RuntimeError(f"commit of round {round_version}, but round {version} is staged")
+    self._set(round_version + 1, state.params, state.outer.per_fragment)
+    self.staged = None
+    self.kept = {v: kept for v, kept in self.kept.items() if v > round_version}
+    return self.version
+
+  def abort(self, round_version: int) -> None:
+    if self.staged is not None and self.staged[0] == round_version:
+      self.staged = None
+
+  def skip(self, round_version: int) -> int:
+    """A round closed with no contribution: θ stays, the version moves on."""
+    if self.version == round_version:
+      self._set(round_version + 1, self.params, self.opt_state)
+    return self.version
+
+
+def crash_here() -> None:
+  """Chaos: the process dies in the middle of a collective (`ray.chaos` crash_in_sync)."""
+  os._exit(1)
