@@ -18,6 +18,13 @@ then contributions to it).
   python bench/real_vs_sim.py --cases diloco,10,20 diloco,50,100 --seeds 0 1 2 \
       --out /tmp/real_vs_sim            # needs root; each run's folder and result.json
   python bench/real_vs_sim.py --report /tmp/real_vs_sim   # the table, from the results
+
+Issue 61's scaling table: one case at W workers in each form of the Ray runtime's rounds
+(`server`: through the parameter server; `ring`: among the workers, sim.network.collective),
+each run replayed with the simulator's model of that form ('server', or 'auto'):
+
+  python bench/real_vs_sim.py --scaling diloco,10,20 --workers 2 4 8 --seeds 0 1 2 \
+      --out /tmp/real_vs_sim
 """
 
 import argparse
@@ -132,6 +139,71 @@ def compare(real: list[float], predicted: list[float]) -> dict:
           "real_after_first_s": real[-1] - real[0],
           "predicted_after_first_s": predicted[-1] - predicted[0],
           "real_first_s": real[0], "predicted_first_s": predicted[0]}
+
+
+# Issue 61: each form of the Ray runtime's rounds, and the simulator's model of it.
+FORMS = {"server": "server", "ring": "auto"}
+
+
+def run_scaling(case: str, workers: list[int], seeds: list[int], out: pathlib.Path) -> None:
+  """`case` at each worker count in each form (FORMS): the real runs over links built for
+  W workers, each replayed with its form's model; result.json per run, written as it
+  goes (a finished one is skipped)."""
+  from lowcomm_jax.config.command_line import load_config
+  for w in workers:
+    for form, model in FORMS.items():
+      overrides = (f"--config.num_workers={w}", f"--config.sim.network.collective={form}")
+      config = load_config(str(ROOT / f"configs/real_links.py:{case}"))
+      config.num_workers, config.sim.network.collective = w, form
+      folder = out / "scaling" / f"{case.replace(',', '_')}_w{w}_{form}"
+      folder.mkdir(parents=True, exist_ok=True)
+      with links_for(config) as links:
+        env = dict(real_links.ray_env(), RAY_ADDRESS=links.start_ray())
+        for seed in seeds:
+          workdir = folder / f"seed{seed}"
+          if (workdir / "result.json").exists():
+            continue
+          started = time.time()
+          summary = real_run(links, env, case, seed, workdir, w, overrides)
+          steps = measured_speeds(summary["step_seconds_by_job"], w)
+          per_mark = w * config.inner_steps
+          real = at_marks(summary["timeline"], per_mark, config.rounds)
+          predicted = at_marks(replay(workdir, steps, model), per_mark, config.rounds)
+          result = {"case": case, "workers": w, "form": form, "model": model, "seed": seed,
+                    "step_seconds": steps, "real_marks_s": real,
+                    "predicted_marks_s": predicted, **compare(real, predicted),
+                    "eval_loss": summary["eval_loss"],
+                    "wire_bytes_per_worker": summary.get("wire_bytes_per_worker", {}),
+                    "run_seconds": time.time() - started}
+          if summary.get("job_moments"):
+            result["phases"] = phases(summary["job_moments"])
+          (workdir / "result.json").write_text(json.dumps(result, indent=1))
+          print(json.dumps({k: result[k] for k in ("case", "workers", "form", "seed")}),
+                round(result["run_ratio"], 3), flush=True)
+
+
+def scaling_report(out: pathlib.Path) -> str:
+  """Seconds per round after round 1, and round 1, per worker count and form (mean ± sd
+  over seeds), and real over predicted by the form's model."""
+  results = [json.loads(p.read_text()) for p in sorted(out.glob("scaling/*/seed*/result.json"))]
+  if not results:
+    return ""
+  rows = ["| case | W | form | seeds | s / round after round 1 | round 1 s | "
+          "real / predicted, after round 1 (each seed) | per round (min–max) |",
+          "|---|---|---|---|---|---|---|---|"]
+  keys = sorted({(r["case"], r["workers"], r["form"]) for r in results})
+  for case, w, form in keys:
+    runs = [r for r in results if (r["case"], r["workers"], r["form"]) == (case, w, form)]
+    per_round = [r["real_after_first_s"] / (len(r["real_marks_s"]) - 1) for r in runs]
+    first = [r["real_first_s"] for r in runs]
+    ratios = [r["run_ratio"] for r in runs]
+    rounds = [x for r in runs for x in r["round_ratio"]]
+    rows.append(f"| {case} | {w} | {form} | {len(runs)} | {statistics.mean(per_round):.2f} ± "
+                f"{_sd(per_round):.2f} | {statistics.mean(first):.1f} ± {_sd(first):.1f} | "
+                f"{statistics.mean(ratios):.3f} ± {_sd(ratios):.3f} "
+                f"({', '.join(f'{x:.3f}' for x in ratios)}) | "
+                f"{min(rounds):.3f}–{max(rounds):.3f} |")
+  return "\n".join(rows)
 
 
 def run_case(case: str, seeds: list[int], out: pathlib.Path) -> None:
@@ -274,7 +346,8 @@ def report(out: pathlib.Path) -> str:
   (mean ± sd over seeds, each seed's), and the range of the per-round ratios."""
   rows = ["| case | seeds | real s (after round 1) | model | real / predicted, run | "
           "per round (min–max) |", "|---|---|---|---|---|---|"]
-  for folder in sorted(p for p in out.iterdir() if p.is_dir() and p.name != "time_to_loss"):
+  for folder in sorted(p for p in out.iterdir()
+                       if p.is_dir() and p.name not in ("time_to_loss", "scaling")):
     results = [json.loads(p.read_text()) for p in sorted(folder.glob("seed*/result.json"))]
     if not results:
       continue
@@ -295,6 +368,9 @@ def main() -> None:
   p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/real_vs_sim"))
   p.add_argument("--time_to_loss", action="store_true",
                  help="also DiLoCo (H 50) against DDP to a fixed eval loss (TIME_TO_LOSS)")
+  p.add_argument("--scaling", help="a configs/real_links.py argument run at --workers "
+                 "workers in each form of the Ray runtime's rounds (FORMS)")
+  p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
   p.add_argument("--report", type=pathlib.Path, help="print the tables of a finished --out")
   p.add_argument("--replay", type=pathlib.Path,
                  help="replay every real run of a finished --out again, then print the tables")
@@ -305,6 +381,7 @@ def main() -> None:
   if a.report:
     print(report(a.report))
     print(time_to_loss_report(a.report))
+    print(scaling_report(a.report))
     return
   try:
     real_links.preflight()
@@ -313,10 +390,13 @@ def main() -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   for case in a.cases:
     run_case(case, a.seeds, a.out.resolve())
+  if a.scaling:
+    run_scaling(a.scaling, a.workers, a.seeds, a.out.resolve())
   if a.time_to_loss:
     run_time_to_loss(a.seeds, a.out.resolve())
   print(report(a.out.resolve()))
   print(time_to_loss_report(a.out.resolve()))
+  print(scaling_report(a.out.resolve()))
 
 
 if __name__ == "__main__":

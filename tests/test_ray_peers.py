@@ -1,0 +1,185 @@
+"""The peer form of the Ray runtime's quorum rounds (runtimes/ray/replica.py,
+peer_rounds.py): replicas of θ on every worker, a round's collective among its members.
+
+In-process here (no Ray): each member's steps run on Replica objects, and their result is
+held against the parameter server's program over the same rows (the Ray runtime's round
+until now, itself held against the lockstep runner in tests/test_server_sync.py). The
+runs on Ray, failures included, are in tests/test_ray_runtime.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import load_config
+from lowcomm_jax.assemble.build import build
+from lowcomm_jax.assemble.hosts import host
+from lowcomm_jax.assemble.plan import one_device
+from lowcomm_jax.config import check
+from lowcomm_jax.programs import steps, sync_program
+from lowcomm_jax.runtimes.ray import replica as replica_lib
+from lowcomm_jax.runtimes.ray.actors import initial_params, round_inputs
+
+
+def _run(**overrides):
+  c = load_config("smoke", algorithm="diloco", num_workers=3, inner_steps=2,
+                  **{"mesh.replica": 1, **overrides})
+  return build(one_device(c), check_memory=False)
+
+
+def _rows(r, members, seed=0):
+  """Each member's Δ (distinct, one loud) and meta, as a job keeps them (version 0)."""
+  rng = np.random.default_rng(seed)
+  n = r.model.layout.size
+  out = {}
+  for w in members:
+    delta = rng.normal(0, 1e-3 * (1 + 9 * (w == members[-1])), n).astype(np.float32)
+    out[w] = (delta, {"tokens": 8.0 * (w + 1), "loss": 2.0 + w, "version": 0})
+  return out
+
+
+def _peer_round(r, rows):
+  """Round 0 among `rows`' workers, as peer_rounds.py drives it: shards, their means, the
+  outer step on every member; (each member's committed replica, the hashes)."""
+  members = sorted(rows)
+  m = len(members)
+  replicas = {w: replica_lib.Replica(r, initial_params(r)) for w in members}
+  for w, (delta, meta) in rows.items():
+    replicas[w].keep(0, delta, meta)
+  shards = {w: replicas[w].shards(0, m) for w in members}
+  tokens = [rows[w][1]["tokens"] for w in members]
+  losses = [rows[w][1]["loss"] for w in members]
+  reduced = [replicas[w].reduce_shard(0, j, members, tokens, [shards[i][j] for i in members])
+             for j, w in enumerate(members)]
+  hashes = {w: replicas[w].apply_reduced(0, members, tokens, losses, reduced)
+            for w in members}
+  for w in members:
+    assert replicas[w].commit(0) == 1
+    assert replicas[w].commit(0) == 1  # a second commit of the round applies nothing
+  return replicas, hashes
+
+
+def _server_round(r, rows):
+  server = jax.jit(sync_program.make_server_sync(
+      r.sync, r.outer_rules[0], layout=r.model.layout, fragment=0, count=1, last=True),
+      static_argnames="full")
+  params = jnp.asarray(initial_params(r))
+  from lowcomm_jax.runtimes.ray.actors import initial_rule_state
+  state = steps.TrainState(jnp.asarray(0, jnp.int32), steps.run_key(r.config.seed), params,
+                           steps.OuterState((), initial_rule_state(r, "global", params)))
+  received, keys, signals = round_inputs(r, {w: rows[w] for w in rows},
+                                         steps.run_key(r.config.seed))
+  return server(state, received, keys, signals, full=len(rows) == r.config.num_workers)
+
+
+@pytest.mark.parametrize("overrides,members", [
+    ({}, (0, 1, 2)),
+    ({"aggregate.weighting": "tokens"}, (0, 1, 2)),
+    ({"aggregate.weighting": "tokens"}, (0, 2)),  # a round closed without worker 1
+    ({"hosts": [host(1.0), host(0.5), host(0.5)]}, (0, 1, 2)),  # tiers: the nested mean
+    ({"hosts": [host(1.0), host(0.5), host(0.5)]}, (1, 2)),  # nobody of full width came
+], ids=["mean", "tokens", "tokens-partial", "tiers", "tiers-partial"])
+def test_reduced_shards_move_every_replica_as_the_server_moves_theta(overrides, members):
+  """The members' reduce-scatter and all-gather, then the outer step on each: every replica
+  ends with the server's θ and outer state for the same rows (the shards' means are the
+  rows' weighted mean, coordinate by coordinate), and the replicas are identical."""
+  r = _run(**overrides)
+  rows = _rows(r, list(members))
+  replicas, hashes = _peer_round(r, rows)
+  assert len(set(hashes.values())) == 1
+  theirs = _server_round(r, rows)
+  for w, ours in replicas.items():
+    assert ours.version == 1 and not ours.kept
+    np.testing.assert_allclose(ours.params, theirs.params, rtol=0, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(ours.opt_state), jax.tree.leaves(theirs.outer.per_fragment)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+  first = replicas[members[0]]
+  assert np.abs(np.asarray(first.params) - initial_params(r)).max() > 1e-5  # θ moved
+  if overrides.get("hosts") and 0 not in members:  # units only worker 0 trains stay
+    assert (np.asarray(first.params) == initial_params(r)).any()
+
+
+@pytest.mark.parametrize("n,m", [(10, 3), (7, 7), (5, 1), (142848, 8)])
+def test_shards_cover_the_fragment_once_in_near_equal_parts(n, m):
+  bounds = replica_lib.shard_bounds(n, m)
+  assert bounds[0][0] == 0 and bounds[-1][1] == n
+  assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+  sizes = [b - a for a, b in bounds]
+  assert max(sizes) - min(sizes) <= 1
+
+
+def test_gathered_rows_are_the_servers_program_on_every_member():
+  """A codec with a robust rule: every member runs the server's own program over every
+  member's payload (all-gathered), so each replica is the server's θ."""
+  r = _run(**{"compress.codec": "int8", "aggregate.rule": "median"})
+  assert not sync_program.peer_reduces(r.sync)
+  from lowcomm_jax import aggregate
+  from lowcomm_jax.programs import servers
+  codec, layout = r.sync.codec, r.model.layout
+  encode = jax.jit(jax.vmap(servers.make_encode(codec, layout)))
+  rows = {}
+  for w, (delta, meta) in _rows(r, [0, 1, 2]).items():
+    keys = aggregate.sender_keys(r.config.seed, 0, jnp.asarray([w]))
+    errors = jax.tree.map(lambda x: x[None], codec.init(layout.abstract))
+    payload, _ = encode(jnp.asarray(delta)[None], errors, keys)
+    rows[w] = (jax.device_get(jax.tree.map(lambda x: x[0], payload)),
+               {**meta, "codec_key": np.asarray(jax.random.key_data(keys[0]))})
+  hashes = set()
+  ours = replica_lib.Replica(r, initial_params(r))  # (one object plays each member in turn)
+  fresh = ours.share()
+  for w in rows:
+    ours.adopt(fresh)
+    hashes.add(ours.apply_gathered(0, rows))
+    ours.commit(0)
+  theirs = _server_round(r, rows)
+  assert len(hashes) == 1
+  np.testing.assert_allclose(ours.params, theirs.params, rtol=0, atol=1e-6)
+
+
+def test_a_replica_adopts_a_peers_state_and_keeps_what_it_contributed():
+  r = _run()
+  ahead, behind = (replica_lib.Replica(r, initial_params(r)) for _ in range(2))
+  behind.keep(0, np.ones(r.model.layout.size, np.float32), {"tokens": 8.0})
+  ahead._set(3, ahead.params + 1.0, ahead.opt_state)
+  assert behind.adopt(ahead.share()) == 3
+  np.testing.assert_array_equal(behind.params, ahead.params)
+  assert 0 in behind.kept  # a late contribution still goes into the open round
+  with pytest.raises(RuntimeError, match="version 3"):  # a round of another version
+    behind.apply_reduced(2, [0], [8.0], [2.0], [np.zeros(r.model.layout.size, np.float32)])
+
+
+# --- config ----------------------------------------------------------------------------
+
+
+def _problems(**overrides):
+  try:
+    check.validate(load_config("smoke", **{"runtime": "ray", **overrides}), num_devices=8)
+  except check.ConfigError as e:
+    return str(e)
+  return ""
+
+
+def test_the_form_follows_the_collective_and_the_algorithm():
+  from lowcomm_jax import algorithms
+  from lowcomm_jax.runtimes.ray.checks import round_form
+  form = lambda **o: round_form(load_config("smoke", **{"runtime": "ray", **o}),
+                                algorithms.get(o.get("algorithm", "diloco")))
+  assert form(algorithm="diloco") == "peers"
+  assert form(algorithm="streaming") == "peers"
+  assert form(algorithm="diloco", **{"sim.network.collective": "server"}) == "server"
+  assert form(algorithm="async_dn") == "server"  # the server is the algorithm
+  assert form(algorithm="noloco") == "server"  # the server keeps each worker's own rows
+  assert form(algorithm="ddp", **{"collab.target_batch_size": 64}) == "server"
+
+
+@pytest.mark.parametrize("overrides,field", [
+    ({"ray.collective_timeout_s": 1.0}, "ray.collective_timeout_s"),
+    ({"sim.network.collective": "hierarchical"}, "sim.network.collective"),  # one region
+    ({"algorithm": "async_dn", "sim.network.collective": "ring"}, "sim.network.collective"),
+    ({"ray.chaos": ("kill_server@2",)}, "ray.chaos"),  # the peer form has no server
+    ({"ray.chaos": ("crash_in_sync=0@2",), "sim.network.collective": "server"}, "ray.chaos"),
+    ({"ray.standby_server": True}, "ray.standby_server"),
+])
+def test_bad_collective_input_is_one_line_naming_its_field(overrides, field):
+  text = _problems(algorithm=overrides.pop("algorithm", "diloco"), **overrides)
+  assert text.count(field + "=") == 1, text
