@@ -61,6 +61,16 @@ def _run(config, workdir, **kwargs):
   return summary, events
 
 
+def _assert_same_theta(ray_config, ray_dir, runner_config, runner_dir, atol=1e-5):
+  """The final θ of the Ray run and of the lockstep run (each one's last checkpoint) differ
+  by at most `atol` anywhere."""
+  ours = np.asarray(_ray_checkpointed_params(ray_config, ray_dir))
+  (state, _), _ = checkpointed_state(runner_config, runner_dir)
+  theirs = np.asarray(state.params)
+  assert ours.shape == theirs.shape
+  assert np.abs(ours - theirs).max() <= atol, np.abs(ours - theirs).max()
+
+
 # --- config, without Ray ----------------------------------------------------------------
 
 
@@ -369,10 +379,20 @@ def test_diloco_in_full_quorum_rounds_trains_as_the_runner_does(cluster, tmp_pat
   moments = summary["job_moments"]  # [worker, steps, dispatched, started, finished, taken]
   assert len(moments) == 3 * workers and all(m[1] == 2 for m in moments)
   assert all(m[2] <= m[3] <= m[4] <= m[5] for m in moments), moments
-  runner = train.run(_config(algorithm="diloco", runtime="spmd",
-                             **{"ray.apply_order": "arrival", **overrides}), tmp_path / "runner")
+  runner_config = _config(algorithm="diloco", runtime="spmd",
+                          **{"ray.apply_order": "arrival", **overrides})
+  runner = train.run(runner_config, tmp_path / "runner")
   assert abs(summary["eval_loss"] - runner["eval_loss"]) < 1e-5 * runner["eval_loss"]
   assert summary["bytes_sent"] == runner["bytes_sent"]
+  _assert_same_theta(config, tmp_path / "ray", runner_config, tmp_path / "runner")
+  # The peer form: no server; each link carried the collective's bytes (a dense mean's
+  # reduce-scatter and all-gather: 2·(W−1)/W of the payload each way; a codec's payloads
+  # all-gathered: its own to W−1 members, theirs from each)
+  assert summary["round_form"] == "peers" and summary["server_bytes_sent"] == 0
+  per_round = summary["bytes_sent"] * workers // 3 // workers  # one worker's payload
+  factor = (workers - 1) if overrides else 2 * (workers - 1) / workers
+  for sent, received in summary["wire_bytes_per_worker"].values():
+    assert sent == received and abs(sent - 3 * factor * per_round) <= 3 * 4 * workers
 
 
 def test_a_quorum_round_does_not_wait_for_a_slow_or_dead_worker(cluster, tmp_path):
@@ -393,6 +413,45 @@ def test_a_quorum_round_does_not_wait_for_a_slow_or_dead_worker(cluster, tmp_pat
   assert [e["worker"] for e in events if e["event"] == "worker_lost"] == [0]
 
 
+def test_a_worker_dying_mid_collective_is_retried_among_the_survivors(cluster, tmp_path):
+  """The peer form: worker 1 dies in the middle of round 1's collective (it has taken its
+  peers' shards and never answers). The round is tried again among workers 0 and 2 from
+  the contributions they kept, and the run ends where one ends whose worker 1 was killed
+  after contributing to round 1 and before it closed: the same contributions, applied once.
+  Every round's replicas agreed (the driver compares their hashes before any commit)."""
+  base = {"algorithm": "diloco", "rounds": 4, "num_workers": 3}
+  crashed = _config(**base, **{"ray.chaos": ("crash_in_sync=1@4",)})
+  killed = _config(**base, **{"ray.chaos": ("kill_worker=1@6",)})  # round 1: pushes 4..6
+  summary, events = _run(crashed, tmp_path / "crashed")
+  replay, replay_events = _run(killed, tmp_path / "killed")
+  assert summary["round_form"] == "peers"
+  assert summary["collective_retries"] == 1 and replay["collective_retries"] == 0
+  assert summary["rounds_closed"] == replay["rounds_closed"] == 4
+  assert [(e["event"], e["worker"]) for e in events] == [("worker_lost", 1)]
+  assert "died in a round's collective" in events[0]["why"]
+  assert summary["pushes_per_worker"] == replay["pushes_per_worker"]
+  assert summary["total_inner_steps"] == replay["total_inner_steps"] == 2 * (3 + 2 + 2 + 2)
+  np.testing.assert_array_equal(_ray_checkpointed_params(crashed, tmp_path / "crashed"),
+                                _ray_checkpointed_params(killed, tmp_path / "killed"))
+  assert summary["eval_loss"] == replay["eval_loss"]
+
+
+def test_a_joining_worker_takes_theta_from_a_peer(cluster, tmp_path):
+  """The peer form: a worker that joins mid-run adopts a live peer's replica (θ and the outer
+  state) before its first job, contributes, and ends with the others' θ (the rounds it was
+  in compared every member's hash); nothing went through a server. (Dispatch order: the
+  driver waits for the joiner's first job, which is late, its round closed without it: the
+  joiner adopts again, a peer's θ of the open round, and is in that round's collective.)"""
+  config = _config(algorithm="diloco", rounds=4, **{"ray.chaos": ("add_worker@2",)})
+  summary, events = _run(config, tmp_path)
+  assert summary["round_form"] == "peers" and summary["workers_joined"] == 1
+  assert summary["rounds_closed"] == 4 and np.isfinite(summary["eval_loss"])
+  assert summary["pushes_per_worker"].get("2", 0) >= 1  # the joiner contributed
+  assert summary["late_contributions"] >= 1
+  assert "2" in summary["wire_bytes_per_worker"]  # ... in a round's collective
+  assert [e["event"] for e in events][:1] == ["worker_joined"]
+
+
 @pytest.mark.ray_slow
 def test_a_robust_quorum_survives_a_join_and_its_server_restarting(cluster, tmp_path):
   """DiLoCo with the median on Ray: a worker joins mid-run (the server keeps a row for its
@@ -400,6 +459,7 @@ def test_a_robust_quorum_survives_a_join_and_its_server_restarting(cluster, tmp_
   per worker id (3, not the 2 it started with). Rounds combine the rows that came."""
   config = _config(algorithm="diloco", rounds=4,
                    **{"aggregate.rule": "median", "aggregate.signal": "loss_ema",
+                      "sim.network.collective": "server",
                       "ray.chaos": ("add_worker@2", "kill_server@5")})
   summary, events = _run(config, tmp_path)
   assert summary["rounds_closed"] == 4 and np.isfinite(summary["eval_loss"])
@@ -428,12 +488,16 @@ def test_every_synchronous_algorithm_on_ray_is_the_runners(cluster, tmp_path, ov
   Ray from its own declarations (segments, fragments, mix, worker rule, outer rule) and ends
   where the lockstep run of the same config ends, with the same bytes per worker."""
   from lowcomm_jax.runtimes.spmd import train
-  summary, events = _run(_config(**overrides), tmp_path / "ray")
+  config = _config(**overrides)
+  summary, events = _run(config, tmp_path / "ray")
   assert summary["rounds_closed"] == 3 and events == []
-  runner = train.run(_config(runtime="spmd", **{"ray.apply_order": "arrival", **overrides}),
-                     tmp_path / "runner")
+  runner_config = _config(runtime="spmd", **{"ray.apply_order": "arrival", **overrides})
+  runner = train.run(runner_config, tmp_path / "runner")
   assert abs(summary["eval_loss"] - runner["eval_loss"]) < 1e-5 * runner["eval_loss"]
   assert summary["bytes_sent"] == runner["bytes_sent"]
+  _assert_same_theta(config, tmp_path / "ray", runner_config, tmp_path / "runner")
+  # every algorithm but NoLoCo (whose server keeps each worker's own rows) on the peer form
+  assert summary["round_form"] == ("peers" if overrides["algorithm"] != "noloco" else "server")
 
 
 @pytest.mark.ray_slow
@@ -451,10 +515,12 @@ def test_workers_of_several_devices_train_as_the_runner(cluster, tmp_path, devic
     driver.run(config, tmp_path / "ray", stop_after_checkpoints=1)
   summary, events = _run(config, tmp_path / "ray")
   assert summary["rounds_closed"] == 3 and events == []
-  runner = train.run(_config(algorithm="diloco", runtime="spmd",
-                             **{"ray.apply_order": "arrival", **devices}), tmp_path / "runner")
+  runner_config = _config(algorithm="diloco", runtime="spmd",
+                          **{"ray.apply_order": "arrival", **devices})
+  runner = train.run(runner_config, tmp_path / "runner")
   assert abs(summary["eval_loss"] - runner["eval_loss"]) < 1e-5 * runner["eval_loss"]
   assert summary["bytes_sent"] == runner["bytes_sent"]
+  _assert_same_theta(config, tmp_path / "ray", runner_config, tmp_path / "runner")
 
 
 @pytest.mark.ray_slow
@@ -468,11 +534,14 @@ def test_a_host_table_on_ray_trains_and_exports_as_the_runner(cluster, tmp_path)
   from safetensors.numpy import load_file
   tiers = {"hosts": [host(1.0, batch_size=4, inner_steps=2),
                      host(0.5, batch_size=2, inner_steps=3)]}
-  summary, events = _run(_config(algorithm="diloco", **tiers), tmp_path / "ray")
+  config = _config(algorithm="diloco", **tiers)
+  summary, events = _run(config, tmp_path / "ray")
   assert summary["rounds_closed"] == 3 and events == []
   assert summary["total_inner_steps"] == 3 * (2 + 3)
-  runner = train.run(_config(algorithm="diloco", runtime="spmd",
-                             **{"ray.apply_order": "arrival", **tiers}), tmp_path / "runner")
+  runner_config = _config(algorithm="diloco", runtime="spmd",
+                          **{"ray.apply_order": "arrival", **tiers})
+  runner = train.run(runner_config, tmp_path / "runner")
+  _assert_same_theta(config, tmp_path / "ray", runner_config, tmp_path / "runner")
   assert set(summary["eval_loss_by_width"]) == {"1", "0.5"}
   for width, loss in runner["eval_loss_by_width"].items():
     assert abs(summary["eval_loss_by_width"][width] - loss) < 1e-5 * loss
@@ -525,7 +594,8 @@ def test_the_main_job_on_ray_survives_tiered_failures_and_ends_where_its_replay_
   same contributions again: in dispatch order every round's contributions are the same)."""
   short = {"model.name": "tiny", "rounds": 4, "inner_steps": 2, "data.seq_len": 32,
            "eval_every": 4, "checkpoint_every": 1, "log_every": 1, "mesh.replica": 1,
-           "runtime": "ray", "ray.apply_order": "dispatch"}
+           "runtime": "ray", "ray.apply_order": "dispatch",
+           "sim.network.collective": "server"}  # (the peer form has no server to kill)
   chaos_ = ("delay_worker=0:0.2@1", "kill_worker=2@3", "add_worker=tier:0.25@5")
   config = load_config("diloco_hetero", **short, **{"ray.chaos": chaos_ + ("kill_server@9",)})
   summary, events = _run(config, tmp_path / "chaos")

@@ -226,10 +226,11 @@ class Pool:
       order, self.counts.next_order = self.counts.next_order, self.counts.next_order + 1
     if isinstance(version, int):
       version = self.ray.put(version)
+    dispatched_at = time.time()  # (before: with no pull to wait for, the job starts at once)
     meta, sent = self.actors[worker].job.options(num_returns=2).remote(
         version, None, None, lr_step, steps, order)
     self.jobs[worker] = Job(worker, order, lr_step, steps, version, meta, sent,
-                            dispatched_at=time.time(), own=True)
+                            dispatched_at=dispatched_at, own=True)
 
   def dispatch_micro(self, worker: int, version: int, params) -> None:
     """Starts a micro-batch of `worker` at θ of `version` (`params`: its ObjectRef)."""

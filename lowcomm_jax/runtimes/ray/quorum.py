@@ -141,7 +141,7 @@ class QuorumRounds(Progress):
     self.round.open()
 
   def summary(self) -> dict:
-    return {"rounds_closed": self.d.counts.rounds}
+    return {"rounds_closed": self.d.counts.rounds, "round_form": "server"}
 
 
 class QuorumRound:
