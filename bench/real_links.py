@@ -36,6 +36,7 @@ import contextlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -166,6 +167,20 @@ class Links:
       _run(*tbf("eth0", self.mbps[i], ns))  # the node's uplink
       _run(*tbf(veth, self.mbps[i], switch))  # its downlink
     return self
+
+  def link_bytes(self) -> list[tuple[int, int]]:
+    """Per node, (bytes sent, bytes received) through its link so far, as the kernel's
+    `tbf` counters give them (every packet: Ray's data and control, TCP and IP headers)."""
+    def sent(device: str, namespace: str | None) -> int:
+      where = ["-n", namespace] if namespace else []
+      text = subprocess.run(["tc", *where, "-s", "qdisc", "show", "dev", device],
+                            capture_output=True, text=True, check=True).stdout
+      return int(re.search(r"Sent (\d+) bytes", text)[1])
+    out = []
+    for i in range(self.nodes):
+      switch = self.region_namespace(self.regions[i]) if self.regions is not None else None
+      out.append((sent("eth0", self.namespace(i)), sent(self._host_veth(i), switch)))
+    return out
 
   def run(self, i: int, command: list[str], **kwargs) -> subprocess.Popen:
     """`command` started in node i's namespace."""

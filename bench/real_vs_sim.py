@@ -163,8 +163,11 @@ def run_scaling(case: str, workers: list[int], seeds: list[int], out: pathlib.Pa
           workdir = folder / f"seed{seed}"
           if (workdir / "result.json").exists():
             continue
-          started = time.time()
+          started, before = time.time(), links.link_bytes()
           summary = real_run(links, env, case, seed, workdir, w, overrides)
+          # each node's link, as the kernel counted it (node 0: the driver's, and the
+          # server's in the server form; node w+1: worker w's)
+          link_bytes = [[a - c, b - d] for (a, b), (c, d) in zip(links.link_bytes(), before)]
           steps = measured_speeds(summary["step_seconds_by_job"], w)
           per_mark = w * config.inner_steps
           real = at_marks(summary["timeline"], per_mark, config.rounds)
@@ -174,6 +177,7 @@ def run_scaling(case: str, workers: list[int], seeds: list[int], out: pathlib.Pa
                     "predicted_marks_s": predicted, **compare(real, predicted),
                     "eval_loss": summary["eval_loss"],
                     "wire_bytes_per_worker": summary.get("wire_bytes_per_worker", {}),
+                    "link_bytes_per_node": link_bytes,
                     "run_seconds": time.time() - started}
           if summary.get("job_moments"):
             result["phases"] = phases(summary["job_moments"])
@@ -189,8 +193,9 @@ def scaling_report(out: pathlib.Path) -> str:
   if not results:
     return ""
   rows = ["| case | W | form | seeds | s / round after round 1 | round 1 s | "
-          "real / predicted, after round 1 (each seed) | per round (min–max) |",
-          "|---|---|---|---|---|---|---|---|"]
+          "real / predicted, after round 1 (each seed) | per round (min–max) | "
+          "MB / round through node 0's link (out + in) | through the busiest worker's |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
   keys = sorted({(r["case"], r["workers"], r["form"]) for r in results})
   for case, w, form in keys:
     runs = [r for r in results if (r["case"], r["workers"], r["form"]) == (case, w, form)]
@@ -198,11 +203,15 @@ def scaling_report(out: pathlib.Path) -> str:
     first = [r["real_first_s"] for r in runs]
     ratios = [r["run_ratio"] for r in runs]
     rounds = [x for r in runs for x in r["round_ratio"]]
+    marks = len(runs[0]["real_marks_s"])
+    node0 = [sum(r["link_bytes_per_node"][0]) / marks / 1e6 for r in runs]
+    busiest = [max(sum(x) for x in r["link_bytes_per_node"][1:]) / marks / 1e6 for r in runs]
     rows.append(f"| {case} | {w} | {form} | {len(runs)} | {statistics.mean(per_round):.2f} ± "
                 f"{_sd(per_round):.2f} | {statistics.mean(first):.1f} ± {_sd(first):.1f} | "
                 f"{statistics.mean(ratios):.3f} ± {_sd(ratios):.3f} "
                 f"({', '.join(f'{x:.3f}' for x in ratios)}) | "
-                f"{min(rounds):.3f}–{max(rounds):.3f} |")
+                f"{min(rounds):.3f}–{max(rounds):.3f} | {statistics.mean(node0):.2f} | "
+                f"{statistics.mean(busiest):.2f} |")
   return "\n".join(rows)
 
 

@@ -63,12 +63,21 @@ def _run(config, workdir, **kwargs):
 
 def _assert_same_theta(ray_config, ray_dir, runner_config, runner_dir, atol=1e-5):
   """The final θ of the Ray run and of the lockstep run (each one's last checkpoint) differ
-  by at most `atol` anywhere."""
+  by at most `atol` anywhere. With a quantizing codec, a Δ that differs in its last bit (a
+  Ray worker's program is one worker's, the runner's vmaps every worker: XLA may fuse them
+  differently) can land in the neighbouring bin: those few coordinates differ by about one
+  bin times the outer lr. There, at most 0.1% of θ may differ by more than `atol`, and
+  none by more than 1e-4."""
   ours = np.asarray(_ray_checkpointed_params(ray_config, ray_dir))
   (state, _), _ = checkpointed_state(runner_config, runner_dir)
   theirs = np.asarray(state.params)
   assert ours.shape == theirs.shape
-  assert np.abs(ours - theirs).max() <= atol, np.abs(ours - theirs).max()
+  diff = np.abs(ours - theirs)
+  if ray_config.compress.codec == "none":
+    assert diff.max() <= atol, diff.max()
+  else:
+    assert (diff > atol).mean() <= 1e-3 and diff.max() <= 1e-4, (
+        (diff > atol).sum(), diff.max())
 
 
 # --- config, without Ray ----------------------------------------------------------------
