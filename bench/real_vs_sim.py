@@ -25,6 +25,8 @@ each run replayed with the simulator's model of that form ('server', or 'auto'):
 
   python bench/real_vs_sim.py --scaling diloco,10,20 --workers 2 4 8 --seeds 0 1 2 \
       --out /tmp/real_vs_sim
+  python bench/real_vs_sim.py --time_to_loss --form ring --out /tmp/real_vs_sim
+                                     # DiLoCo H 50 against DDP, rounds among the workers
 """
 
 import argparse
@@ -155,7 +157,7 @@ def run_scaling(case: str, workers: list[int], seeds: list[int], out: pathlib.Pa
       overrides = (f"--config.num_workers={w}", f"--config.sim.network.collective={form}")
       config = load_config(str(ROOT / f"configs/real_links.py:{case}"))
       config.num_workers, config.sim.network.collective = w, form
-      folder = out / "scaling" / f"{case.replace(',', '_')}_w{w}_{form}"
+      folder = out / "scaling" / _folder(case, w, form)
       folder.mkdir(parents=True, exist_ok=True)
       with links_for(config) as links:
         env = dict(real_links.ray_env(), RAY_ADDRESS=links.start_ray())
@@ -194,8 +196,9 @@ def scaling_report(out: pathlib.Path) -> str:
     return ""
   rows = ["| case | W | form | seeds | s / round after round 1 | round 1 s | "
           "real / predicted, after round 1 (each seed) | per round (min–max) | "
-          "MB / round through node 0's link (out + in) | through the busiest worker's |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+          "MB / round through node 0's link (out + in) | through the busiest worker's | "
+          "communication s / round, real | predicted |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   keys = sorted({(r["case"], r["workers"], r["form"]) for r in results})
   for case, w, form in keys:
     runs = [r for r in results if (r["case"], r["workers"], r["form"]) == (case, w, form)]
@@ -204,6 +207,13 @@ def scaling_report(out: pathlib.Path) -> str:
     ratios = [r["run_ratio"] for r in runs]
     rounds = [x for r in runs for x in r["round_ratio"]]
     marks = len(runs[0]["real_marks_s"])
+    # communication a round: the round's time less its slowest worker's compute, after
+    # round 1 (real: from each job's moments; predicted: the replay's round less H steps)
+    comm_real = [statistics.mean(_communication(out / "scaling" / _folder(case, w, form) /
+                                                f"seed{r['seed']}", w)) for r in runs]
+    comm_predicted = [statistics.mean(
+        b - a - max(r["step_seconds"]) * _inner_steps(case)
+        for a, b in zip(r["predicted_marks_s"], r["predicted_marks_s"][1:])) for r in runs]
     node0 = [sum(r["link_bytes_per_node"][0]) / marks / 1e6 for r in runs]
     busiest = [max(sum(x) for x in r["link_bytes_per_node"][1:]) / marks / 1e6 for r in runs]
     rows.append(f"| {case} | {w} | {form} | {len(runs)} | {statistics.mean(per_round):.2f} ± "
@@ -211,8 +221,30 @@ def scaling_report(out: pathlib.Path) -> str:
                 f"{statistics.mean(ratios):.3f} ± {_sd(ratios):.3f} "
                 f"({', '.join(f'{x:.3f}' for x in ratios)}) | "
                 f"{min(rounds):.3f}–{max(rounds):.3f} | {statistics.mean(node0):.2f} | "
-                f"{statistics.mean(busiest):.2f} |")
+                f"{statistics.mean(busiest):.2f} | {statistics.mean(comm_real):.2f} ± "
+                f"{_sd(comm_real):.2f} | {statistics.mean(comm_predicted):.2f} |")
   return "\n".join(rows)
+
+
+def _folder(case: str, workers: int, form: str) -> str:
+  return f"{case.replace(',', '_')}_w{workers}_{form}"
+
+
+def _inner_steps(case: str) -> int:
+  return int(case.split(",")[1])
+
+
+def _communication(workdir: pathlib.Path, workers: int) -> list[float]:
+  """Per round after the first: its time (timeline) less its slowest job's compute (job
+  moments: started → finished), the jobs of round k the k-th W taken."""
+  summary = json.loads((workdir / "summary.json").read_text())
+  points = [t for t, _ in summary["timeline"]]
+  jobs = sorted(summary["job_moments"], key=lambda m: m[5])
+  out = []
+  for k in range(2, len(points)):
+    mine = jobs[(k - 1) * workers:k * workers]
+    out.append(points[k] - points[k - 1] - max(m[4] - m[3] for m in mine))
+  return out
 
 
 def run_case(case: str, seeds: list[int], out: pathlib.Path) -> None:
@@ -283,7 +315,7 @@ def replay_all(out: pathlib.Path) -> None:
   """Every finished real run under `out` replayed again (the simulator changed; the real
   runs did not): result.json rewritten, its run_seconds kept."""
   for done in sorted(out.glob("*/seed*/result.json")):
-    if done.parts[-3] == "time_to_loss":
+    if done.parts[-3].startswith("time_to_loss"):
       continue
     old = json.loads(done.read_text())
     result = predictions(done.parent, old["case"], old["seed"])
@@ -299,14 +331,15 @@ TIME_TO_LOSS = {"diloco,50,100": ("--config.rounds=4", "--config.eval_every=1"),
                 "ddp,1,100": ("--config.rounds=200", "--config.eval_every=10")}
 
 
-def run_time_to_loss(seeds: list[int], out: pathlib.Path) -> None:
-  """Each TIME_TO_LOSS case's real runs, their evaluations and timelines, and the replay's
-  clock (collective 'server') at the same steps."""
+def run_time_to_loss(seeds: list[int], out: pathlib.Path, form: str = "server") -> None:
+  """Each TIME_TO_LOSS case's real runs in `form` (a FORMS key: the Ray runtime's rounds
+  through the server, or among the workers), their evaluations and timelines, and the
+  replay's clock (the form's model) at the same steps."""
   from lowcomm_jax import report
   from lowcomm_jax.config.command_line import load_config
   for case, overrides in TIME_TO_LOSS.items():
     config = load_config(str(ROOT / f"configs/real_links.py:{case}"))
-    folder = out / "time_to_loss" / case.replace(",", "_")
+    folder = out / _time_to_loss_folder(form) / case.replace(",", "_")
     folder.mkdir(parents=True, exist_ok=True)
     with links_for(config) as links:
       env = dict(real_links.ray_env(), RAY_ADDRESS=links.start_ray())
@@ -314,11 +347,12 @@ def run_time_to_loss(seeds: list[int], out: pathlib.Path) -> None:
         workdir = folder / f"seed{seed}"
         if (workdir / "result.json").exists():
           continue
-        summary = real_run(links, env, case, seed, workdir, config.num_workers, overrides)
+        summary = real_run(links, env, case, seed, workdir, config.num_workers,
+                           overrides + (f"--config.sim.network.collective={form}",))
         steps = measured_speeds(summary["step_seconds_by_job"], config.num_workers)
         evals = [(row["total_inner_steps"], row["eval_loss"])
                  for row in report.read_metrics(workdir) if "eval_loss" in row]
-        predicted = replay(workdir, steps, "server")
+        predicted = replay(workdir, steps, FORMS[form])
         result = {"case": case, "seed": seed, "step_seconds": steps,
                   "evals": [{"applied_steps": a, "eval_loss": loss,
                              "real_s": time_at(summary["timeline"], a),
@@ -327,16 +361,21 @@ def run_time_to_loss(seeds: list[int], out: pathlib.Path) -> None:
         print(json.dumps(result["evals"][-1]), flush=True)
 
 
-def time_to_loss_report(out: pathlib.Path) -> str:
+def _time_to_loss_folder(form: str) -> str:
+  return "time_to_loss" if form == "server" else f"time_to_loss_{form}"
+
+
+def time_to_loss_report(out: pathlib.Path, form: str = "server") -> str:
   """Real and predicted seconds to the target: the highest last eval loss of any run (every
-  run reaches it), per case, mean ± sd over seeds."""
+  run reaches it), per case, mean ± sd over seeds (`form`: which runs)."""
   results = {case: [json.loads(p.read_text()) for p in sorted(
-      (out / "time_to_loss" / case.replace(",", "_")).glob("seed*/result.json"))]
+      (out / _time_to_loss_folder(form) / case.replace(",", "_")).glob("seed*/result.json"))]
       for case in TIME_TO_LOSS}
   if not all(results.values()):
     return ""
   target = max(r["evals"][-1]["eval_loss"] for runs in results.values() for r in runs)
-  rows = [f"Target eval loss {target:.4f} (the highest last evaluation of any run).", "",
+  rows = [f"Rounds {form}: target eval loss {target:.4f} (the highest last evaluation of any "
+          "run).", "",
           "| case | seeds | real s to target | predicted s | real / predicted |",
           "|---|---|---|---|---|"]
   for case, runs in results.items():
@@ -356,7 +395,8 @@ def report(out: pathlib.Path) -> str:
   rows = ["| case | seeds | real s (after round 1) | model | real / predicted, run | "
           "per round (min–max) |", "|---|---|---|---|---|---|"]
   for folder in sorted(p for p in out.iterdir()
-                       if p.is_dir() and p.name not in ("time_to_loss", "scaling")):
+                       if p.is_dir() and not p.name.startswith("time_to_loss")
+                       and p.name != "scaling"):
     results = [json.loads(p.read_text()) for p in sorted(folder.glob("seed*/result.json"))]
     if not results:
       continue
@@ -375,6 +415,8 @@ def main() -> None:
   p.add_argument("--cases", nargs="+", default=[], help="configs/real_links.py arguments")
   p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
   p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("runs/real_vs_sim"))
+  p.add_argument("--form", choices=list(FORMS), default="server",
+                 help="--time_to_loss: the form of the Ray runtime's rounds")
   p.add_argument("--time_to_loss", action="store_true",
                  help="also DiLoCo (H 50) against DDP to a fixed eval loss (TIME_TO_LOSS)")
   p.add_argument("--scaling", help="a configs/real_links.py argument run at --workers "
@@ -389,7 +431,8 @@ def main() -> None:
     a.report = a.replay
   if a.report:
     print(report(a.report))
-    print(time_to_loss_report(a.report))
+    for form in FORMS:
+      print(time_to_loss_report(a.report, form))
     print(scaling_report(a.report))
     return
   try:
@@ -402,9 +445,10 @@ def main() -> None:
   if a.scaling:
     run_scaling(a.scaling, a.workers, a.seeds, a.out.resolve())
   if a.time_to_loss:
-    run_time_to_loss(a.seeds, a.out.resolve())
+    run_time_to_loss(a.seeds, a.out.resolve(), a.form)
   print(report(a.out.resolve()))
-  print(time_to_loss_report(a.out.resolve()))
+  for form in FORMS:
+    print(time_to_loss_report(a.out.resolve(), form))
   print(scaling_report(a.out.resolve()))
 
 

@@ -402,6 +402,11 @@ def test_diloco_in_full_quorum_rounds_trains_as_the_runner_does(cluster, tmp_pat
   factor = (workers - 1) if overrides else 2 * (workers - 1) / workers
   for sent, received in summary["wire_bytes_per_worker"].values():
     assert sent == received and abs(sent - 3 * factor * per_round) <= 3 * 4 * workers
+  # each round's collective: [version, members, began, scattered, reduced, staged, committed]
+  collectives = summary["collective_moments"]
+  assert [c[:2] for c in collectives] == [[v, workers] for v in range(3)]
+  assert all(c[2] <= c[5] <= c[6] for c in collectives), collectives
+  assert all((c[3] is None) == bool(overrides) for c in collectives)  # (all-gathered rows)
 
 
 def test_a_quorum_round_does_not_wait_for_a_slow_or_dead_worker(cluster, tmp_path):
@@ -422,6 +427,7 @@ def test_a_quorum_round_does_not_wait_for_a_slow_or_dead_worker(cluster, tmp_pat
   assert [e["worker"] for e in events if e["event"] == "worker_lost"] == [0]
 
 
+@pytest.mark.ray_slow
 def test_a_worker_dying_mid_collective_is_retried_among_the_survivors(cluster, tmp_path):
   """The peer form: worker 1 dies in the middle of round 1's collective (it has taken its
   peers' shards and never answers). The round is tried again among workers 0 and 2 from

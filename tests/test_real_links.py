@@ -156,3 +156,31 @@ def test_a_jobs_phases_are_its_pull_compute_and_intake_after_each_workers_first(
   assert real_vs_sim.phases(moments) == {
       "pull": {"median_s": 1.5, "max_s": 2.0}, "compute": {"median_s": 0.5, "max_s": 0.5},
       "intake": {"median_s": 0.75, "max_s": 1.0}}
+
+
+@needs_links
+@pytest.mark.ray_slow
+def test_a_peer_round_moves_its_bytes_between_workers_not_through_the_drivers_node(tmp_path):
+  """Issue 61, read back from the kernel's own counters (each node's tbf): DiLoCo on Ray,
+  2 workers of `small` (a 3.4 MB payload: shards in Ray's object stores) on nodes 1 and 2,
+  the driver and Ray's head on node 0. Each worker's own link carried at least what its
+  collectives counted (`wire_bytes_per_worker`), and node 0's link no round: θ₀ to each
+  worker as it starts, the final checkpoint's replica (θ and momentum) and Ray's own
+  reports (BENCHMARKS, issue 61: ~8 MB a node a minute), under a third of the 2·W payloads
+  a round a parameter server's link carries."""
+  rounds, workers = 8, 2
+  with real_links.Links(workers + 1, 400) as links:
+    env = dict(real_links.ray_env(), RAY_ADDRESS=links.start_ray())
+    before = links.link_bytes()
+    summary = real_vs_sim.real_run(
+        links, env, "diloco,2,400", 0, tmp_path / "run", workers,
+        (f"--config.num_workers={workers}", f"--config.rounds={rounds}"))
+    used = [(a - c, b - d) for (a, b), (c, d) in zip(links.link_bytes(), before)]
+  assert summary["round_form"] == "peers" and summary["rounds_closed"] == rounds
+  payload = summary["bytes_sent"] // rounds  # one worker's Δ, 3.4 MB
+  for w in range(workers):
+    sent, received = summary["wire_bytes_per_worker"][str(w)]
+    assert sent == received == rounds * payload  # 2·(W−1)/W = 1 payload a round at W = 2
+    assert used[w + 1][0] >= sent and used[w + 1][1] >= received, used
+  server = 2 * workers * rounds * payload
+  assert sum(used[0]) < server / 3, (used, server)

@@ -121,6 +121,7 @@ class Timeline:
     self.points: list = []  # [seconds, applied inner steps]
     self.step_seconds: dict = {}  # worker -> [compute seconds per inner step of each job]
     self.jobs: list = []
+    self.collectives: list = []
 
   def open(self, applied_steps: int) -> None:
     self.start, self.points = time.time(), [[0.0, applied_steps]]
@@ -139,6 +140,19 @@ class Timeline:
     self.jobs.append([meta["worker"], meta["steps"]] + [
         None if t is None else round(t - self.start, 4) for t in moments])
 
+  def collective(self, version: int, members: list[int], began: float, outcome: dict,
+                 committed: float) -> None:
+    """A round's collective among its members (the peer form): [version, members, began
+    (the driver asked for the shards), scattered, reduced, staged (the last member's end of
+    each phase), committed], times on the same clock."""
+    if self.start is None:
+      return
+    last = lambda key: max((o["moments"][key] for o in outcome.values()
+                            if key in o.get("moments", {})), default=None)
+    moments = (began, last("scattered"), last("reduced"), last("staged"), committed)
+    self.collectives.append([version, len(members)] + [
+        None if t is None else round(t - self.start, 4) for t in moments])
+
   def figures(self) -> dict:
     return {"timeline": self.points, "step_seconds_by_job": self.step_seconds,
-            "job_moments": self.jobs}
+            "job_moments": self.jobs, "collective_moments": self.collectives}

@@ -18,7 +18,8 @@ def peer_capable(c: ml_collections.ConfigDict, algorithm) -> str:
             "through the server")
   rule = algorithm.worker_rule(c)
   if rule is not None and rule.reads_sync_state:
-    return f"{c.algorithm}'s workers read their own rows of the sync's state, which the server keeps"
+    return (f"{c.algorithm}'s workers read their own rows of the sync's state, which the "
+            "server keeps")
   return ""
 
 

@@ -201,8 +201,8 @@ class RayDriver:
       pool.start_worker(w, workers.get(w))
     self.ray.get([pool.actors[w].ping.remote() for w in live])
     pool.start_standby()
-    logging.info("ray: server and %d workers up in %.1fs (%s)", len(live),
-                 time.perf_counter() - t0, "resumed" if meta else "fresh")
+    logging.info("ray: %d servers and %d workers up in %.1fs (%s)", len(pool.servers),
+                 len(live), time.perf_counter() - t0, "resumed" if meta else "fresh")
     self.progress.opened()
     self.timeline.open(self.counts.applied_steps)
     for j in sorted(in_flight, key=lambda j: j["order"]):

@@ -19,6 +19,7 @@ What differs from the server form:
 """
 
 import logging
+import time
 
 from lowcomm_jax.programs import sync_program
 from lowcomm_jax.runtimes.ray.quorum import QuorumRounds
@@ -26,8 +27,6 @@ from lowcomm_jax.sim import GLOBAL
 
 
 class PeerRounds(QuorumRounds):
-
-  has_server = False
 
   def __init__(self, d):
     super().__init__(d)
@@ -93,19 +92,9 @@ class PeerRounds(QuorumRounds):
 
   # --- jobs -------------------------------------------------------------------------------
 
-  def start_next(self, worker: int, clock: int | None = None) -> None:
-    d = self.d
-    if d.counts.rounds >= d.c.rounds or worker not in d.pool.actors:
-      return
-    if self.segment == 0:
-      self._average_states()
-      if worker not in d.pool.actors:
-        return
-    version = self._bring_up(worker)
-    configured = d.pool.rows.configured_inner_steps(worker)
-    start = d.r.algorithm.segments(d.c, configured)[self.segment].start
-    steps = d.r.algorithm.segments(d.c, d.pool.rows.inner_steps_of(worker))[self.segment].steps
-    d.pool.dispatch_own(worker, version, d.counts.rounds * configured + start, steps)
+  def _dispatch(self, worker: int, lr_step: int, steps: int) -> None:
+    """A job from the worker's own replica, brought up to the open round first."""
+    self.d.pool.dispatch_own(worker, self._bring_up(worker), lr_step, steps)
 
   def _bring_up(self, worker: int):
     """`worker`'s replica at the open round's version: the version (an int), or the
@@ -174,9 +163,11 @@ class PeerRounds(QuorumRounds):
       members = [w for w in sorted(self.rows) if w in d.pool.actors]
       if not members:
         break
+      began = time.time()
       outcome = self._collective(v, members)
       if outcome is not None:
         self._commit(v, members, outcome)
+        d.timeline.collective(v, members, began, outcome, time.time())
         break
       n.collective_retries += 1
     n.applied_steps += sum(meta["steps"] for meta, _ in self.rows.values())

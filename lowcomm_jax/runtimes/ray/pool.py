@@ -5,6 +5,8 @@ quorum round) and calls the server through `call`, which survives the server's d
 
     dispatch(w):  server.pull() ──(version, θ, outer state) refs──► worker w.job(..., lr step, H)
                   ──► (meta, payload) refs                       (the driver holds refs only)
+    dispatch_own(w): worker w.job(version, ...) from its own replica of θ (the peer form of
+                  quorum rounds: peer_rounds.py), no pull
 """
 
 import collections

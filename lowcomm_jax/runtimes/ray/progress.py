@@ -17,7 +17,6 @@ class Progress:
   """The defaults every mode shares; a mode overrides what differs."""
 
   unit = "round"  # what a mark is, in log lines
-  has_server = True  # the global state is the server actors' (not the workers' replicas)
   late_figures = False  # whether the figures count contributions from an older round's θ
 
   def __init__(self, d):

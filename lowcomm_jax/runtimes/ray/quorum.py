@@ -44,7 +44,11 @@ class QuorumRounds(Progress):
       configured = d.pool.rows.configured_inner_steps(worker)
       start = d.r.algorithm.segments(d.c, configured)[self.segment].start
       steps = d.r.algorithm.segments(d.c, d.pool.rows.inner_steps_of(worker))[self.segment].steps
-      d.pool.dispatch(worker, d.counts.rounds * configured + start, steps)
+      self._dispatch(worker, d.counts.rounds * configured + start, steps)
+
+  def _dispatch(self, worker: int, lr_step: int, steps: int) -> None:
+    """A job of `steps` inner steps from the server's newest θ."""
+    self.d.pool.dispatch(worker, lr_step, steps)
 
   def _average_states(self) -> None:
     """Before a round whose average of the workers' optimizer states is due

@@ -71,6 +71,7 @@ class Replica:
     self._set(0, params, initial_rule_state(r, GLOBAL, params))
     self.kept = {}  # the version a contribution was computed from -> (what it sent, meta)
     self.staged = None  # (round version, TrainState) of the round being closed
+    self.moments = {}  # when this member finished each step of the open round's collective
 
   def _set(self, version: int, params, opt_state) -> None:
     with self._lock:

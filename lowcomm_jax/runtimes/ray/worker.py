@@ -201,13 +201,16 @@ class WorkerProcess:
   def scatter(self, version: int, members: int):
     """Its contribution from `version` in `members` shards (one return value each)."""
     shards = self.replica.shards(version, members)
+    self.replica.moments["scattered"] = time.time()
     return tuple(shards) if members > 1 else shards[0]
 
   def reduce_shard(self, round_version: int, index: int, members: list[int], tokens,
                    crash: bool, *shards) -> np.ndarray:
     if crash:
       replica_lib.crash_here()
-    return self.replica.reduce_shard(round_version, index, members, tokens, shards)
+    mean = self.replica.reduce_shard(round_version, index, members, tokens, shards)
+    self.replica.moments["reduced"] = time.time()
+    return mean
 
   def apply_reduced(self, round_version: int, members: list[int], tokens, losses,
                     *reduced) -> dict:
@@ -217,7 +220,7 @@ class WorkerProcess:
     # of a fragment differ in length by at most one coordinate).
     others = sum(x.nbytes for x in reduced) - mine.nbytes
     both = int(others + mine.nbytes * (len(members) - 1))
-    return {"hash": digest, "sent": both, "received": both}
+    return {"hash": digest, "sent": both, "received": both, "moments": self._moments()}
 
   def apply_gathered(self, round_version: int, metas: dict, crash: bool, *rows) -> dict:
     if crash:
@@ -229,7 +232,13 @@ class WorkerProcess:
     size = lambda tree: sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
     mine = size(got[self.worker])
     return {"hash": digest, "sent": int(mine * (len(members) - 1)),
-            "received": int(sum(size(got[w]) for w in members) - mine)}
+            "received": int(sum(size(got[w]) for w in members) - mine),
+            "moments": self._moments()}
+
+  def _moments(self) -> dict:
+    """When this member finished each step of the round's collective (the Timeline's)."""
+    moments, self.replica.moments = {**self.replica.moments, "staged": time.time()}, {}
+    return moments
 
   def commit(self, round_version: int) -> int:
     return self.replica.commit(round_version)
