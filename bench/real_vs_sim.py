@@ -237,7 +237,8 @@ def _inner_steps(case: str) -> int:
 def _communication(workdir: pathlib.Path, workers: int) -> list[float]:
   """Per round after the first: its time (timeline) less its slowest job's compute (job
   moments: started → finished), the jobs of round k the k-th W taken."""
-  summary = json.loads((workdir / "summary.json").read_text())
+  from lowcomm_jax import report
+  summary = report.read_summary(workdir)
   points = [t for t, _ in summary["timeline"]]
   jobs = sorted(summary["job_moments"], key=lambda m: m[5])
   out = []

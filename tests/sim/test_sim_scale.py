@@ -49,7 +49,11 @@ def test_a_skipped_step_leaves_the_worker_bit_for_bit_as_it_was(request):
     largest_h = local(view, workers, padded, ids, jnp.full((1,), taken, jnp.int32))
     for a, b in zip(jax.tree.leaves(own_h[:2]), jax.tree.leaves(largest_h[:2])):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    np.testing.assert_array_equal(np.asarray(own_h[2]), np.asarray(largest_h[2])[:, :taken])
+    # The reported step losses: equal to the last bit on the machine this was written on; on
+    # the 2026-11-29 CPU the two programs' loss reductions differ by 1 ulp (1.7e-7 relative)
+    # while the worker's state stays bit for bit (BUILD_NOTES, "Gotchas").
+    np.testing.assert_allclose(np.asarray(own_h[2]), np.asarray(largest_h[2])[:, :taken],
+                               rtol=1e-6, atol=0)
     assert not np.asarray(largest_h[2])[:, taken:].any()
     assert int(np.asarray(largest_h[1].steps)[0]) == taken
 
