@@ -126,25 +126,17 @@ class PeerRounds(QuorumRounds):
           self.d.pool.lose(w, f"{type(e).__name__} adopting a peer's replica")
       self.adopting.pop(w, None)
 
-  def _take(self, job) -> None:
-    d = self.d
-    meta = d.pool.result(job)
-    if meta is None:
-      return
-    n = d.counts
+  def _contribute(self, job, meta: dict) -> int | None:
+    """Keeps the contribution's reference in the open round (the bytes stay with its
+    worker); a late one's replica is brought to the open round's θ before it closes."""
     self.adopting.pop(job.worker, None)  # (its job waited for its adopt)
     staleness = self.version - meta["version"]
     if staleness % self.segments:  # another segment's fragment: no round of it is open
-      n.pushes_dropped += 1
-      d.pool.chaos()
-      return
-    if staleness:  # late: its replica joins the open round at its θ before it closes
+      return None
+    if staleness:
       self._bring_up(job.worker)
     self.rows[job.worker] = (meta, job.sent)
-    n.late += staleness > 0
-    n.contributed(job.worker, meta, staleness, None)
-    d.timeline.job(job, meta)
-    d.pool.chaos()
+    return staleness
 
   def on_lose(self, worker: int) -> None:
     """A lost worker's contribution goes with it (its shards and payloads were its own)."""

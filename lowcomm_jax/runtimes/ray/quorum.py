@@ -103,16 +103,22 @@ class QuorumRounds(Progress):
     if meta is None:
       return
     n = d.counts
-    info = d.pool.call("contribute", meta, job.sent, changes=True)
-    if info.get("dropped"):  # another segment's: nothing to join (a joiner's first job)
+    staleness = self._contribute(job, meta)
+    if staleness is None:  # another segment's: nothing to join (a joiner's first job)
       n.pushes_dropped += 1
       d.pool.chaos()
       return
-    n.late += info["staleness"] > 0
+    n.late += staleness > 0
     self.round.steps += job.steps
-    n.contributed(job.worker, meta, info["staleness"], None)
+    n.contributed(job.worker, meta, staleness, None)
     d.timeline.job(job, meta)
     d.pool.chaos()
+
+  def _contribute(self, job, meta: dict) -> int | None:
+    """Puts the contribution in the open round (the server's row of its worker); its
+    staleness in syncs, or None if no round of its segment is open."""
+    info = self.d.pool.call("contribute", meta, job.sent, changes=True)
+    return None if info.get("dropped") else info["staleness"]
 
   def _close_segment(self) -> bool:
     """The open segment's sync; whether it ended the round."""

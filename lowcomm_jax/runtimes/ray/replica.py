@@ -17,7 +17,7 @@ bytes among themselves; the driver passes object references only:
                       program over them (`make_server_sync`)       ─► staged θ', its hash
     per link: its payload to M−1 members, theirs from each (the ledger's all-gather)
   commit: the staged state becomes the replica's (once: a commit of a version already
-  applied is nothing), or abort: it is dropped and the round tried again among survivors.
+  applied is nothing); a failed collective is staged again among the survivors.
 
 Every member runs the same program on the same bytes, so θ' is the same everywhere; the
 driver compares the hashes before any member commits.
@@ -164,10 +164,6 @@ class Replica:
     self.staged = None
     self.kept = {v: kept for v, kept in self.kept.items() if v > round_version}
     return self.version
-
-  def abort(self, round_version: int) -> None:
-    if self.staged is not None and self.staged[0] == round_version:
-      self.staged = None
 
   def skip(self, round_version: int) -> int:
     """A round closed with no contribution: θ stays, the version moves on."""
