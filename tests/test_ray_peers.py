@@ -22,8 +22,8 @@ from lowcomm_jax.runtimes.ray.actors import initial_params, round_inputs
 
 
 def _run(**overrides):
-  c = load_config("smoke", algorithm="diloco", num_workers=3, inner_steps=2,
-                  **{"mesh.replica": 1, **overrides})
+  c = load_config("smoke", **{"algorithm": "diloco", "num_workers": 3, "inner_steps": 2,
+                              "mesh.replica": 1, **overrides})
   return build(one_device(c), check_memory=False)
 
 
@@ -43,7 +43,7 @@ def _peer_round(r, rows):
   outer step on every member; (each member's committed replica, the hashes)."""
   members = sorted(rows)
   m = len(members)
-  replicas = {w: replica_lib.Replica(r, initial_params(r)) for w in members}
+  replicas = {w: replica_lib.Replica(r, initial_params(r), w) for w in members}
   for w, (delta, meta) in rows.items():
     replicas[w].keep(0, delta, meta)
   shards = {w: replicas[w].shards(0, m) for w in members}
@@ -125,7 +125,7 @@ def test_gathered_rows_are_the_servers_program_on_every_member():
     rows[w] = (jax.device_get(jax.tree.map(lambda x: x[0], payload)),
                {**meta, "codec_key": np.asarray(jax.random.key_data(keys[0]))})
   hashes = set()
-  ours = replica_lib.Replica(r, initial_params(r))  # (one object plays each member in turn)
+  ours = replica_lib.Replica(r, initial_params(r), 0)  # (one object plays each member in turn)
   fresh = ours.share()
   for w in rows:
     ours.adopt(fresh)
@@ -138,7 +138,7 @@ def test_gathered_rows_are_the_servers_program_on_every_member():
 
 def test_a_replica_adopts_a_peers_state_and_keeps_what_it_contributed():
   r = _run()
-  ahead, behind = (replica_lib.Replica(r, initial_params(r)) for _ in range(2))
+  ahead, behind = (replica_lib.Replica(r, initial_params(r), w) for w in range(2))
   behind.keep(0, np.ones(r.model.layout.size, np.float32), {"tokens": 8.0})
   ahead._set(3, ahead.params + 1.0, ahead.opt_state)
   assert behind.adopt(ahead.share()) == 3
@@ -146,6 +146,58 @@ def test_a_replica_adopts_a_peers_state_and_keeps_what_it_contributed():
   assert 0 in behind.kept  # a late contribution still goes into the open round
   with pytest.raises(RuntimeError, match="version 3"):  # a round of another version
     behind.apply_reduced(2, [0], [8.0], [2.0], [np.zeros(r.model.layout.size, np.float32)])
+
+
+@pytest.mark.parametrize("members", [(0, 1, 2, 3), (0, 1, 3)])  # (worker 2 lost: its peer
+def test_a_pair_swap_moves_each_member_by_its_peer_alone(members):  # keeps its own model)
+  """NoLoCo in the peer form: each member sends θ_i = φ_i − Δ_i to its round's peer alone
+  and steps its own (φ_i, δ_i), checked against NoLoCo's rule written out in NumPy."""
+  r = _run(algorithm="noloco", num_workers=4)
+  theta0 = initial_params(r)
+  rows = _rows(r, members)
+  peer = r.sync.partners(0)
+  assert sorted(peer) == [0, 1, 2, 3] and all(peer[peer[w]] == w != peer[w] for w in range(4))
+  replicas = {w: replica_lib.Replica(r, theta0, w) for w in members}
+  for w in members:
+    replicas[w].keep(0, *rows[w])
+    rows_w, _ = replicas[w].view_outer()  # (its own rows only, as a server's pull)
+    assert jax.tree.leaves(rows_w)[0].shape == (1, theta0.shape[0])
+  payloads = {w: replicas[w].swap_payload(0) for w in members}
+  hashes = {w: replicas[w].apply_swap(0, payloads[w], payloads.get(peer[w])) for w in members}
+  # each pair's own: from the same φ = θ₀ in round 0, a pair's two members land together
+  assert len(set(hashes.values())) == len({min(w, peer[w]) if peer[w] in members else w
+                                           for w in members}) > 1
+  c = r.config
+  for w in members:
+    assert replicas[w].commit(0) == 1
+    mine = theta0.astype(np.float64) - rows[w][0]
+    theirs = theta0 - rows[peer[w]][0] if peer[w] in members else mine
+    step = c.outer.momentum * 0.0 - c.outer.lr * (theta0 - (mine + theirs) / 2)
+    np.testing.assert_allclose(replicas[w].phi(), theta0 + step, rtol=0, atol=1e-6)
+    own = jax.tree.leaves(replicas[w].share()["opt_state"].per_worker)
+    np.testing.assert_allclose(own[1][0], step, rtol=0, atol=1e-6)  # δ_i: the step taken
+  assert (replicas[members[0]].phi() != theta0).any()
+
+
+@pytest.mark.parametrize("members", [1, 3, 4])
+def test_a_state_average_among_the_workers_is_the_servers_bit_for_bit(members):
+  """DES-LOC's moments in the peer form: each worker's parts as one vector in M shards,
+  member j's mean of shard j, all-gathered and put back in each part's shape and dtype,
+  equal bit for bit to the Ray task's mean of whole rows (server.average_parts)."""
+  from lowcomm_jax.runtimes.ray.server import average_parts
+  rng = np.random.default_rng(members)
+  rows = [{"mu": rng.standard_normal((1, 5, 3)).astype(np.float32),
+           "nu": {"w": rng.random((1, 7)).astype(np.float32)}} for _ in range(members)]
+  vectors = [replica_lib.flat(row) for row in rows]
+  assert vectors[0].shape == (22,)
+  bounds = replica_lib.shard_bounds(22, members)
+  reduced = [replica_lib.mean_rows(*[v[a:b] for v in vectors]) for a, b in bounds]
+  ours = replica_lib.unflat(np.concatenate(reduced), rows[0])
+  theirs = average_parts(*rows)
+  assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+    assert a.shape == b.shape and a.dtype == b.dtype == np.float32
+    np.testing.assert_array_equal(a, b)
 
 
 # --- config ----------------------------------------------------------------------------
@@ -168,7 +220,7 @@ def test_the_form_follows_the_collective_and_the_algorithm():
   assert form(algorithm="streaming") == "peers"
   assert form(algorithm="diloco", **{"sim.network.collective": "server"}) == "server"
   assert form(algorithm="async_dn") == "server"  # the server is the algorithm
-  assert form(algorithm="noloco") == "server"  # the server keeps each worker's own rows
+  assert form(algorithm="noloco", num_workers=4) == "peers"  # each pair swaps directly
   assert form(algorithm="ddp", **{"collab.target_batch_size": 64}) == "server"
 
 

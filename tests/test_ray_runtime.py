@@ -495,7 +495,7 @@ def test_a_robust_quorum_survives_a_join_and_its_server_restarting(cluster, tmp_
     # Adam's moments averaged before rounds 1 and 2 (the first) and 2 (the second)
     {"algorithm": "desloc", "desloc.first_moment_rounds": 1,
      "desloc.second_moment_rounds": 2},
-    # the server keeps each worker's own (φ, δ) and runs the runner's pair swap
+    # each worker keeps its own (φ, δ) and swaps θ_i with its round's peer directly
     {"algorithm": "noloco", "num_workers": 4},
 ], ids=lambda o: o["algorithm"])
 def test_every_synchronous_algorithm_on_ray_is_the_runners(cluster, tmp_path, overrides):
@@ -511,8 +511,12 @@ def test_every_synchronous_algorithm_on_ray_is_the_runners(cluster, tmp_path, ov
   assert abs(summary["eval_loss"] - runner["eval_loss"]) < 1e-5 * runner["eval_loss"]
   assert summary["bytes_sent"] == runner["bytes_sent"]
   _assert_same_theta(config, tmp_path / "ray", runner_config, tmp_path / "runner")
-  # every algorithm but NoLoCo (whose server keeps each worker's own rows) on the peer form
-  assert summary["round_form"] == ("peers" if overrides["algorithm"] != "noloco" else "server")
+  # every algorithm on the peer form: each link carries the ledger's bytes both ways (2
+  # members' all-reduce; DES-LOC's moment averages reduced among the workers too; NoLoCo's
+  # θ_i to its peer and θ_j back), nothing goes through a server
+  assert summary["round_form"] == "peers" and summary["server_bytes_sent"] == 0
+  assert summary["wire_bytes_per_worker"] == {str(w): [summary["bytes_sent"]] * 2
+                                               for w in range(config.num_workers)}
 
 
 @pytest.mark.ray_slow

@@ -28,8 +28,11 @@ class WorkerRule(Protocol):
   simply start from θ (eager updates, NoLoCo). Flat vectors; `memory` is the worker's own
   state (steps.WorkerState.memory), `rule_state` the fragment's outer rule state
   (replicated), `sync_state` the worker's own row of the sync's per-worker state where
-  `reads_sync_state` (NoLoCo's φ_w; () otherwise)."""
+  `reads_sync_state` (NoLoCo's φ_w; () otherwise). `swaps_with_a_peer`: its sync is a
+  swap with one peer a round that each worker can run with its peer alone
+  (`Sync.partners`): the Ray runtime then runs it among the workers."""
   reads_sync_state: bool = False
+  swaps_with_a_peer: bool = False
 
   def init(self, flat_params: jax.Array) -> Any:
     """A fresh worker's memory."""

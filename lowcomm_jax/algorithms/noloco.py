@@ -88,13 +88,21 @@ def gossip(num_workers: int, lr: float, momentum: float, seed: int,
     del extra_args
     draw = drawn_pairing(seed, round_index, len(pools))
     trained = state.phi - delta  # θ_i: where the worker's inner steps took it
-    pair_mean = (trained + collectives.permute(trained, axis_name, pools, draw)) / GROUP
-    step = momentum * state.momentum - lr * (state.phi - pair_mean)
+    new = pair_step(state, trained, collectives.permute(trained, axis_name, pools, draw),
+                    lr, momentum)
     # θ is not moved here (`Sync.consensus` sets it on rounds that read it); the zero derives
     # from θ, not from per-worker state, so it leaves the map unmapped.
-    return jnp.zeros_like(params), NoLoCoState(state.phi + step, step)
+    return jnp.zeros_like(params), new
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def pair_step(state: NoLoCoState, trained, peer_trained, lr: float,
+              momentum: float) -> NoLoCoState:
+  """One worker's outer step from its own θ_i (`trained`) and its peer's θ_j."""
+  pair_mean = (trained + peer_trained) / GROUP
+  step = momentum * state.momentum - lr * (state.phi - pair_mean)
+  return NoLoCoState(state.phi + step, step)
 
 
 class GossipSync(Sync):
@@ -107,6 +115,19 @@ class GossipSync(Sync):
 
   def consensus(self, per_worker_state: NoLoCoState) -> jax.Array:
     return per_worker_state.phi.mean(axis=0)
+
+  def partners(self, round_index: int) -> list[int]:
+    c = self.config
+    return peers(pairings(c.num_workers, c.seed), c.seed, round_index)
+
+  def swap_payload(self, own: NoLoCoState, delta):
+    return own.phi - delta  # θ_i (γ = β: the pair's means combine into one of θ)
+
+  def swap_step(self, own: NoLoCoState, mine, theirs) -> NoLoCoState:
+    """A present worker whose peer sent nothing keeps its own model (`fill_absent`):
+    `theirs` is then `mine`."""
+    c = self.config
+    return pair_step(own, mine, theirs, c.outer.lr, c.outer.momentum)
 
   def fill_absent(self, deltas_RxN, present, per_worker_state, round_index: int):
     """A worker whose peer sent nothing keeps its own model that round: the absent peer's
@@ -136,6 +157,7 @@ class GossipSync(Sync):
 class NoLoCoWorkers:
   """algorithms.base.WorkerRule: each worker starts from its own φ_i and sends its drift."""
   reads_sync_state = True
+  swaps_with_a_peer = True  # (GossipSync.partners)
 
   def init(self, flat_params):
     return ()

@@ -47,6 +47,12 @@ class Sync:
   # outer weights in the aggregator's state (NoLoCo): θ on rounds that read it. None: the
   # outer rule moves θ.
   consensus = None
+  # `partners(round_index) -> [each worker slot's peer]`, for syncs whose workers each swap
+  # with one peer a round (NoLoCo's gossip), with `swap_payload(own, Δ)` (what a worker
+  # sends its peer) and `swap_step(own, mine, theirs)` (its new own state), `own` its row
+  # of the aggregator's state as flat vectors: what two workers run alone (the Ray
+  # runtime's peer form). None: the sync combines every worker's row.
+  partners = None
 
   def fill_absent(self, deltas_RxN, present, per_worker_state, round_index: int):
     """Δ rows [R, N] (host numpy) for a parameter server's round that the workers not

@@ -17,7 +17,7 @@ def peer_capable(c: ml_collections.ConfigDict, algorithm) -> str:
             f"{c.algorithm} with collab.target_batch_size > 0 runs collaborative epochs "
             "through the server")
   rule = algorithm.worker_rule(c)
-  if rule is not None and rule.reads_sync_state:
+  if rule is not None and rule.reads_sync_state and not getattr(rule, "swaps_with_a_peer", False):
     return (f"{c.algorithm}'s workers read their own rows of the sync's state, which the "
             "server keeps")
   return ""

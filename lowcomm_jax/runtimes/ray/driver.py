@@ -33,7 +33,7 @@ from lowcomm_jax.runtimes.ray.actors import initial_params, server_rules, server
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.runtimes.ray.checks import round_form
 from lowcomm_jax.runtimes.ray.epochs import Epochs
-from lowcomm_jax.runtimes.ray.peer_rounds import PeerRounds
+from lowcomm_jax.runtimes.ray.peer_rounds import PairRounds, PeerRounds
 from lowcomm_jax.runtimes.ray.pool import Pool
 from lowcomm_jax.runtimes.ray.pushes import Pushes
 from lowcomm_jax.runtimes.ray.quorum import QuorumRounds
@@ -86,8 +86,10 @@ class RayDriver:
     self.files: RunFiles | None = None
     self.finished, self.mark, self._wall_before = False, 0, 0.0
     progress = r.algorithm.progress(config)
-    self.progress = (PeerRounds if round_form(config, r.algorithm) == "peers"
-                     else PROGRESS[progress])(self)
+    if round_form(config, r.algorithm) == "peers":  # (a pair swap: NoLoCo's gossip)
+      self.progress = (PeerRounds if r.sync.partners is None else PairRounds)(self)
+    else:
+      self.progress = PROGRESS[progress](self)
     self.unit = self.progress.unit
     self.pool.on_join = self.progress.start_next
     self.pool.on_lose = self.progress.on_lose

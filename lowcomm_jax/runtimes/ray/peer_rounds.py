@@ -21,12 +21,19 @@ What differs from the server form:
 import logging
 import time
 
+import jax
+import numpy as np
+
 from lowcomm_jax.programs import sync_program
+from lowcomm_jax.runtimes.ray.actors import initial_rule_state
 from lowcomm_jax.runtimes.ray.quorum import QuorumRounds
+from lowcomm_jax.runtimes.ray.replica import own_rows
 from lowcomm_jax.sim import GLOBAL
 
 
 class PeerRounds(QuorumRounds):
+
+  same_state = True  # every member's staged state is the same (its hash is compared)
 
   def __init__(self, d):
     super().__init__(d)
@@ -52,9 +59,14 @@ class PeerRounds(QuorumRounds):
       if self.restored is None:
         self.held[w] = 0
       else:  # one copy from the driver to each worker, at a resume only
-        self.adopting[w] = pool.actors[w].adopt.remote(self.restored)
+        self.adopting[w] = pool.actors[w].adopt.remote(self._restored_for(w))
         self.held[w] = self.version
     self._settle_adopts(list(self.adopting))
+
+  def _restored_for(self, worker: int):
+    """What `worker` adopts at a resume (the reference of the checkpoint's replica)."""
+    del worker
+    return self.restored
 
   def _current(self, besides: int | None = None) -> int | None:
     """A live worker whose replica is at the open round's version (the lowest id)."""
@@ -145,6 +157,53 @@ class PeerRounds(QuorumRounds):
     self.held.pop(worker, None)
     self.adopting.pop(worker, None)
 
+  # --- a state average between rounds (DES-LOC's moments), among the workers ------------
+
+  def _state_average(self, workers: list[int], parts) -> tuple[list, dict] | None:
+    """Each worker's parts in M shards, member j's mean of shard j, all-gathered into each
+    (replica.py): no link carries every worker's parts."""
+    return self._mean_among(
+        "a state average", workers,
+        lambda a, m: a.state_shards.options(num_returns=m + 1).remote(parts, m),
+        lambda a, reduced: a.set_state_mean.remote(parts, workers, *reduced))
+
+  def _mean_among(self, what: str, workers: list[int], shards, put):
+    """A mean of one vector per worker, reduced among `workers` (`shards(actor, M)`: its
+    ({"bytes"}, M shards) references; `put(actor, reduced shards)`: the reference of its
+    taking the mean): (each worker's {"bytes"}, {worker: its put}); None after losing the
+    workers that died or did not finish their shard within ray.collective_timeout_s."""
+    d, pool, m = self.d, self.d.pool, len(workers)
+    actors = [pool.actors[w] for w in workers]
+    outs = [list(shards(a, m)) for a in actors]
+    reduced = [a.mean_state_shard.options(num_returns=2).remote(*[out[1 + j] for out in outs])
+               for j, a in enumerate(actors)]
+    checks = [out[0] for out in outs] + [done for done, _ in reduced]
+    ready, _ = d.ray.wait(checks, num_returns=len(checks),
+                          timeout=d.c.ray.collective_timeout_s)
+    try:
+      if len(ready) == len(checks):
+        metas = d.ray.get(checks[:m])
+        d.ray.get(checks[m:])
+        return metas, {w: put(a, [r for _, r in reduced]) for w, a in zip(workers, actors)}
+    except d.ray.exceptions.RayTaskError as e:
+      if not isinstance(e.cause, (d.ray.exceptions.RayActorError,
+                                  d.ray.exceptions.ObjectLostError)):
+        raise RuntimeError(f"{what} (version {self.version}) failed: {e}") from e
+    except d.ray.exceptions.RayError:
+      pass
+    # the workers whose shards did not come, else those whose shard's mean did not
+    pending = checks[:m] if not set(checks[:m]) <= set(ready) else checks[m:]
+    self._lose_failed(what, workers, pending, ready)
+    return None
+
+  def _state_set(self, worker: int, out: dict) -> None:
+    self._count_wire(worker, out)
+
+  def _count_wire(self, worker: int, out: dict) -> None:
+    n = self.d.counts
+    sent, received = n.wire_bytes.get(str(worker), [0, 0])
+    n.wire_bytes[str(worker)] = [sent + out["sent"], received + out["received"]]
+
   # --- a round's close: the collective ----------------------------------------------------
 
   def _close_segment(self) -> bool:
@@ -180,8 +239,27 @@ class PeerRounds(QuorumRounds):
     """Round `v`'s collective among `members`: {worker: {hash, sent, received}}, or None
     after losing the members that died or did not finish in time (then try again)."""
     d, pool = self.d, self.d.pool
-    actors = [pool.actors[w] for w in members]
     crash, pool.crash_in_sync = pool.crash_in_sync, None
+    staged = self._start_collective(v, members, crash)
+    ready, _ = d.ray.wait(staged, num_returns=len(staged),
+                          timeout=d.c.ray.collective_timeout_s)
+    try:
+      if len(ready) == len(staged):
+        return dict(zip(members, d.ray.get(staged)))
+    except d.ray.exceptions.RayTaskError as e:
+      if not isinstance(e.cause, (d.ray.exceptions.RayActorError,
+                                  d.ray.exceptions.ObjectLostError)):
+        raise RuntimeError(f"round {v}'s collective failed: {e}") from e
+    except d.ray.exceptions.RayError:
+      pass
+    self._lose_failed("a round's collective", members, staged, ready)
+    return None
+
+  def _start_collective(self, v: int, members: list[int], crash: int | None) -> list:
+    """Round `v`'s collective among `members` (worker `crash` dies in it: chaos), started:
+    the reference of each member's staged outcome."""
+    pool = self.d.pool
+    actors = [pool.actors[w] for w in members]
     metas = {w: self.rows[w][0] for w in members}
     if self.reduces:
       m = len(members)
@@ -202,43 +280,33 @@ class PeerRounds(QuorumRounds):
       staged = [actor.apply_gathered.remote(v, small, w == crash,
                                             *[self.rows[i][1] for i in members])
                 for w, actor in zip(members, actors)]
-    ready, _ = d.ray.wait(staged, num_returns=len(staged),
-                          timeout=d.c.ray.collective_timeout_s)
-    try:
-      if len(ready) == len(staged):
-        return dict(zip(members, d.ray.get(staged)))
-    except d.ray.exceptions.RayTaskError as e:
-      if not isinstance(e.cause, (d.ray.exceptions.RayActorError,
-                                  d.ray.exceptions.ObjectLostError)):
-        raise RuntimeError(f"round {v}'s collective failed: {e}") from e
-    except d.ray.exceptions.RayError:
-      pass
-    self._lose_failed(v, members, staged, ready)
-    return None
+    return staged
 
-  def _lose_failed(self, v: int, members, staged, ready) -> None:
-    """After a failed collective: the members that died, else those that did not finish
-    within ray.collective_timeout_s, are lost (their contributions with them)."""
+  def _lose_failed(self, what: str, members, pending, ready) -> None:
+    """After a failed collective (`what`: a round's collective, a state average): the
+    members that died, else those whose `pending` reference did not finish within
+    ray.collective_timeout_s, are lost (their contributions with them)."""
     pool = self.d.pool
     dead = [w for w in members if not pool.worker_alive(w)]
     done = set(ready)
-    slow = [w for w, ref in zip(members, staged) if ref not in done]
+    slow = [w for w, ref in zip(members, pending) if ref not in done]
     lost = dead or slow
     if not lost:
-      raise RuntimeError(f"round {v}'s collective failed and members {members} are alive "
-                         "and finished")
+      raise RuntimeError(f"{what} (version {self.version}) failed and members {members} "
+                         "are alive and finished")
     for w in lost:
-      why = ("died in a round's collective" if dead else
-             f"did not finish a round's collective within ray.collective_timeout_s="
+      why = (f"died in {what}" if dead else
+             f"did not finish {what} within ray.collective_timeout_s="
              f"{self.d.c.ray.collective_timeout_s}")
       pool.lose(w, why)
-    logging.warning("ray: round %d's collective is tried again without workers %s", v, lost)
+    logging.warning("ray: %s (version %d) is tried again without workers %s", what,
+                    self.version, lost)
 
   def _commit(self, v: int, members: list[int], outcome: dict) -> None:
     """Every member commits the staged round, once their hashes agree."""
     d, n = self.d, self.d.counts
     hashes = {w: o["hash"] for w, o in outcome.items()}
-    if len(set(hashes.values())) != 1:
+    if self.same_state and len(set(hashes.values())) != 1:
       raise RuntimeError(f"round {v}: the members' θ differ after the same collective "
                          f"({hashes}); the replicas have diverged")
     refs = {w: d.pool.actors[w].commit.remote(v) for w in members}
@@ -249,5 +317,99 @@ class PeerRounds(QuorumRounds):
       except d.ray.exceptions.RayActorError as e:  # the others have the round: it is lost
         d.pool.lose(w, f"{type(e).__name__} committing a round")
     for w, o in outcome.items():
-      sent, received = n.wire_bytes.get(str(w), [0, 0])
-      n.wire_bytes[str(w)] = [sent + o["sent"], received + o["received"]]
+      self._count_wire(w, o)
+
+
+class PairRounds(PeerRounds):
+  """The peer form of a sync of pair swaps (`Sync.partners`: NoLoCo). Each worker's replica
+  holds its own row of the sync's state (φ_i, δ_i); at a round's close each member sends
+  its payload (θ_i) to its round's peer alone and stages its own new row: the ledger's N
+  bytes each way per worker, no all-reduce. A member whose peer is not in the round keeps
+  its own model (`Sync.fill_absent`'s rule), and a lost worker's row is its last
+  checkpoint's. θ, the workers' mean φ, is reduced among the live workers only when
+  evaluation, a norm or a checkpoint reads it (as the runner computes it only on rounds that
+  read it): its bytes are counted apart (`consensus_bytes`), outside the training ledger."""
+
+  same_state = False  # each member's row is its own
+
+  def __init__(self, d):
+    super().__init__(d)
+    self.consensus_at = None  # the version whose θ the live replicas hold
+    # every worker slot's rows as a checkpoint last saw them (θ₀'s, until one)
+    self.slots = initial_rule_state(d.r, GLOBAL, d.r.state_spec.initial_params())
+    self.consensus_bytes = 0
+
+  def restore_global(self, state: dict | None) -> None:
+    """A checkpoint's θ and every slot's rows: each worker adopts θ and its own rows."""
+    if state is not None:
+      self.version = int(state["version"])
+      self.restored, self.slots = state["params"], state["opt_state"]
+
+  def _restored_for(self, worker: int):
+    return {"params": self.restored, "opt_state": own_rows(self.slots, worker),
+            "version": self.version}
+
+  def _start_collective(self, v: int, members: list[int], crash: int | None) -> list:
+    pool = self.d.pool
+    peer = self.d.r.sync.partners(v)
+    payloads = {w: pool.actors[w].swap_payload.remote(self.rows[w][0]["version"])
+                for w in members}
+    return [pool.actors[w].apply_swap.remote(v, w == crash, payloads[w],
+                                             payloads.get(peer[w]))
+            for w in members]
+
+  def _consensus(self) -> None:
+    """θ of the open version, the live replicas' mean φ, reduced among them (once)."""
+    d = self.d
+    while self.consensus_at != self.version:
+      workers = [w for w in sorted(d.pool.actors) if self.held.get(w) == self.version
+                 and w not in self.adopting and w not in d.pool.joining]
+      if not workers:
+        raise RuntimeError(f"no live worker holds the rows of version {self.version}")
+      started = self._mean_among(
+          "a consensus", workers,
+          lambda a, m: a.phi_shards.options(num_returns=m + 1).remote(m),
+          lambda a, reduced: a.set_consensus.remote(workers, *reduced))
+      if started is None:
+        continue
+      _, done = started
+      lost = False
+      for w, ref in done.items():
+        try:
+          self.consensus_bytes += d.ray.get(ref)["sent"]
+        except (d.ray.exceptions.RayActorError, d.ray.exceptions.RayTaskError):
+          d.pool.lose(w, "died taking the consensus θ")
+          lost = True
+      if not lost:
+        self.consensus_at = self.version
+
+  def global_call(self, method: str):
+    self._consensus()
+    return super().global_call(method)
+
+  def global_states(self, in_flight) -> dict:
+    """The checkpoint's global state in the server's layout: θ (the consensus) and every
+    slot's rows, from each live worker's replica (a lost worker's: the last checkpoint's)."""
+    del in_flight
+    d = self.d
+    self._consensus()
+    shares = {}
+    for w in sorted(d.pool.actors):
+      if self.held.get(w) == self.version and w not in self.adopting:
+        try:
+          shares[w] = d.ray.get(d.pool.actors[w].share.remote())
+        except d.ray.exceptions.RayActorError as e:
+          d.pool.lose(w, f"{type(e).__name__} sharing its rows")
+    if not shares:
+      raise RuntimeError(f"no live worker holds the rows of version {self.version}")
+    first = next(iter(shares.values()))
+    rows = [shares[w]["opt_state"].per_worker if w in shares else
+            jax.tree.map(lambda x: x[w:w + 1], self.slots.per_worker)
+            for w in range(d.c.num_workers)]
+    self.slots = first["opt_state"]._replace(per_worker=jax.tree.map(
+        lambda *xs: np.concatenate(xs), *rows))
+    return {GLOBAL: {"params": first["params"], "opt_state": self.slots,
+                     "version": self.version, "snapshots": {}}}
+
+  def summary(self) -> dict:
+    return {**super().summary(), "consensus_bytes": self.consensus_bytes}

@@ -53,7 +53,8 @@ class QuorumRounds(Progress):
   def _average_states(self) -> None:
     """Before a round whose average of the workers' optimizer states is due
     (`Algorithm.state_sync`: DES-LOC's moments), once: every live worker's parts, their mean
-    (a Ray task: the driver holds references only), back to each. A worker that dies before
+    back to each (`_state_average`: a Ray task here, reduced among the workers in the peer
+    form; the driver holds references only). A worker that dies before
     every part is in is lost and the rest average again without it; one that dies taking
     the mean is lost, the others keep theirs."""
     d, n, pool = self.d, self.d.counts, self.d.pool
@@ -61,26 +62,39 @@ class QuorumRounds(Progress):
     if not parts or self.states_averaged == n.rounds:
       return
     self.states_averaged = n.rounds
-    errors = (d.ray.exceptions.RayActorError, d.ray.exceptions.RayTaskError)
     while workers := [w for w in pool.up() if w not in pool.jobs]:
-      sent = {w: pool.actors[w].state_parts.options(num_returns=2).remote(parts)
-              for w in workers}
-      try:  # every part in before any worker takes a mean
-        metas = d.ray.get([meta for meta, _ in sent.values()])
-      except errors:
-        self._lose_dead(workers)
+      started = self._state_average(workers, parts)
+      if started is None:  # some worker died before every part was in: again without it
         continue
-      mean = self._average.remote(*[ref for _, ref in sent.values()])
-      done = {w: pool.actors[w].set_state_parts.remote(parts, mean) for w in workers}
+      metas, done = started
       for w, ref in done.items():
         try:
-          d.ray.get(ref)
-        except errors:  # it died taking the mean: the others have theirs
-          self._lose_dead([w])
+          self._state_set(w, d.ray.get(ref))
+        except (d.ray.exceptions.RayActorError, d.ray.exceptions.RayTaskError):
+          self._lose_dead([w])  # it died taking the mean: the others have theirs
       n.sent_bytes += sum(meta["bytes"] for meta in metas)
       logging.info("ray: round %d starts from %s averaged over workers %s", n.rounds,
                    "/".join(parts), workers)
       return
+
+  def _state_average(self, workers: list[int], parts) -> tuple[list, dict] | None:
+    """Every worker's parts in, their mean (a Ray task) out to each: (each worker's
+    {"bytes"}, {worker: the reference of its set}); None after losing a worker that died
+    before every part was in."""
+    d, pool = self.d, self.d.pool
+    sent = {w: pool.actors[w].state_parts.options(num_returns=2).remote(parts)
+            for w in workers}
+    try:
+      metas = d.ray.get([meta for meta, _ in sent.values()])
+    except (d.ray.exceptions.RayActorError, d.ray.exceptions.RayTaskError):
+      self._lose_dead(workers)
+      return None
+    mean = self._average.remote(*[ref for _, ref in sent.values()])
+    return metas, {w: pool.actors[w].set_state_parts.remote(parts, mean) for w in workers}
+
+  def _state_set(self, worker: int, out) -> None:
+    """What a worker's set of the average returned (the peer form counts its link's bytes)."""
+    del worker, out
 
   def _lose_dead(self, workers) -> None:
     pool = self.d.pool

@@ -21,6 +21,10 @@ bytes among themselves; the driver passes object references only:
 
 Every member runs the same program on the same bytes, so θ' is the same everywhere; the
 driver compares the hashes before any member commits.
+
+A state average between rounds (`Algorithm.state_sync`: DES-LOC's moments) moves the same
+way: each worker's parts as one vector (`flat`) in M shards, member j's mean of shard j
+(`mean_rows`), all-gathered and put back into each worker's optimizer state (`unflat`).
 """
 
 import hashlib
@@ -43,16 +47,54 @@ def shard_bounds(n: int, members: int) -> list[tuple[int, int]]:
   return [(k * n // members, (k + 1) * n // members) for k in range(members)]
 
 
-def params_hash(params) -> str:
-  return hashlib.blake2b(np.asarray(params).tobytes(), digest_size=16).hexdigest()
+def flat(tree) -> np.ndarray:
+  """A tree's leaves as one host vector (a state average's payload, cut into shards)."""
+  return np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])
+
+
+def unflat(vector: np.ndarray, like):
+  """`flat`'s inverse: `vector` in the shapes and dtypes of `like`'s leaves."""
+  leaves, tree = jax.tree.flatten(like)
+  ends = np.cumsum([np.size(x) for x in leaves])[:-1]
+  return jax.tree.unflatten(tree, [np.asarray(part).reshape(np.shape(x)).astype(np.asarray(x).dtype)
+                                   for part, x in zip(np.split(vector, ends), leaves)])
+
+
+def gathered_bytes(reduced, index: int) -> dict:
+  """What member `index`'s link carries in a reduce-scatter and all-gather whose reduced
+  shards are `reduced`: its shards to each other member and its reduced shard to each, the
+  mirror in (shards differ in length by at most one coordinate)."""
+  mine = reduced[index].nbytes
+  both = int(sum(x.nbytes for x in reduced) - mine + mine * (len(reduced) - 1))
+  return {"sent": both, "received": both}
+
+
+def mean_rows(*rows: np.ndarray) -> np.ndarray:
+  """The mean of the members' rows, as the server's state average takes it (`average_parts`:
+  the same sum in the same order, so a shard of it is that mean's shard bit for bit)."""
+  return np.mean(np.stack(rows), axis=0).astype(rows[0].dtype)
+
+
+def params_hash(tree) -> str:
+  digest = hashlib.blake2b(digest_size=16)
+  for x in jax.tree.leaves(tree):
+    digest.update(np.asarray(x).tobytes())
+  return digest.hexdigest()
+
+
+def own_rows(outer, worker: int):
+  """`outer` (the runner's whole outer state, a row per worker slot) with `worker`'s rows
+  of its per-worker state alone (host arrays)."""
+  return jax.device_get(outer._replace(per_worker=jax.tree.map(
+      lambda x: x[worker:worker + 1], outer.per_worker)))
 
 
 class Replica:
   """θ, the outer rules' state and the version one worker holds, what it contributed and
   has not seen applied yet, and the state a round staged."""
 
-  def __init__(self, r, params0):
-    self.r = r
+  def __init__(self, r, params0, worker: int):
+    self.r, self.worker = r, worker
     segments = r.algorithm.segments(r.config, r.config.inner_steps)
     self.segments = len(segments)
     self._rng = steps.run_key(r.config.seed)
@@ -68,7 +110,11 @@ class Replica:
         for k, s in enumerate(segments)] if self.reduces else None
     self._lock = threading.Lock()  # a share (a checkpoint, a heal) reads while rounds run
     params = jnp.asarray(params0)
-    self._set(0, params, initial_rule_state(r, GLOBAL, params))
+    # A sync of pair swaps (`Sync.partners`: NoLoCo): the replica holds the worker's own row
+    # of the sync's per-worker state (its φ_i, δ_i) and θ as the last consensus left it.
+    self.pairs = r.sync.partners is not None
+    self._set(0, params, own_rows(initial_rule_state(r, GLOBAL, params), worker)
+              if self.pairs else initial_rule_state(r, GLOBAL, params))
     self.kept = {}  # the version a contribution was computed from -> (what it sent, meta)
     self.staged = None  # (round version, TrainState) of the round being closed
     self.moments = {}  # when this member finished each step of the open round's collective
@@ -95,8 +141,40 @@ class Replica:
     self.kept[version] = (sent, meta)
 
   def view_outer(self):
-    """What the worker's rule reads of the outer state (eager updates), or None."""
+    """What the worker's rule reads of the outer state, or None: (its own rows of the
+    sync's state (NoLoCo), the outer rules' state (eager updates)), as a server's pull
+    brings it."""
+    if self.pairs:
+      return tuple(jax.device_get(self.opt_state))
     return ((), jax.device_get(self.opt_state)) if self.r.local_reads_rules else None
+
+  # --- a pair swap (`Sync.partners`): each member with its round's peer -----------------
+
+  def _own(self):
+    """Its row of the sync's per-worker state as flat vectors (one fragment)."""
+    return jax.tree.map(lambda x: x[0], self.opt_state.per_worker[0])
+
+  def swap_payload(self, version: int) -> np.ndarray:
+    """What it sends its peer for the contribution computed from `version`."""
+    return np.asarray(self.r.sync.swap_payload(self._own(), jnp.asarray(self.kept[version][0])))
+
+  def apply_swap(self, round_version: int, mine: np.ndarray, theirs) -> str:
+    """Stages its own new row from its payload and its peer's (None: the peer sent nothing,
+    it keeps its own model); the hash of its new φ (each member's differs)."""
+    state = self._state(round_version)  # (a round of another version is refused)
+    new = self.r.sync.swap_step(self._own(), jnp.asarray(mine),
+                                jnp.asarray(mine if theirs is None else theirs))
+    rows = jax.tree.map(lambda x: x[None], new)
+    outer = self.opt_state._replace(per_worker=(rows,) + tuple(self.opt_state.per_worker[1:]))
+    return self._stage(round_version, state._replace(outer=steps.OuterState((), outer)))
+
+  def phi(self) -> np.ndarray:
+    """Its own outer weights (flat): its part of the consensus θ."""
+    return np.asarray(self._own()[0])
+
+  def set_consensus(self, params) -> None:
+    """θ, the workers' mean φ (evaluation, checkpoints); it moves nobody's training."""
+    self._set(self.version, jnp.asarray(params), self.opt_state)
 
   def shards(self, version: int, members: int) -> list[np.ndarray]:
     """The contribution computed from `version`, cut into `members` shards."""
@@ -149,8 +227,10 @@ class Replica:
     return self._stage(round_version, state)
 
   def _stage(self, round_version: int, state: steps.TrainState) -> str:
+    """Keeps the round's new state until its commit; the hash of what must agree across
+    members (θ), or of its own new row where each member's differs (a pair swap)."""
     self.staged = (round_version, state)
-    return params_hash(state.params)
+    return params_hash(state.outer.per_fragment.per_worker if self.pairs else state.params)
 
   def commit(self, round_version: int) -> int:
     """The staged round becomes the replica (nothing if it is already applied); the

@@ -46,7 +46,7 @@ class WorkerProcess:
     peers = round_form(config, r.algorithm) == "peers"
     if params0 is None and ("state" not in restored or programs.accumulate or peers):
       params0 = initial_params(r)
-    self.replica = replica_lib.Replica(r, params0) if peers else None
+    self.replica = replica_lib.Replica(r, params0, worker) if peers else None
     self.programs = programs
     if "state" in restored:
       self.state = jax.tree.map(jnp.asarray, restored["state"])
@@ -144,6 +144,30 @@ class WorkerProcess:
       self.state = self.state._replace(opt_state=self.r.worker_state_sync.put(
           self.state.opt_state, parts, jax.tree.map(jnp.asarray, values)))
 
+  # The peer form's state average: reduced among the workers (replica.py), not by a task.
+
+  def state_shards(self, parts: tuple[str, ...], members: int):
+    """({"bytes": what its parts are}, shard 0, ..., shard members−1 of them as one vector)."""
+    with self._lock:
+      vector = replica_lib.flat(self.r.worker_state_sync.take(self.state.opt_state, parts))
+    return ({"bytes": int(vector.nbytes)},
+            *[vector[a:b] for a, b in replica_lib.shard_bounds(vector.shape[0], members)])
+
+  def mean_state_shard(self, *shards: np.ndarray) -> tuple[dict, np.ndarray]:
+    """The members' mean of one shard; ({}, it) so the driver sees that it is done (and an
+    error) without fetching it."""
+    return {}, replica_lib.mean_rows(*shards)
+
+  def set_state_mean(self, parts: tuple[str, ...], members: list[int], *reduced) -> dict:
+    """Its `parts` replaced by the all-gathered mean; the bytes its link carried (its
+    shards out and its mean shard to each other member, the mirror in)."""
+    with self._lock:
+      like = jax.device_get(self.r.worker_state_sync.take(self.state.opt_state, parts))
+      mean = replica_lib.unflat(np.concatenate(reduced), like)
+      self.state = self.state._replace(opt_state=self.r.worker_state_sync.put(
+          self.state.opt_state, parts, jax.tree.map(jnp.asarray, mean)))
+    return replica_lib.gathered_bytes(reduced, members.index(self.worker))
+
   def checkpoint_state(self, unpushed_job: int | None) -> dict:
     """Its state for a checkpoint: as it was before job `unpushed_job` (started or not) if
     that job's push is not applied yet, else as it is."""
@@ -214,13 +238,9 @@ class WorkerProcess:
 
   def apply_reduced(self, round_version: int, members: list[int], tokens, losses,
                     *reduced) -> dict:
-    mine = reduced[members.index(self.worker)]
     digest = self.replica.apply_reduced(round_version, members, tokens, losses, reduced)
-    # Its shards to each other member and its reduced shard to each; the mirror in (shards
-    # of a fragment differ in length by at most one coordinate).
-    others = sum(x.nbytes for x in reduced) - mine.nbytes
-    both = int(others + mine.nbytes * (len(members) - 1))
-    return {"hash": digest, "sent": both, "received": both, "moments": self._moments()}
+    return {"hash": digest, **replica_lib.gathered_bytes(reduced, members.index(self.worker)),
+            "moments": self._moments()}
 
   def apply_gathered(self, round_version: int, metas: dict, crash: bool, *rows) -> dict:
     if crash:
@@ -234,6 +254,31 @@ class WorkerProcess:
     return {"hash": digest, "sent": int(mine * (len(members) - 1)),
             "received": int(sum(size(got[w]) for w in members) - mine),
             "moments": self._moments()}
+
+  def swap_payload(self, version: int) -> np.ndarray:
+    """What it sends its round's peer (a pair swap: `Sync.partners`)."""
+    payload = self.replica.swap_payload(version)
+    self.replica.moments["scattered"] = time.time()
+    return payload
+
+  def apply_swap(self, round_version: int, crash: bool, mine: np.ndarray, theirs) -> dict:
+    """Its new own row from its payload and its peer's (None: the peer is not in the round)."""
+    if crash:
+      replica_lib.crash_here()
+    digest = self.replica.apply_swap(round_version, mine, theirs)
+    moved = 0 if theirs is None else int(mine.nbytes)
+    return {"hash": digest, "sent": moved, "received": moved, "moments": self._moments()}
+
+  def phi_shards(self, members: int):
+    """({"bytes"}, its φ in `members` shards) for the consensus θ."""
+    vector = self.replica.phi()
+    return ({"bytes": int(vector.nbytes)},
+            *[vector[a:b] for a, b in replica_lib.shard_bounds(vector.shape[0], members)])
+
+  def set_consensus(self, members: list[int], *reduced) -> dict:
+    """θ, the all-gathered mean of the members' φ; the bytes its link carried."""
+    self.replica.set_consensus(np.concatenate(reduced))
+    return replica_lib.gathered_bytes(reduced, members.index(self.worker))
 
   def _moments(self) -> dict:
     """When this member finished each step of the round's collective (the Timeline's)."""
