@@ -221,7 +221,7 @@ def test_the_form_follows_the_collective_and_the_algorithm():
   assert form(algorithm="diloco", **{"sim.network.collective": "server"}) == "server"
   assert form(algorithm="async_dn") == "server"  # the server is the algorithm
   assert form(algorithm="noloco", num_workers=4) == "peers"  # each pair swaps directly
-  assert form(algorithm="ddp", **{"collab.target_batch_size": 64}) == "server"
+  assert form(algorithm="ddp", **{"collab.target_batch_size": 64}) == "peers"  # (epochs too)
 
 
 @pytest.mark.parametrize("overrides,field", [

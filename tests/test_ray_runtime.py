@@ -451,6 +451,27 @@ def test_a_worker_dying_mid_collective_is_retried_among_the_survivors(cluster, t
   assert summary["eval_loss"] == replay["eval_loss"]
 
 
+@pytest.mark.ray_slow
+@pytest.mark.parametrize("overrides", [{"algorithm": "diloco"},
+                                       {"algorithm": "noloco", "num_workers": 4}],
+                         ids=lambda o: o["algorithm"])
+def test_a_driver_restarted_from_its_checkpoint_ends_where_the_uninterrupted_run_does(
+    cluster, tmp_path, overrides):
+  """The peer form, the driver stopped at its second checkpoint (as a preempted job's) and
+  started again: every worker adopts the checkpoint's replica (NoLoCo: θ and its own row
+  of (φ, δ)), the job in flight starts again, and the run ends bit for bit where the
+  uninterrupted one ends, each round's replicas agreeing (DiLoCo: the hashes compared)."""
+  config = _config(**{"rounds": 4, **overrides})
+  plain, _ = _run(config, tmp_path / "plain")
+  stopped, _ = _run(config, tmp_path / "stopped", stop_after_checkpoints=2)
+  assert stopped["stopped_at"] == 2
+  resumed, _ = _run(config, tmp_path / "stopped")
+  assert resumed["round_form"] == "peers" and resumed["rounds_closed"] == 4
+  np.testing.assert_array_equal(_ray_checkpointed_params(config, tmp_path / "stopped"),
+                                _ray_checkpointed_params(config, tmp_path / "plain"))
+  assert resumed["eval_loss"] == plain["eval_loss"]
+
+
 def test_a_joining_worker_takes_theta_from_a_peer(cluster, tmp_path):
   """The peer form: a worker that joins mid-run adopts a live peer's replica (θ and the outer
   state) before its first job, contributes, and ends with the others' θ (the rounds it was
@@ -658,13 +679,17 @@ def _collab_config(**overrides):
   return c
 
 
+@pytest.mark.parametrize("form", ["server", "peers"])
 def test_a_collaborative_epoch_completes_without_a_killed_peer_and_counts_a_joined_one(
-    cluster, tmp_path):
+    cluster, tmp_path, form):
   """Peer 2 brings micro-batches of 8, the others of 4 (`ray.batch_sizes`; peer 3, joining
   later, data.batch_size's). Peer 1 is killed after the epoch's second micro-batch (its
   samples go with it), a
-  new peer 3 joins after the fourth and is counted from its first, and the server dies
-  after the sixth (it is rebuilt: nothing of the open epoch was its). The epoch ends at its
+  new peer 3 joins after the fourth and is counted from its first. Through the server, the
+  server dies after the sixth (it is rebuilt: nothing of the open epoch was its). Among the
+  peers (no server), peer 0 dies in the middle of the epoch's collective (after it took
+  its peers' shards): the collective runs again among peers 2 and 3, whose replicas then
+  agree (hashes), and peer 0's samples go with it. The epoch ends at its
   target (peer 3's first micro-batch, queued while its process starts, is running then
   and counts within the 30 s grace window), and its step is -lr times the mean of the
   surviving peers' gradients at θ_0,
@@ -673,17 +698,31 @@ def test_a_collaborative_epoch_completes_without_a_killed_peer_and_counts_a_join
   from lowcomm_jax.assemble.build import build
   from lowcomm_jax.assemble.plan import one_device
   batch = {0: 4, 1: 4, 2: 8, 3: 4}
-  config = _collab_config(**{"ray.chaos": ("kill_worker=1@2", "add_worker@4",
-                                           "kill_server@6"), "ray.batch_sizes": (4, 4, 8)})
+  last = {"server": "kill_server@6", "peers": "crash_in_sync=0@6"}[form]
+  config = _collab_config(**{"ray.chaos": ("kill_worker=1@2", "add_worker@4", last),
+                             "ray.batch_sizes": (4, 4, 8),
+                             "sim.network.collective": "server" if form == "server" else "auto"})
   summary, events = _run(config, tmp_path)
-  assert summary["rounds_closed"] == 1 and summary["workers_lost"] == 1
-  assert summary["workers_joined"] == 1 and summary["server_restarts"] == 1
+  assert summary["round_form"] == form and summary["rounds_closed"] == 1
+  assert summary["workers_joined"] == 1
   names = [e["event"] for e in events]  # (worker 3 comes up while the others go on)
-  assert sorted(set(names)) == ["server_restarted", "worker_joined", "worker_lost", "worker_up"]
+  if form == "server":
+    assert summary["workers_lost"] == 1 and summary["server_restarts"] == 1
+    assert sorted(set(names)) == ["server_restarted", "worker_joined", "worker_lost",
+                                  "worker_up"]
+  else:
+    assert summary["workers_lost"] == 2 and summary["collective_retries"] == 1
+    assert summary["server_bytes_sent"] == 0
+    assert sorted(set(names)) == ["worker_joined", "worker_lost", "worker_up"]
+    assert "died in a round's collective" in [e for e in events if e["event"] == "worker_lost"
+                                              ][-1]["why"]
   assert len(names) == 4
   counts = {w: summary.get(f"samples_peer_{w}", 0) for w in range(4)}
   assert counts[1] == 0 and counts[3] > 0  # the killed peer's samples are not in the step
-  assert summary["samples"] == sum(counts.values()) >= 48
+  assert counts[0] > 0 if form == "server" else counts[0] == 0  # nor those lost in the sync
+  # the target reached; among the peers, peer 0's part of it was lost in the collective
+  assert summary["samples"] == sum(counts.values()) >= (48 if form == "server" else 8)
+  assert summary["samples"] + (form == "peers") * summary["samples_lost"] >= 48
   assert summary["collab"] == {"target_batch_size": 48, "epochs": 1,
                                "samples": summary["samples"]}
   assert counts[2] % 8 == 0 and counts[0] % 4 == 0
@@ -733,6 +772,11 @@ def test_collaborative_lora_epochs_on_ray_are_the_runners(cluster, tmp_path):
   assert epochs == [(16, 4)] * 2, epochs
   assert summary["collab"]["samples"] == 40
   assert summary["trainable_params"] < summary["params"]  # the adapters, not the base
+  # the peer form: each epoch's mean reduced between the two peers, each link carrying the
+  # ledger's bytes both ways; nothing through a server
+  assert summary["round_form"] == "peers" and summary["server_bytes_sent"] == 0
+  assert summary["wire_bytes_per_worker"] == {str(w): [summary["bytes_sent"]] * 2
+                                               for w in range(2)}
   runner_config = load_config("smoke", **same)
   runner_config.hosts = [host(1.0, batch_size=4, speed=1.0), host(1.0, batch_size=4, speed=0.01)]
   runner = train.run(runner_config, tmp_path / "runner")

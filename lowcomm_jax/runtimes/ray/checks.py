@@ -11,11 +11,8 @@ RUNTIMES = ("spmd", "ray")
 
 def peer_capable(c: ml_collections.ConfigDict, algorithm) -> str:
   """Why `algorithm`'s rounds have no peer form on Ray ('' : they have one)."""
-  if algorithm.progress(c) != "rounds":
-    return (f"{c.algorithm}'s parameter server is the algorithm (asynchronous pushes)"
-            if not algorithm.synchronous else
-            f"{c.algorithm} with collab.target_batch_size > 0 runs collaborative epochs "
-            "through the server")
+  if not algorithm.synchronous:
+    return f"{c.algorithm}'s parameter server is the algorithm (asynchronous pushes)"
   rule = algorithm.worker_rule(c)
   if rule is not None and rule.reads_sync_state and not getattr(rule, "swaps_with_a_peer", False):
     return (f"{c.algorithm}'s workers read their own rows of the sync's state, which the "

@@ -33,6 +33,7 @@ from lowcomm_jax.runtimes.ray.actors import initial_params, server_rules, server
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.runtimes.ray.checks import round_form
 from lowcomm_jax.runtimes.ray.epochs import Epochs
+from lowcomm_jax.runtimes.ray.peer_epochs import PeerEpochs
 from lowcomm_jax.runtimes.ray.peer_rounds import PairRounds, PeerRounds
 from lowcomm_jax.runtimes.ray.pool import Pool
 from lowcomm_jax.runtimes.ray.pushes import Pushes
@@ -87,7 +88,8 @@ class RayDriver:
     self.finished, self.mark, self._wall_before = False, 0, 0.0
     progress = r.algorithm.progress(config)
     if round_form(config, r.algorithm) == "peers":  # (a pair swap: NoLoCo's gossip)
-      self.progress = (PeerRounds if r.sync.partners is None else PairRounds)(self)
+      self.progress = (PeerEpochs if progress == "epochs" else PeerRounds
+                       if r.sync.partners is None else PairRounds)(self)
     else:
       self.progress = PROGRESS[progress](self)
     self.unit = self.progress.unit

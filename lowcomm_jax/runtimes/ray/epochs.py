@@ -56,7 +56,10 @@ class Epochs(Progress):
     del clock
     if (self.theta is not None and worker in self.pool.actors and worker not in self.pool.jobs
         and self._open_samples() < self.target):
-      self.pool.dispatch_micro(worker, *self.theta)
+      self._dispatch_micro(worker)
+
+  def _dispatch_micro(self, worker: int) -> None:
+    self.pool.dispatch_micro(worker, *self.theta)
 
   def on_lose(self, worker: int) -> None:
     """A peer died: its samples of the open epoch are gone with it."""
@@ -88,8 +91,8 @@ class Epochs(Progress):
     and the server's step."""
     pool, n, c = self.pool, self.counts, self.c
     start = time.perf_counter()
-    version, params = pool.call("theta")
-    self.theta = (version, self.ray.put(params))
+    self.theta = self._open_theta()
+    version = self.theta[0]
     self.epoch_samples = {}
     self.d.idle_start()
     while self._open_samples() < self.target:
@@ -109,8 +112,9 @@ class Epochs(Progress):
     self.theta = None
     late = sum(1 for j in pool.jobs.values() if j.version == version)
     by_peer = self._contributions(version)
+    applied = self._apply_epoch(by_peer)  # (a peer lost in it: on_lose counts its samples)
+    by_peer = {w: s for w, s in by_peer.items() if w in applied}
     contributed = sum(by_peer.values())
-    pool.call("close_round", changes=True)
     n.rounds += 1
     n.applied_steps += c.num_workers  # one optimizer step (of every worker's share)
     self.d.timeline.applied(n.applied_steps)
@@ -147,10 +151,27 @@ class Epochs(Progress):
                           // meta.get("batch_size", self.c.data.batch_size))
       if meta["samples"] == 0:
         continue
-      info = pool.call("contribute", meta, sent_ref, changes=True)
-      n.contributed(w, meta, info["staleness"], None, weight=meta["samples"])
+      n.contributed(w, meta, self._contribute_epoch(w, meta, sent_ref), None,
+                    weight=meta["samples"])
       sent[w] = meta["samples"]
     return sent
+
+  # --- where θ is: the server (the peer form: peer_epochs.py) ----------------------------
+
+  def _open_theta(self) -> tuple[int, object]:
+    """(version, the reference of θ) the open epoch's micro-batches start from."""
+    version, params = self.pool.call("theta")
+    return version, self.ray.put(params)
+
+  def _contribute_epoch(self, worker: int, meta: dict, sent) -> int:
+    """A peer's mean gradient into the open epoch's step; its staleness in epochs."""
+    return self.pool.call("contribute", meta, sent, changes=True)["staleness"]
+
+  def _apply_epoch(self, by_peer: dict[int, int]) -> set:
+    """The epoch's step over the contributions of `by_peer`'s peers (the server's); the
+    peers whose contributions it applied."""
+    self.pool.call("close_round", changes=True)
+    return set(by_peer)
 
   # --- accounts ---------------------------------------------------------------------------
 
@@ -174,6 +195,6 @@ class Epochs(Progress):
     return []  # micro-batches of closed epochs: not counted, not started again
 
   def summary(self) -> dict:
-    return {"rounds_closed": self.counts.rounds,
+    return {"rounds_closed": self.counts.rounds, "round_form": "server",
             "collab": {"target_batch_size": self.target, "epochs": self.counts.rounds,
                        "samples": self.counts.samples}}

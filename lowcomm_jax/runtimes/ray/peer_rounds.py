@@ -31,7 +31,11 @@ from lowcomm_jax.runtimes.ray.replica import own_rows
 from lowcomm_jax.sim import GLOBAL
 
 
-class PeerRounds(QuorumRounds):
+class Replicas:
+  """The driver's side of the workers' replicas, before a progress policy (PeerRounds:
+  quorum rounds; peer_epochs.PeerEpochs: collaborative epochs): which version each worker
+  holds, the adopts in flight, the open version's contributions (`rows`), and its
+  collective among their workers (`_close_collective`)."""
 
   same_state = True  # every member's staged state is the same (its hash is compared)
 
@@ -93,20 +97,8 @@ class PeerRounds(QuorumRounds):
     state = self.global_call("share")
     return {GLOBAL: {**state, "snapshots": {}}}
 
-  def resume_job(self, job: dict) -> None:
-    """A checkpoint's job in flight, started again (from the restored θ: a job that had
-    started from an older one starts from it too)."""
-    self.d.pool.dispatch_own(job["worker"], self.version, job["lr_step"], job["steps"],
-                             job["order"])
-
   def summary(self) -> dict:
     return {**super().summary(), "round_form": "peers", "server_bytes_sent": 0}
-
-  # --- jobs -------------------------------------------------------------------------------
-
-  def _dispatch(self, worker: int, lr_step: int, steps: int) -> None:
-    """A job from the worker's own replica, brought up to the open round first."""
-    self.d.pool.dispatch_own(worker, self._bring_up(worker), lr_step, steps)
 
   def _bring_up(self, worker: int):
     """`worker`'s replica at the open round's version: the version (an int), or the
@@ -138,34 +130,13 @@ class PeerRounds(QuorumRounds):
           self.d.pool.lose(w, f"{type(e).__name__} adopting a peer's replica")
       self.adopting.pop(w, None)
 
-  def _contribute(self, job, meta: dict) -> int | None:
-    """Keeps the contribution's reference in the open round (the bytes stay with its
-    worker); a late one's replica is brought to the open round's θ before it closes."""
-    self.adopting.pop(job.worker, None)  # (its job waited for its adopt)
-    staleness = self.version - meta["version"]
-    if staleness % self.segments:  # another segment's fragment: no round of it is open
-      return None
-    if staleness:
-      self._bring_up(job.worker)
-    self.rows[job.worker] = (meta, job.sent)
-    return staleness
-
   def on_lose(self, worker: int) -> None:
     """A lost worker's contribution goes with it (its shards and payloads were its own)."""
+    super().on_lose(worker)
     if self.rows.pop(worker, None) is not None:
       self.d.counts.pushes_dropped += 1
     self.held.pop(worker, None)
     self.adopting.pop(worker, None)
-
-  # --- a state average between rounds (DES-LOC's moments), among the workers ------------
-
-  def _state_average(self, workers: list[int], parts) -> tuple[list, dict] | None:
-    """Each worker's parts in M shards, member j's mean of shard j, all-gathered into each
-    (replica.py): no link carries every worker's parts."""
-    return self._mean_among(
-        "a state average", workers,
-        lambda a, m: a.state_shards.options(num_returns=m + 1).remote(parts, m),
-        lambda a, reduced: a.set_state_mean.remote(parts, workers, *reduced))
 
   def _mean_among(self, what: str, workers: list[int], shards, put):
     """A mean of one vector per worker, reduced among `workers` (`shards(actor, M)`: its
@@ -196,9 +167,6 @@ class PeerRounds(QuorumRounds):
     self._lose_failed(what, workers, pending, ready)
     return None
 
-  def _state_set(self, worker: int, out: dict) -> None:
-    self._count_wire(worker, out)
-
   def _count_wire(self, worker: int, out: dict) -> None:
     n = self.d.counts
     sent, received = n.wire_bytes.get(str(worker), [0, 0])
@@ -206,7 +174,10 @@ class PeerRounds(QuorumRounds):
 
   # --- a round's close: the collective ----------------------------------------------------
 
-  def _close_segment(self) -> bool:
+  def _close_collective(self) -> dict:
+    """The open version's collective among the workers whose contributions it holds, tried
+    again without any that are lost, then committed; the version moves on (every current
+    replica's with it if nobody contributed). The rows it applied ({worker: (meta, sent)})."""
     d, n = self.d, self.d.counts
     v = self.version
     self._settle_adopts([w for w in self.rows if w in self.adopting])
@@ -221,19 +192,13 @@ class PeerRounds(QuorumRounds):
         d.timeline.collective(v, members, began, outcome, time.time())
         break
       n.collective_retries += 1
-    n.applied_steps += sum(meta["steps"] for meta, _ in self.rows.values())
-    d.timeline.applied(n.applied_steps)
-    if not self.rows:  # nobody contributed: θ stays, every current replica moves on
+    applied, self.rows = self.rows, {}
+    if not applied:  # nobody contributed: θ stays, every current replica moves on
       for w in [w for w, h in self.held.items() if h == v and w in d.pool.actors]:
         d.ray.get(d.pool.actors[w].skip.remote(v))
         self.held[w] = v + 1
-    self.rows = {}
     self.version = v + 1
-    self.segment = (self.segment + 1) % self.segments
-    n.rounds += self.segment == 0
-    self.round.open()
-    d.idle_start()
-    return self.segment == 0
+    return applied
 
   def _collective(self, v: int, members: list[int]) -> dict | None:
     """Round `v`'s collective among `members`: {worker: {hash, sent, received}}, or None
@@ -318,6 +283,58 @@ class PeerRounds(QuorumRounds):
         d.pool.lose(w, f"{type(e).__name__} committing a round")
     for w, o in outcome.items():
       self._count_wire(w, o)
+
+
+class PeerRounds(Replicas, QuorumRounds):
+  """Quorum rounds whose contributions stay with their workers until the round's collective."""
+
+  def resume_job(self, job: dict) -> None:
+    """A checkpoint's job in flight, started again (from the restored θ: a job that had
+    started from an older one starts from it too)."""
+    self.d.pool.dispatch_own(job["worker"], self.version, job["lr_step"], job["steps"],
+                             job["order"])
+
+  # --- jobs -------------------------------------------------------------------------------
+
+  def _dispatch(self, worker: int, lr_step: int, steps: int) -> None:
+    """A job from the worker's own replica, brought up to the open round first."""
+    self.d.pool.dispatch_own(worker, self._bring_up(worker), lr_step, steps)
+
+  def _contribute(self, job, meta: dict) -> int | None:
+    """Keeps the contribution's reference in the open round (the bytes stay with its
+    worker); a late one's replica is brought to the open round's θ before it closes."""
+    self.adopting.pop(job.worker, None)  # (its job waited for its adopt)
+    staleness = self.version - meta["version"]
+    if staleness % self.segments:  # another segment's fragment: no round of it is open
+      return None
+    if staleness:
+      self._bring_up(job.worker)
+    self.rows[job.worker] = (meta, job.sent)
+    return staleness
+
+  # --- a state average between rounds (DES-LOC's moments), among the workers ------------
+
+  def _state_average(self, workers: list[int], parts) -> tuple[list, dict] | None:
+    """Each worker's parts in M shards, member j's mean of shard j, all-gathered into each
+    (replica.py): no link carries every worker's parts."""
+    return self._mean_among(
+        "a state average", workers,
+        lambda a, m: a.state_shards.options(num_returns=m + 1).remote(parts, m),
+        lambda a, reduced: a.set_state_mean.remote(parts, workers, *reduced))
+
+  def _state_set(self, worker: int, out: dict) -> None:
+    self._count_wire(worker, out)
+
+  def _close_segment(self) -> bool:
+    d, n = self.d, self.d.counts
+    applied = self._close_collective()
+    n.applied_steps += sum(meta["steps"] for meta, _ in applied.values())
+    d.timeline.applied(n.applied_steps)
+    self.segment = (self.segment + 1) % self.segments
+    n.rounds += self.segment == 0
+    self.round.open()
+    d.idle_start()
+    return self.segment == 0
 
 
 class PairRounds(PeerRounds):

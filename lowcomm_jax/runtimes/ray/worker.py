@@ -308,13 +308,20 @@ class WorkerProcess:
     self.epoch = {"version": version, "view": view, "sums": sums, "micro": 0, "samples": 0,
                   "loss_sum": 0.0, "seconds": 0.0}
 
-  def micro(self, version: int, params: np.ndarray) -> dict:
-    """One micro-batch of the epoch at θ of `version`: its gradient times its samples is
-    added to the peer's sums, which stay here until `collect`. "counted" is False if that
-    epoch was collected while it ran (its samples are lost)."""
+  def micro(self, version: int, params) -> dict:
+    """One micro-batch of the epoch at θ of `version` (`params`; in the peer form its own
+    replica's, which is then at that version: `params` is what it waited for, its adopt or
+    the version): its gradient times its samples is added to the peer's sums, which stay
+    here until `collect`. "counted" is False if that epoch was collected while it ran (its
+    samples are lost)."""
     start = time.perf_counter()
     with self._lock:  # (a checkpoint reads the stream's position)
       if self.epoch is None or self.epoch["version"] != version:
+        if self.replica is not None:
+          if self.replica.version != version:
+            raise RuntimeError(f"peer {self.worker}: a micro-batch at version {version}, but "
+                               f"its replica holds version {self.replica.version}")
+          params = self.replica.params
         self._begin_epoch(version, params)
       epoch = self.epoch
       batch = self.streams.next_round(1)[:, 0]
@@ -352,4 +359,8 @@ class WorkerProcess:
                 loss=epoch["loss_sum"] / epoch["samples"], micro=epoch["micro"],
                 batch_size=self.r.topology.hosts[self.host].batch_size,
                 compute_seconds=epoch["seconds"], data=self.streams.get_state())
+    if self.replica is not None:  # kept for the epoch's collective (and a retry of it)
+      self.replica.keep(int(version), sent, meta)
+      if self.replica.reduces:
+        sent = None
     return meta, sent
