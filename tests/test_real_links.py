@@ -49,12 +49,15 @@ def test_an_error_inside_takes_the_links_and_their_processes_down():
 
 
 @needs_links
-def test_sigterm_tears_the_links_down():
+def test_sigterm_tears_the_links_down(tmp_path):
+  # The command runs once every link is up: the file says so. (Counting the links while
+  # they were being made once caught a veth's peer before it moved into its namespace.)
+  ready = tmp_path / "ready"
   proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "real_links.py"), "--nodes",
-                           "2", "--", "sleep", "60"])
+                           "2", "--", "sh", "-c", f"touch {ready}; sleep 60"])
   links = real_links.Links(2, 50, tag=f"{proc.pid % 100000:05d}")
   deadline = time.time() + 20
-  while len(links.leftovers()) < 5 and time.time() < deadline:
+  while not ready.exists() and time.time() < deadline:
     time.sleep(0.1)
   assert len(links.leftovers()) == 5, links.leftovers()
   proc.send_signal(signal.SIGTERM)
