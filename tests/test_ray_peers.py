@@ -148,6 +148,39 @@ def test_a_replica_adopts_a_peers_state_and_keeps_what_it_contributed():
     behind.apply_reduced(2, [0], [8.0], [2.0], [np.zeros(r.model.layout.size, np.float32)])
 
 
+def test_a_delayed_sync_takes_theta_before_its_collective_and_ends_where_the_plain_one_does():
+  """One-step delay in the peer form: `advance` takes θ' of round v before the round's
+  collective (the next job starts from it; a share waits for the round), then the
+  collective's outer step fills in the outer state. Two rounds that way end bit for bit
+  where the same two rounds closed one after the other end: θ and the outer state."""
+  r = _run(algorithm="one_step_delay", num_workers=2)
+  members = [0, 1]
+  theta0 = initial_params(r)
+  plain, early = (replica_lib.Replica(r, theta0, 0) for _ in range(2))
+  for v in range(2):
+    rows = _rows(r, members, seed=v)
+    tokens = [rows[w][1]["tokens"] for w in members]
+    losses = [rows[w][1]["loss"] for w in members]
+    mean = [np.asarray(sync_program.make_shard_mean(
+        r.sync, layout=r.model.layout, fragment=0)(
+            jnp.asarray(np.stack([rows[w][0] for w in members])),
+            jnp.asarray(np.asarray(r.topology.hidden_per_worker)[members]),
+            jnp.asarray(tokens, jnp.float32), np.int32(0)))]
+    before = early.params
+    moved = early.advance(v, members, tokens, losses)
+    assert early.version == v + 1 and (early.params == before).all() == (v == 0)
+    with pytest.raises(RuntimeError, match="in flight"):
+      early.share()
+    digests = [x.apply_reduced(v, members, tokens, losses, mean) for x in (plain, early)]
+    assert digests[0] == digests[1] == moved  # θ' did not wait for the mean
+    assert plain.commit(v) == early.commit(v) == v + 1
+  assert early.pending is None
+  np.testing.assert_array_equal(early.params, plain.params)
+  assert (plain.params != theta0).any()  # round 1 applied round 0's mean
+  for a, b in zip(jax.tree.leaves(early.share()), jax.tree.leaves(plain.share())):
+    np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("members", [(0, 1, 2, 3), (0, 1, 3)])  # (worker 2 lost: its peer
 def test_a_pair_swap_moves_each_member_by_its_peer_alone(members):  # keeps its own model)
   """NoLoCo in the peer form: each member sends θ_i = φ_i − Δ_i to its round's peer alone

@@ -428,13 +428,17 @@ def test_a_quorum_round_does_not_wait_for_a_slow_or_dead_worker(cluster, tmp_pat
 
 
 @pytest.mark.ray_slow
-def test_a_worker_dying_mid_collective_is_retried_among_the_survivors(cluster, tmp_path):
+@pytest.mark.parametrize("algorithm", ["diloco", "one_step_delay"])
+def test_a_worker_dying_mid_collective_is_retried_among_the_survivors(cluster, tmp_path,
+                                                                      algorithm):
   """The peer form: worker 1 dies in the middle of round 1's collective (it has taken its
   peers' shards and never answers). The round is tried again among workers 0 and 2 from
   the contributions they kept, and the run ends where one ends whose worker 1 was killed
   after contributing to round 1 and before it closed: the same contributions, applied once.
-  Every round's replicas agreed (the driver compares their hashes before any commit)."""
-  base = {"algorithm": "diloco", "rounds": 4, "num_workers": 3}
+  Every round's replicas agreed (the driver compares their hashes before any commit). With
+  one-step delay the collective runs while round 2's jobs compute (worker 1's among them):
+  the retry comes when it is settled, and θ' taken before it stands."""
+  base = {"algorithm": algorithm, "rounds": 4, "num_workers": 3}
   crashed = _config(**base, **{"ray.chaos": ("crash_in_sync=1@4",)})
   killed = _config(**base, **{"ray.chaos": ("kill_worker=1@6",)})  # round 1: pushes 4..6
   summary, events = _run(crashed, tmp_path / "crashed")
@@ -538,6 +542,12 @@ def test_every_synchronous_algorithm_on_ray_is_the_runners(cluster, tmp_path, ov
   assert summary["round_form"] == "peers" and summary["server_bytes_sent"] == 0
   assert summary["wire_bytes_per_worker"] == {str(w): [summary["bytes_sent"]] * 2
                                                for w in range(config.num_workers)}
+  if overrides["algorithm"] in ("one_step_delay", "eager"):  # its collective ran beside
+    w = config.num_workers  # the next jobs: round v + 1's dispatched before round v committed
+    dispatched = sorted(m[2] for m in summary["job_moments"])
+    committed = [c[6] for c in summary["collective_moments"]]
+    assert all(max(dispatched[w * (v + 1):w * (v + 2)]) < committed[v] for v in range(2)), (
+        dispatched, committed)
 
 
 @pytest.mark.ray_slow

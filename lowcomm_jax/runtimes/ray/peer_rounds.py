@@ -200,12 +200,14 @@ class Replicas:
     self.version = v + 1
     return applied
 
-  def _collective(self, v: int, members: list[int]) -> dict | None:
-    """Round `v`'s collective among `members`: {worker: {hash, sent, received}}, or None
-    after losing the members that died or did not finish in time (then try again)."""
+  def _collective(self, v: int, members: list[int], staged=None) -> dict | None:
+    """Round `v`'s collective among `members` (`staged`: its references, if it is already
+    started): {worker: {hash, sent, received}}, or None after losing the members that died
+    or did not finish in time (then try again)."""
     d, pool = self.d, self.d.pool
-    crash, pool.crash_in_sync = pool.crash_in_sync, None
-    staged = self._start_collective(v, members, crash)
+    if staged is None:
+      crash, pool.crash_in_sync = pool.crash_in_sync, None
+      staged = self._start_collective(v, members, crash)
     ready, _ = d.ray.wait(staged, num_returns=len(staged),
                           timeout=d.c.ray.collective_timeout_s)
     try:
@@ -223,9 +225,9 @@ class Replicas:
   def _start_collective(self, v: int, members: list[int], crash: int | None) -> list:
     """Round `v`'s collective among `members` (worker `crash` dies in it: chaos), started:
     the reference of each member's staged outcome."""
-    pool = self.d.pool
+    pool, rows = self.d.pool, self._rows_of(v)
     actors = [pool.actors[w] for w in members]
-    metas = {w: self.rows[w][0] for w in members}
+    metas = {w: rows[w][0] for w in members}
     if self.reduces:
       m = len(members)
       tokens = [float(metas[w]["tokens"]) for w in members]
@@ -243,9 +245,14 @@ class Replicas:
       small = {w: {k: metas[w][k] for k in ("tokens", "loss", "codec_key") if k in metas[w]}
                for w in members}
       staged = [actor.apply_gathered.remote(v, small, w == crash,
-                                            *[self.rows[i][1] for i in members])
+                                            *[rows[i][1] for i in members])
                 for w, actor in zip(members, actors)]
     return staged
+
+  def _rows_of(self, v: int) -> dict:
+    """The contributions of round `v` (the open one)."""
+    del v
+    return self.rows
 
   def _lose_failed(self, what: str, members, pending, ready) -> None:
     """After a failed collective (`what`: a round's collective, a state average): the
@@ -286,7 +293,100 @@ class Replicas:
 
 
 class PeerRounds(Replicas, QuorumRounds):
-  """Quorum rounds whose contributions stay with their workers until the round's collective."""
+  """Quorum rounds whose contributions stay with their workers until the round's collective.
+
+  A delayed sync (`Algorithm.delayed_sync`: one-step delay, eager), a dense mean and one
+  segment: the round's close takes θ' on every member at once (`advance`: θ', and what a
+  worker rule reads of the outer state, do not depend on the round's own mean), the next
+  jobs start from it,
+  and the round's collective runs while they compute, as the lockstep runtime runs it in the
+  next round's program. It is settled (waited for, tried again without members lost,
+  committed) before the next round closes, and before anything reads or copies a replica
+  (evaluation, a checkpoint, a heal)."""
+
+  def __init__(self, d):
+    super().__init__(d)
+    r = d.r
+    self.overlaps = r.algorithm.delayed_sync and self.reduces and self.segments == 1
+    # the round whose collective runs meanwhile: (version, {worker: (meta, sent)}, its
+    # members, their staged references, when it began)
+    self.pending = None
+
+  def _rows_of(self, v: int) -> dict:
+    if self.pending is not None and self.pending[0] == v:
+      return self.pending[1]
+    return self.rows
+
+  def _settle(self) -> None:
+    """The round in flight's collective, waited for (tried again among its members left)
+    and committed."""
+    if self.pending is None:
+      return
+    d, n = self.d, self.d.counts
+    v, rows, members, staged, began = self.pending
+    while members:
+      outcome = self._collective(v, members, staged)
+      if outcome is not None:
+        self._commit(v, members, outcome)
+        d.timeline.collective(v, members, began, outcome, time.time())
+        break
+      n.collective_retries += 1
+      members, staged = [w for w in members if w in d.pool.actors], None
+    self.pending = None
+    self._applied(rows[w] for w in members)
+
+  def _applied(self, rows) -> None:
+    """Counts the inner steps of the contributions a round's collective applied."""
+    d, n = self.d, self.d.counts
+    n.applied_steps += sum(meta["steps"] for meta, _ in rows)
+    d.timeline.applied(n.applied_steps)
+
+  def global_call(self, method: str):
+    self._settle()
+    return super().global_call(method)
+
+  def global_states(self, in_flight) -> dict:
+    self._settle()
+    return super().global_states(in_flight)
+
+  def _bring_up(self, worker: int):
+    if self.held.get(worker) != self.version and worker not in self.adopting:
+      self._settle()  # (a peer's replica is copied whole: with the round in flight applied)
+    return super()._bring_up(worker)
+
+  def _advance(self) -> None:
+    """The open round's θ' on each of its members (`advance`), its collective started. A
+    member that dies taking θ' is lost with its contribution."""
+    d, pool = self.d, self.d.pool
+    v = self.version
+    self._settle_adopts([w for w in self.rows if w in self.adopting])
+    members = [w for w in sorted(self.rows) if w in pool.actors]
+    tokens = [float(self.rows[w][0]["tokens"]) for w in members]
+    losses = [float(self.rows[w][0].get("loss", 0.0)) for w in members]
+    refs = {w: pool.actors[w].advance.remote(v, members, tokens, losses) for w in members}
+    hashes = {}
+    for w, ref in refs.items():
+      try:
+        hashes[w] = d.ray.get(ref)
+      except d.ray.exceptions.RayActorError as e:
+        pool.lose(w, f"{type(e).__name__} taking round {v}'s θ'")
+    if len(set(hashes.values())) > 1:
+      raise RuntimeError(f"round {v}: the members' θ' differ ({hashes}); the replicas have "
+                         "diverged")
+    rows, self.rows = self.rows, {}
+    members = [w for w in members if w in hashes and w in pool.actors]
+    for w in members:
+      self.held[w] = v + 1
+    if members:
+      began = time.time()
+      self.pending = (v, rows, members, None, began)
+      crash, pool.crash_in_sync = pool.crash_in_sync, None
+      self.pending = (v, rows, members, self._start_collective(v, members, crash), began)
+    else:  # nobody contributed: θ stays, every current replica moves on
+      for w in [w for w, h in self.held.items() if h == v and w in pool.actors]:
+        d.ray.get(pool.actors[w].skip.remote(v))
+        self.held[w] = v + 1
+    self.version = v + 1
 
   def resume_job(self, job: dict) -> None:
     """A checkpoint's job in flight, started again (from the restored θ: a job that had
@@ -325,11 +425,19 @@ class PeerRounds(Replicas, QuorumRounds):
   def _state_set(self, worker: int, out: dict) -> None:
     self._count_wire(worker, out)
 
+  def work_to_mark(self) -> bool:
+    done = super().work_to_mark()
+    if done:  # the last round's collective, before the run's end reads a replica
+      self._settle()
+    return done
+
   def _close_segment(self) -> bool:
     d, n = self.d, self.d.counts
-    applied = self._close_collective()
-    n.applied_steps += sum(meta["steps"] for meta, _ in applied.values())
-    d.timeline.applied(n.applied_steps)
+    self._settle()
+    if self.overlaps:  # (its steps are counted when its collective is settled)
+      self._advance()
+    else:
+      self._applied(self._close_collective().values())
     self.segment = (self.segment + 1) % self.segments
     n.rounds += self.segment == 0
     self.round.open()
@@ -369,7 +477,7 @@ class PairRounds(PeerRounds):
   def _start_collective(self, v: int, members: list[int], crash: int | None) -> list:
     pool = self.d.pool
     peer = self.d.r.sync.partners(v)
-    payloads = {w: pool.actors[w].swap_payload.remote(self.rows[w][0]["version"])
+    payloads = {w: pool.actors[w].swap_payload.remote(self._rows_of(v)[w][0]["version"])
                 for w in members}
     return [pool.actors[w].apply_swap.remote(v, w == crash, payloads[w],
                                              payloads.get(peer[w]))

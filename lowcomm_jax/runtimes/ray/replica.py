@@ -116,6 +116,9 @@ class Replica:
     self._set(0, params, own_rows(initial_rule_state(r, GLOBAL, params), worker)
               if self.pairs else initial_rule_state(r, GLOBAL, params))
     self.kept = {}  # the version a contribution was computed from -> (what it sent, meta)
+    # A delayed sync's round whose collective runs while the next jobs compute (`advance`):
+    # (its version, its members, θ and the outer state before it)
+    self.pending = None
     self.staged = None  # (round version, TrainState) of the round being closed
     self.moments = {}  # when this member finished each step of the open round's collective
 
@@ -127,6 +130,8 @@ class Replica:
     """The replica as host arrays: what a joining or lagging worker adopts, and what a
     checkpoint keeps of the run's global state."""
     with self._lock:
+      if self.pending is not None:  # (the driver settles a round in flight first)
+        raise RuntimeError(f"share with round {self.pending[0]}'s collective in flight")
       return {"params": np.asarray(self.params), "opt_state": jax.device_get(self.opt_state),
               "version": self.version}
 
@@ -134,7 +139,7 @@ class Replica:
     """Takes a peer's (or a checkpoint's) replica; what it contributed is kept."""
     self._set(int(state["version"]), jnp.asarray(state["params"]),
               jax.tree.map(jnp.asarray, state["opt_state"]))
-    self.staged = None
+    self.staged = self.pending = None
     return self.version
 
   def keep(self, version: int, sent, meta: dict) -> None:
@@ -198,11 +203,38 @@ class Replica:
     return layout.fragment(fragment).size
 
   def _state(self, round_version: int) -> steps.TrainState:
-    if self.version != round_version:
+    if self.pending is not None and self.pending[0] == round_version:
+      params, opt_state = self.pending[2:]  # (θ has moved on: `advance`)
+    elif self.version != round_version:
       raise RuntimeError(f"a round of version {round_version} reached a replica at "
                          f"version {self.version}: it was not brought up to date")
+    else:
+      params, opt_state = self.params, self.opt_state
     return steps.TrainState(jnp.asarray(round_version // self.segments, jnp.int32),
-                            self._rng, self.params, steps.OuterState((), self.opt_state))
+                            self._rng, params, steps.OuterState((), opt_state))
+
+  def _signals(self, members: list[int], tokens, losses) -> steps.Signals:
+    slots = self.r.config.num_workers
+    tokens_S, losses_S = np.zeros(slots, np.float32), np.zeros(slots, np.float32)
+    tokens_S[members], losses_S[members] = tokens, losses
+    return round_signals(self.r, tokens_S, losses_S)
+
+  def advance(self, round_version: int, members: list[int], tokens, losses) -> str:
+    """A delayed sync's round (`Algorithm.delayed_sync`: one-step delay): θ' does not depend
+    on the round's own mean, so it is taken now, the outer step run with zeros in the mean's
+    place, and the next job starts from it while the round's collective runs. The outer
+    state it leaves is right in what a worker rule reads (eager's), which the delayed sync
+    says does not depend on the mean either; the rest of it (the mean kept for the next
+    round) comes with the collective (`apply_reduced`, `commit`). The hash of θ'."""
+    state = self._state(round_version)
+    zeros = jnp.zeros(self._fragment_size(round_version), jnp.float32)
+    new = self._applies[round_version % self.segments](
+        state, zeros, self._signals(members, tokens, losses), full=self._full(members))
+    with self._lock:  # (what a worker rule reads of the outer state is θ''s kind: eager's)
+      self.pending = (round_version, list(members), self.params, self.opt_state)
+      self.version, self.params, self.opt_state = (round_version + 1, new.params,
+                                                   new.outer.per_fragment)
+    return params_hash(new.params)
 
   def _full(self, members) -> bool:
     return len(members) == self.r.config.num_workers
@@ -210,12 +242,14 @@ class Replica:
   def apply_reduced(self, round_version: int, members: list[int], tokens, losses,
                     reduced) -> str:
     """Stages the outer step on the all-gathered mean; its θ's hash."""
-    slots = self.r.config.num_workers
-    tokens_S, losses_S = np.zeros(slots, np.float32), np.zeros(slots, np.float32)
-    tokens_S[members], losses_S[members] = tokens, losses
     state = self._applies[round_version % self.segments](
         self._state(round_version), jnp.asarray(np.concatenate(reduced)),
-        round_signals(self.r, tokens_S, losses_S), full=self._full(members))
+        self._signals(members, tokens, losses), full=self._full(members))
+    pending = self.pending
+    if (pending is not None and pending[0] == round_version and pending[1] == list(members)
+        and params_hash(state.params) != params_hash(self.params)):
+      raise RuntimeError(f"round {round_version}: θ' moved with the round's own mean, which "
+                         f"{self.r.config.algorithm}'s delayed sync says it does not")
     return self._stage(round_version, state)
 
   def apply_gathered(self, round_version: int, rows: dict) -> str:
@@ -234,13 +268,17 @@ class Replica:
 
   def commit(self, round_version: int) -> int:
     """The staged round becomes the replica (nothing if it is already applied); the
-    contributions it took are let go."""
-    if self.version == round_version + 1:
+    contributions it took are let go. A round `advance` took θ' of keeps it (the next jobs
+    started from it) and takes the outer state."""
+    pending = self.pending is not None and self.pending[0] == round_version
+    if self.version == round_version + 1 and not pending:
       return self.version
     version, state = self.staged
     if version != round_version:
       raise RuntimeError(f"commit of round {round_version}, but round {version} is staged")
-    self._set(round_version + 1, state.params, state.outer.per_fragment)
+    with self._lock:
+      params, self.pending = (self.params if pending else state.params), None
+    self._set(round_version + 1, params, state.outer.per_fragment)
     self.staged = None
     self.kept = {v: kept for v, kept in self.kept.items() if v > round_version}
     return self.version

@@ -236,6 +236,9 @@ class WorkerProcess:
     self.replica.moments["reduced"] = time.time()
     return mean
 
+  def advance(self, round_version: int, members: list[int], tokens, losses) -> str:
+    return self.replica.advance(round_version, members, tokens, losses)
+
   def apply_reduced(self, round_version: int, members: list[int], tokens, losses,
                     *reduced) -> dict:
     digest = self.replica.apply_reduced(round_version, members, tokens, losses, reduced)
