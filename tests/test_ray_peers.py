@@ -260,6 +260,11 @@ def test_the_form_follows_the_collective_and_the_algorithm():
 @pytest.mark.parametrize("overrides,field", [
     ({"ray.collective_timeout_s": 1.0}, "ray.collective_timeout_s"),
     ({"sim.network.collective": "hierarchical"}, "sim.network.collective"),  # one region
+    # two regions, but payloads all-gathered whole (a codec) or a pair swap (NoLoCo)
+    ({"sim.network.collective": "hierarchical", "sim.network.regions": 2,
+      "compress.codec": "int8"}, "sim.network.collective"),
+    ({"algorithm": "noloco", "num_workers": 4, "sim.network.collective": "hierarchical",
+      "sim.network.regions": 2}, "sim.network.collective"),
     ({"algorithm": "async_dn", "sim.network.collective": "ring"}, "sim.network.collective"),
     ({"ray.chaos": ("kill_server@2",)}, "ray.chaos"),  # the peer form has no server
     ({"ray.chaos": ("crash_in_sync=0@2",), "sim.network.collective": "server"}, "ray.chaos"),
@@ -268,3 +273,106 @@ def test_the_form_follows_the_collective_and_the_algorithm():
 def test_bad_collective_input_is_one_line_naming_its_field(overrides, field):
   text = _problems(algorithm=overrides.pop("algorithm", "diloco"), **overrides)
   assert text.count(field + "=") == 1, text
+
+
+def test_a_hierarchical_dense_mean_over_regions_is_accepted():
+  assert _problems(algorithm="diloco", **{"sim.network.collective": "hierarchical",
+                                          "sim.network.regions": 2}) == ""
+
+
+@pytest.mark.parametrize("intra_gbps,inter_gbps", [(100.0, 1.0), (0.1, 100.0)])
+def test_auto_reduces_by_region_where_the_simulators_model_does(intra_gbps, inter_gbps):
+  """'auto' on Ray picks what the simulator picks for the same network and members
+  (sim/collectives.seconds): by region over slow links between regions (1 Gb/s against
+  100 Gb/s inside), one direct exchange where the NICs are the slow ones (0.1 Gb/s: a
+  leader's link would carry its region's sums too). No latency, so bandwidth decides."""
+  import types
+  from lowcomm_jax.assemble.plan import make_plan
+  from lowcomm_jax.runtimes.ray.peer_rounds import PeerRounds
+  from lowcomm_jax.sim import collectives
+  r = _run(num_workers=4, **{"sim.network.regions": 2, "sim.network.inter_gbps": inter_gbps,
+                            "sim.network.intra_gbps": intra_gbps,
+                            "sim.network.intra_latency_s": 0.0,
+                            "sim.network.inter_latency_s": 0.0})
+  plan = make_plan(r.config, r)
+  fake = types.SimpleNamespace(d=types.SimpleNamespace(c=r.config, plan=plan, r=r))
+  groups = PeerRounds._regions_of(fake, [0, 1, 2, 3])
+  picked = collectives.seconds(plan.network, "allreduce", [0, 1, 2, 3],
+                               4 * r.model.layout.size)[1]
+  assert (groups is not None) == (picked == "hierarchical") == (inter_gbps < intra_gbps)
+  assert groups in (None, [[0, 1], [2, 3]])
+  assert PeerRounds._regions_of(fake, [0, 1]) is None  # (one region among these members)
+
+
+@pytest.mark.parametrize("overrides,regions", [
+    ({}, [0, 0, 1]),  # a region of two and one of one
+    ({"aggregate.weighting": "tokens"}, [0, 1, 1, 0]),  # the regions interleaved in ids
+])
+def test_a_hierarchical_reduce_is_the_flat_rounds_mean_on_every_member(overrides, regions):
+  """The reduce by region as peer_rounds drives it (each step a Replica's, in the order of
+  `Replicas._start_hierarchical`): region sums of each shard, cut into the leaders' pieces,
+  each piece divided by every member's weight, the mean cut again and all-gathered in each
+  region. Every member stages the same θ', which is the direct exchange's up to the order of
+  the sum; each member's link bytes are `hierarchical_bytes`."""
+  members = list(range(len(regions)))
+  r = _run(num_workers=len(members), **overrides)
+  rows = _rows(r, members)
+  flat, _ = _peer_round(r, rows)
+  replicas = {w: replica_lib.Replica(r, initial_params(r), w) for w in members}
+  for w in members:
+    replicas[w].keep(0, *rows[w])
+  groups = [[w for w in members if regions[w] == g] for g in sorted(set(regions))]
+  tokens = [rows[w][1]["tokens"] for w in members]
+  losses = [rows[w][1]["loss"] for w in members]
+  cut = lambda parts, whole: [whole[a:b] for a, b in replica_lib.shard_bounds(len(whole), parts)]
+  pieces = []
+  for group in groups:
+    k = len(group)
+    shards = {w: replicas[w].shards(0, k) for w in group}
+    sums = [replicas[w].sum_shard(0, j, group, [rows[i][1]["tokens"] for i in group],
+                                  [shards[i][j] for i in group]) for j, w in enumerate(group)]
+    pieces.append(cut(len(groups), np.concatenate(sums)))
+  means = [replicas[groups[h][0]].divide_piece(0, h, len(groups), members, tokens,
+                                               [p[h] for p in pieces])
+           for h in range(len(groups))]
+  hashes = set()
+  for group in groups:
+    spread = cut(len(group), np.concatenate(means))
+    for w in group:
+      hashes.add(replicas[w].apply_reduced(0, members, tokens, losses, spread))
+      assert replicas[w].commit(0) == 1
+  assert len(hashes) == 1
+  theta = replicas[0].params
+  np.testing.assert_allclose(theta, flat[0].params, rtol=0, atol=1e-7)
+  assert (theta != initial_params(r)).any()
+  # The bytes, counted object by object: what each step made on one worker and another
+  # took (peer_rounds' placement: sums on the shard's owner, cuts and pieces on the leaders,
+  # each member's relayed shard on it)
+  n, wire, across = r.model.layout.size, {w: [0, 0] for w in members}, {}
+  def move(source, sink, array):
+    if source != sink:
+      wire[source][0] += array.nbytes
+      wire[sink][1] += array.nbytes
+    if regions[source] != regions[sink]:
+      across[source] = across.get(source, 0) + array.nbytes
+  for g, group in enumerate(groups):
+    shards = {w: cut(len(group), rows[w][0]) for w in group}
+    for j, owner in enumerate(group):
+      for i in group:
+        move(i, owner, shards[i][j])  # the reduce-scatter inside the region
+      move(owner, group[0], shards[owner][j])  # its shard of the sums, to the leader
+    for h in range(len(groups)):
+      move(group[0], groups[h][0], pieces[g][h])  # the leaders' reduce-scatter ...
+      move(groups[h][0], group[0], means[h])  # ... and all-gather
+    spread = cut(len(group), np.concatenate(means))
+    for j, owner in enumerate(group):
+      move(group[0], owner, spread[j])  # the leader's shards of the mean, out
+      for w in group:
+        move(owner, w, spread[j])  # the all-gather inside the region
+  expect = replica_lib.hierarchical_bytes(n, groups)
+  assert {w: [e["sent"], e["received"]] for w, e in expect.items()} == wire
+  # Only the leaders cross regions, each with one all-reduce's share of the leaders' ring
+  # (2·(G−1)/G of the payload), where in the direct exchange every member does.
+  pieces_n = np.diff(replica_lib.shard_bounds(n, len(groups))).ravel()
+  assert across == {g[0]: 4 * int(n - pieces_n[h] + pieces_n[h] * (len(groups) - 1))
+                    for h, g in enumerate(groups)}

@@ -476,6 +476,31 @@ def test_a_driver_restarted_from_its_checkpoint_ends_where_the_uninterrupted_run
   assert resumed["eval_loss"] == plain["eval_loss"]
 
 
+@pytest.mark.ray_slow
+def test_a_hierarchical_round_reduces_by_region_and_ends_where_the_flat_one_does(
+    cluster, tmp_path):
+  """Three workers in two regions (0, 0 | 1), DiLoCo with token weights: every round's mean
+  is reduced by region (region sums, the leaders' exchange, the mean back out), each
+  worker's link carrying `hierarchical_bytes` a round, and the run ends where the same run
+  in one direct exchange ends, up to the order of the sums."""
+  from lowcomm_jax.runtimes.ray import replica as replica_lib
+  same = {"algorithm": "diloco", "num_workers": 3, "aggregate.weighting": "tokens",
+          "sim.network.regions": 2, "sim.network.worker_regions": (0, 0, 1)}
+  tiered = _config(**same, **{"sim.network.collective": "hierarchical"})
+  summary, _ = _run(tiered, tmp_path / "hierarchical")
+  ring = _config(**same, **{"sim.network.collective": "ring"})
+  flat, _ = _run(ring, tmp_path / "flat")
+  assert summary["hierarchical_collectives"] == 3 and flat["hierarchical_collectives"] == 0
+  n = summary["params"]
+  per_round = replica_lib.hierarchical_bytes(n, [[0, 1], [2]])
+  assert summary["wire_bytes_per_worker"] == {
+      str(w): [3 * b["sent"], 3 * b["received"]] for w, b in per_round.items()}
+  np.testing.assert_allclose(_ray_checkpointed_params(tiered, tmp_path / "hierarchical"),
+                             _ray_checkpointed_params(ring, tmp_path / "flat"),
+                             rtol=0, atol=1e-6)
+  assert summary["bytes_sent"] == flat["bytes_sent"]  # (the ledger counts payloads)
+
+
 def test_a_joining_worker_takes_theta_from_a_peer(cluster, tmp_path):
   """The peer form: a worker that joins mid-run adopts a live peer's replica (θ and the outer
   state) before its first job, contributes, and ends with the others' θ (the rounds it was

@@ -175,6 +175,36 @@ def make_shard_mean(sync, *, layout: ParamLayout, fragment: int):
   return mean
 
 
+def make_shard_sum(sync, *, layout: ParamLayout, fragment: int):
+  """`sum(Δ[M, n], hidden[M], tokens[M], start) -> [n]`: one shard's weighted sum Σ a_w Δ_w
+  over M members, undivided: a region's part of a hierarchical reduce (the Ray runtime's
+  peer form), the regions' parts then added and divided (`make_shard_divide`)."""
+  weights = _row_weights(sync, layout.fragment(fragment))
+
+  def total(deltas_MxN, hidden_M, tokens_M, start):
+    a_MxN = jax.lax.dynamic_slice_in_dim(
+        weights(Signals(hidden_M, tokens_M, jnp.zeros_like(tokens_M))), start,
+        deltas_MxN.shape[1], axis=1)
+    return (a_MxN * deltas_MxN).sum(0)
+
+  return total
+
+
+def make_shard_divide(sync, *, layout: ParamLayout, fragment: int):
+  """`divide(sums[G, n], hidden[M], tokens[M], start) -> [n]`: G regions' sums of one shard
+  (`make_shard_sum`) added and divided by the weight of all M members: the shard's mean, as
+  `make_shard_mean` gives it up to the order of the sum."""
+  weights = _row_weights(sync, layout.fragment(fragment))
+
+  def divide(sums_GxN, hidden_M, tokens_M, start):
+    total = jax.lax.dynamic_slice_in_dim(
+        weights(Signals(hidden_M, tokens_M, jnp.zeros_like(tokens_M))), start,
+        sums_GxN.shape[1], axis=1).sum(0)
+    return sums_GxN.sum(0) / jnp.where(total > 0, total, 1.0)
+
+  return divide
+
+
 def make_reduced_apply(sync, rule: optax.GradientTransformation, *, layout: ParamLayout,
                        fragment: int, count: int, last: bool):
   """`apply(state, combined[N_p], signals, full) -> state`: the outer step of fragment p

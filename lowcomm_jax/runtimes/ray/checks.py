@@ -20,6 +20,20 @@ def peer_capable(c: ml_collections.ConfigDict, algorithm) -> str:
   return ""
 
 
+def hierarchical_flat(c: ml_collections.ConfigDict, algorithm) -> str:
+  """Why the peer form's rounds of `algorithm` have no hierarchical reduce ('': they have):
+  the reduce by region adds region sums of a dense mean, where payloads all-gathered whole
+  (a codec's, a robust rule's rows, an attack's) or a pair swap have none."""
+  from lowcomm_jax.programs.sync import robust_combination  # (plain Python: no jax)
+  if c.compress.codec != "none" or robust_combination(c) or list(c.attack.workers):
+    return ("a codec, a robust rule or signal weights, or an attack all-gathers the "
+            "members' payloads whole (compress.codec, aggregate.*, attack.workers)")
+  rule = algorithm.worker_rule(c)
+  if rule is not None and getattr(rule, "swaps_with_a_peer", False):
+    return f"{c.algorithm}'s rounds are swaps between two workers"
+  return ""
+
+
 def round_form(c: ml_collections.ConfigDict, algorithm) -> str:
   """How a Ray run's rounds move their bytes: 'peers' (the quorum's workers reduce among
   themselves, each holding θ: replica.py) where the algorithm has that form and
@@ -81,9 +95,10 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
   check(collective != "hierarchical" or regions > 1, "sim.network.collective",
         "'hierarchical' reduces inside each region, then across them, and the network has "
         "one region: use 'ring', or give sim.network.regions > 1")
-  check(collective != "hierarchical" or regions <= 1, "sim.network.collective",
-        "the Ray runtime's rounds reduce in one ring-like exchange among the quorum; "
-        "'hierarchical' is not built on Ray yet: use 'ring' or 'auto'")
+  if algorithm is not None and collective == "hierarchical" and not why:
+    flat = hierarchical_flat(c, algorithm)
+    check(not flat, "sim.network.collective",
+          f"{flat}: 'hierarchical' is for a dense mean on Ray; use 'ring' or 'auto'")
   sizes = list(y.batch_sizes)
   check(not sizes or (len(sizes) == c.num_workers and min(sizes) >= 1), "ray.batch_sizes",
         f"give one batch size >= 1 per worker ({c.num_workers}), or () for data.batch_size")

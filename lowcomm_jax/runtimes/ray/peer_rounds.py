@@ -28,7 +28,7 @@ from lowcomm_jax.programs import sync_program
 from lowcomm_jax.runtimes.ray.actors import initial_rule_state
 from lowcomm_jax.runtimes.ray.quorum import QuorumRounds
 from lowcomm_jax.runtimes.ray.replica import own_rows
-from lowcomm_jax.sim import GLOBAL
+from lowcomm_jax.sim import GLOBAL, collectives
 
 
 class Replicas:
@@ -47,6 +47,7 @@ class Replicas:
     self.adopting: dict[int, object] = {}  # worker -> its adopt's reference, in flight
     self.restored = None  # a resumed run's global state (object ref), for the workers
     self.reduces = sync_program.peer_reduces(d.r.sync)
+    self.hierarchical = 0  # collectives reduced by region (since this driver started)
 
   # --- what the driver asks of the global state -------------------------------------------
 
@@ -98,7 +99,8 @@ class Replicas:
     return {GLOBAL: {**state, "snapshots": {}}}
 
   def summary(self) -> dict:
-    return {**super().summary(), "round_form": "peers", "server_bytes_sent": 0}
+    return {**super().summary(), "round_form": "peers", "server_bytes_sent": 0,
+            "hierarchical_collectives": self.hierarchical}
 
   def _bring_up(self, worker: int):
     """`worker`'s replica at the open round's version: the version (an int), or the
@@ -228,6 +230,9 @@ class Replicas:
     pool, rows = self.d.pool, self._rows_of(v)
     actors = [pool.actors[w] for w in members]
     metas = {w: rows[w][0] for w in members}
+    groups = self._regions_of(members) if self.reduces else None
+    if groups is not None:
+      return self._start_hierarchical(v, members, groups, metas, crash)
     if self.reduces:
       m = len(members)
       tokens = [float(metas[w]["tokens"]) for w in members]
@@ -248,6 +253,59 @@ class Replicas:
                                             *[rows[i][1] for i in members])
                 for w, actor in zip(members, actors)]
     return staged
+
+  def _regions_of(self, members: list[int]) -> list[list[int]] | None:
+    """The members by region, where the round reduces hierarchically: `sim.network.collective`
+    'hierarchical', or 'auto' where the simulator's rule picks it for these members (its
+    model of the network, `sim/collectives.seconds`); None: one direct exchange."""
+    how, net = self.d.c.sim.network.collective, self.d.plan.network
+    if how not in ("auto", "hierarchical") or max(members) >= len(net.worker_region):
+      return None  # (a joined worker's id is past the network's placement: flat)
+    by_region = {}
+    for w in members:
+      by_region.setdefault(net.worker_region[w], []).append(w)
+    if len(by_region) < 2:
+      return None
+    if how == "auto":
+      nbytes = 4 * self.d.r.model.layout.size * net.bytes_scale
+      if collectives.seconds(net, "allreduce", members, nbytes)[1] != "hierarchical":
+        return None
+    return [by_region[k] for k in sorted(by_region)]
+
+  def _start_hierarchical(self, v: int, members: list[int], groups, metas, crash) -> list:
+    """Round `v`'s dense mean reduced by region (replica.hierarchical_bytes: inside each
+    region a reduce-scatter and its sums to the leader; the leaders' reduce-scatter and
+    all-gather; the mean's shards back out and all-gathered in each region), then the outer
+    step on every member: the reference of each member's staged outcome, in `members`'
+    order."""
+    self.hierarchical += 1
+    actor = self.d.pool.actors.__getitem__
+    tokens = [float(metas[w]["tokens"]) for w in members]
+    losses = [float(metas[w].get("loss", 0.0)) for w in members]
+    refs = lambda out, k: list(out) if k > 1 else [out]  # (num_returns=1: one reference)
+    count = len(groups)
+    pieces = []  # each region's sums, cut into the leaders' pieces (at its leader)
+    for group in groups:
+      k = len(group)
+      shards = {w: refs(actor(w).scatter.options(num_returns=k).remote(metas[w]["version"], k),
+                        k) for w in group}
+      sums = [actor(w).sum_shard.remote(v, j, group, [float(metas[i]["tokens"]) for i in group],
+                                        w == crash, *[shards[i][j] for i in group])
+              for j, w in enumerate(group)]
+      pieces.append(refs(actor(group[0]).cut.options(num_returns=count).remote(count, *sums),
+                         count))
+    means = [actor(groups[h][0]).divide_piece.remote(v, h, count, members, tokens,
+                                                     *[p[h] for p in pieces])
+             for h in range(count)]
+    staged = {}
+    for group in groups:
+      k = len(group)
+      spread = refs(actor(group[0]).cut.options(num_returns=k).remote(k, *means), k)
+      relayed = [actor(w).relay.remote(spread[j]) for j, w in enumerate(group)]
+      for w in group:
+        staged[w] = actor(w).apply_hierarchical.remote(v, members, tokens, losses, groups,
+                                                       *relayed)
+    return [staged[w] for w in members]
 
   def _rows_of(self, v: int) -> dict:
     """The contributions of round `v` (the open one)."""

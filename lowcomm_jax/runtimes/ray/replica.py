@@ -69,6 +69,28 @@ def gathered_bytes(reduced, index: int) -> dict:
   return {"sent": both, "received": both}
 
 
+def hierarchical_bytes(n: int, groups: list[list[int]], itemsize: int = 4) -> dict:
+  """Each member's link bytes in the hierarchical reduce of an n-coordinate mean among
+  `groups` (the members by region, each led by its first): inside each region a
+  reduce-scatter (k shards) and the region's sums gathered at its leader; the leaders'
+  reduce-scatter (G pieces) and all-gather; each leader's shards of the mean out to its
+  region, and an all-gather there. Every phase has its mirror, so sent equals received."""
+  piece = [b - a for a, b in shard_bounds(n, len(groups))]
+  out = {}
+  for h, group in enumerate(groups):
+    k = len(group)
+    shard = [b - a for a, b in shard_bounds(n, k)]
+    for j, w in enumerate(group):
+      own = shard[j]
+      both = (n - own) + own * (k - 1)  # the region's reduce-scatter and all-gather
+      if j == 0:  # the leader: its region's shards in, the leaders' exchange, shards out
+        both += (n - own) + (n - piece[h]) + piece[h] * (len(groups) - 1)
+      else:  # its shard of the region's sums to the leader; its shard of the mean back
+        both += own
+      out[w] = {"sent": both * itemsize, "received": both * itemsize}
+  return out
+
+
 def mean_rows(*rows: np.ndarray) -> np.ndarray:
   """The mean of the members' rows, as the server's state average takes it (`average_parts`:
   the same sum in the same order, so a shard of it is that mean's shard bit for bit)."""
@@ -104,6 +126,12 @@ class Replica:
     self._means = [jax.jit(sync_program.make_shard_mean(r.sync, layout=layout,
                                                         fragment=s.sync))
                    for s in segments] if self.reduces else None
+    # a hierarchical reduce's pieces (`hierarchical_bytes`): a region's sums, their mean
+    self._sums = [jax.jit(sync_program.make_shard_sum(r.sync, layout=layout, fragment=s.sync))
+                  for s in segments] if self.reduces else None
+    self._divides = [jax.jit(sync_program.make_shard_divide(r.sync, layout=layout,
+                                                            fragment=s.sync))
+                     for s in segments] if self.reduces else None
     self._applies = [jax.jit(sync_program.make_reduced_apply(
         r.sync, r.outer_rules[s.sync], layout=layout, fragment=s.sync, count=len(segments),
         last=k == len(segments) - 1), static_argnames="full")
@@ -194,6 +222,29 @@ class Replica:
     mean = self._means[round_version % self.segments](
         jnp.asarray(np.stack(shards)), jnp.asarray(hidden),
         jnp.asarray(tokens, jnp.float32), np.int32(start))
+    return np.asarray(mean)
+
+  # --- a hierarchical reduce (by region): sums in each region, the leaders' mean ---------
+
+  def sum_shard(self, round_version: int, index: int, group: list[int], tokens,
+                shards) -> np.ndarray:
+    """Shard `index` (of len(group)) of the region's weighted sum, undivided."""
+    start = shard_bounds(self._fragment_size(round_version), len(group))[index][0]
+    hidden = np.asarray(self.r.topology.hidden_per_worker)[group]
+    total = self._sums[round_version % self.segments](
+        jnp.asarray(np.stack(shards)), jnp.asarray(hidden), jnp.asarray(tokens, jnp.float32),
+        np.int32(start))
+    return np.asarray(total)
+
+  def divide_piece(self, round_version: int, index: int, groups: int, members: list[int],
+                   tokens, pieces) -> np.ndarray:
+    """Piece `index` (of `groups`) of the mean: the regions' sums of it, added and divided
+    by every member's weight."""
+    start = shard_bounds(self._fragment_size(round_version), groups)[index][0]
+    hidden = np.asarray(self.r.topology.hidden_per_worker)[members]
+    mean = self._divides[round_version % self.segments](
+        jnp.asarray(np.stack(pieces)), jnp.asarray(hidden), jnp.asarray(tokens, jnp.float32),
+        np.int32(start))
     return np.asarray(mean)
 
   def _fragment_size(self, round_version: int) -> int:

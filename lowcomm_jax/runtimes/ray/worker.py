@@ -236,6 +236,40 @@ class WorkerProcess:
     self.replica.moments["reduced"] = time.time()
     return mean
 
+  # A hierarchical reduce (peer_rounds.Replicas._start_hierarchical): its steps.
+
+  def sum_shard(self, round_version: int, index: int, group: list[int], tokens, crash: bool,
+                *shards) -> np.ndarray:
+    if crash:
+      replica_lib.crash_here()
+    total = self.replica.sum_shard(round_version, index, group, tokens, shards)
+    self.replica.moments["reduced"] = time.time()
+    return total
+
+  def cut(self, parts: int, *pieces: np.ndarray):
+    """`pieces` joined and cut again into `parts` (a leader: its region's sums into the
+    leaders' pieces; the mean's pieces into its region's shards)."""
+    whole = np.concatenate(pieces)
+    out = tuple(whole[a:b] for a, b in replica_lib.shard_bounds(whole.shape[0], parts))
+    return out if parts > 1 else out[0]
+
+  def divide_piece(self, round_version: int, index: int, groups: int, members: list[int],
+                   tokens, *pieces) -> np.ndarray:
+    return self.replica.divide_piece(round_version, index, groups, members, tokens, pieces)
+
+  def relay(self, shard: np.ndarray) -> np.ndarray:
+    """Its shard of the mean, from its leader, for its region's all-gather."""
+    return shard
+
+  def apply_hierarchical(self, round_version: int, members: list[int], tokens, losses,
+                         groups: list[list[int]], *reduced) -> dict:
+    """`apply_reduced` on the mean its region all-gathered; its link's bytes in the whole
+    hierarchical reduce."""
+    digest = self.replica.apply_reduced(round_version, members, tokens, losses, reduced)
+    n = int(sum(x.shape[0] for x in reduced))
+    return {"hash": digest, **replica_lib.hierarchical_bytes(n, groups)[self.worker],
+            "moments": self._moments()}
+
   def advance(self, round_version: int, members: list[int], tokens, losses) -> str:
     return self.replica.advance(round_version, members, tokens, losses)
 
