@@ -20,11 +20,14 @@ then contributions to it).
   python bench/real_vs_sim.py --report /tmp/real_vs_sim   # the table, from the results
 
 Issue 61's scaling table: one case at W workers in each form of the Ray runtime's rounds
-(`server`: through the parameter server; `ring`: among the workers, sim.network.collective),
-each run replayed with the simulator's model of that form ('server', or 'auto'):
+(`server`: through the parameter server; `ring`: among the workers in one exchange;
+`hierarchical`: among the workers, by region; sim.network.collective), each run replayed
+with the simulator's model of that form:
 
   python bench/real_vs_sim.py --scaling diloco,10,20 --workers 2 4 8 --seeds 0 1 2 \
       --out /tmp/real_vs_sim
+  python bench/real_vs_sim.py --scaling diloco,10,20,colocated --workers 4 \
+      --forms ring hierarchical --out /tmp/real_vs_sim   # two regions behind 5 Mb/s uplinks
   python bench/real_vs_sim.py --time_to_loss --form ring --out /tmp/real_vs_sim
                                      # DiLoCo H 50 against DDP, rounds among the workers
 """
@@ -144,16 +147,20 @@ def compare(real: list[float], predicted: list[float]) -> dict:
 
 
 # Issue 61: each form of the Ray runtime's rounds, and the simulator's model of it.
-FORMS = {"server": "server", "ring": "auto"}
+# form (sim.network.collective on Ray) -> the simulator's model a run is replayed with ('ring'
+# was replayed with 'auto' until hierarchical rounds existed on Ray: on one region the same)
+FORMS = {"server": "server", "ring": "ring", "hierarchical": "hierarchical"}
 
 
-def run_scaling(case: str, workers: list[int], seeds: list[int], out: pathlib.Path) -> None:
-  """`case` at each worker count in each form (FORMS): the real runs over links built for
-  W workers, each replayed with its form's model; result.json per run, written as it
+def run_scaling(case: str, workers: list[int], seeds: list[int], out: pathlib.Path,
+                forms=("server", "ring")) -> None:
+  """`case` at each worker count in each of `forms` (FORMS): the real runs over links built
+  for W workers, each replayed with its form's model; result.json per run, written as it
   goes (a finished one is skipped)."""
   from lowcomm_jax.config.command_line import load_config
   for w in workers:
-    for form, model in FORMS.items():
+    for form in forms:
+      model = FORMS[form]
       overrides = (f"--config.num_workers={w}", f"--config.sim.network.collective={form}")
       config = load_config(str(ROOT / f"configs/real_links.py:{case}"))
       config.num_workers, config.sim.network.collective = w, form
@@ -423,6 +430,8 @@ def main() -> None:
   p.add_argument("--scaling", help="a configs/real_links.py argument run at --workers "
                  "workers in each form of the Ray runtime's rounds (FORMS)")
   p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
+  p.add_argument("--forms", nargs="+", choices=list(FORMS), default=["server", "ring"],
+                 help="--scaling: the forms to run ('hierarchical' needs a PLACE of regions)")
   p.add_argument("--report", type=pathlib.Path, help="print the tables of a finished --out")
   p.add_argument("--replay", type=pathlib.Path,
                  help="replay every real run of a finished --out again, then print the tables")
@@ -444,7 +453,7 @@ def main() -> None:
   for case in a.cases:
     run_case(case, a.seeds, a.out.resolve())
   if a.scaling:
-    run_scaling(a.scaling, a.workers, a.seeds, a.out.resolve())
+    run_scaling(a.scaling, a.workers, a.seeds, a.out.resolve(), a.forms)
   if a.time_to_loss:
     run_time_to_loss(a.seeds, a.out.resolve(), a.form)
   print(report(a.out.resolve()))
