@@ -147,9 +147,10 @@ def compare(real: list[float], predicted: list[float]) -> dict:
 
 
 # Issue 61: each form of the Ray runtime's rounds, and the simulator's model of it.
-# form (sim.network.collective on Ray) -> the simulator's model a run is replayed with ('ring'
-# was replayed with 'auto' until hierarchical rounds existed on Ray: on one region the same)
-FORMS = {"server": "server", "ring": "ring", "hierarchical": "hierarchical"}
+# form (sim.network.collective on Ray) -> the simulator's model a run is replayed with: Ray's
+# 'ring' is one direct exchange, every pair at once ('direct'; replayed with 'auto', a ring,
+# until hierarchical rounds existed on Ray: on one region the same bytes per NIC)
+FORMS = {"server": "server", "ring": "direct", "hierarchical": "hierarchical"}
 
 
 def run_scaling(case: str, workers: list[int], seeds: list[int], out: pathlib.Path,
@@ -333,6 +334,27 @@ def replay_all(out: pathlib.Path) -> None:
           flush=True)
 
 
+def replay_scaling(out: pathlib.Path) -> None:
+  """Every finished --scaling run under `out` replayed again with its form's model (FORMS:
+  the simulator changed, the real runs did not); the earlier prediction is kept in the
+  result as `before` (its model and run ratio)."""
+  from lowcomm_jax import export
+  for done in sorted(out.glob("scaling/*/seed*/result.json")):
+    old = json.loads(done.read_text())
+    model = FORMS[old["form"]]
+    config = export.config_of(done.parent)
+    per_mark = old["workers"] * config.inner_steps
+    predicted = at_marks(replay(done.parent, old["step_seconds"], model), per_mark,
+                         config.rounds)
+    result = {**old, "model": model, "predicted_marks_s": predicted,
+              **compare(old["real_marks_s"], predicted),
+              "before": old.get("before", {"model": old["model"],
+                                           "run_ratio": old["run_ratio"]})}
+    done.write_text(json.dumps(result, indent=1))
+    print(old["case"], old["workers"], old["form"], old["seed"], model,
+          round(result["run_ratio"], 3), "before:", result["before"], flush=True)
+
+
 # Time to loss: DiLoCo (H 50) against DDP, every step through the server, at one rate;
 # evaluations along the way (each on the server, in the real wall time).
 TIME_TO_LOSS = {"diloco,50,100": ("--config.rounds=4", "--config.eval_every=1"),
@@ -438,6 +460,7 @@ def main() -> None:
   a = p.parse_args()
   if a.replay:
     replay_all(a.replay.resolve())
+    replay_scaling(a.replay.resolve())
     a.report = a.replay
   if a.report:
     print(report(a.report))

@@ -221,10 +221,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.sim.network.region_gbps = 0.0  # each region's uplink and downlink, shared by all its
   # | inter-region transfers (sim/flows.py: max-min fair); 0: its fastest link's bandwidth
   c.sim.network.collective = "auto"  # synchronous rounds: ring | hierarchical (inside each
-  # | region, then across regions) | auto (the faster; sim/collectives.py) | server (a
-  # | parameter server's rounds: pulls, then contributions). On Ray: 'server' runs quorum
-  # | rounds through the server actor; 'ring' or 'auto' (where the algorithm has the form:
-  # | runtimes/ray/checks.round_form) among the round's workers, each holding θ
+  # | region, then across regions) | auto (the faster; sim/collectives.py) | direct (every
+  # | pair at once: the Ray runtime's flat exchange) | server (a parameter server's rounds:
+  # | pulls, then contributions). On Ray: 'server' runs quorum rounds through the server
+  # | actor; the others (where the algorithm has the form: runtimes/ray/checks.round_form)
+  # | among the round's workers, each holding θ: 'ring' and 'direct' in one direct
+  # | exchange, 'hierarchical' by region, 'auto' by region where the simulator picks it
   c.sim.network.intra_gbps = 100.0  # bandwidth inside a region: each node's NIC
   c.sim.network.intra_latency_s = 1e-4  # seconds, inside a region
   c.sim.network.inter_gbps = 1.0  # bandwidth between any two regions

@@ -15,7 +15,13 @@ all-gathered, n each):
                 all-gather). All-gather: payloads gathered at the leader, the leaders'
                 ring forwards each region's block, the leader sends each worker the rest.
                 Regions run their inside phases at once; the leaders' phase waits for all.
-  auto          the faster of the two for the placement (the default).
+  direct        the Ray runtime's exchange among a round's workers (runtimes/ray/replica.py):
+                all-reduce, a reduce-scatter and an all-gather of one step each, every
+                worker sending each other worker n/W at once; all-gather, one step of n to
+                each other worker. On one NIC per worker the bytes and time of a ring; across
+                regions more crosses the regions' links (every pair, not a ring's two
+                hops).
+  auto          the faster of ring and hierarchical for the placement (the default).
   server        not a collective: the transfers of a parameter server as the Ray runtime
                 makes them. A synchronous round: each worker pulls θ from the server and
                 sends its contribution back (sim/sync_schedules.SyncRounds). In every
@@ -34,7 +40,7 @@ from collections.abc import Sequence
 from lowcomm_jax.sim.flows import deliveries
 from lowcomm_jax.sim.network import Network
 
-COLLECTIVES = ("auto", "ring", "hierarchical", "server")
+COLLECTIVES = ("auto", "ring", "hierarchical", "direct", "server")
 SERVER = "server"
 _BRUTE_FORCE_REGIONS = 6  # beyond this, rings visit regions in index order
 
@@ -127,7 +133,19 @@ def hierarchical_allgather_seconds(net: Network, workers: Sequence[int], nbytes:
   return gather + across + spread
 
 
+def direct_allreduce_seconds(net: Network, workers: Sequence[int], nbytes: float) -> float:
+  n = len(workers)
+  sends = [(a, b, nbytes / n) for a in workers for b in workers if a != b]
+  return 2 * _step_seconds(net, sends) if n > 1 else 0.0
+
+
+def direct_allgather_seconds(net: Network, workers: Sequence[int], nbytes: float) -> float:
+  return _step_seconds(net, [(a, b, nbytes) for a in workers for b in workers if a != b])
+
+
 _TIMES = {("allreduce", "ring"): ring_allreduce_seconds,
+          ("allreduce", "direct"): direct_allreduce_seconds,
+          ("allgather", "direct"): direct_allgather_seconds,
           ("allreduce", "hierarchical"): hierarchical_allreduce_seconds,
           ("allgather", "ring"): ring_allgather_seconds,
           ("allgather", "hierarchical"): hierarchical_allgather_seconds}

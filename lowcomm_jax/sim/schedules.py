@@ -72,7 +72,8 @@ class Plan:
   delta_bytes: int  # one worker's contribution on the wire (the codec's payload)
   param_bytes: int  # a dense model (pulls, LPS↔GPS)
   compressed: bool  # synchronous aggregation all-gathers payloads instead of all-reducing
-  collective: str = "auto"  # synchronous rounds: ring | hierarchical | auto (sim/collectives.py)
+  collective: str = "auto"  # synchronous rounds: ring | hierarchical | direct | auto
+  # (sim/collectives.py)
   sync_every: int = 8  # HALoS: LPS updates between pushes (K)
   merge_alpha: float = 0.25  # HALoS: weight of the GPS model in a merge
   fragment_bytes: tuple[int, ...] = ()  # Streaming: each fragment's contribution on the wire
@@ -106,7 +107,7 @@ class Accounting:
 class Schedule:
   """Base: owns the plan, the accounting and id counters."""
 
-  collective_used: str | None = None  # synchronous schedules: ring | hierarchical
+  collective_used: str | None = None  # synchronous schedules: ring | hierarchical | direct
 
   def __init__(self, plan: Plan, backend: Backend):
     self.plan, self.backend = plan, backend

@@ -48,6 +48,27 @@ def test_ring_times_by_hand():
   assert collectives.ring_allreduce_seconds(net, [3], 4_000_000) == 0.0
 
 
+def test_a_direct_exchange_costs_a_ring_on_one_region_and_more_across_regions():
+  """'direct' (the Ray runtime's flat exchange: every pair at once, two steps) moves a
+  ring's bytes through each NIC: on one region of 1 Gb/s NICs, 4 MB over 4 workers takes
+  2 · 3 MB · 8 / 1 Gb/s either way. Across two regions behind 1 Gb/s uplinks every pair
+  that spans them crosses: 4 shards of 1 MB each way per step (2 · 32 ms), where a ring
+  crosses once each way per step (6 · 8 ms) and the hierarchical reduce less again."""
+  flat = Network.build(num_workers=4, regions=1, intra_gbps=1.0, intra_latency_s=0.0,
+                       inter_gbps=1.0, inter_latency_s=0.0)
+  assert collectives.direct_allreduce_seconds(flat, range(4), 4e6) == pytest.approx(0.048)
+  assert collectives.ring_allreduce_seconds(flat, range(4), 4e6) == pytest.approx(0.048)
+  net = Network.build(num_workers=4, regions=2, intra_gbps=100.0, intra_latency_s=0.0,
+                      inter_gbps=1.0, inter_latency_s=0.0, region_gbps=1.0)
+  assert collectives.direct_allreduce_seconds(net, range(4), 4e6) == pytest.approx(0.064)
+  assert collectives.ring_allreduce_seconds(net, range(4), 4e6) == pytest.approx(0.048)
+  assert collectives.hierarchical_allreduce_seconds(net, range(4), 4e6) < 0.048
+  # all-gather: each worker's 4 MB to the 3 others, 2 of them across: 8 · 4 MB over 1 Gb/s
+  assert collectives.direct_allgather_seconds(net, range(4), 4e6) == pytest.approx(0.128)
+  assert collectives.seconds(net, "allreduce", range(4), 4e6, "direct") == (
+      pytest.approx(0.064), "direct")
+
+
 def test_best_ring_avoids_slow_links_when_another_region_order_exists():
   # 4 regions; 0-1 and 2-3 are slow (0.1 Gb/s), every other pair is fast (10 Gb/s). Index
   # order 0,1,2,3 would cross 0-1; the ring 0,2,1,3 uses only fast links.

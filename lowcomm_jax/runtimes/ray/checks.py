@@ -89,7 +89,8 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
   collective = c.sim.network.collective
   if algorithm is not None:
     why = peer_capable(c, algorithm)
-    check(not (why and collective in ("ring", "hierarchical")), "sim.network.collective",
+    check(not (why and collective in ("ring", "hierarchical", "direct")),
+          "sim.network.collective",
           f"{why}: it has no collective form on Ray; use 'auto' or 'server'")
   regions = max(c.sim.network.regions, len(set(c.sim.network.worker_regions)))
   check(collective != "hierarchical" or regions > 1, "sim.network.collective",

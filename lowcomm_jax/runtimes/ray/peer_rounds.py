@@ -8,7 +8,8 @@ What differs from the server form:
 - every worker holds a replica of θ and the outer rules' state, and a job starts from its
   own; a worker behind the open round (one that joined, one whose job outlived a round)
   first adopts a live member's replica (torchft's healing, peer to peer);
-- a round closes with a collective among its members: its shards reduced and all-gathered,
+- a round closes with a collective among its members: its shards reduced and all-gathered
+  (by region, where the simulator's model says that is faster or the config asks for it),
   or its rows all-gathered (replica.py), each member staging the outer step. The staged θ's
   hashes must agree before any member commits;
 - a member that dies or does not finish within `ray.collective_timeout_s` is lost, and the
@@ -256,8 +257,9 @@ class Replicas:
 
   def _regions_of(self, members: list[int]) -> list[list[int]] | None:
     """The members by region, where the round reduces hierarchically: `sim.network.collective`
-    'hierarchical', or 'auto' where the simulator's rule picks it for these members (its
-    model of the network, `sim/collectives.seconds`); None: one direct exchange."""
+    'hierarchical', or 'auto' where the simulator's model of the network says it is faster
+    for these members than one direct exchange (`sim/collectives`: the two forms Ray runs);
+    None: one direct exchange."""
     how, net = self.d.c.sim.network.collective, self.d.plan.network
     if how not in ("auto", "hierarchical") or max(members) >= len(net.worker_region):
       return None  # (a joined worker's id is past the network's placement: flat)
@@ -268,7 +270,8 @@ class Replicas:
       return None
     if how == "auto":
       nbytes = 4 * self.d.r.model.layout.size * net.bytes_scale
-      if collectives.seconds(net, "allreduce", members, nbytes)[1] != "hierarchical":
+      if (collectives.hierarchical_allreduce_seconds(net, members, nbytes)
+          >= collectives.direct_allreduce_seconds(net, members, nbytes)):
         return None
     return [by_region[k] for k in sorted(by_region)]
 
@@ -437,7 +440,7 @@ class PeerRounds(Replicas, QuorumRounds):
       self.held[w] = v + 1
     if members:
       began = time.time()
-      self.pending = (v, rows, members, None, began)
+      self.pending = (v, rows, members, None, began)  # (_rows_of(v) finds its rows now)
       crash, pool.crash_in_sync = pool.crash_in_sync, None
       self.pending = (v, rows, members, self._start_collective(v, members, crash), began)
     else:  # nobody contributed: θ stays, every current replica moves on
