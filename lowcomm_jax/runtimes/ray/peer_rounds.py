@@ -146,25 +146,15 @@ class Replicas:
     ({"bytes"}, M shards) references; `put(actor, reduced shards)`: the reference of its
     taking the mean): (each worker's {"bytes"}, {worker: its put}); None after losing the
     workers that died or did not finish their shard within ray.collective_timeout_s."""
-    d, pool, m = self.d, self.d.pool, len(workers)
+    pool, m = self.d.pool, len(workers)
     actors = [pool.actors[w] for w in workers]
     outs = [list(shards(a, m)) for a in actors]
     reduced = [a.mean_state_shard.options(num_returns=2).remote(*[out[1 + j] for out in outs])
                for j, a in enumerate(actors)]
     checks = [out[0] for out in outs] + [done for done, _ in reduced]
-    ready, _ = d.ray.wait(checks, num_returns=len(checks),
-                          timeout=d.c.ray.collective_timeout_s)
-    try:
-      if len(ready) == len(checks):
-        metas = d.ray.get(checks[:m])
-        d.ray.get(checks[m:])
-        return metas, {w: put(a, [r for _, r in reduced]) for w, a in zip(workers, actors)}
-    except d.ray.exceptions.RayTaskError as e:
-      if not isinstance(e.cause, (d.ray.exceptions.RayActorError,
-                                  d.ray.exceptions.ObjectLostError)):
-        raise RuntimeError(f"{what} (version {self.version}) failed: {e}") from e
-    except d.ray.exceptions.RayError:
-      pass
+    values, ready = self._gather(what, self.version, checks)
+    if values is not None:
+      return values[:m], {w: put(a, [r for _, r in reduced]) for w, a in zip(workers, actors)}
     # the workers whose shards did not come, else those whose shard's mean did not
     pending = checks[:m] if not set(checks[:m]) <= set(ready) else checks[m:]
     self._lose_failed(what, workers, pending, ready)
@@ -207,23 +197,32 @@ class Replicas:
     """Round `v`'s collective among `members` (`staged`: its references, if it is already
     started): {worker: {hash, sent, received}}, or None after losing the members that died
     or did not finish in time (then try again)."""
-    d, pool = self.d, self.d.pool
+    pool = self.d.pool
     if staged is None:
       crash, pool.crash_in_sync = pool.crash_in_sync, None
       staged = self._start_collective(v, members, crash)
-    ready, _ = d.ray.wait(staged, num_returns=len(staged),
-                          timeout=d.c.ray.collective_timeout_s)
+    values, ready = self._gather("a round's collective", v, staged)
+    if values is not None:
+      return dict(zip(members, values))
+    self._lose_failed("a round's collective", members, staged, ready)
+    return None
+
+  def _gather(self, what: str, version: int, refs: list) -> tuple[list | None, list]:
+    """(`refs`' values, or None if some member died or did not finish within
+    ray.collective_timeout_s; the references that are ready). A member's own error, not
+    its death, stops the run."""
+    d = self.d
+    ready, _ = d.ray.wait(refs, num_returns=len(refs), timeout=d.c.ray.collective_timeout_s)
     try:
-      if len(ready) == len(staged):
-        return dict(zip(members, d.ray.get(staged)))
+      if len(ready) == len(refs):
+        return d.ray.get(refs), ready
     except d.ray.exceptions.RayTaskError as e:
       if not isinstance(e.cause, (d.ray.exceptions.RayActorError,
                                   d.ray.exceptions.ObjectLostError)):
-        raise RuntimeError(f"round {v}'s collective failed: {e}") from e
+        raise RuntimeError(f"{what} (version {version}) failed: {e}") from e
     except d.ray.exceptions.RayError:
       pass
-    self._lose_failed("a round's collective", members, staged, ready)
-    return None
+    return None, ready
 
   def _start_collective(self, v: int, members: list[int], crash: int | None) -> list:
     """Round `v`'s collective among `members` (worker `crash` dies in it: chaos), started:

@@ -271,9 +271,9 @@ class Replica:
     return round_signals(self.r, tokens_S, losses_S)
 
   def advance(self, round_version: int, members: list[int], tokens, losses) -> str:
-    """A delayed sync's round (`Algorithm.delayed_sync`: one-step delay): θ' does not depend
-    on the round's own mean, so it is taken now, the outer step run with zeros in the mean's
-    place, and the next job starts from it while the round's collective runs. The outer
+    """A delayed sync's round (`Algorithm.delayed_sync`: one-step delay, eager): θ' does not
+    depend on the round's own mean, so it is taken now, the outer step run with zeros in the
+    mean's place, and the next job starts from it while the round's collective runs. The outer
     state it leaves is right in what a worker rule reads (eager's), which the delayed sync
     says does not depend on the mean either; the rest of it (the mean kept for the next
     round) comes with the collective (`apply_reduced`, `commit`). The hash of θ'."""
@@ -281,7 +281,7 @@ class Replica:
     zeros = jnp.zeros(self._fragment_size(round_version), jnp.float32)
     new = self._applies[round_version % self.segments](
         state, zeros, self._signals(members, tokens, losses), full=self._full(members))
-    with self._lock:  # (what a worker rule reads of the outer state is θ''s kind: eager's)
+    with self._lock:  # (a share or a checkpoint reads these from the actor's other thread)
       self.pending = (round_version, list(members), self.params, self.opt_state)
       self.version, self.params, self.opt_state = (round_version + 1, new.params,
                                                    new.outer.per_fragment)
