@@ -34,7 +34,8 @@ from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.runtimes.ray.checks import round_form
 from lowcomm_jax.runtimes.ray.epochs import Epochs
 from lowcomm_jax.runtimes.ray.peer_epochs import PeerEpochs
-from lowcomm_jax.runtimes.ray.peer_rounds import PairRounds, PeerRounds
+from lowcomm_jax.runtimes.ray.pair_rounds import PairRounds
+from lowcomm_jax.runtimes.ray.peer_rounds import PeerRounds
 from lowcomm_jax.runtimes.ray.pool import Pool
 from lowcomm_jax.runtimes.ray.pushes import Pushes
 from lowcomm_jax.runtimes.ray.quorum import QuorumRounds

@@ -5,13 +5,13 @@ Every peer holds a replica of θ and DDP's rule state (replica.py). A micro-batc
 its peer's own replica, brought to the open epoch's version first (a peer that joined, or
 one that sent nothing last epoch, adopts a current peer's replica). At the epoch's end each
 peer that counted samples keeps its mean gradient, and the epoch's step is the quorum
-rounds' collective among those peers (peer_rounds.Replicas): shards reduced weighted by
+rounds' collective among those peers (replicas.Replicas): shards reduced weighted by
 samples (the tokens of the peer's meta) and all-gathered, or payloads all-gathered for a
 codec, each member staging DDP's step, the hashes compared, then committed. A peer that
 dies in it is lost with its samples and the collective runs again among the others."""
 
 from lowcomm_jax.runtimes.ray.epochs import Epochs
-from lowcomm_jax.runtimes.ray.peer_rounds import Replicas
+from lowcomm_jax.runtimes.ray.replicas import Replicas
 
 
 class PeerEpochs(Replicas, Epochs):

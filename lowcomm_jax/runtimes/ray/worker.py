@@ -236,7 +236,7 @@ class WorkerProcess:
     self.replica.moments["reduced"] = time.time()
     return mean
 
-  # A hierarchical reduce (peer_rounds.Replicas._start_hierarchical): its steps.
+  # A hierarchical reduce (replicas.Replicas._start_hierarchical): its steps.
 
   def sum_shard(self, round_version: int, index: int, group: list[int], tokens, crash: bool,
                 *shards) -> np.ndarray:
