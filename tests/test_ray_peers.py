@@ -136,6 +136,83 @@ def test_gathered_rows_are_the_servers_program_on_every_member():
   np.testing.assert_allclose(ours.params, theirs.params, rtol=0, atol=1e-6)
 
 
+def _robust_peer_round(r, replicas, version, rows):
+  """Round `version` of a robust rule shard by shard among `rows`' workers, as
+  replicas.Replicas._start_robust drives it; the hashes of what each member staged."""
+  members = sorted(rows)
+  m = len(members)
+  for w, (delta, meta) in rows.items():
+    replicas[w].keep(version, delta, meta)
+  shards = {w: replicas[w].shards(version, m) for w in members}
+  tokens = [rows[w][1]["tokens"] for w in members]
+  losses = [rows[w][1]["loss"] for w in members]
+  statistics = [replicas[w].robust_statistics(version, j, members, [shards[i][j] for i in members])
+                for j, w in enumerate(members)]
+  outs = [replicas[w].robust_shard(version, j, members, tokens, losses, statistics)
+          for j, w in enumerate(members)]
+  for _ in range(replicas[members[0]].clip_iters - 1):
+    outs = [replicas[w].robust_clip(j, outs) for j, w in enumerate(members)]
+  return {w: replicas[w].apply_robust(version, members, tokens, losses, statistics, outs)
+          for w in members}
+
+
+@pytest.mark.parametrize("overrides", [
+    {"aggregate.rule": "median"},
+    {"aggregate.rule": "trimmed_mean", "num_workers": 4},
+    {"aggregate.rule": "centered_clip", "aggregate.clip_iters": 3},
+    {"aggregate.rule": "centered_clip", "aggregate.clip_tau": 1e-3},
+    {"aggregate.signal": "loss_ema", "aggregate.warmup_rounds": 0},  # weighted mean
+    {"aggregate.rule": "centered_clip", "aggregate.signal": "cosine",
+     "aggregate.warmup_rounds": 0, "aggregate.weighting": "tokens"},
+    # (not grad_norm_stability: its std, √(EMA‖u‖² − EMA‖u‖²), cancels in float32, so the
+    # shards' order of summation (1e-7) moves its weights by percents: BUILD_NOTES)
+    {"aggregate.rule": "median", "aggregate.signal": "loss_ema",
+     "aggregate.warmup_rounds": 0},
+], ids=["median", "trimmed", "clip-3", "clip-tau", "loss-weights", "clip-cosine",
+        "median-loss"])
+def test_a_robust_rule_shard_by_shard_is_the_servers_over_whole_rows(overrides):
+  """Each member combines its shard of every row, from the rows' statistics over the whole
+  update (added across shards): over three rounds (the second missing a worker: the
+  present rows alone), every replica holds the server's θ and outer state (the previous
+  aggregate, the signals, the weights), and the replicas are identical."""
+  r = _run(**overrides)
+  assert sync_program.robust_shards(r.sync) and not sync_program.peer_reduces(r.sync)
+  slots = r.config.num_workers
+  replicas = {w: replica_lib.Replica(r, initial_params(r), w) for w in range(slots)}
+  server = jax.jit(sync_program.make_server_sync(
+      r.sync, r.outer_rules[0], layout=r.model.layout, fragment=0, count=1, last=True),
+      static_argnames="full")
+  from lowcomm_jax.runtimes.ray.actors import initial_rule_state
+  params = jnp.asarray(initial_params(r))
+  state = steps.TrainState(jnp.asarray(0, jnp.int32), steps.run_key(r.config.seed), params,
+                           steps.OuterState((), initial_rule_state(r, "global", params)))
+  for version, members in enumerate([list(range(slots)), list(range(1, slots)),
+                                     list(range(slots))]):
+    rows = _rows(r, members, seed=version)
+    for w in set(range(slots)) - set(members):  # (the absent one takes the round, not in it)
+      replicas[w].adopt(replicas[members[0]].share()) if version else None
+    hashes = _robust_peer_round(r, replicas, version, rows)
+    assert len(set(hashes.values())) == 1
+    for w in members:
+      replicas[w].commit(version)
+    received, keys, signals = round_inputs(r, rows, steps.run_key(r.config.seed))
+    state = server(state, received, keys, signals, full=len(members) == slots)
+    for w in members:
+      ours = replicas[w]
+      assert ours.version == version + 1 and not ours.combining
+      np.testing.assert_allclose(ours.params, state.params, rtol=0, atol=1e-6)
+      for a, b in zip(jax.tree.leaves(ours.opt_state),
+                      jax.tree.leaves(state.outer.per_fragment)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    absent = set(range(slots)) - set(members)
+    for w in absent:
+      replicas[w].adopt(replicas[members[0]].share())
+  weights = state.outer.per_fragment[0].combine.signals.weights
+  if overrides.get("aggregate.signal"):
+    assert np.ptp(np.asarray(weights)) > 1e-4  # the signals weighed the workers apart
+  assert np.abs(np.asarray(state.params) - initial_params(r)).max() > 1e-5  # θ moved
+
+
 def test_a_replica_adopts_a_peers_state_and_keeps_what_it_contributed():
   r = _run()
   ahead, behind = (replica_lib.Replica(r, initial_params(r), w) for w in range(2))

@@ -365,7 +365,11 @@ def test_the_ray_server_applies_pushes_as_the_simulator_does(cluster, tmp_path):
     # died on shapes; through the run's Sync, codec and all, they are the runner's.
     {"num_workers": 3, "aggregate.rule": "median", "attack.workers": (0,),
      "attack.scale": 100.0, "compress.codec": "int8"},
-], ids=["mean", "median+attack+int8"])
+    # a robust rule shard by shard among the members (dense rows): centered clipping twice,
+    # cosine weights from the first round
+    {"num_workers": 3, "aggregate.rule": "centered_clip", "aggregate.clip_iters": 2,
+     "aggregate.signal": "cosine", "aggregate.warmup_rounds": 0},
+], ids=["mean", "median+attack+int8", "clip+cosine"])
 def test_diloco_in_full_quorum_rounds_trains_as_the_runner_does(cluster, tmp_path, overrides):
   """Every live worker in every round (min_quorum 0, no failures): the rounds are DiLoCo's,
   through the same Sync (codec, attack, robust rule, outer rule) as the lockstep runner's.
@@ -395,18 +399,24 @@ def test_diloco_in_full_quorum_rounds_trains_as_the_runner_does(cluster, tmp_pat
   assert summary["bytes_sent"] == runner["bytes_sent"]
   _assert_same_theta(config, tmp_path / "ray", runner_config, tmp_path / "runner")
   # The peer form: no server; each link carried the collective's bytes (a dense mean's
-  # reduce-scatter and all-gather: 2·(W−1)/W of the payload each way; a codec's payloads
+  # reduce-scatter and all-gather: 2·(W−1)/W of the payload each way, and a robust rule's
+  # shards the same, with the rows' statistics, 3W + 1 floats, and the distances, W floats
+  # per further clipping iteration, to and from each member; a codec's payloads
   # all-gathered: its own to W−1 members, theirs from each)
   assert summary["round_form"] == "peers" and summary["server_bytes_sent"] == 0
   per_round = summary["bytes_sent"] * workers // 3 // workers  # one worker's payload
-  factor = (workers - 1) if overrides else 2 * (workers - 1) / workers
+  gathered = "compress.codec" in overrides
+  factor = (workers - 1) if gathered else 2 * (workers - 1) / workers
+  small = (4 * (workers - 1) * (3 * workers + 1 + workers * (config.aggregate.clip_iters - 1))
+           if "aggregate.rule" in overrides and not gathered else 0)
   for sent, received in summary["wire_bytes_per_worker"].values():
-    assert sent == received and abs(sent - 3 * factor * per_round) <= 3 * 4 * workers
+    assert sent == received
+    assert abs(sent - 3 * (factor * per_round + small)) <= 3 * 4 * workers
   # each round's collective: [version, members, began, scattered, reduced, staged, committed]
   collectives = summary["collective_moments"]
   assert [c[:2] for c in collectives] == [[v, workers] for v in range(3)]
   assert all(c[2] <= c[5] <= c[6] for c in collectives), collectives
-  assert all((c[3] is None) == bool(overrides) for c in collectives)  # (all-gathered rows)
+  assert all((c[3] is None) == gathered for c in collectives)  # (all-gathered rows)
 
 
 def test_a_quorum_round_does_not_wait_for_a_slow_or_dead_worker(cluster, tmp_path):
@@ -428,17 +438,20 @@ def test_a_quorum_round_does_not_wait_for_a_slow_or_dead_worker(cluster, tmp_pat
 
 
 @pytest.mark.ray_slow
-@pytest.mark.parametrize("algorithm", ["diloco", "one_step_delay"])
+@pytest.mark.parametrize("algorithm,rule", [("diloco", "mean"), ("one_step_delay", "mean"),
+                                            ("diloco", "trimmed_mean")])
 def test_a_worker_dying_mid_collective_is_retried_among_the_survivors(cluster, tmp_path,
-                                                                      algorithm):
+                                                                      algorithm, rule):
   """The peer form: worker 1 dies in the middle of round 1's collective (it has taken its
   peers' shards and never answers). The round is tried again among workers 0 and 2 from
   the contributions they kept, and the run ends where one ends whose worker 1 was killed
   after contributing to round 1 and before it closed: the same contributions, applied once.
   Every round's replicas agreed (the driver compares their hashes before any commit). With
   one-step delay the collective runs while round 2's jobs compute (worker 1's among them):
-  the retry comes when it is settled, and θ' taken before it stands."""
-  base = {"algorithm": algorithm, "rounds": 4, "num_workers": 3}
+  the retry comes when it is settled, and θ' taken before it stands. With a robust rule
+  shard by shard (the trimmed mean), worker 1 dies holding its peers' shards of the rows,
+  and the retry combines the two survivors' rows."""
+  base = {"algorithm": algorithm, "rounds": 4, "num_workers": 3, "aggregate.rule": rule}
   crashed = _config(**base, **{"ray.chaos": ("crash_in_sync=1@4",)})
   killed = _config(**base, **{"ray.chaos": ("kill_worker=1@6",)})  # round 1: pushes 4..6
   summary, events = _run(crashed, tmp_path / "crashed")

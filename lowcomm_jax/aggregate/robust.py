@@ -80,16 +80,30 @@ def centered_clip(tree_WxN, center, weights_W, *, iters: int, tau: float | None 
   updates from `center` (of the present workers', where `present_W` is given; the absent
   weigh 0)."""
   if tau is None or tau <= 0:
-    distances = _norms(jax.tree.map(lambda x, c: x - c[None], tree_WxN, center))
-    tau = (jnp.median(distances) if present_W is None
-           else jnp.nanmedian(jnp.where(present_W, distances, jnp.nan)))
+    tau = clip_radius(_norms(jax.tree.map(lambda x, c: x - c[None], tree_WxN, center)),
+                      present_W)
   v = center
   for _ in range(iters):
-    diff = jax.tree.map(lambda x, c: x - c[None], tree_WxN, v)
-    dist = _norms(diff)
-    scale = weights_W * jnp.minimum(1.0, tau / jnp.maximum(dist, 1e-12))
-    v = jax.tree.map(lambda c, d: c + jnp.tensordot(scale.astype(d.dtype), d, axes=1), v, diff)
+    v = clip_step(tree_WxN, v, weights_W, _norms(jax.tree.map(lambda x, c: x - c[None],
+                                                              tree_WxN, v)), tau)
   return v, tau
+
+
+def clip_radius(distances_W, present_W=None) -> jax.Array:
+  """Centered clipping's default τ: the median of the (present) updates' distances from the
+  centre."""
+  if present_W is None:
+    return jnp.median(distances_W)
+  return jnp.nanmedian(jnp.where(present_W, distances_W, jnp.nan))
+
+
+def clip_step(tree_WxN, v, weights_W, distances_W, tau):
+  """One centered-clipping iteration from centre `v`, given each update's distance
+  ‖u_w − v‖ over the whole update (`distances_W`: where v is cut in shards, the shards'
+  squared distances are added first)."""
+  scale = weights_W * jnp.minimum(1.0, tau / jnp.maximum(distances_W, 1e-12))
+  return jax.tree.map(lambda c, x: c + jnp.tensordot(scale.astype(x.dtype), x - c[None],
+                                                     axes=1), v, tree_WxN)
 
 
 def buckets(tree_WxN, weights_W, key, bucket: int):
@@ -126,81 +140,140 @@ def gather_all(axis_name: str = "replica") -> optax.GradientTransformationExtraA
   return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update_fn)
 
 
-def robust_combine(*, rule: str, signal: str, num_workers: int, trim: int = 1,
-                   clip_iters: int = 1, clip_tau: float = 0.0, bucket: int = 0,
-                   temperature: float = 1.0, floor: float = 0.2, weight_ema: float = 0.5,
-                   warmup_rounds: int = 2, signal_ema: float = 0.9, seed: int = 0,
-                   noise_sigmas: float = 0.0, probe=None
-                   ) -> optax.GradientTransformationExtraArgs:
-  """Updates stacked over workers ([W, ...], from `gather_all`) combined into one by `rule`
-  with weights from `signal` (module docstring; aggregate/signal.py). Every worker computes
-  the same result from the same state (previous aggregate, signal EMAs, weights). Extra args:
-  `worker_losses` [W] (every worker's train loss), `round_index` (seeds the buckets'
-  shuffle), `theta` (the global model, flat: what `probe` perturbs).
+def row_statistics(rows_WxN, center_N) -> jax.Array:
+  """What the signals and centered clipping read of each row over the whole update, as sums
+  over these coordinates: [Σu², Σu·c, Σ(u − c)²] per row and Σc², one vector [3W + 1].
+  Sums over disjoint shards add up to the whole update's (`RobustRule.observe` takes the
+  total)."""
+  rows = rows_WxN.astype(jnp.float32)
+  center = center_N.astype(jnp.float32)
+  return jnp.concatenate([jnp.sum(rows ** 2, axis=1), rows @ center,
+                          jnp.sum((rows - center[None]) ** 2, axis=1),
+                          jnp.sum(center ** 2)[None]])
 
-  `probe(updates [W, ...], theta) -> [W]`: the probe loss of each worker's proposal
-  (sync_program.make_probe), which the `probe_loss` signal needs and only it computes.
 
-  Extra arg `present` [W] bool (a parameter server's round, where some workers may have sent
-  nothing: their rows are zeros): the rule combines the present workers' updates only, and
-  an absent worker's signals stay as they were."""
-  if rule not in RULES:
-    raise ValueError(f"unknown rule {rule!r}; choose one of {RULES}")
-  if signal == "probe_loss" and probe is None:
-    raise ValueError("signal 'probe_loss' needs a probe (sync_program.make_probe)")
+class RobustRule:
+  """A robust combination's choices, and its steps as functions of the whole update's
+  row statistics: `transform` runs them on the whole update at once (the lockstep sync, a
+  parameter server); the Ray runtime's peer form runs them shard by shard, each member on
+  its shard of every row, the statistics added across shards first (`row_statistics`).
 
-  def init_fn(params):
-    return RobustState(jax.tree.map(jnp.zeros_like, params), signal_lib.init(num_workers))
+  The steps: `observe` (signals and this round's weights, from the statistics, the
+  workers' losses and probes); `combine` (mean, median or trimmed mean, coordinate by
+  coordinate); centered clipping's `clip_radius` and `clip_step` (each iteration needs
+  every row's distance from the centre over the whole update)."""
 
-  def update_fn(all_u, state, params=None, *, worker_losses=None, round_index=0, theta=None,
-                present=None, **extra_args):
-    del params, extra_args
-    if present is not None and bucket > 1:
-      raise ValueError("buckets of a round some workers missed are not defined; "
-                       "use aggregate.bucket=0")
-    norms = _norms(all_u)
-    center_norm = _norms(jax.tree.map(lambda c: c[None], state.center))[0]
-    dots = sum(jnp.sum(jnp.reshape(u, (u.shape[0], -1)) * jnp.reshape(c, (1, -1)), axis=1)
-               for u, c in zip(jax.tree.leaves(all_u), jax.tree.leaves(state.center)))
+  def __init__(self, *, rule: str, signal: str, num_workers: int, trim: int = 1,
+               clip_iters: int = 1, clip_tau: float = 0.0, bucket: int = 0,
+               temperature: float = 1.0, floor: float = 0.2, weight_ema: float = 0.5,
+               warmup_rounds: int = 2, signal_ema: float = 0.9, seed: int = 0,
+               noise_sigmas: float = 0.0, probe=None):
+    if rule not in RULES:
+      raise ValueError(f"unknown rule {rule!r}; choose one of {RULES}")
+    if signal == "probe_loss" and probe is None:
+      raise ValueError("signal 'probe_loss' needs a probe (sync_program.make_probe)")
+    self.rule, self.signal, self.num_workers, self.trim = rule, signal, num_workers, trim
+    self.clip_iters, self.clip_tau, self.bucket = clip_iters, clip_tau, bucket
+    self.temperature, self.floor, self.weight_ema = temperature, floor, weight_ema
+    self.warmup_rounds, self.signal_ema, self.seed = warmup_rounds, signal_ema, seed
+    self.noise_sigmas, self.probe = noise_sigmas, probe
+
+  def init(self, params) -> RobustState:
+    return RobustState(jax.tree.map(jnp.zeros_like, params), signal_lib.init(self.num_workers))
+
+  def observe(self, state: RobustState, statistics, *, losses=None, probes=None,
+              present=None) -> signal_lib.SignalState:
+    """The signals after this round, with its weights, from the rows' statistics over the
+    whole update (`row_statistics`, summed over shards)."""
+    W = self.num_workers
+    sq_norms, dots = statistics[:W], statistics[W:2 * W]
+    norms, center_norm = jnp.sqrt(sq_norms), jnp.sqrt(statistics[3 * W])
     cosines = jnp.where(center_norm > 0, dots / jnp.maximum(norms * center_norm, 1e-12), 0.0)
-    losses = (jnp.zeros((num_workers,), jnp.float32) if worker_losses is None
-              else worker_losses.astype(jnp.float32))
-    # Computed by every receiver from the updates it received (W forward passes).
-    probes = (probe(all_u, theta) if signal == "probe_loss"
-              else jnp.zeros((num_workers,), jnp.float32))
+    losses = (jnp.zeros((W,), jnp.float32) if losses is None else losses.astype(jnp.float32))
+    probes = jnp.zeros((W,), jnp.float32) if probes is None else probes
     seen = signal_lib.observe(state.signals, losses=losses, norms=norms, cosines=cosines,
-                              probes=probes, ema=signal_ema, present=present)
-    if signal == "none":  # uniform (over the present workers, in a round some missed)
-      weights = (jnp.full((num_workers,), 1.0 / num_workers, jnp.float32) if present is None
+                              probes=probes, ema=self.signal_ema, present=present)
+    if self.signal == "none":  # uniform (over the present workers, in a round some missed)
+      weights = (jnp.full((W,), 1.0 / W, jnp.float32) if present is None
                  else jnp.where(present, 1.0, 0.0) / jnp.maximum(present.sum(), 1))
     else:
       weights = signal_lib.weights_from(
-          signal_lib.signal_of(seen, signal), state.signals.weights, temperature=temperature,
-          floor=floor, weight_ema=weight_ema, warm=seen.rounds > warmup_rounds,
-          noise=signal_lib.noise_of(seen, signal, signal_ema), noise_sigmas=noise_sigmas,
-          present=present)
-    seen = seen._replace(weights=weights)
-    stacked, w = all_u, weights
-    if bucket > 1:  # (never with `present`: refused above)
-      key = jax.random.fold_in(jax.random.key(seed), round_index)
-      stacked, w = buckets(all_u, weights, key, bucket)
-    if rule == "mean":
+          signal_lib.signal_of(seen, self.signal), state.signals.weights,
+          temperature=self.temperature, floor=self.floor, weight_ema=self.weight_ema,
+          warm=seen.rounds > self.warmup_rounds,
+          noise=signal_lib.noise_of(seen, self.signal, self.signal_ema),
+          noise_sigmas=self.noise_sigmas, present=present)
+    return seen._replace(weights=weights)
+
+  def combine(self, stacked, w, present=None):
+    """The coordinate-wise rules (mean, median, trimmed mean) on rows `stacked` [W, ...]."""
+    if self.rule == "mean":
       # Uniform weights (no signal, or still warming up) give the plain mean exactly; with
       # absent workers (weight 0) they are never uniform: their mean is the weighted one.
       uniform = jnp.all(w == w[0])
-      out = jax.tree.map(lambda m, x: jnp.where(uniform, jnp.mean(x, axis=0), m),
-                         weighted_mean(stacked, w), stacked)
-    elif rule == "median":
-      out = median(stacked) if present is None else present_median(stacked, present)
-    elif rule == "trimmed_mean":
-      out = (trimmed_mean(stacked, trim) if present is None
-             else present_trimmed_mean(stacked, present, trim))
-    else:
-      out, _ = centered_clip(stacked, state.center, w, iters=clip_iters,
-                             tau=clip_tau if clip_tau > 0 else None, present_W=present)
-    return out, RobustState(out, seen)
+      return jax.tree.map(lambda m, x: jnp.where(uniform, jnp.mean(x, axis=0), m),
+                          weighted_mean(stacked, w), stacked)
+    if self.rule == "median":
+      return median(stacked) if present is None else present_median(stacked, present)
+    if self.rule == "trimmed_mean":
+      return (trimmed_mean(stacked, self.trim) if present is None
+              else present_trimmed_mean(stacked, present, self.trim))
+    raise ValueError(f"{self.rule!r} is not coordinate-wise: centered clipping needs each "
+                     "row's distance over the whole update (clip_step)")
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  def radius(self, distances_W, present=None):
+    """τ: `clip_tau`, or by default the median distance from the previous aggregate."""
+    return (jnp.asarray(self.clip_tau, jnp.float32) if self.clip_tau > 0
+            else clip_radius(distances_W, present))
+
+  def transform(self) -> optax.GradientTransformationExtraArgs:
+    """The combination as one transform over updates stacked over workers ([W, ...], from
+    `gather_all`). Extra args: `worker_losses` [W] (every worker's train loss),
+    `round_index` (seeds the buckets' shuffle), `theta` (the global model, flat: what
+    `probe` perturbs); `present` [W] bool (a parameter server's round, where some workers
+    may have sent nothing: their rows are zeros): the rule combines the present workers'
+    updates only, and an absent worker's signals stay as they were. `combined` (the result
+    and its signals, made shard by shard elsewhere: the Ray runtime's peer form): taken as
+    this round's, the rows unread."""
+
+    def update_fn(all_u, state, params=None, *, worker_losses=None, round_index=0,
+                  theta=None, present=None, combined=None, **extra_args):
+      del params, extra_args
+      if combined is not None:
+        out, seen = combined
+        return out, RobustState(out, seen)
+      if present is not None and self.bucket > 1:
+        raise ValueError("buckets of a round some workers missed are not defined; "
+                         "use aggregate.bucket=0")
+      leaves = jax.tree.leaves(all_u)
+      statistics = sum(row_statistics(jnp.reshape(u, (u.shape[0], -1)), jnp.reshape(c, (-1,)))
+                       for u, c in zip(leaves, jax.tree.leaves(state.center)))
+      # Computed by every receiver from the updates it received (W forward passes).
+      probes = probe_of(all_u, theta) if self.signal == "probe_loss" else None
+      seen = self.observe(state, statistics, losses=worker_losses, probes=probes,
+                          present=present)
+      stacked, w = all_u, seen.weights
+      if self.bucket > 1:  # (never with `present`: refused above)
+        key = jax.random.fold_in(jax.random.key(self.seed), round_index)
+        stacked, w = buckets(all_u, seen.weights, key, self.bucket)
+      if self.rule == "centered_clip":
+        out, _ = centered_clip(stacked, state.center, w, iters=self.clip_iters,
+                               tau=self.clip_tau if self.clip_tau > 0 else None,
+                               present_W=present)
+      else:
+        out = self.combine(stacked, w, present)
+      return out, RobustState(out, seen)
+
+    probe_of = self.probe
+    return optax.GradientTransformationExtraArgs(self.init, update_fn)
+
+
+def robust_combine(**choices) -> optax.GradientTransformationExtraArgs:
+  """`RobustRule(**choices)` as one transform (its `transform`): updates stacked over
+  workers ([W, ...]) combined into one by `rule` with weights from `signal` (module
+  docstring; aggregate/signal.py). Every worker computes the same result from the same
+  state (previous aggregate, signal EMAs, weights)."""
+  return RobustRule(**choices).transform()
 
 
 class CombinedState(NamedTuple):

@@ -116,13 +116,17 @@ class Sync:
     flat Δ: norms and coordinates are the tree's."""
     if not self.robust:
       return rule
+    return aggregate.combine_then(self.robust_rule(probe).transform(), rule)
+
+  def robust_rule(self, probe=None) -> aggregate.RobustRule:
+    """The robust combination's choices and steps (aggregate/robust.py), from `aggregate.*`."""
     c, a = self.config, self.config.aggregate
-    return aggregate.combine_then(aggregate.robust_combine(
+    return aggregate.RobustRule(
         rule=a.rule, signal=a.signal, num_workers=c.num_workers, trim=a.trim,
         clip_iters=a.clip_iters, clip_tau=a.clip_tau, bucket=a.bucket,
         temperature=a.temperature, floor=a.floor, weight_ema=a.weight_ema,
         warmup_rounds=a.warmup_rounds, signal_ema=a.signal_ema, seed=c.seed,
-        noise_sigmas=a.noise_sigmas, probe=probe), rule)
+        noise_sigmas=a.noise_sigmas, probe=probe)
 
   def probe_step(self, local_steps: bool) -> float:
     """How far along each worker's update the `probe_loss` signal evaluates its proposal:

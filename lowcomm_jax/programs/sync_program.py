@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lowcomm_jax.aggregate.robust import CombinedState
+from lowcomm_jax.aggregate.robust import CombinedState, clip_step, row_statistics
 from lowcomm_jax.aggregate.signal import effective_workers
 from lowcomm_jax.model.matformer import tier_mask
 from lowcomm_jax.parallel import workers
@@ -221,9 +221,92 @@ def make_reduced_apply(sync, rule: optax.GradientTransformation, *, layout: Para
   return reduced_apply
 
 
+def make_robust_statistics(sync, *, layout: ParamLayout, fragment: int):
+  """`statistics(rows[S, n], outer, start) -> [3S + 1]`: one shard's part of the row
+  statistics a robust rule reads over the whole update (`aggregate.row_statistics`:
+  norms, dots with and distances from the previous aggregate, its norm), coordinates
+  start..start+n of fragment p; `outer` is the fragment's outer state (CombinedState). The
+  Ray runtime's peer form (`robust_shards`): each member sums its shard of every row, and
+  the members' sums are added."""
+  del sync, layout, fragment
+
+  def statistics(rows_SxN, outer, start):
+    center = jax.lax.dynamic_slice_in_dim(outer.combine.center, start, rows_SxN.shape[1])
+    return row_statistics(rows_SxN, center)
+
+  return statistics
+
+
+def make_robust_shard(sync, *, layout: ParamLayout, fragment: int):
+  """`shard(outer, rows[S, n], statistics[3S + 1], signals, start, full) -> (combined[n],
+  weights[S], τ)`: one shard of the robust rule's result from every row's shard and the
+  statistics over the whole update (summed over the members' shards): the coordinate-wise
+  rules' result, or centered clipping's first iteration from the previous aggregate. As
+  `make_server_sync` combines whole rows: a row per worker slot, the absent rows zeros
+  (tokens 0) and, unless `full`, left out."""
+  del layout, fragment
+  robust = sync.robust_rule()
+
+  def shard(outer, rows_SxN, statistics, signals: Signals, start, full: bool = False):
+    present = None if full else signals.tokens > 0
+    seen = robust.observe(outer.combine, statistics, losses=signals.loss, present=present)
+    w = seen.weights
+    if robust.rule != "centered_clip":
+      return robust.combine(rows_SxN, w, present), w, jnp.zeros((), jnp.float32)
+    S = w.shape[0]
+    center = jax.lax.dynamic_slice_in_dim(outer.combine.center, start, rows_SxN.shape[1])
+    distances = jnp.sqrt(statistics[2 * S:3 * S])
+    tau = robust.radius(distances, present)
+    return clip_step(rows_SxN, center, w, distances, tau), w, tau
+
+  return shard
+
+
+def clip_distances(rows_SxN, v_N):
+  """One shard's part of each row's squared distance from the centre (centered clipping's
+  next iteration: the members' parts added)."""
+  return jnp.sum((rows_SxN.astype(jnp.float32) - v_N[None].astype(jnp.float32)) ** 2, axis=1)
+
+
+def clip_again(rows_SxN, v_N, weights_S, sq_distances_S, tau):
+  """One more centered-clipping iteration on a shard, from the squared distances over the
+  whole update."""
+  return clip_step(rows_SxN, v_N, weights_S, jnp.sqrt(sq_distances_S), tau)
+
+
+def make_robust_apply(sync, rule: optax.GradientTransformation, *, layout: ParamLayout,
+                      fragment: int, count: int, last: bool):
+  """`apply(state, combined[N_p], statistics, signals, full) -> state`: the outer step of
+  fragment p on the robust rule's result, combined shard by shard (`make_robust_shard`,
+  all-gathered), on every member of a round; the combination's state (its result, the
+  signals this round) as the whole-row rule leaves it."""
+  robust = sync.robust_rule()
+  apply = _outer_step(sync, rule, layout=layout, fragment=fragment, count=count, last=last)
+
+  def robust_apply(state: TrainState, combined, statistics, signals: Signals,
+                   full: bool = False):
+    present = None if full else signals.tokens > 0
+    seen = robust.observe(state.outer.per_fragment[fragment].combine, statistics,
+                          losses=signals.loss, present=present)
+    return apply(state, combined, signals, None, full, {"combined": (combined, seen)})
+
+  return robust_apply
+
+
+def robust_shards(sync) -> bool:
+  """Whether a round's robust rule may run shard by shard among the Ray runtime's peers
+  (each member on its shard of every row: an all-to-all, a reduce-scatter's bytes): dense
+  rows (no codec, no attack), and nothing that reads a whole row but its statistics (no
+  probe loss, no buckets, which Ray refuses anyway)."""
+  a = sync.config.aggregate
+  return (sync.robust and sync.codec is None and sync.attack is None
+          and a.signal != "probe_loss" and a.bucket <= 1)
+
+
 def peer_reduces(sync) -> bool:
   """Whether a round's rows may be reduced shard by shard (a weighted mean of dense rows),
-  or must be all-gathered whole (a codec's payloads, a robust rule, an attack)."""
+  or must be combined otherwise (a codec's payloads and an attack all-gathered whole, a
+  robust rule shard by shard where `robust_shards`)."""
   return sync.codec is None and not sync.robust and sync.attack is None
 
 

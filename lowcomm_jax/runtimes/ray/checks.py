@@ -23,11 +23,13 @@ def peer_capable(c: ml_collections.ConfigDict, algorithm) -> str:
 def hierarchical_flat(c: ml_collections.ConfigDict, algorithm) -> str:
   """Why the peer form's rounds of `algorithm` have no hierarchical reduce ('': they have):
   the reduce by region adds region sums of a dense mean, where payloads all-gathered whole
-  (a codec's, a robust rule's rows, an attack's) or a pair swap have none."""
+  (a codec's, an attack's), a robust rule's rows (combined coordinate by coordinate, not
+  summed) or a pair swap have none."""
   from lowcomm_jax.programs.sync import robust_combination  # (plain Python: no jax)
   if c.compress.codec != "none" or robust_combination(c) or list(c.attack.workers):
-    return ("a codec, a robust rule or signal weights, or an attack all-gathers the "
-            "members' payloads whole (compress.codec, aggregate.*, attack.workers)")
+    return ("a codec or an attack all-gathers the members' payloads whole, and a robust "
+            "rule or signal weights combine every member's rows, not region sums "
+            "(compress.codec, aggregate.*, attack.workers)")
   rule = algorithm.worker_rule(c)
   if rule is not None and getattr(rule, "swaps_with_a_peer", False):
     return f"{c.algorithm}'s rounds are swaps between two workers"

@@ -42,6 +42,7 @@ class Replicas:
     self.adopting: dict[int, object] = {}  # worker -> its adopt's reference, in flight
     self.restored = None  # a resumed run's global state (object ref), for the workers
     self.reduces = sync_program.peer_reduces(d.r.sync)
+    self.robust_shards = sync_program.robust_shards(d.r.sync)
     self.hierarchical = 0  # collectives reduced by region (since this driver started)
 
   # --- what the driver asks of the global state -------------------------------------------
@@ -227,6 +228,8 @@ class Replicas:
     groups = self._regions_of(members) if self.reduces else None
     if groups is not None:
       return self._start_hierarchical(v, members, groups, metas, crash)
+    if self.robust_shards:
+      return self._start_robust(v, members, metas, crash)
     if self.reduces:
       m = len(members)
       tokens = [float(metas[w]["tokens"]) for w in members]
@@ -247,6 +250,31 @@ class Replicas:
                                             *[rows[i][1] for i in members])
                 for w, actor in zip(members, actors)]
     return staged
+
+  def _start_robust(self, v: int, members: list[int], metas, crash) -> list:
+    """Round `v`'s robust rule shard by shard (replica.py): member j takes shard j of every
+    member's contribution (an all-to-all, a reduce-scatter's bytes) and returns its part of
+    the rows' statistics over the whole update; with every member's parts, its shard of the
+    result (centered clipping: each further iteration one more exchange of the rows'
+    distances); the result all-gathered and the outer step staged on every member."""
+    actors = [self.d.pool.actors[w] for w in members]
+    m = len(members)
+    tokens = [float(metas[w]["tokens"]) for w in members]
+    losses = [float(metas[w].get("loss", 0.0)) for w in members]
+    shards = []
+    for w, actor in zip(members, actors):
+      out = actor.scatter.options(num_returns=m).remote(metas[w]["version"], m)
+      shards.append(list(out) if m > 1 else [out])
+    statistics = [actor.robust_statistics.remote(v, j, members, w == crash,
+                                                 *[shards[i][j] for i in range(m)])
+                  for j, (w, actor) in enumerate(zip(members, actors))]
+    outs = [actor.robust_shard.remote(v, j, members, tokens, losses, *statistics)
+            for j, actor in enumerate(actors)]
+    rule = self.d.c.aggregate
+    for _ in range(rule.clip_iters - 1 if rule.rule == "centered_clip" else 0):
+      outs = [actor.robust_clip.remote(j, *outs) for j, actor in enumerate(actors)]
+    return [actor.apply_robust.remote(v, members, tokens, losses, *statistics, *outs)
+            for actor in actors]
 
   def _regions_of(self, members: list[int]) -> list[list[int]] | None:
     """The members by region, where the round reduces hierarchically: `sim.network.collective`

@@ -236,6 +236,40 @@ class WorkerProcess:
     self.replica.moments["reduced"] = time.time()
     return mean
 
+  # A robust rule shard by shard (replicas.Replicas._start_robust): its steps.
+
+  def robust_statistics(self, round_version: int, index: int, members: list[int],
+                        crash: bool, *shards) -> np.ndarray:
+    if crash:
+      replica_lib.crash_here()
+    return self.replica.robust_statistics(round_version, index, members, shards)
+
+  def robust_shard(self, round_version: int, index: int, members: list[int], tokens, losses,
+                   *statistics) -> np.ndarray:
+    out = self.replica.robust_shard(round_version, index, members, tokens, losses, statistics)
+    self.replica.moments["reduced"] = time.time()
+    return out
+
+  def robust_clip(self, index: int, *distances) -> np.ndarray:
+    out = self.replica.robust_clip(index, distances)
+    self.replica.moments["reduced"] = time.time()
+    return out
+
+  def apply_robust(self, round_version: int, members: list[int], tokens, losses, *parts) -> dict:
+    """`parts`: every member's statistics, then every member's shard of the result. Its
+    link's bytes: its shards of its contribution out and its shard of everyone's in (a
+    reduce-scatter's), its statistics (and centered clipping's distances each further
+    iteration) to and from every member, the result's all-gather."""
+    m = len(members)
+    statistics, combined = parts[:m], parts[m:]
+    digest = self.replica.apply_robust(round_version, members, tokens, losses, statistics,
+                                       combined)
+    small = (m - 1) * (statistics[0].nbytes
+                       + 4 * self.replica.r.config.num_workers * (self.replica.clip_iters - 1))
+    moved = replica_lib.gathered_bytes(combined, members.index(self.worker))
+    return {"hash": digest, "sent": moved["sent"] + small,
+            "received": moved["received"] + small, "moments": self._moments()}
+
   # A hierarchical reduce (replicas.Replicas._start_hierarchical): its steps.
 
   def sum_shard(self, round_version: int, index: int, group: list[int], tokens, crash: bool,
