@@ -12,7 +12,8 @@ the sync matter; synchronous rounds among the workers, or through a parameter se
 
 ARG is 'METHOD,H,MBPS[,PLACE]':
   METHOD  diloco | async_dn | int8 (DiLoCo, int8 payloads) | sparseloco (DiLoCo + SparseLoCo)
-          | ddp (a gradient per step)
+          | ddp (a gradient per step) | median (DiLoCo, the coordinate-wise median of the
+          workers' Δ)
   H       inner steps per round (a job)
   MBPS    every node's NIC, each way, in Mb/s
   PLACE   flat (default: one region, the server a node beside the workers) | own (2 regions
@@ -28,7 +29,7 @@ import runpy
 
 _base = runpy.run_path(str(pathlib.Path(__file__).with_name("base.py")))
 
-METHODS = ("diloco", "async_dn", "int8", "sparseloco", "ddp")
+METHODS = ("diloco", "async_dn", "int8", "sparseloco", "ddp", "median")
 PLACES = ("flat", "own", "colocated")
 
 
@@ -58,6 +59,8 @@ def get_config(arg: str = "diloco,10,20"):
     c.inner_steps = 1
   if method == "int8":
     c.compress.codec = "int8"
+  if method == "median":
+    c.aggregate.rule = "median"
   if method == "sparseloco":
     c.compress.codec = "sparseloco"
     c.outer.lr, c.outer.momentum = 1.0, 0.0

@@ -439,7 +439,7 @@ def test_a_quorum_round_does_not_wait_for_a_slow_or_dead_worker(cluster, tmp_pat
 
 @pytest.mark.ray_slow
 @pytest.mark.parametrize("algorithm,rule", [("diloco", "mean"), ("one_step_delay", "mean"),
-                                            ("diloco", "trimmed_mean")])
+                                            ("diloco", "trimmed_mean"), ("streaming", "mean")])
 def test_a_worker_dying_mid_collective_is_retried_among_the_survivors(cluster, tmp_path,
                                                                       algorithm, rule):
   """The peer form: worker 1 dies in the middle of round 1's collective (it has taken its
@@ -450,8 +450,12 @@ def test_a_worker_dying_mid_collective_is_retried_among_the_survivors(cluster, t
   one-step delay the collective runs while round 2's jobs compute (worker 1's among them):
   the retry comes when it is settled, and θ' taken before it stands. With a robust rule
   shard by shard (the trimmed mean), worker 1 dies holding its peers' shards of the rows,
-  and the retry combines the two survivors' rows."""
+  and the retry combines the two survivors' rows. With Streaming's τ (two segments of two
+  steps, τ = 1) the survivors' next jobs have started and wait, after their first step,
+  for the retried collective's commit to mix its fragment in."""
   base = {"algorithm": algorithm, "rounds": 4, "num_workers": 3, "aggregate.rule": rule}
+  if algorithm == "streaming":
+    base.update({"inner_steps": 4, "streaming.overlap_steps": 1, "streaming.mix": 0.5})
   crashed = _config(**base, **{"ray.chaos": ("crash_in_sync=1@4",)})
   killed = _config(**base, **{"ray.chaos": ("kill_worker=1@6",)})  # round 1: pushes 4..6
   summary, events = _run(crashed, tmp_path / "crashed")
@@ -462,7 +466,9 @@ def test_a_worker_dying_mid_collective_is_retried_among_the_survivors(cluster, t
   assert [(e["event"], e["worker"]) for e in events] == [("worker_lost", 1)]
   assert "died in a round's collective" in events[0]["why"]
   assert summary["pushes_per_worker"] == replay["pushes_per_worker"]
-  assert summary["total_inner_steps"] == replay["total_inner_steps"] == 2 * (3 + 2 + 2 + 2)
+  assert summary["total_inner_steps"] == replay["total_inner_steps"]
+  if algorithm != "streaming":  # (round 1 among 3, then 2: a round is a push each)
+    assert summary["total_inner_steps"] == 2 * (3 + 2 + 2 + 2)
   np.testing.assert_array_equal(_ray_checkpointed_params(crashed, tmp_path / "crashed"),
                                 _ray_checkpointed_params(killed, tmp_path / "killed"))
   assert summary["eval_loss"] == replay["eval_loss"]
@@ -554,13 +560,16 @@ def test_a_robust_quorum_survives_a_join_and_its_server_restarting(cluster, tmp_
     {"algorithm": "overlap"},  # workers keep their models across rounds
     {"algorithm": "pier", "pier.warmup": 0.0, "pier.decay_momenta": ()},
     {"algorithm": "streaming", "inner_steps": 4, "compress.codec": "int8"},  # 2 fragments
+    # τ = 1: each segment's collective runs while the next segment's first step computes
+    {"algorithm": "streaming", "inner_steps": 4, "streaming.overlap_steps": 1,
+     "streaming.mix": 0.5},
     {"algorithm": "ddp", "inner_steps": 1},  # quorum rounds of one gradient each
     # Adam's moments averaged before rounds 1 and 2 (the first) and 2 (the second)
     {"algorithm": "desloc", "desloc.first_moment_rounds": 1,
      "desloc.second_moment_rounds": 2},
     # each worker keeps its own (φ, δ) and swaps θ_i with its round's peer directly
     {"algorithm": "noloco", "num_workers": 4},
-], ids=lambda o: o["algorithm"])
+], ids=lambda o: o["algorithm"] + ("-tau" if "streaming.overlap_steps" in o else ""))
 def test_every_synchronous_algorithm_on_ray_is_the_runners(cluster, tmp_path, overrides):
   """The equality contract: full quorums, dispatch order, no chaos; each algorithm runs on
   Ray from its own declarations (segments, fragments, mix, worker rule, outer rule) and ends
@@ -580,12 +589,18 @@ def test_every_synchronous_algorithm_on_ray_is_the_runners(cluster, tmp_path, ov
   assert summary["round_form"] == "peers" and summary["server_bytes_sent"] == 0
   assert summary["wire_bytes_per_worker"] == {str(w): [summary["bytes_sent"]] * 2
                                                for w in range(config.num_workers)}
-  if overrides["algorithm"] in ("one_step_delay", "eager"):  # its collective ran beside
-    w = config.num_workers  # the next jobs: round v + 1's dispatched before round v committed
+  if overrides["algorithm"] in ("one_step_delay", "eager") or "streaming.overlap_steps" in overrides:
+    # its collective ran beside the next jobs: those of version v + 1 (the next round; the
+    # next segment) dispatched before version v's collective committed
+    w = config.num_workers
     dispatched = sorted(m[2] for m in summary["job_moments"])
     committed = [c[6] for c in summary["collective_moments"]]
-    assert all(max(dispatched[w * (v + 1):w * (v + 2)]) < committed[v] for v in range(2)), (
-        dispatched, committed)
+    syncs = len(committed)
+    from lowcomm_jax import algorithms
+    segments = algorithms.get(config.algorithm).segments(config, config.inner_steps)
+    assert syncs == 3 * len(segments), committed
+    assert all(max(dispatched[w * (v + 1):w * (v + 2)]) < committed[v]
+               for v in range(syncs - 1)), (dispatched, committed)
 
 
 @pytest.mark.ray_slow

@@ -106,7 +106,7 @@ def build(config: ml_collections.ConfigDict, *, check_memory: bool = True) -> Ru
       c, algorithm, sync, segments, layout, inner_txs[0], corpus, window_vocab, graphdef,
       model_cfg, mesh)
   worker_rule = algorithm.worker_rule(c)
-  local_programs, init_workers, accumulate = _host_programs(
+  local_programs, local_halves, init_workers, accumulate = _host_programs(
       c, algorithm, worker_rule, segments, hosts, local_hosts, inner_txs, layout, model_cfg,
       loss_of, local_mesh)
   init_fn = _init_state(c, layout, aggregators, rules)
@@ -134,7 +134,8 @@ def build(config: ml_collections.ConfigDict, *, check_memory: bool = True) -> Ru
                       overlapped=steps.make_overlapped(syncs[0], local_programs[0][0],
                                                        reads_rules=worker_rule is not None,
                                                        reads_own=reads_own),
-                      state_sync=steps.make_state_sync(state_sync) if state_sync else None)
+                      state_sync=steps.make_state_sync(state_sync) if state_sync else None,
+                      local_halves=local_halves)
   programs, init_fn, initial_params = program_cache.same_as_before(
       program_cache.key(c, model_cfg, windows), (programs, init_fn, initial_params))
   run = Run(config=c, algorithm=algorithm, topology=topology, model=model,
@@ -234,22 +235,28 @@ def _sync_programs(c, algorithm, sync, segments, layout: ParamLayout, inner_tx, 
 
 def _host_programs(c, algorithm, worker_rule, segments, hosts, local_hosts, inner_txs,
                    layout: ParamLayout, model_cfg: GPTConfig, loss_of, local_mesh):
-  """Per local host: its local program per segment, its workers' initial states, and (a
-  collaborative run's) its gradient accumulation."""
+  """Per local host: its local program per segment (and, where a segment has a mix inside
+  it, the program in two parts: `Programs.local_halves`), its workers' initial states, and
+  (a collaborative run's) its gradient accumulation."""
   alpha = algorithm.mix(c)
   keeps_params = algorithm.keeps_worker_params(c)
   # One worker per device runs unbatched on each (workers.map_host_workers); tensor parallelism
   # keeps the vmap its shard_map over 'model' nests in.
   worker_mesh = local_mesh if c.model.tp.size == 1 else None
-  local_programs = [
-      [program_cache.shared(
-          steps.make_local_segment, loss_of(hosts[i].hidden, local_mesh),
-          inner_tx=inner_txs[i], hidden=hosts[i].hidden, d_ff=model_cfg.d_ff, layout=layout,
-          segment=s, index=k, count=len(segments), alpha=alpha,
-          local_steps=algorithm.local_steps, keeps_params=keeps_params,
-          worker_rule=worker_rule, mesh=worker_mesh)
-       for k, s in enumerate(segments)]
-      for i in local_hosts]
+  def local_program(i, k, s, part="whole"):
+    return program_cache.shared(
+        steps.make_local_segment, loss_of(hosts[i].hidden, local_mesh),
+        inner_tx=inner_txs[i], hidden=hosts[i].hidden, d_ff=model_cfg.d_ff, layout=layout,
+        segment=s, index=k, count=len(segments), alpha=alpha,
+        local_steps=algorithm.local_steps, keeps_params=keeps_params,
+        worker_rule=worker_rule, mesh=worker_mesh, part=part)
+
+  local_programs = [[local_program(i, k, s) for k, s in enumerate(segments)]
+                    for i in local_hosts]
+  splits = keeps_params and algorithm.local_steps and worker_rule is None
+  local_halves = [[(local_program(i, k, s, "head"), local_program(i, k, s, "tail"))
+                   if splits and s.mix_at > 0 else None for k, s in enumerate(segments)]
+                  for i in local_hosts]
   init_workers = [
       program_cache.shared(
           functools.partial, steps.init_workers, workers=len(hosts[i].worker_ids),
@@ -262,7 +269,7 @@ def _host_programs(c, algorithm, worker_rule, segments, hosts, local_hosts, inne
                                      hidden=hosts[i].hidden, d_ff=model_cfg.d_ff,
                                      layout=layout, mesh=worker_mesh)
                 for i in local_hosts] if algorithm.progress(c) == "epochs" else []
-  return local_programs, init_workers, accumulate
+  return local_programs, local_halves, init_workers, accumulate
 
 
 def _init_state(c, layout: ParamLayout, aggregators, rules):

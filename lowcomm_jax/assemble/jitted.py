@@ -56,8 +56,12 @@ def jitted_steps(r: Run, *, donate: bool | None = None) -> Programs:
                         out_shardings=mesh_lib.per_worker(r.topology.mesh),
                         donate_argnums=(0,) if donate else ())
                 if r.programs.state_sync is not None else None)
+  halves = [[None if pair is None else tuple(
+                Bound(jax.jit(f, out_shardings=(per_worker, per_worker, per_worker)),
+                      local_frozen) for f in pair) for pair in host]
+            for host in r.programs.local_halves]
   return Programs(local, syncs, init, Bound(jax.jit(r.programs.eval), r.frozen), accumulate,
-                  state_sync=state_sync)
+                  state_sync=state_sync, local_halves=halves)
 
 
 def init_run(r: Run, fns: Programs) -> tuple[steps.TrainState, tuple]:

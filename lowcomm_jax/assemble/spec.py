@@ -86,6 +86,10 @@ class Programs:
   # (workers' inner-optimizer states [R, ...], parts) -> the same with those parts averaged
   # (steps.make_state_sync), where the algorithm has a StateSync (DES-LOC)
   state_sync: Callable | None = None
+  # per local host, per segment: its local program as (head, tail) (`make_local_segment`'s
+  # `part`), or None where the segment has no mix inside it: the Ray runtime's peer form
+  # runs the head while the last sync's collective does (Streaming's τ)
+  local_halves: list[list] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

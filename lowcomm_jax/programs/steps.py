@@ -123,7 +123,7 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
                        hidden: int, d_ff: int, layout: ParamLayout, segment: Segment,
                        index: int, count: int, alpha: float, local_steps: bool,
                        keeps_params: bool = True, worker_rule=None,
-                       axis_name: str = "replica", mesh=None):
+                       axis_name: str = "replica", mesh=None, part: str = "whole"):
   """`local(state, workers[G], batches[G, S, B, L+1], worker_ids[G])`
   -> (Δ[G, N_p] of the synced fragment, flat at full width, workers[G], losses[G, S]) for
   one host's G workers of width `hidden`: segment `index` of `count` equal ones (S from the
@@ -132,7 +132,19 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
   `worker_rule` (algorithms.base.WorkerRule; one segment, full width) each worker starts
   from the rule's point, computed from θ, the outer rule's state (`state.outer` is then
   OuterState((), per_fragment)) and the worker's memory, and the rule makes its Δ.
+
+  `part` (a segment with a mix inside it, whose workers keep their parameters): 'head' runs
+  the `mix_at` steps before the mix alone and returns (), the workers after them and their
+  losses: it reads nothing of θ, so it may run while the last sync's collective does (the
+  Ray runtime's peer form); 'tail', from the head's workers, the mix of the new θ and the
+  rest. Both take the whole segment's batches. 'whole': both in one program.
   """
+  if part not in ("whole", "head", "tail"):
+    raise ValueError(f"part={part!r}: use 'whole', 'head' or 'tail'")
+  if part != "whole" and not (segment.mix_at > 0 and keeps_params and local_steps
+                              and worker_rule is None):
+    raise ValueError("a segment runs in a head and a tail only with a mix inside it "
+                     "(mix_at > 0) and workers that keep their parameters")
   grad_fn = jax.value_and_grad(loss_fn)
   narrow = hidden != d_ff
   sync, mix, mix_at = segment.sync, segment.mix, segment.mix_at
@@ -194,11 +206,13 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
       return unslice_tier(base, tier_params) if narrow else tier_params
 
     losses = []
-    if mix_at > 0:
+    if mix_at > 0 and part != "tail":  # (the tail's workers have run these already)
       (trained, opt_state), first = inner_steps(tier(own), opt_state, batches[:mix_at],
                                                 step_keys[:mix_at], frozen)
       own = full(trained, own)
       losses.append(first)
+      if part == "head":
+        return (), WorkerState(layout.ravel(own), opt_state, steps + mix_at, memory), first
     own = landed(own)
     (trained, opt_state), rest = inner_steps(tier(own), opt_state, batches[mix_at:],
                                              step_keys[mix_at:], frozen, taken)
@@ -206,8 +220,9 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
     losses.append(rest)
     delta = (layout.fragment_slice(global_flat, sync) - layout.fragment_slice(own_flat, sync))
     losses_s = jnp.concatenate(losses) if len(losses) > 1 else losses[0]
-    return (delta, WorkerState(own_flat if keeps_params else (), opt_state, steps + s, memory),
-            losses_s)
+    done = s - mix_at if part == "tail" else s
+    return (delta, WorkerState(own_flat if keeps_params else (), opt_state, steps + done,
+                               memory), losses_s)
 
   def local(state: TrainState, workers: WorkerState | tuple, batches_GxSxBxL1, worker_ids_G,
             steps_G=None, *, frozen=()):

@@ -11,6 +11,12 @@ from lowcomm_jax.runtimes.ray.replicas import Replicas
 class PeerRounds(Replicas, QuorumRounds):
   """Quorum rounds whose contributions stay with their workers until the round's collective.
 
+  Streaming's τ > 0 (a mix inside every segment): a segment's close starts its collective
+  and the next segment's jobs at once; each job runs its τ steps before the mix (which read
+  nothing of θ: `Programs.local_halves`), then waits for its replica to commit the round and
+  mixes the new fragment in, as the lockstep runtime's τ defines it. The driver settles the
+  collective meanwhile.
+
   A delayed sync (`Algorithm.delayed_sync`: one-step delay, eager), a dense mean and one
   segment: the round's close takes θ' on every member at once (`advance`: θ', and what a
   worker rule reads of the outer state, do not depend on the round's own mean), the next
@@ -24,6 +30,11 @@ class PeerRounds(Replicas, QuorumRounds):
     super().__init__(d)
     r = d.r
     self.overlaps = r.algorithm.delayed_sync and self.reduces and self.segments == 1
+    # A mix inside every segment (Streaming's τ > 0): a segment's collective runs while the
+    # next segment's first τ steps compute (`Programs.local_halves`: they read nothing of θ)
+    halves = r.programs.local_halves
+    self.streams = (self.segments > 1 and bool(halves)
+                    and all(pair is not None for pair in halves[0]))
     # the round whose collective runs meanwhile: (version, {worker: (meta, sent)}, its
     # members, their staged references, when it began)
     self.pending = None
@@ -89,8 +100,13 @@ class PeerRounds(Replicas, QuorumRounds):
     if len(set(hashes.values())) > 1:
       raise RuntimeError(f"round {v}: the members' θ' differ ({hashes}); the replicas have "
                          "diverged")
+    self._start_pending(v, [w for w in members if w in hashes and w in pool.actors])
+
+  def _start_pending(self, v: int, members: list[int]) -> None:
+    """Round `v`'s collective among `members` started, not waited for (`_settle` does); the
+    version moves on."""
+    d, pool = self.d, self.d.pool
     rows, self.rows = self.rows, {}
-    members = [w for w in members if w in hashes and w in pool.actors]
     for w in members:
       self.held[w] = v + 1
     if members:
@@ -152,10 +168,15 @@ class PeerRounds(Replicas, QuorumRounds):
     self._settle()
     if self.overlaps:  # (its steps are counted when its collective is settled)
       self._advance()
+    elif self.streams:  # the next jobs start now; their first τ steps read nothing of θ
+      self._settle_adopts([w for w in self.rows if w in self.adopting])
+      self._start_pending(self.version, [w for w in sorted(self.rows) if w in d.pool.actors])
     else:
       self._applied(self._close_collective().values())
     self.segment = (self.segment + 1) % self.segments
     n.rounds += self.segment == 0
     self.round.open()
     d.idle_start()
+    if self.streams:  # meanwhile: each job waits for its replica's commit to mix it in
+      self._settle()
     return self.segment == 0

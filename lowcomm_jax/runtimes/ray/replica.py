@@ -43,6 +43,7 @@ way: each worker's parts as one vector (`flat`) in M shards, member j's mean of 
 import hashlib
 import os
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -178,6 +179,7 @@ class Replica:
     # member, their weights, τ, the centre so far]
     self.combining = {}
     self._lock = threading.Lock()  # a share (a checkpoint, a heal) reads while rounds run
+    self._moved = threading.Condition(self._lock)  # the version moved (`wait_for`)
     params = jnp.asarray(params0)
     # A sync of pair swaps (`Sync.partners`: NoLoCo): the replica holds the worker's own row
     # of the sync's per-worker state (its φ_i, δ_i) and θ as the last consensus left it.
@@ -194,6 +196,18 @@ class Replica:
   def _set(self, version: int, params, opt_state) -> None:
     with self._lock:
       self.version, self.params, self.opt_state = version, params, opt_state
+      self._moved.notify_all()
+
+  def wait_for(self, version: int, timeout_s: float) -> float:
+    """Waits (a job's thread, while the actor's other thread runs the collective) until the
+    replica holds `version`: the seconds waited. A collective may be tried again without a
+    lost member, so up to three of its timeouts; past them the job fails, naming it."""
+    began = time.perf_counter()
+    with self._moved:
+      if not self._moved.wait_for(lambda: self.version >= version, timeout=3 * timeout_s):
+        raise RuntimeError(f"round {version - 1}'s collective did not commit within "
+                           f"3 × ray.collective_timeout_s={timeout_s}")
+    return time.perf_counter() - began
 
   def share(self) -> dict:
     """The replica as host arrays: what a joining or lagging worker adopts, and what a

@@ -47,6 +47,10 @@ class WorkerProcess:
     if params0 is None and ("state" not in restored or programs.accumulate or peers):
       params0 = initial_params(r)
     self.replica = replica_lib.Replica(r, params0, worker) if peers else None
+    # Per segment, where the segment mixes the last sync's fragment in after some steps, the
+    # program in two parts (the peer form: the first runs while that sync's collective does)
+    self._halves = (programs.local_halves[self.host] if peers and programs.local_halves
+                    else [None] * len(self.segments))
     self.programs = programs
     if "state" in restored:
       self.state = jax.tree.map(jnp.asarray, restored["state"])
@@ -187,12 +191,15 @@ class WorkerProcess:
       self.before = (self.state, self.codec_state, self.streams.get_state())
       self.running = order
     round_, segment = divmod(version, len(self.segments))
+    halves = None
     if params is None:  # the peer form: from its own replica, which is at that version
-      if self.replica.version != version:
+      if self.replica.version == version - 1 and self._halves[segment] is not None:
+        halves = self._halves[segment]  # (the last sync's collective is still running)
+      elif self.replica.version != version:
         raise RuntimeError(f"worker {self.worker}: a job from version {version}, but its "
                            f"replica holds version {self.replica.version}")
-      params, outer = self.replica.params, self.replica.view_outer()
-    view = self._view(round_, params, outer)
+      else:
+        params, outer = self.replica.params, self.replica.view_outer()
     workers = self.state  # (DDP's workers keep nothing)
     if self.r.algorithm.local_steps:
       workers = workers._replace(opt_state=optimizers.at_schedule_step(
@@ -201,7 +208,18 @@ class WorkerProcess:
     meta = {"worker": self.worker, "version": int(version), "steps": steps_, "order": order,
             "tokens": int(self.r.tokens(steps_, self.host)), "started_at": started_at}
     with jax.set_mesh(self.mesh):
-      deltas, self.state, losses = self.locals[segment](view, workers, batches, self.ids)
+      if halves is None:
+        view = self._view(round_, params, outer)
+        deltas, self.state, losses = self.locals[segment](view, workers, batches, self.ids)
+      else:  # the steps before the mix, while the collective runs; the rest once it is in
+        head, tail = halves
+        _, workers, first = head(self._view(round_, self.replica.params), workers, batches,
+                                 self.ids)
+        jax.block_until_ready(first)
+        meta["waited_s"] = self.replica.wait_for(version, self.r.config.ray.collective_timeout_s)
+        view = self._view(round_, self.replica.params, self.replica.view_outer())
+        deltas, self.state, rest = tail(view, workers, batches, self.ids)
+        losses = jnp.concatenate([first, rest], axis=1)
       sent = self._to_send(view, deltas, meta, segment)
     meta.update(loss=float(losses.mean()), compute_seconds=time.perf_counter() - start,
                 data=self.streams.get_state())
