@@ -13,7 +13,8 @@ the sync matter; synchronous rounds among the workers, or through a parameter se
 ARG is 'METHOD,H,MBPS[,PLACE]':
   METHOD  diloco | async_dn | int8 (DiLoCo, int8 payloads) | sparseloco (DiLoCo + SparseLoCo)
           | ddp (a gradient per step) | median (DiLoCo, the coordinate-wise median of the
-          workers' Δ)
+          workers' Δ) | streaming (2 fragments, each applied τ = H/2 − 1 steps after it is
+          sent and mixed with α = 0.5)
   H       inner steps per round (a job)
   MBPS    every node's NIC, each way, in Mb/s
   PLACE   flat (default: one region, the server a node beside the workers) | own (2 regions
@@ -29,7 +30,7 @@ import runpy
 
 _base = runpy.run_path(str(pathlib.Path(__file__).with_name("base.py")))
 
-METHODS = ("diloco", "async_dn", "int8", "sparseloco", "ddp", "median")
+METHODS = ("diloco", "async_dn", "int8", "sparseloco", "ddp", "median", "streaming")
 PLACES = ("flat", "own", "colocated")
 
 
@@ -54,7 +55,10 @@ def get_config(arg: str = "diloco,10,20"):
   c.eval_batches = 2
   c.checkpoint_every = 0
   c.optimizer.warmup_steps = 10
-  c.algorithm = {"async_dn": "async_dn", "ddp": "ddp"}.get(method, "diloco")
+  c.algorithm = {"async_dn": "async_dn", "ddp": "ddp", "streaming": "streaming"}.get(
+      method, "diloco")
+  if method == "streaming":
+    c.streaming.fragments, c.streaming.overlap_steps, c.streaming.mix = 2, h // 2 - 1, 0.5
   if method == "ddp":
     c.inner_steps = 1
   if method == "int8":
