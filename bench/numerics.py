@@ -50,6 +50,14 @@ CASES = {
     "smoke_ddp_demo_signs": ["configs/smoke.py", "--config.algorithm=ddp",
                              "--config.inner_steps=1", "--config.compress.codec=demo",
                              "--config.compress.value_bits=1"],
+    # a robust rule with signal weights (aggregate.RobustRule's steps, issue 61), Streaming
+    # with τ and a mix (its local program also runs in two parts on Ray)
+    "smoke_clip_cosine": ["configs/smoke.py", "--config.aggregate.rule=centered_clip",
+                          "--config.aggregate.clip_iters=2", "--config.aggregate.signal=cosine",
+                          "--config.aggregate.warmup_rounds=0"],
+    "smoke_streaming_tau": ["configs/smoke.py", "--config.algorithm=streaming",
+                            "--config.inner_steps=4", "--config.streaming.overlap_steps=1",
+                            "--config.streaming.mix=0.5"],
     "hetero_int4_short": ["configs/diloco_hetero.py", "--config.compress.codec=int4",
                           "--config.model.name=tiny", "--config.rounds=4",
                           "--config.data.seq_len=32", "--config.eval_every=4",

@@ -199,7 +199,7 @@ def main(argv=None) -> None:
   p.add_argument("--out", required=True, type=pathlib.Path,
                  help="folder for model.safetensors and config.json")
   args = p.parse_args(argv)
-  from lowcomm_jax.config.error import ConfigError
+  from lowcomm_jax.errors import ConfigError
   from lowcomm_jax.run.checkpoint import CheckpointMismatch
   try:
     written = export_width(args.workdir, args.width, args.out)

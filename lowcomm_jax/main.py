@@ -84,7 +84,7 @@ def main(argv):
   # no TPU; its warnings and errors (a GPU backend failing) still show.
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
   # Imported here so `--help` and flag errors stay fast (jax and orbax load slowly).
-  from lowcomm_jax.config.error import ConfigError
+  from lowcomm_jax.errors import ConfigError
   from lowcomm_jax.parallel import distributed
   from lowcomm_jax.run.identity import ResumeRefused
   if _EXPORT_MERGED.value and _CONFIG.value.lora.rank == 0:

@@ -24,7 +24,7 @@ LAYERS = [
     ("programs", ("programs",)),
     ("parts", ("model", "outer", "compress", "aggregate", "data", "sim")),
     ("parallel", ("parallel",)),
-    ("foundation", ("config.error", "config.defaults")),  # below everything: any layer raises
+    ("foundation", ("errors",)),  # below everything: any layer raises
 ]
 # Siblings that must not import each other: each is a prefix inside one layer.
 SEALED = {"runtimes": ("runtimes.spmd", "runtimes.simulator", "runtimes.ray"),
@@ -108,9 +108,36 @@ def test_runtimes_and_parts_import_nothing_from_their_siblings():
   assert not crossing, "imports between sealed siblings:\n" + "\n".join(crossing)
 
 
-def test_the_top_of_the_package_holds_the_commands_alone():
+def test_the_top_of_the_package_holds_the_commands_and_the_foundation_alone():
   top = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
-  assert top == ["export", "main", "report"]
+  assert top == ["errors", "export", "main", "report"]
+
+
+def test_the_folders_import_each_other_without_a_circle():
+  """Folder by folder (config/, runtimes/, parallel/, ..., errors.py): no circle, so each
+  folder is one layer (issue 62: config/error.py, imported from five folders below config/,
+  made config/ two layers at once)."""
+  folder = lambda name: name.split(".")[0]
+  graph = {}
+  for a, b in _arrows():
+    if folder(a) != folder(b):
+      graph.setdefault(folder(a), set()).add(folder(b))
+  assert ("config", "parallel") in {(a, b) for a, bs in graph.items() for b in bs}  # seen
+  done, path = set(), []
+
+  def visit(node):
+    if node in path:
+      raise AssertionError("a circle of folders: " + " -> ".join(path[path.index(node):] + [node]))
+    if node in done:
+      return
+    path.append(node)
+    for nxt in sorted(graph.get(node, ())):
+      visit(nxt)
+    path.pop()
+    done.add(node)
+
+  for node in sorted(graph):
+    visit(node)
 
 
 def test_the_walk_sees_arrows_that_exist():
@@ -140,3 +167,26 @@ def test_no_runtime_or_assembly_names_an_algorithm():
               and id(node) not in docstrings]
   assert len(names) >= 9 and found == []
   assert sum(m.startswith("runtimes.ray") for m in _modules()) >= 10  # the walk sees them
+
+
+def test_nothing_outside_the_algorithms_knows_one():
+  """No module outside algorithms/ imports one algorithm's module (only the package's
+  registry and base.py's declarations), and none reads an algorithm's own config section
+  (`config_section`, HALoS's outer.halos) but config/defaults.py, which declares them."""
+  from lowcomm_jax import algorithms
+  own = {m for m in MODULES if m.startswith("algorithms.") and m != "algorithms.base"}
+  assert "algorithms.halos" in own and len(own) >= 12
+  importing = [f"{a} -> {b}" for a, b in _arrows() if b in own and not a.startswith("algorithms")]
+  sections = {a.config_section for a in algorithms.REGISTRY.values() if a.config_section}
+  sections |= {"halos"}
+  assert {"streaming", "pier", "desloc"} <= sections
+  reading = []
+  for module, path in MODULES.items():
+    if module.startswith("algorithms") or module == "config.defaults":
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      # c.<section>.<field>: an attribute read through the section
+      if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+          and node.value.attr in sections):
+        reading.append(f"{module}:{node.lineno} .{node.value.attr}.{node.attr}")
+  assert not importing and not reading, "\n".join(importing + reading)

@@ -34,7 +34,8 @@ def test_values_reflect_overrides_and_nested_fields_get_their_comments():
   assert "devices on 'model'" in lines["model.tp.size"]
   assert lines["extra_field"] == "extra_field = 3"
   # Continuation lines ('# | ...') join the field's comment; base.py's order is kept.
-  assert "| in the simulator also 'async'" in lines["algorithm"]
+  assert "| 0.5): every evaluation reports eval_loss/tier_<w>" in lines["eval.widths"]
+  assert "REGISTRY" in lines["algorithm"]
   assert list(lines)[:2] == ["algorithm", "num_workers"]
 
 

@@ -12,13 +12,14 @@ The simulator asks the same object for its schedule (when jobs run and messages 
 and, for asynchronous algorithms, the rules of its parameter servers.
 """
 
+import dataclasses
 from typing import Any, Protocol
 
 import jax
 import ml_collections
 import optax
 
-from lowcomm_jax.config.error import field_problem  # noqa: F401 - the algorithms' form
+from lowcomm_jax.errors import field_problem  # noqa: F401 - the algorithms' form
 from lowcomm_jax.programs.steps import Segment  # noqa: F401 - what an algorithm declares
 from lowcomm_jax.programs.sync import Sync
 
@@ -64,11 +65,27 @@ class StateSync(Protocol):
     """`opt_state` with `parts` replaced by `values` (a tree as `take` gives)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ExchangeRule:
+  """How an algorithm's regional servers exchange with the global one (HALoS): each pushes
+  its change once `sync_every` updates are unsent and merges the global model back with
+  weight `merge_alpha`. The simulator's schedule and the Ray runtime's regional servers both
+  read it (`Algorithm.exchange_rule`), so neither knows which algorithm declared it."""
+  sync_every: int
+  merge_alpha: float
+
+  def due(self, unsent: int, finished: bool) -> bool:
+    """Whether a regional server pushes now: `sync_every` updates unsent, or, once the
+    budget is spent and its workers are done (`finished`), whatever it has left."""
+    return unsent >= self.sync_every or (finished and unsent > 0)
+
+
 class Algorithm:
   """Base: synchronous, one fragment, local steps from θ_w reset to θ every round."""
   name = ""
   summary = ""  # one line: what it does (config/defaults.py, --help texts, errors)
-  simulated_only = False  # runs in the simulator only (asynchronous servers)
+  # not on the lockstep runtime (asynchronous servers: the simulator and Ray run them)
+  simulated_only = False
   # Rounds end in a sync every worker joins (attacks and robust rules act there); False:
   # parameter servers take one contribution at a time.
   synchronous = True
@@ -160,3 +177,8 @@ class Algorithm:
                    plan) -> dict[str, optax.GradientTransformation]:
     """Asynchronous parameter servers' rules by server name; {}: synchronous."""
     return {}
+
+  def exchange_rule(self, c: ml_collections.ConfigDict) -> ExchangeRule | None:
+    """Where `regional_servers`: when and how they exchange with the global one."""
+    del c
+    return None

@@ -1,23 +1,18 @@
 """HALoS (Kim et al. 2025), simulator: asynchronous workers behind one local parameter server
 per region (Delayed Nesterov, outer.lr/momentum/dn_buffer); every K = outer.halos.sync_every
 updates an LPS pushes its change to the global server (Delayed Nesterov, outer.halos.global_*)
-and merges the model it gets back (outer/halos.py). When an exchange is due is written once
-here (`exchange_due`): the simulator's schedule (`HalosSchedule`) and the Ray runtime's
-regional servers (runtimes/ray/regions.py) both ask it."""
+and merges the model it gets back (outer/halos.py). When an exchange is due and how it
+merges is its declaration (`exchange_rule`, base.ExchangeRule): the simulator's
+schedule (`HalosSchedule`) and the Ray runtime's regional servers (runtimes/ray/regions.py)
+both read it from the plan."""
 
 from lowcomm_jax import outer
 from lowcomm_jax.algorithms.async_dn import dn_c_problems
 from lowcomm_jax.algorithms.async_local_sgd import AsyncLocalSGD
+from lowcomm_jax.algorithms.base import ExchangeRule
 from lowcomm_jax.sim.async_schedules import AsyncWorkers
 from lowcomm_jax.sim.events import Event, EventLoop
 from lowcomm_jax.sim.schedules import GLOBAL, Backend, Job, Plan, region_server
-
-
-def exchange_due(unsent: int, sync_every: int, finished: bool) -> bool:
-  """Whether a regional server pushes its change to the global server now: `sync_every`
-  updates unsent, or, once the budget is spent and its workers are done (`finished`),
-  whatever it has left."""
-  return unsent >= sync_every or (finished and unsent > 0)
 
 
 def _regions(c) -> list[int]:
@@ -53,6 +48,9 @@ class Halos(AsyncLocalSGD):
 
   def schedule(self, plan, backend):
     return HalosSchedule(plan, backend)
+
+  def exchange_rule(self, c):
+    return ExchangeRule(c.outer.halos.sync_every, c.outer.halos.merge_alpha)
 
   def server_rules(self, c, plan):
     o, h = c.outer, c.outer.halos
@@ -109,7 +107,7 @@ class HalosSchedule(AsyncWorkers):
                  lps=event.data["lps"], msg=reply)
     elif event.kind == "params_arrive":  # back at the LPS
       dst = event.data["lps"]
-      self.backend.merge(dst, event.data["msg"], p.merge_alpha)
+      self.backend.merge(dst, event.data["msg"], p.exchange_rule.merge_alpha)
       self.lps[dst]["pushing"] = False
       self._maybe_push(loop, dst)
     else:
@@ -118,7 +116,7 @@ class HalosSchedule(AsyncWorkers):
   def _maybe_push(self, loop: EventLoop, server: str) -> None:
     p, lps = self.plan, self.lps[server]
     finished = self.dispatched_steps >= p.total_steps and lps["running"] == 0
-    if lps["pushing"] or not exchange_due(lps["unsent"], p.sync_every, finished):
+    if lps["pushing"] or not p.exchange_rule.due(lps["unsent"], finished):
       return
     msg = self.new_id()
     self.backend.push_update(server, msg)

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from lowcomm_jax import algorithms
-from lowcomm_jax.config.error import ConfigError
+from lowcomm_jax.errors import ConfigError
 from lowcomm_jax.assemble import memory
 from lowcomm_jax.programs import optimizers
 from lowcomm_jax.assemble import program_cache

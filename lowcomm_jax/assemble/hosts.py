@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import ml_collections
 
-from lowcomm_jax.config.error import Problems
+from lowcomm_jax.errors import Problems
 from lowcomm_jax.model.matformer import hidden_units
 
 

@@ -24,7 +24,7 @@ import os
 import jax
 import numpy as np
 
-from lowcomm_jax.config.error import ConfigError
+from lowcomm_jax.errors import ConfigError
 from lowcomm_jax.parallel import ledger
 
 

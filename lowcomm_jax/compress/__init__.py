@@ -13,7 +13,7 @@ from lowcomm_jax.compress.quantize import Fp8, Statistical, Uniform
 from lowcomm_jax.compress.sparse import (RandomK, TopK, kept_per_chunk, randomk_codec,
                                          topk_codec)
 from lowcomm_jax.compress.spec import CodecSpec
-from lowcomm_jax.config.error import Problems
+from lowcomm_jax.errors import Problems
 
 REGISTRY: dict[str, CodecSpec] = {s.name: s for s in (
     quantize.INT8, quantize.FP8, quantize.INT4, quantize.MULOCO,

@@ -14,7 +14,7 @@ from lowcomm_jax.config import defaults
 from lowcomm_jax.assemble import hosts
 from lowcomm_jax.programs import optimizers
 from lowcomm_jax.run import identity
-from lowcomm_jax.config.error import ConfigError, Problems  # noqa: F401 - ConfigError re-exported
+from lowcomm_jax.errors import ConfigError, Problems  # noqa: F401 - ConfigError re-exported
 from lowcomm_jax.data.tokenizers import TOKENIZER_VOCAB, is_tokenizer_file
 from lowcomm_jax.model.matformer import hidden_units, width_problems
 from lowcomm_jax.model import attention, pretrained

@@ -17,14 +17,7 @@ def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
 
   # --- run ---------------------------------------------------------------------------
-  c.algorithm = "diloco"  # 'ddp' (average gradients every step) | 'diloco' (H local steps, outer step)
-  # | 'streaming' (Streaming DiLoCo: fragments sync in turn)
-  # | 'one_step_delay' (the outer step applies the previous round's mean, this one's travels)
-  # | 'eager' (one_step_delay, each worker starting from a proxy step with its own fresh Δ)
-  # | 'overlap' (Overlap Local-SGD: workers pull back toward an anchor that trails the average)
-  # | 'noloco' (no all-reduce: each worker keeps its own outer weights, swaps with a random peer)
-  # | in the simulator also 'async' (outer Nesterov per arrival) | 'async_dn' (Delayed Nesterov)
-  # | 'halos' (lowcomm_jax/algorithms/)
+  c.algorithm = "diloco"  # a name in algorithms.REGISTRY (each with its summary: docs/algorithms.md)
   c.num_workers = 4  # workers (replicas); each has its own data stream and inner optimizer state
   c.rounds = 20  # outer rounds; DDP takes one step per round
   c.inner_steps = 20  # H: inner steps per worker per round (must be 1 for ddp)

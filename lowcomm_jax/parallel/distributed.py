@@ -20,7 +20,7 @@ import socket
 import jax
 import ml_collections
 
-from lowcomm_jax.config.error import ConfigError
+from lowcomm_jax.errors import ConfigError
 from lowcomm_jax.parallel.roll_call import DistributedError, roll_call, split_address
 
 __all__ = ["DistributedError", "initialize", "settings"]

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from lowcomm_jax.config.error import Problems
+from lowcomm_jax.errors import Problems
 from optax import contrib as optax_contrib
 
 

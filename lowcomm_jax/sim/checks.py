@@ -6,7 +6,7 @@ import math
 
 import ml_collections
 
-from lowcomm_jax.config.error import Problems
+from lowcomm_jax.errors import Problems
 from lowcomm_jax.sim.collectives import COLLECTIVES
 from lowcomm_jax.sim.speeds import HETEROGENEITY
 

@@ -74,8 +74,9 @@ class Plan:
   compressed: bool  # synchronous aggregation all-gathers payloads instead of all-reducing
   collective: str = "auto"  # synchronous rounds: ring | hierarchical | direct | auto
   # (sim/collectives.py)
-  sync_every: int = 8  # HALoS: LPS updates between pushes (K)
-  merge_alpha: float = 0.25  # HALoS: weight of the GPS model in a merge
+  # regional servers' exchange with the global one (algorithms/base.ExchangeRule: HALoS's
+  # declaration), None without regional servers
+  exchange_rule: Any = None
   fragment_bytes: tuple[int, ...] = ()  # Streaming: each fragment's contribution on the wire
   overlap_steps: int = 0  # Streaming: τ, steps between sending a fragment and needing it
 

@@ -3,6 +3,7 @@
 import pytest
 
 from lowcomm_jax import algorithms
+from lowcomm_jax.algorithms.base import ExchangeRule
 from lowcomm_jax.sim import GLOBAL, EventLoop, Network, Plan, SpeedModel
 from lowcomm_jax.sim.replay import CountingBackend
 
@@ -52,8 +53,10 @@ class FakeBackend(CountingBackend):
 
 def _plan(speeds, *, regions=1, inner=2, total=None, rounds=2, inter_seconds_per_byte=1.0,
           server_region=0, worker_regions=(), **kw):
-  """Bandwidth 8e-9 Gb/s = 8 bits/s: one byte takes one second on a NIC; latency 0."""
+  """Bandwidth 8e-9 Gb/s = 8 bits/s: one byte takes one second on a NIC; latency 0. HALoS's
+  exchange from `sync_every` and `merge_alpha` (the config's defaults, 8 and 0.25)."""
   w = len(speeds)
+  kw["exchange_rule"] = ExchangeRule(kw.pop("sync_every", 8), kw.pop("merge_alpha", 0.25))
   return Plan(inner_steps=[inner] * w, rounds=rounds, total_steps=total or w * rounds * inner,
               speeds=SpeedModel.build(num_workers=w, level="none", explicit=speeds,
                                       step_seconds=1.0, jitter=0.0, straggler_prob=0.0,

@@ -3,7 +3,7 @@ Python: nothing here imports Ray, so a bad config fails in a second."""
 
 import ml_collections
 
-from lowcomm_jax.config.error import Problems
+from lowcomm_jax.errors import Problems
 from lowcomm_jax.runtimes.ray import chaos
 
 RUNTIMES = ("spmd", "ray")

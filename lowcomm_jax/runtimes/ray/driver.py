@@ -23,7 +23,7 @@ import time
 
 import ml_collections
 
-from lowcomm_jax.config.error import ConfigError
+from lowcomm_jax.errors import ConfigError
 from lowcomm_jax.run import loop
 from lowcomm_jax.assemble.build import build
 from lowcomm_jax.run.checkpoint import CheckpointMismatch

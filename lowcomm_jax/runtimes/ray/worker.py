@@ -193,12 +193,14 @@ class WorkerProcess:
     round_, segment = divmod(version, len(self.segments))
     halves = None
     if params is None:  # the peer form: from its own replica, which is at that version
-      if self.replica.version == version - 1 and self._halves[segment] is not None:
-        halves = self._halves[segment]  # (the last sync's collective is still running)
-      elif self.replica.version != version:
+      # (or, where the segment runs in two parts, one behind it: the last sync's collective
+      # still running; the same two programs either way, compiled once)
+      halves = self._halves[segment]
+      behind = 1 if halves is not None else 0
+      if not version - behind <= self.replica.version <= version:
         raise RuntimeError(f"worker {self.worker}: a job from version {version}, but its "
                            f"replica holds version {self.replica.version}")
-      else:
+      if halves is None:
         params, outer = self.replica.params, self.replica.view_outer()
     workers = self.state  # (DDP's workers keep nothing)
     if self.r.algorithm.local_steps:

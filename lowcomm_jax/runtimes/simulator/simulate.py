@@ -21,7 +21,7 @@ import ml_collections
 import numpy as np
 import optax
 
-from lowcomm_jax.config.error import ConfigError
+from lowcomm_jax.errors import ConfigError
 from lowcomm_jax.run import loop
 from lowcomm_jax.assemble import memory
 from lowcomm_jax.assemble.build import build
@@ -83,7 +83,8 @@ class Simulation:
     # format 4: transfers share links (sim/flows.py), the schedules checkpoint their flows.
     return {"format": 4, "algorithm": self.c.algorithm, "inner_steps": p.inner_steps,
             "total_steps": p.total_steps, "speeds": list(p.speeds.speeds),
-            "worker_region": list(p.network.worker_region), "sync_every": p.sync_every,
+            "worker_region": list(p.network.worker_region),
+            "sync_every": p.exchange_rule.sync_every if p.exchange_rule else 8,
             "codec": self.c.compress.codec}
 
   def save(self, ckpt: Checkpointer, mark: int, extra: dict) -> None:

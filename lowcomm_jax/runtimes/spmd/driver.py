@@ -11,7 +11,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from lowcomm_jax.run import loop, run_metrics
-from lowcomm_jax.config.error import ConfigError
+from lowcomm_jax.errors import ConfigError
 from lowcomm_jax.assemble.spec import Run
 from lowcomm_jax.assemble.jitted import init_run, jitted_steps
 from lowcomm_jax.runtimes.spmd.rounds import (can_overlap, held_round, jitted_overlapped,

@@ -14,7 +14,7 @@ import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 
-from lowcomm_jax.config.error import ConfigError
+from lowcomm_jax.errors import ConfigError
 from lowcomm_jax.run import loop
 from lowcomm_jax.assemble.build import build
 from lowcomm_jax.runtimes.spmd.collab import CollabDriver
