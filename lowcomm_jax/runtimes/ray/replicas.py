@@ -231,15 +231,10 @@ class Replicas:
     if self.robust_shards:
       return self._start_robust(v, members, metas, crash)
     if self.reduces:
-      m = len(members)
-      tokens = [float(metas[w]["tokens"]) for w in members]
-      losses = [float(metas[w].get("loss", 0.0)) for w in members]
-      shards = []
-      for w, actor in zip(members, actors):
-        out = actor.scatter.options(num_returns=m).remote(metas[w]["version"], m)
-        shards.append(list(out) if m > 1 else [out])
+      tokens, losses = _signals_of(metas, members)
+      shards = self._scatter(members, metas)
       reduced = [actor.reduce_shard.remote(v, j, members, tokens, w == crash,
-                                           *[shards[i][j] for i in range(m)])
+                                           *[row[j] for row in shards])
                  for j, (w, actor) in enumerate(zip(members, actors))]
       staged = [actor.apply_reduced.remote(v, members, tokens, losses, *reduced)
                 for actor in actors]
@@ -251,6 +246,13 @@ class Replicas:
                 for w, actor in zip(members, actors)]
     return staged
 
+  def _scatter(self, members: list[int], metas) -> list[list]:
+    """Each member's contribution cut into one shard per member: [member][shard] refs."""
+    m = len(members)
+    out = [self.d.pool.actors[w].scatter.options(num_returns=m).remote(metas[w]["version"], m)
+           for w in members]
+    return [list(refs) if m > 1 else [refs] for refs in out]
+
   def _start_robust(self, v: int, members: list[int], metas, crash) -> list:
     """Round `v`'s robust rule shard by shard (replica.py): member j takes shard j of every
     member's contribution (an all-to-all, a reduce-scatter's bytes) and returns its part of
@@ -258,15 +260,10 @@ class Replicas:
     result (centered clipping: each further iteration one more exchange of the rows'
     distances); the result all-gathered and the outer step staged on every member."""
     actors = [self.d.pool.actors[w] for w in members]
-    m = len(members)
-    tokens = [float(metas[w]["tokens"]) for w in members]
-    losses = [float(metas[w].get("loss", 0.0)) for w in members]
-    shards = []
-    for w, actor in zip(members, actors):
-      out = actor.scatter.options(num_returns=m).remote(metas[w]["version"], m)
-      shards.append(list(out) if m > 1 else [out])
+    tokens, losses = _signals_of(metas, members)
+    shards = self._scatter(members, metas)
     statistics = [actor.robust_statistics.remote(v, j, members, w == crash,
-                                                 *[shards[i][j] for i in range(m)])
+                                                 *[row[j] for row in shards])
                   for j, (w, actor) in enumerate(zip(members, actors))]
     outs = [actor.robust_shard.remote(v, j, members, tokens, losses, *statistics)
             for j, actor in enumerate(actors)]
@@ -304,8 +301,7 @@ class Replicas:
     order."""
     self.hierarchical += 1
     actor = self.d.pool.actors.__getitem__
-    tokens = [float(metas[w]["tokens"]) for w in members]
-    losses = [float(metas[w].get("loss", 0.0)) for w in members]
+    tokens, losses = _signals_of(metas, members)
     refs = lambda out, k: list(out) if k > 1 else [out]  # (num_returns=1: one reference)
     count = len(groups)
     pieces = []  # each region's sums, cut into the leaders' pieces (at its leader)
@@ -358,7 +354,7 @@ class Replicas:
 
   def _commit(self, v: int, members: list[int], outcome: dict) -> None:
     """Every member commits the staged round, once their hashes agree."""
-    d, n = self.d, self.d.counts
+    d = self.d
     hashes = {w: o["hash"] for w, o in outcome.items()}
     if self.same_state and len(set(hashes.values())) != 1:
       raise RuntimeError(f"round {v}: the members' θ differ after the same collective "
@@ -372,3 +368,10 @@ class Replicas:
         d.pool.lose(w, f"{type(e).__name__} committing a round")
     for w, o in outcome.items():
       self._count_wire(w, o)
+
+
+def _signals_of(metas: dict, members: list[int]) -> tuple[list[float], list[float]]:
+  """The members' tokens and train losses, in member order (what each member's outer step
+  weighs and its signals read)."""
+  return ([float(metas[w]["tokens"]) for w in members],
+          [float(metas[w].get("loss", 0.0)) for w in members])

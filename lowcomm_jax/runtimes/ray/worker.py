@@ -223,10 +223,13 @@ class WorkerProcess:
         deltas, self.state, rest = tail(view, workers, batches, self.ids)
         losses = jnp.concatenate([first, rest], axis=1)
       sent = self._to_send(view, deltas, meta, segment)
-    meta.update(loss=float(losses.mean()), compute_seconds=time.perf_counter() - start,
+    # Its own seconds, not the collective's it waited for (a segment in two parts): the
+    # step times a replay is held against, and what DyLU's speeds are made of
+    waited = meta.get("waited_s", 0.0)
+    meta.update(loss=float(losses.mean()), compute_seconds=time.perf_counter() - start - waited,
                 data=self.streams.get_state())
     time.sleep(self.step_sleep_s * steps_ + self.delay_s)
-    meta["job_seconds"] = time.perf_counter() - start  # what DyLU's speeds are made of
+    meta["job_seconds"] = time.perf_counter() - start - waited
     meta["finished_at"] = time.time()
     if self.replica is not None:  # kept for the round's collective (and a retry of it)
       self.replica.keep(int(version), sent, meta)
