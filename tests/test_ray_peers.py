@@ -59,14 +59,20 @@ def _peer_round(r, rows):
   return replicas, hashes
 
 
-def _server_round(r, rows):
+def _server(r):
+  """The parameter server's program for round rows, and its state at θ₀."""
   server = jax.jit(sync_program.make_server_sync(
       r.sync, r.outer_rules[0], layout=r.model.layout, fragment=0, count=1, last=True),
       static_argnames="full")
   params = jnp.asarray(initial_params(r))
   from lowcomm_jax.runtimes.ray.actors import initial_rule_state
-  state = steps.TrainState(jnp.asarray(0, jnp.int32), steps.run_key(r.config.seed), params,
-                           steps.OuterState((), initial_rule_state(r, "global", params)))
+  return server, steps.TrainState(jnp.asarray(0, jnp.int32), steps.run_key(r.config.seed),
+                                  params, steps.OuterState((), initial_rule_state(r, "global",
+                                                                                  params)))
+
+
+def _server_round(r, rows):
+  server, state = _server(r)
   received, keys, signals = round_inputs(r, {w: rows[w] for w in rows},
                                          steps.run_key(r.config.seed))
   return server(state, received, keys, signals, full=len(rows) == r.config.num_workers)
@@ -179,13 +185,7 @@ def test_a_robust_rule_shard_by_shard_is_the_servers_over_whole_rows(overrides):
   assert sync_program.robust_shards(r.sync) and not sync_program.peer_reduces(r.sync)
   slots = r.config.num_workers
   replicas = {w: replica_lib.Replica(r, initial_params(r), w) for w in range(slots)}
-  server = jax.jit(sync_program.make_server_sync(
-      r.sync, r.outer_rules[0], layout=r.model.layout, fragment=0, count=1, last=True),
-      static_argnames="full")
-  from lowcomm_jax.runtimes.ray.actors import initial_rule_state
-  params = jnp.asarray(initial_params(r))
-  state = steps.TrainState(jnp.asarray(0, jnp.int32), steps.run_key(r.config.seed), params,
-                           steps.OuterState((), initial_rule_state(r, "global", params)))
+  server, state = _server(r)
   for version, members in enumerate([list(range(slots)), list(range(1, slots)),
                                      list(range(slots))]):
     rows = _rows(r, members, seed=version)

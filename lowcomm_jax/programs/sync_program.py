@@ -221,30 +221,23 @@ def make_reduced_apply(sync, rule: optax.GradientTransformation, *, layout: Para
   return reduced_apply
 
 
-def make_robust_statistics(sync, *, layout: ParamLayout, fragment: int):
-  """`statistics(rows[S, n], outer, start) -> [3S + 1]`: one shard's part of the row
-  statistics a robust rule reads over the whole update (`aggregate.row_statistics`:
-  norms, dots with and distances from the previous aggregate, its norm), coordinates
-  start..start+n of fragment p; `outer` is the fragment's outer state (CombinedState). The
-  Ray runtime's peer form (`robust_shards`): each member sums its shard of every row, and
-  the members' sums are added."""
-  del sync, layout, fragment
-
-  def statistics(rows_SxN, outer, start):
-    center = jax.lax.dynamic_slice_in_dim(outer.combine.center, start, rows_SxN.shape[1])
-    return row_statistics(rows_SxN, center)
-
-  return statistics
+def robust_statistics(rows_SxN, outer, start):
+  """[3S + 1]: one shard's part of the row statistics a robust rule reads over the whole
+  update (`aggregate.row_statistics`: norms, dots with and distances from the previous
+  aggregate, its norm), for coordinates start..start+n of a fragment whose outer state
+  (CombinedState) is `outer`. The Ray runtime's peer form (`robust_shards`): each member
+  sums its shard of every row, and the members' sums are added."""
+  center = jax.lax.dynamic_slice_in_dim(outer.combine.center, start, rows_SxN.shape[1])
+  return row_statistics(rows_SxN, center)
 
 
-def make_robust_shard(sync, *, layout: ParamLayout, fragment: int):
+def make_robust_shard(sync):
   """`shard(outer, rows[S, n], statistics[3S + 1], signals, start, full) -> (combined[n],
   weights[S], τ)`: one shard of the robust rule's result from every row's shard and the
   statistics over the whole update (summed over the members' shards): the coordinate-wise
-  rules' result, or centered clipping's first iteration from the previous aggregate. As
-  `make_server_sync` combines whole rows: a row per worker slot, the absent rows zeros
-  (tokens 0) and, unless `full`, left out."""
-  del layout, fragment
+  rules' result, or centered clipping's first iteration from the previous aggregate (any
+  fragment's: `outer` is its CombinedState). As `make_server_sync` combines whole rows: a
+  row per worker slot, the absent rows zeros (tokens 0) and, unless `full`, left out."""
   robust = sync.robust_rule()
 
   def shard(outer, rows_SxN, statistics, signals: Signals, start, full: bool = False):

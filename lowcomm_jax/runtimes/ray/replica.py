@@ -53,6 +53,7 @@ from lowcomm_jax.programs import steps
 from lowcomm_jax.programs import sync_program
 from lowcomm_jax.runtimes.ray.actors import (initial_rule_state, round_inputs, round_signals,
                                              round_syncs)
+from lowcomm_jax.runtimes.ray.robust_shards import RobustShards
 from lowcomm_jax.sim import GLOBAL
 
 
@@ -111,15 +112,6 @@ def mean_rows(*rows: np.ndarray) -> np.ndarray:
   return np.mean(np.stack(rows), axis=0).astype(rows[0].dtype)
 
 
-def added(parts) -> np.ndarray:
-  """The members' parts of a sum over shards, added in member order (one after another,
-  so that every member gets the same bits)."""
-  total = np.array(parts[0], np.float32)
-  for part in parts[1:]:
-    total += part
-  return total
-
-
 def params_hash(tree) -> str:
   digest = hashlib.blake2b(digest_size=16)
   for x in jax.tree.leaves(tree):
@@ -134,7 +126,7 @@ def own_rows(outer, worker: int):
       lambda x: x[worker:worker + 1], outer.per_worker)))
 
 
-class Replica:
+class Replica(RobustShards):
   """θ, the outer rules' state and the version one worker holds, what it contributed and
   has not seen applied yet, and the state a round staged."""
 
@@ -159,25 +151,7 @@ class Replica:
         r.sync, r.outer_rules[s.sync], layout=layout, fragment=s.sync, count=len(segments),
         last=k == len(segments) - 1), static_argnames="full")
         for k, s in enumerate(segments)] if self.reduces else None
-    # a robust rule shard by shard (`sync_program.robust_shards`): each member's steps
-    self.robust_shards = sync_program.robust_shards(r.sync)
-    if self.robust_shards:
-      self.fragments = [s.sync for s in segments]
-      self.clip_iters = (r.config.aggregate.clip_iters
-                         if r.config.aggregate.rule == "centered_clip" else 1)
-      self._statistics = [jax.jit(sync_program.make_robust_statistics(
-          r.sync, layout=layout, fragment=s.sync)) for s in segments]
-      self._robust_shards = [jax.jit(sync_program.make_robust_shard(
-          r.sync, layout=layout, fragment=s.sync), static_argnames="full") for s in segments]
-      self._robust_applies = [jax.jit(sync_program.make_robust_apply(
-          r.sync, r.outer_rules[s.sync], layout=layout, fragment=s.sync, count=len(segments),
-          last=k == len(segments) - 1), static_argnames="full")
-          for k, s in enumerate(segments)]
-      self._distances = jax.jit(sync_program.clip_distances)
-      self._clip_again = jax.jit(sync_program.clip_again)
-    # the open round's robust rule, per shard this member combines: [its rows of every
-    # member, their weights, τ, the centre so far]
-    self.combining = {}
+    self._init_robust(r, segments)
     self._lock = threading.Lock()  # a share (a checkpoint, a heal) reads while rounds run
     self._moved = threading.Condition(self._lock)  # the version moved (`wait_for`)
     params = jnp.asarray(params0)
@@ -301,62 +275,6 @@ class Replica:
         jnp.asarray(np.stack(pieces)), jnp.asarray(hidden), jnp.asarray(tokens, jnp.float32),
         np.int32(start))
     return np.asarray(mean)
-
-  # --- a robust rule shard by shard: every member's rows of its shard (an all-to-all) ----
-
-  def robust_statistics(self, round_version: int, index: int, members: list[int],
-                        shards) -> np.ndarray:
-    """Takes shard `index` of every member's contribution (a row per worker slot, zeros for
-    the absent) and returns its part of the rows' statistics over the whole update
-    (`make_robust_statistics`; every member's parts are added)."""
-    rows = np.zeros((self.r.config.num_workers, shards[0].shape[0]), np.float32)
-    rows[members] = np.stack(shards)
-    self.combining = {index: [jnp.asarray(rows)]}  # (an earlier attempt's are let go)
-    segment = round_version % self.segments
-    outer = self._state(round_version).outer.per_fragment[self.fragments[segment]]
-    return np.asarray(self._statistics[segment](self.combining[index][0], outer,
-                                                np.int32(self._start(round_version, index,
-                                                                     len(members)))))
-
-  def robust_shard(self, round_version: int, index: int, members: list[int], tokens, losses,
-                   statistics) -> np.ndarray:
-    """Shard `index` of the robust rule's result (`make_robust_shard`), or, where centered
-    clipping iterates again, this shard's part of each row's squared distance from the
-    new centre (`robust_clip` takes every member's)."""
-    segment = round_version % self.segments
-    outer = self._state(round_version).outer.per_fragment[self.fragments[segment]]
-    rows = self.combining[index][0]
-    out, w, tau = self._robust_shards[segment](
-        outer, rows, jnp.asarray(added(statistics)), self._signals(members, tokens, losses),
-        np.int32(self._start(round_version, index, len(members))), full=self._full(members))
-    self.combining[index] = [rows, w, tau, out, self.clip_iters - 1]
-    return self._next_or_done(index)
-
-  def robust_clip(self, index: int, distances) -> np.ndarray:
-    """One more centered-clipping iteration on shard `index`, from every member's part of
-    the distances; as `robust_shard` returns."""
-    rows, w, tau, v, left = self.combining[index]
-    v = self._clip_again(rows, v, w, jnp.asarray(added(distances)), tau)
-    self.combining[index] = [rows, w, tau, v, left - 1]
-    return self._next_or_done(index)
-
-  def _next_or_done(self, index: int) -> np.ndarray:
-    rows, _, _, v, left = self.combining[index]
-    if left > 0:
-      return np.asarray(self._distances(rows, v))
-    self.combining.pop(index)
-    return np.asarray(v)
-
-  def apply_robust(self, round_version: int, members: list[int], tokens, losses, statistics,
-                   combined) -> str:
-    """Stages the outer step on the robust rule's result, all-gathered (`combined`: every
-    member's shard); its θ's hash."""
-    state = self._robust_applies[round_version % self.segments](
-        self._state(round_version), jnp.asarray(np.concatenate(combined)),
-        jnp.asarray(added(statistics)), self._signals(members, tokens, losses),
-        full=self._full(members))
-    self.combining = {}
-    return self._stage(round_version, state)
 
   def _start(self, round_version: int, index: int, members: int) -> int:
     return shard_bounds(self._fragment_size(round_version), members)[index][0]
