@@ -60,7 +60,7 @@ def config(fields: dict, args):
       "num_workers": 4, "rounds": args.rounds, "inner_steps": args.inner_steps,
       "model.name": "small", "data.tokenizer": "byte", "data.batch_size": 8,
       "data.seq_len": 64, "optimizer.warmup_steps": 20, "eval_every": 5, "eval_batches": 8,
-      "checkpoint_every": 0, "log_every": 5, "sim.enabled": True,
+      "checkpoint_every": 0, "log_every": 5, "runtime": "simulator",
       "sim.heterogeneity": "moderate", "sim.step_seconds": 0.1,
       "sim.network.regions": 4, "sim.network.inter_gbps": 1.0,
       "sim.network.inter_latency_s": 0.05})

@@ -68,7 +68,7 @@ def main() -> None:
       overrides[field] = value
   from lowcomm_jax.runtimes.simulator import simulate
   w = args.workers
-  common = {"sim.enabled": True, "num_workers": w, "rounds": args.rounds,
+  common = {"runtime": "simulator", "num_workers": w, "rounds": args.rounds,
             "inner_steps": args.inner_steps, "model.name": "small", "eval_every": 0,
             "checkpoint_every": 0, "log_every": 5, "sim.step_seconds": args.step_seconds,
             **overrides}

@@ -38,7 +38,7 @@ def config(args, seed: int, runtime: str):
   c.mesh.replica = 1
   speeds = level_speeds("moderate", 4, seed)
   if runtime == "sim":
-    c.sim.enabled, c.sim.speeds = True, tuple(speeds)
+    c.runtime, c.sim.speeds = "simulator", tuple(speeds)
   else:
     c.runtime = "ray"
     c.ray.step_sleep_s = tuple(args.base_sleep_s / s for s in speeds)

@@ -112,8 +112,7 @@ def replay(workdir: pathlib.Path, step_seconds: list[float], collective: str | N
   c = export.config_of(workdir)
   fastest = min(step_seconds)
   with c.unlocked():
-    c.runtime = "spmd"
-    c.sim.enabled = True
+    c.runtime = "simulator"
     c.sim.step_seconds = fastest
     c.sim.speeds = tuple(fastest / s for s in step_seconds)
     if collective is not None:

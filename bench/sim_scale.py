@@ -126,7 +126,7 @@ def cases(parts: list[str], workers: list[int], models: list[str], extra: list[s
       for algorithm, flags in ALGORITHMS.items():
         for w in workers:
           yield (f"workers_{model}_{algorithm}_{w}",
-                 ["--config=configs/base.py", "--config.sim.enabled=True",
+                 ["--config=configs/base.py", "--config.runtime=simulator",
                   f"--config.num_workers={w}", "--config.rounds=2", "--config.inner_steps=5",
                   "--config.data.batch_size=8", "--config.data.seq_len=128",
                   "--config.eval_every=2", "--config.checkpoint_every=2",

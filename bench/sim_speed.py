@@ -30,7 +30,7 @@ from lowcomm_jax.runtimes.simulator.simulate import Simulation  # noqa: E402
 def _config(workers: int, rounds: int):
   c = runpy.run_path(str(REPO / "configs" / "smoke.py"))["get_config"]()
   c.update_from_flattened_dict({"num_workers": workers, "rounds": rounds + 2, "inner_steps": 8,
-                                "sim.enabled": True})
+                                "runtime": "simulator"})
   return c
 
 

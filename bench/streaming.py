@@ -56,7 +56,7 @@ def train_part(args) -> list[dict]:
 def sim_part(args) -> list[dict]:
   from lowcomm_jax.runtimes.simulator import simulate
   w = args.workers
-  common = {"sim.enabled": True, "num_workers": w, "rounds": args.rounds,
+  common = {"runtime": "simulator", "num_workers": w, "rounds": args.rounds,
             "inner_steps": args.inner_steps, "model.name": "small", "eval_every": 0,
             "checkpoint_every": 0, "log_every": 5, "sim.step_seconds": args.step_seconds,
             "sim.network.regions": w, "sim.network.inter_gbps": 1.0,

@@ -120,7 +120,7 @@ def config(fields: dict, seed: int):
       "data.batch_size": 8, "data.seq_len": 32, "optimizer.warmup_steps": 20,
       "optimizer.decay_steps": STEPS, "eval_every": 1, "eval_batches": 4,
       "checkpoint_every": 0, "log_every": 1,
-      "sim.enabled": True, "sim.heterogeneity": "moderate", "sim.step_seconds": STEP_SECONDS,
+      "runtime": "simulator", "sim.heterogeneity": "moderate", "sim.step_seconds": STEP_SECONDS,
       "sim.network.regions": 4, "sim.network.intra_gbps": 100.0,
       "sim.network.inter_gbps": 1.0, "sim.network.inter_latency_s": 0.05,
       "sim.network.bytes_scale": GPT2_PARAMS / SMALL_PARAMS, "seed": seed})

@@ -37,7 +37,7 @@ def get_config(size: str = "pythia"):
   _base["sized"](c, size, size)
   c.data.seq_len = 128
   c.data.batch_size = 8
-  c.sim.enabled = True
+  c.runtime = "simulator"
   c.sim.heterogeneity = "moderate"
   c.sim.step_seconds = 0.1
   c.sim.network.regions = 2

@@ -7,8 +7,7 @@ the sync matter; synchronous rounds among the workers, or through a parameter se
                                       sim.network (every NIC, region uplinks; root)
   as it is (runtime='ray')            Ray on one machine, links unlimited (sim.network
                                       only describes them)
-  --config.runtime=spmd --config.sim.enabled=True
-                                      the simulator, on the links as sim.network gives them
+  --config.runtime=simulator           the simulator, on the links as sim.network gives them
 
 ARG is 'METHOD,H,MBPS[,PLACE]':
   METHOD  diloco | async_dn | int8 (DiLoCo, int8 payloads) | sparseloco (DiLoCo + SparseLoCo)

@@ -52,7 +52,7 @@ def get_config(arg: str = "halos"):
   c.checkpoint_every = 5
   _base["sized"](c, size or "pythia", arg)
   c.data.batch_size = 8
-  c.sim.enabled = True
+  c.runtime = "simulator"
   c.sim.heterogeneity = "moderate"
   c.sim.step_seconds = 0.05
   c.sim.network.regions = 4

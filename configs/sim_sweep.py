@@ -42,7 +42,7 @@ def get_config(arg: str = "async_dn_dylu,moderate"):
   c.checkpoint_every = 5
   _base["sized"](c, size or "pythia", arg)
   c.data.batch_size = 8
-  c.sim.enabled = True
+  c.runtime = "simulator"
   c.sim.heterogeneity = level
   c.sim.step_seconds = 0.1
   c.update_from_flattened_dict(METHODS[method])

@@ -28,9 +28,10 @@ import sys
 import jax
 import ml_collections
 
+from lowcomm_jax import runtimes
 from lowcomm_jax.config import check, defaults
 from lowcomm_jax.run import identity
-from lowcomm_jax.run.checkpoint import Checkpointer, abstract_with_shardings
+from lowcomm_jax.run.checkpoint import Checkpointer
 from lowcomm_jax.model import hf_export, lora
 from lowcomm_jax.model.presets import GPTConfig
 from lowcomm_jax.model.matformer import hidden_units, slice_tier, width_problems
@@ -69,28 +70,25 @@ def config_of(workdir: str | pathlib.Path) -> ml_collections.ConfigDict:
   process (see the module docstring). Simulator runs are refused."""
   path = pathlib.Path(workdir) / identity.FILE
   try:
-    stored = json.loads(path.read_text())["config"]
+    stored = identity.upgraded(json.loads(path.read_text())["config"])
   except (OSError, ValueError, KeyError) as e:
     raise ExportError(f"{path}: no readable run config ({type(e).__name__}); point --workdir "
                       "at a run's folder") from e
-  if stored.get("sim", {}).get("enabled"):
-    raise ExportError(f"{workdir}: a simulator run (sim.enabled=True); export reads the "
-                      "runner's checkpoints: train the config without sim.enabled")
   config = defaults.get_config()
   _overlay(config, stored)
+  runtime = runtimes.RUNTIMES.get(config.runtime)
+  if runtime is None or runtime.finished is None:
+    why = runtime.no_checkpoint if runtime else f"runtime {config.runtime!r} is not known here"
+    raise ExportError(f"{workdir}: {why}")
   config.distributed.num_processes, config.distributed.process_id = 1, -1
   config.distributed.coordinator_address = ""
   return config
 
 
 def run_of(config: ml_collections.ConfigDict):
-  """The run built as the one that wrote its checkpoints: a Ray run as its servers build
-  it (one device, a row per worker id), others as the runner does."""
-  if config.runtime == "ray":
-    from lowcomm_jax.runtimes.ray import checkpoints as ray_checkpoints
-    return ray_checkpoints.run_of(config)
-  from lowcomm_jax.runtimes.spmd import train  # the runner's stack, loaded only when exporting
-  return train.build(config, check_memory=False)
+  """The run built as the one that wrote its checkpoints (its runtime says how: a Ray run
+  as its servers build it, one device and a row per worker id)."""
+  return runtimes.get(config.runtime).finished().run_of(config)
 
 
 def latest_params(r, workdir: str | pathlib.Path) -> tuple[int, dict]:
@@ -103,12 +101,7 @@ def latest_params(r, workdir: str | pathlib.Path) -> tuple[int, dict]:
     step = ckpt.latest_round()
     if step is None:
       raise ExportError(f"{workdir}: no checkpoint to export; run it first")
-    if c.runtime == "ray":  # its global server's θ
-      from lowcomm_jax.runtimes.ray import checkpoints as ray_checkpoints
-      flat = ray_checkpoints.global_params(ckpt, r, step)
-    else:
-      flat = ckpt.restore_state(step, abstract_with_shardings(r.state_spec.abstract,
-                                                              r.state_spec.shardings)).params
+    flat = runtimes.get(c.runtime).finished().global_params(ckpt, r, step)
   finally:
     ckpt.close()
   params = r.model.layout.unravel(flat)

@@ -83,69 +83,84 @@ def main(argv):
   # jax's backend probe logs "Unable to initialize backend 'tpu'" at INFO wherever there is
   # no TPU; its warnings and errors (a GPU backend failing) still show.
   logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-  # Imported here so `--help` and flag errors stay fast (jax and orbax load slowly).
-  from lowcomm_jax.errors import ConfigError
-  from lowcomm_jax.parallel import distributed
-  from lowcomm_jax.run.identity import ResumeRefused
-  if _EXPORT_MERGED.value and _CONFIG.value.lora.rank == 0:
+  config = _CONFIG.value
+  if _EXPORT_MERGED.value and config.lora.rank == 0:
     _fail("--export_merged writes a LoRA run's base + adapters; set --config.lora.rank > 0 "
           "(a full run's checkpoint already holds its whole model)")
-  from lowcomm_jax.run import compile_cache
-  try:
-    cache_dir = compile_cache.enable(_CONFIG.value.compile_cache_dir)  # before any compile
-  except ValueError as e:
-    _fail(str(e))
-  try:
-    distributed.initialize(_CONFIG.value)  # before any other JAX use; no-op single-process
-    _validate_early(_CONFIG.value)
-  except distributed.DistributedError as e:
-    _fail(str(e))
-  except ConfigError as e:
-    _fail(str(e) if len(e.problems) > 1 else f"invalid config: {e.problems[0]}")
-  import jax
-  from lowcomm_jax.runtimes.spmd import train
-  from lowcomm_jax.run.checkpoint import CheckpointMismatch
-  from lowcomm_jax.runtimes.spmd.collab import CollabTimeout
-  from lowcomm_jax.data import DataError
-  from lowcomm_jax.run.files import TrainingDiverged
-  from lowcomm_jax.run.workdir import WorkdirError
-
+  cache_dir = _start(config)
   workdir = _WORKDIR.value or default_workdir(config_flags.get_config_filename(flags.FLAGS["config"]))
-  run = train.run
-  failures = (ConfigError, DataError, CheckpointMismatch, ResumeRefused, WorkdirError,
-              TrainingDiverged, CollabTimeout)
-  if _CONFIG.value.sim.enabled:
-    from lowcomm_jax.runtimes.simulator import simulate
-    run = simulate.run
-  elif _CONFIG.value.runtime == "ray":
-    from lowcomm_jax.runtimes.ray import cluster
-    try:
-      from lowcomm_jax.runtimes.ray import driver as ray_driver
-      cluster.import_ray()
-    except cluster.RayUnavailable as e:
-      _fail(str(e))
-    run = ray_driver.run
-    failures += (cluster.RayUnavailable,)  # Ray did not start, or its cluster is not there
-  try:
-    summary = run(_CONFIG.value, workdir)
-  except failures as e:
-    print(f"lowcomm_jax: error: {e}", file=sys.stderr)
-    sys.exit(2)
+  summary = _train(config, workdir)
+  from lowcomm_jax.run import compile_cache
   compiled, loaded, seconds = compile_cache.counts()
   logging.info("compilation: %d program(s) compiled, %d loaded from the cache%s (%.1f s)",
                compiled, loaded, f" in {cache_dir}" if cache_dir else
                " (off: compile_cache_dir='')", seconds)
+  import jax
   if jax.process_index() != 0:
     return  # process 0 reports for the run (and exports)
   print(json.dumps(summary, indent=2))
   if _EXPORT_MERGED.value:
-    from lowcomm_jax.export import export_merged, run_of
-    try:
-      written = export_merged(run_of(_CONFIG.value), workdir, _EXPORT_MERGED.value)
-    except (ValueError, OSError, CheckpointMismatch) as e:
-      print(f"lowcomm_jax: error: --export_merged: {e}", file=sys.stderr)
-      sys.exit(2)
-    print(f"merged model written to {written}", file=sys.stderr)
+    _export_merged(config, workdir)
+  _report(summary, workdir)
+
+
+def _start(config) -> str:
+  """The compilation cache on, the processes joined and the config checked, before anything
+  compiles (imported here so `--help` and flag errors stay fast: jax and orbax load
+  slowly). Returns the cache's folder ('' : off)."""
+  from lowcomm_jax.errors import ConfigError
+  from lowcomm_jax.parallel import distributed
+  from lowcomm_jax.run import compile_cache
+  try:
+    cache_dir = compile_cache.enable(config.compile_cache_dir)  # before any compile
+  except ValueError as e:
+    _fail(str(e))
+  try:
+    distributed.initialize(config)  # before any other JAX use; no-op single-process
+    _validate_early(config)
+  except distributed.DistributedError as e:
+    _fail(str(e))
+  except ConfigError as e:
+    _fail(str(e) if len(e.problems) > 1 else f"invalid config: {e.problems[0]}")
+  return cache_dir
+
+
+def _train(config, workdir: str) -> dict:
+  """The run on its runtime (config field `runtime`: runtimes.RUNTIMES); a failure the
+  user can fix ends it with one line and exit code 2."""
+  from lowcomm_jax import runtimes
+  from lowcomm_jax.data import DataError
+  from lowcomm_jax.errors import ConfigError
+  from lowcomm_jax.run.checkpoint import CheckpointMismatch
+  from lowcomm_jax.run.files import TrainingDiverged
+  from lowcomm_jax.run.identity import ResumeRefused
+  from lowcomm_jax.run.workdir import WorkdirError
+  try:
+    run, its_failures = runtimes.get(config.runtime).load()
+  except runtimes.Unavailable as e:
+    _fail(str(e))
+  failures = (ConfigError, DataError, CheckpointMismatch, ResumeRefused, WorkdirError,
+              TrainingDiverged) + its_failures
+  try:
+    return run(config, workdir)
+  except failures as e:
+    print(f"lowcomm_jax: error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _export_merged(config, workdir: str) -> None:
+  from lowcomm_jax.export import export_merged, run_of
+  from lowcomm_jax.run.checkpoint import CheckpointMismatch
+  try:
+    written = export_merged(run_of(config), workdir, _EXPORT_MERGED.value)
+  except (ValueError, OSError, CheckpointMismatch) as e:
+    print(f"lowcomm_jax: error: --export_merged: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(f"merged model written to {written}", file=sys.stderr)
+
+
+def _report(summary: dict, workdir: str) -> None:
+  """The run's result in a sentence, and where to compare it."""
   if summary.get("simulated"):
     print(f"eval loss {summary['eval_loss']:.4f} after {summary['virtual_seconds']:,.1f} "
           f"virtual seconds and {summary['total_inner_steps']:,} inner steps; mean staleness "

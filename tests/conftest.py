@@ -135,7 +135,7 @@ def sim_and_runner_config(algorithm: str, **overrides):
   (program_cache). With a checkpoint every round no sync is held for the next round's
   program, so train.run runs train_rounds' programs."""
   return load_config("smoke", algorithm=algorithm, rounds=3, inner_steps=2, num_workers=4,
-                     **{"sim.enabled": True, "eval_every": 3, "checkpoint_every": 1,
+                     **{"runtime": "simulator", "eval_every": 3, "checkpoint_every": 1,
                         "mesh.replica": 1, **overrides})
 
 

@@ -145,7 +145,7 @@ def test_the_walk_sees_arrows_that_exist():
   # at the top of a file, inside a function, and through `from package import module`.
   arrows = set(_arrows())
   assert ("runtimes.spmd.train", "assemble.build") in arrows
-  assert ("export", "runtimes.spmd.train") in arrows  # a function-level import
+  assert ("runtimes", "runtimes.spmd.train") in arrows  # a function-level import
   assert ("algorithms.ddp", "programs.optimizers") in arrows  # `from lowcomm_jax.programs import …`
 
 
@@ -190,3 +190,32 @@ def test_nothing_outside_the_algorithms_knows_one():
           and node.value.attr in sections):
         reading.append(f"{module}:{node.lineno} .{node.value.attr}.{node.attr}")
   assert not importing and not reading, "\n".join(importing + reading)
+
+
+def _runtime_comparisons(tree: ast.AST) -> list[int]:
+  """Lines of `tree` that compare with a runtime's name, or compare a `.runtime` field."""
+  from lowcomm_jax import runtimes
+  names = set(runtimes.NAMES)
+
+  def named(node) -> bool:
+    if isinstance(node, ast.Constant):
+      return node.value in names
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+      return any(named(e) for e in node.elts)
+    return isinstance(node, ast.Attribute) and node.attr == "runtime"
+
+  return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+          and any(named(side) for side in [node.left, *node.comparators])]
+
+
+def test_only_the_runtimes_compare_runtime_names():
+  """One field picks the runtime, and runtimes.RUNTIMES is where its name is looked up:
+  no module outside runtimes/ branches on `c.runtime == 'ray'` or the like."""
+  found = [f"{name}:{line}" for name, path in MODULES.items()
+           if name and not name.startswith("runtimes")
+           for line in _runtime_comparisons(ast.parse(path.read_text()))]
+  assert not found, "runtime names compared outside runtimes/: " + ", ".join(found)
+  # The walk finds what it is for (so the test above cannot pass by finding nothing).
+  for code in ('c.runtime == "ray"', 'x in ("spmd", "simulator")', 'c.sim.x or c.runtime != y'):
+    assert _runtime_comparisons(ast.parse(code)), code
+  assert not _runtime_comparisons(ast.parse('c.algorithm == "diloco"'))

@@ -176,6 +176,7 @@ def _processes(args: list[str], env: dict) -> int:
 def check_main(args: list[str], *, devices_per_process: int, processes: int = 1):
   """main.py's flag parsing on a fresh FlagValues, then the validation it does first."""
   import lowcomm_jax.main as main
+  from lowcomm_jax import runtimes
   from lowcomm_jax.config import command_line
   from lowcomm_jax.config import check
   command_line.check(args)  # main's own pre-check of the config file and override names
@@ -189,7 +190,7 @@ def check_main(args: list[str], *, devices_per_process: int, processes: int = 1)
   rest = values(argv)
   assert rest == ["main"], f"main takes flags only; unexpected {rest[1:]}"
   config = copy.deepcopy(values.config)
-  if config.sim.enabled:  # as main does: the simulator vmaps every worker on one device
+  if runtimes.get(config.runtime).one_device:  # as main does: a worker per device
     with config.unlocked():
       config.mesh.replica = 1
   check.validate(config, num_devices=devices_per_process * processes,

@@ -73,9 +73,10 @@ def test_error_feedback_off_is_refused_for_codecs_that_always_keep_it():
 def test_sim_fields_without_the_simulator_are_refused_as_ignored():
   config = load_config("smoke", **{"sim.heterogeneity": "very", "sim.network.inter_gbps": 2.0})
   problems = _problems(config)
-  assert ("sim.heterogeneity='very', sim.network.inter_gbps=2.0: ignored unless "
-          "sim.enabled=True; set --config.sim.enabled=True or leave them at their defaults"
-          in problems), problems
+  assert ("sim.heterogeneity='very': ignored unless runtime is 'simulator'; set "
+          "--config.runtime=simulator or leave them at their defaults" in problems), problems
+  assert ("sim.network.inter_gbps=2.0: ignored unless runtime is 'simulator' or 'ray'; set "
+          "--config.runtime=simulator or leave them at their defaults" in problems), problems
   # Tuples from the command line equal the base's lists: not a change.
   check.validate(load_config("smoke", **{"sim.speeds": []}), num_devices=8)
 
@@ -155,19 +156,41 @@ def test_memory_estimate_counts_adamw_states_and_codec_buffers(smoke_config):
 @pytest.mark.parametrize("overrides, expected", [
     # Asked of the algorithm's declarations (synchronous, local_steps, robust_aggregation),
     # never of its name: each message names the algorithms that do qualify.
-    ({"algorithm": "async", "sim.enabled": True, "attack.workers": (1,)},
+    ({"algorithm": "async", "runtime": "simulator", "attack.workers": (1,)},
      "attack.workers=(1,): attacks are applied in synchronous syncs; use one of ['ddp', "
      "'diloco', 'streaming', 'one_step_delay', 'eager', 'overlap', 'noloco', 'pier', "
      "'desloc']"),
     ({"collab.target_batch_size": 32, "data.batch_mode": "different"},
      "algorithm='diloco': collaborative epochs average gradients at θ and take one optimizer "
      "step per epoch; use --config.algorithm=ddp (or set --config.collab.target_batch_size=0)"),
-    ({"algorithm": "streaming", "sim.enabled": True, "sim.network.collective": "server"},
+    ({"algorithm": "streaming", "runtime": "simulator", "sim.network.collective": "server"},
      "sim.network.collective='server': streaming's simulator schedule has no parameter "
      "server's form; use auto, ring or hierarchical"),
-    ({"algorithm": "halos", "sim.enabled": True, "aggregate.rule": "median"},
+    ({"algorithm": "halos", "runtime": "simulator", "aggregate.rule": "median"},
      "aggregate.rule='median': halos combines contributions its own way; use one of ['ddp', "
      "'diloco', 'streaming', 'one_step_delay', 'overlap', 'pier', 'desloc']"),
 ])
 def test_what_an_algorithm_declares_decides_what_it_may_be_combined_with(overrides, expected):
   assert expected in _problems(load_config("smoke", **overrides))
+
+
+def test_the_field_that_picked_the_simulator_names_the_runtime_field():
+  """`sim.enabled` is gone: a config file that still sets it, or a command line, gets one
+  line naming `runtime`; a workdir written with it resumes as runtime='simulator'."""
+  from lowcomm_jax.config import command_line
+  from lowcomm_jax.run import identity
+  config = load_config("smoke")
+  with config.unlocked():
+    config.sim.enabled = True
+  problems = _problems(config)
+  assert any(p.startswith("sim.enabled: gone") and "--config.runtime=simulator" in p
+             for p in problems), problems
+  with pytest.raises(command_line.UsageError, match=r"^--config\.sim\.enabled: gone; use "
+                     r"--config\.runtime=simulator"):
+    command_line.check_override(load_config("smoke"), "sim.enabled")
+  old = {"runtime": "spmd", "sim": {"enabled": True, "step_seconds": 0.1}}
+  assert identity.upgraded(old) == {"runtime": "simulator", "sim": {"step_seconds": 0.1}}
+  assert identity.upgraded({"runtime": "ray", "sim": {"enabled": False}})["runtime"] == "ray"
+  with pytest.raises(check.ConfigError, match=r"runtime='lockstep': use one of \['spmd', "
+                     r"'simulator', 'ray'\]"):
+    check.validate(load_config("smoke", runtime="lockstep"), num_devices=8)

@@ -42,11 +42,11 @@ def test_a_non_editable_install_keeps_the_checks_and_the_fields_meanings(tmp_pat
                          capture_output=True, text=True, check=True).stdout
   assert where.startswith(str(site))  # the installed copy is what runs below
 
-  # A check that compares a config with the defaults: sim.* without sim.enabled.
+  # A check that compares a config with the defaults: sim.* without the simulator.
   refused = _main(site, tmp_path, config, "--config.sim.heterogeneity=very",
                   f"--workdir={tmp_path / 'run'}")
   assert refused.returncode != 0
-  assert ("sim.heterogeneity='very': ignored unless sim.enabled=True"
+  assert ("sim.heterogeneity='very': ignored unless runtime is 'simulator'; set"
           in refused.stderr.strip().splitlines()[-1])
   assert not (tmp_path / "run").exists()  # refused before any work
 

@@ -143,7 +143,7 @@ def test_config_problems_name_their_field():
   # sim.* would be ignored, and is refused
   links = {"sim.network.intra_gbps": 0.02, "sim.network.server_region": 0}
   assert _problems(runtime="ray", algorithm="diloco", **{"mesh.replica": 1, **links}) == []
-  assert any(p.startswith("sim.speeds=") and "ignored unless sim.enabled" in p
+  assert any(p.startswith("sim.speeds=") and "ignored unless runtime is 'simulator'" in p
              for p in _problems(runtime="ray", algorithm="diloco",
                                 **{"mesh.replica": 1, "sim.speeds": (1.0, 0.5)}))
 

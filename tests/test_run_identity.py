@@ -110,10 +110,10 @@ def test_fields_added_since_the_run_started_are_not_compared(tmp_path, smoke_con
 
 
 def test_the_simulator_refuses_a_changed_config_too(tmp_path, smoke_config):
-  config = smoke_config(**{"sim.enabled": True, "algorithm": "async"})
+  config = smoke_config(**{"runtime": "simulator", "algorithm": "async"})
   identity.write(tmp_path, config)
   (tmp_path / "checkpoints" / "1").mkdir(parents=True)  # stands for a saved simulation
-  other = smoke_config(**{"sim.enabled": True, "algorithm": "async",
+  other = smoke_config(**{"runtime": "simulator", "algorithm": "async",
                           "sim.heterogeneity": "very"})
   with pytest.raises(ResumeRefused, match='sim.heterogeneity: "none" -> "very"'):
     simulate.run(other, tmp_path)

@@ -17,7 +17,7 @@ from lowcomm_jax.runtimes.simulator.backend import SimBackend
 
 
 def _sim_config(**overrides):
-  base = {"sim.enabled": True, "num_workers": 4, "rounds": 4, "inner_steps": 2,
+  base = {"runtime": "simulator", "num_workers": 4, "rounds": 4, "inner_steps": 2,
           "eval_every": 2, "checkpoint_every": 1, "log_every": 1}
   return load_config("smoke", **{**base, **overrides})
 
@@ -210,7 +210,7 @@ def test_divergence_keeps_the_last_good_checkpoint_and_a_changed_plan_is_refused
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ({"algorithm": "async_dn", "sim.enabled": False}, "sim.enabled"),
+    ({"algorithm": "async_dn", "runtime": "spmd"}, "--config.runtime=simulator"),
     ({"sim.heterogeneity": "extreme"}, "sim.heterogeneity"),
     ({"sim.speeds": (1.0, 0.5)}, "sim.speeds"),
     ({"sim.network.inter_gbps_matrix": ((1.0, 2.0),)}, "sim.network.inter_gbps_matrix"),

@@ -77,7 +77,7 @@ def test_every_scalar_in_the_event_files_is_the_jsonl_value(runtime, request, tm
   else:
     workdir = tmp_path
     simulate.run(load_config("smoke", rounds=2, eval_every=1, checkpoint_every=2,
-                             **{"sim.enabled": True, "mesh.replica": 1}), workdir)
+                             **{"runtime": "simulator", "mesh.replica": 1}), workdir)
   rows, events = _jsonl_scalars(workdir), _event_scalars(workdir)
   assert rows.keys() == events.keys()
   assert {"train_loss", "eval_loss", "tokens"} <= {tag for tag, _ in rows}

@@ -209,9 +209,11 @@ def test_export_reads_a_run_written_before_eval_widths_existed(tier_run, tmp_pat
   assert back.cfg.d_ff == hidden_units(128, 0.25)
 
 
-def test_export_refuses_a_simulator_run(tmp_path):
+@pytest.mark.parametrize("stored", [{"runtime": "simulator"},
+                                    {"sim": {"enabled": True}}])  # written before `runtime`
+def test_export_refuses_a_simulator_run(tmp_path, stored):
   # (a Ray run's checkpoint is read: tests/test_ray_runtime.py exports one)
-  (tmp_path / "config.json").write_text(json.dumps({"config": {"sim": {"enabled": True}}}))
+  (tmp_path / "config.json").write_text(json.dumps({"config": stored}))
   with pytest.raises(export.ExportError, match="a simulator run"):
     export.config_of(tmp_path)
 

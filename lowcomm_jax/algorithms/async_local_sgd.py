@@ -4,16 +4,7 @@ once with plain Nesterov at lr outer.lr / W, so W arrivals move θ as far as one
 round's mean would."""
 
 from lowcomm_jax import outer
-from lowcomm_jax.algorithms.base import field_problem
 from lowcomm_jax.algorithms.diloco import DiLoCo
-
-
-def simulator_only(c, name: str) -> list[str]:
-  """Parameter servers run in the simulator and on the Ray runtime, not in lockstep."""
-  if c.sim.enabled or c.runtime == "ray":
-    return []
-  return [field_problem(c, "sim.enabled", f"algorithm={name!r} runs in the simulator; set "
-                        "--config.sim.enabled=True or --config.runtime=ray (real processes)")]
 
 
 class AsyncLocalSGD(DiLoCo):
@@ -22,9 +13,6 @@ class AsyncLocalSGD(DiLoCo):
   simulated_only = True
   synchronous = False
   robust_aggregation = False  # one contribution at a time
-
-  def problems(self, c):
-    return simulator_only(c, self.name) + super().problems(c)
 
   def schedule(self, plan, backend):
     from lowcomm_jax.sim.async_schedules import AsyncWorkers

@@ -10,8 +10,9 @@ with XLA's RESOURCE_EXHAUSTED. The estimate counts what each replica device hold
                  buffer, its Δ, and while its round runs its θ copy, gradient and
                  activations (workers on a device are vmapped: they all run at once)
 
-The simulator holds every worker's state but runs its jobs `sim.jobs_per_call` at a time:
-only that many jobs' temporaries count (`choose_sim_width` picks the widest that fits).
+A run whose workers' states are stacked on one device and whose jobs run `jobs_per_call`
+at a time (the simulator's: `sim.jobs_per_call`) counts only that many jobs' temporaries
+(`choose_sim_width` picks the widest that fits).
 
 It is rough (XLA's temporaries vary) and errs low, so it refuses only runs that cannot fit.
 LOWCOMM_MEMORY_CHECK=0 skips it.
@@ -88,8 +89,11 @@ def step_temporaries(model_cfg, param_bytes: int, batch: int, seq_len: int, tp: 
   return 2 * param_bytes + activation_bytes(model_cfg, batch, seq_len, tp, hidden=hidden)
 
 
-def estimate(r) -> dict[str, int]:
-  """Bytes per replica device of spec.Run `r`, by component (see the module docstring)."""
+def estimate(r, jobs_per_call: int | None = None) -> dict[str, int]:
+  """Bytes per replica device of spec.Run `r`, by component (see the module docstring).
+  `jobs_per_call`: the workers' states are one stack and their jobs run this many at a
+  time (the simulator); None: every worker of a device runs at once (the runner)."""
+  stacked = jobs_per_call is not None
   c = r.config
   local_replicas = max(r.topology.local_mesh.shape["replica"], 1)
   global_replicas = max(r.topology.mesh.shape["replica"], 1)
@@ -98,7 +102,7 @@ def estimate(r) -> dict[str, int]:
   codec_state, rule_state = r.state_spec.abstract.outer
   # Without donation (CPU) a round's new worker states sit beside the old ones.
   copies = 1 if r.topology.mesh.devices.flat[0].platform != "cpu" else 2
-  if c.sim.enabled:  # the stack is written in place; a call's own lanes go in and out
+  if stacked:  # the stack is written in place; a call's own lanes go in and out
     copies = 1
   out = {"params": params, "outer_state": ledger.tree_bytes(rule_state),
          "outer_temporaries": 2 * params,
@@ -118,13 +122,13 @@ def estimate(r) -> dict[str, int]:
     if r.algorithm.keeps_worker_params(c):  # each worker's own θ_w, full width
       out["worker_params"] += copies * per_device * params
     out["deltas"] += per_device * params
-    if c.sim.enabled and not r.algorithm.synchronous:  # each job out holds the θ it pulled
+    if stacked and not r.algorithm.synchronous:  # each job out holds the θ it pulled
       out["pulled_snapshots"] = out.get("pulled_snapshots", 0) + per_device * params
     # Hosts run one after another: only the largest round's temporaries count. The
-    # simulator runs its jobs `sim_width` at a time.
-    at_once = min(per_device, sim_width(c)) if c.sim.enabled else per_device
+    # simulator runs its jobs `jobs_per_call` at a time.
+    at_once = min(per_device, jobs_per_call) if stacked else per_device
     lanes_in_out = 2 * (tier["optimizer_bytes"] + (params if r.algorithm.keeps_worker_params(c)
-                                                   else 0)) if c.sim.enabled else 0
+                                                   else 0)) if stacked else 0
     running = at_once * (merged + lanes_in_out + step_temporaries(
         r.model.cfg, tier["param_bytes"], h.batch_size // data, c.data.seq_len, tp,
         hidden=h.hidden))
@@ -147,7 +151,7 @@ def choose_sim_width(r) -> int:
   if c.sim.jobs_per_call:
     return int(c.sim.jobs_per_call)
   have, _ = available_bytes(list(r.topology.local_mesh.devices.flat))
-  parts = estimate(r)  # at one job per call
+  parts = estimate(r, jobs_per_call=1)
   one_job, rest = parts["round_temporaries"], sum(parts.values()) - parts["round_temporaries"]
   workers = max(c.num_workers, 1)
   for width in [workers] + [1 << k for k in range(workers.bit_length() - 1, -1, -1)]:
@@ -156,13 +160,14 @@ def choose_sim_width(r) -> int:
   return 1
 
 
-def check(r) -> None:
-  """Raises OutOfMemory when spec.Run `r` needs more per device than a device has."""
+def check(r, jobs_per_call: int | None = None) -> None:
+  """Raises OutOfMemory when spec.Run `r` needs more per device than a device has
+  (`jobs_per_call`: as `estimate`'s)."""
   if os.environ.get("LOWCOMM_MEMORY_CHECK", "1") == "0":
     return
   devices = list(r.topology.local_mesh.devices.flat)
   have, source = available_bytes(devices)
-  parts = estimate(r)
+  parts = estimate(r, jobs_per_call)
   need = sum(parts.values())
   fits = not have or need <= have  # a backend that does not say: nothing to compare with
   if have:
@@ -180,10 +185,10 @@ def check(r) -> None:
   workers = max(len(r.topology.hosts[i].worker_ids) for i in r.topology.local_hosts)
   per_device = math.ceil(workers / max(r.topology.local_mesh.shape["replica"], 1))
   largest = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
-  if c.sim.enabled:
+  if jobs_per_call is not None:
     raise OutOfMemory([
         f"num_workers={c.num_workers}: the simulation needs about {_gib(need)} but "
-        f"{_gib(have)} is available ({source}) with {sim_width(c)} job(s) per call "
+        f"{_gib(have)} is available ({source}) with {jobs_per_call} job(s) per call "
         f"(largest: {', '.join(f'{k} {_gib(v)}' for k, v in largest)}). Lower "
         "--config.num_workers, --config.sim.jobs_per_call (0: chosen to fit) or the model "
         "(model.name, data.batch_size), or set LOWCOMM_MEMORY_CHECK=0 to try anyway"])

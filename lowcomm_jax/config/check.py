@@ -9,7 +9,7 @@ import os
 import jax
 import ml_collections
 
-from lowcomm_jax import algorithms, compress
+from lowcomm_jax import algorithms, compress, runtimes
 from lowcomm_jax.config import defaults
 from lowcomm_jax.assemble import hosts
 from lowcomm_jax.programs import optimizers
@@ -21,8 +21,6 @@ from lowcomm_jax.model import attention, pretrained
 from lowcomm_jax.model.presets import PRESETS
 from lowcomm_jax.model.tp import SYNC_PLANS, SyncPlan, plan_problems
 from lowcomm_jax.parallel import distributed
-from lowcomm_jax.runtimes.ray import checks as ray_checks
-from lowcomm_jax.sim import checks as sim_checks
 
 ALGORITHMS = algorithms.NAMES
 
@@ -34,13 +32,14 @@ def _names_with(declares) -> list[str]:
 
 def validate_here(c: ml_collections.ConfigDict) -> None:
   """`validate` on this process's devices and processes: what a command runs once, at start.
-  The simulator and the Ray runtime build their runs on one device (`plan.one_device`)."""
+  Runtimes with `one_device` build their runs on one device (`plan.one_device`)."""
   devices, local = jax.device_count(), jax.local_device_count()
-  if c.sim.enabled or c.runtime == "ray":  # a worker per device (or vmapped on one)
+  runtime = runtimes.RUNTIMES.get(c.runtime)
+  if runtime is not None and runtime.one_device:  # a worker per device (or vmapped on one)
     c = copy.deepcopy(c)
     with c.unlocked():
       c.mesh.replica = 1
-  if c.runtime == "ray":  # a worker's devices are its actor's (runtimes/ray/checks.py)
+  if runtime is not None and runtime.own_devices:  # a worker's devices are its process's
     devices = local = c.mesh.data * c.model.tp.size
   validate(c, num_devices=devices, num_processes=jax.process_count(), local_devices=local)
 
@@ -103,15 +102,40 @@ def _check_run(c: ml_collections.ConfigDict, problems: Problems) -> None:
 
 
 def _check_owners(c: ml_collections.ConfigDict, problems: Problems, num_processes: int) -> None:
-  """What each owner checks of its own fields: codecs, the simulator, the Ray runtime."""
-  check = problems.check
+  """What each owner checks of its own fields: codecs, and the chosen runtime."""
   problems.extend(compress.problems(c))
-  _check_sim(c, check, problems, num_processes)
-  problems.extend(ray_checks.problems(
-      c, num_processes, algorithms.get(c.algorithm) if c.algorithm in ALGORITHMS else None))
-  if c.runtime != "ray" and (changed := _changed_from_base(c.ray, "ray")):
-    problems.append(f"{', '.join(changed)}: ignored unless runtime='ray'; set "
-                    "--config.runtime=ray or leave them at their defaults")
+  if "enabled" in c.sim:  # the field that picked the simulator before `runtime` did
+    problems.append("sim.enabled: gone; the runtime field picks the simulator: set "
+                    "--config.runtime=simulator (and drop sim.enabled)")
+  runtime = runtimes.RUNTIMES.get(c.runtime)
+  if runtime is None:
+    problems.append(f"runtime={c.runtime!r}: use one of {list(runtimes.NAMES)}")
+    return
+  algorithm = algorithms.get(c.algorithm) if c.algorithm in ALGORITHMS else None
+  problems.extend(runtime.problems(c, num_processes, algorithm))
+  _check_ignored(c, problems, runtime)
+
+
+def _check_ignored(c: ml_collections.ConfigDict, problems: Problems, runtime) -> None:
+  """Other runtimes' own sections, changed: named as ignored by this one, with the
+  runtimes that read them. A section this runtime reads inside another's (Ray's
+  `sim.network`: the links its nodes sit on) counts as its own."""
+  def read_by(r, field: str) -> bool:
+    return any(field.startswith(section + ".") for section in r.sections)
+
+  readers = {}  # changed field -> the runtimes that would read it
+  for other in runtimes.RUNTIMES.values():
+    for section in other.sections:
+      for field in _changed_from_base(c[section], section):
+        if not read_by(runtime, field.partition("=")[0]):
+          readers.setdefault(field, []).append(other.name)
+  by_readers = {}
+  for field, names in readers.items():
+    by_readers.setdefault(tuple(names), []).append(field)
+  for names, fields in by_readers.items():
+    problems.append(f"{', '.join(fields)}: ignored unless runtime is "
+                    f"{' or '.join(map(repr, names))}; set --config.runtime={names[0]} or "
+                    "leave them at their defaults")
 
 
 def _check_mesh(c: ml_collections.ConfigDict, problems: Problems, num_devices: int) -> None:
@@ -253,8 +277,7 @@ def _check_lora(c, check, problems: list) -> None:
   for ok, field, why in (
       (c.model.tp.size == 1, "model.tp.size", "tensor parallelism shards full weights"),
       (c.aggregate.signal != "probe_loss", "aggregate.signal",
-       "the probe scores proposals without the frozen base"),
-      (not c.sim.enabled, "sim.enabled", "the simulator is not wired for a frozen base")):
+       "the probe scores proposals without the frozen base")):
     if not ok:
       problems.append(f"lora.rank={lo.rank}: not yet with {field} here ({why}); "
                       f"set --config.lora.rank=0 or change {field}")
@@ -276,8 +299,6 @@ def _check_collab(c, check, problems: list) -> None:
     check(not algorithms.get(c.algorithm).local_steps, "algorithm",
           "collaborative epochs average gradients at θ and take one optimizer step per epoch; "
           f"use --config.algorithm={' or '.join(gradients)}" + off)
-  check(not c.sim.enabled, "sim.enabled", "the simulator keeps its own clock; set "
-        "--config.sim.enabled=False" + off)
   check(c.data.batch_mode != "same", "data.batch_mode", "peers reading the same windows "
         "would count the same samples toward the target; use 'different'" + off)
   check(c.aggregate.rule == "mean" and c.aggregate.signal == "none" and c.aggregate.bucket <= 1,
@@ -329,35 +350,13 @@ def _base_defaults() -> ml_collections.ConfigDict:
 
 
 def _changed_from_base(node: ml_collections.ConfigDict, prefix: str,
-                       keep: tuple[str, ...] = ("enabled",)) -> list[str]:
-  """`prefix.*` fields (but those in `keep`) whose value differs from the defaults'."""
+                       keep: tuple[str, ...] = ()) -> list[str]:
+  """`prefix.*` fields (but those under `keep`) whose value differs from the defaults'."""
   base = _base_defaults()
+  for part in prefix.split("."):
+    base = base[part]
   mine = identity.flatten(identity.to_json(node), f"{prefix}.")
-  theirs = identity.flatten(identity.to_json(base[prefix]), f"{prefix}.")
-  skip = {f"{prefix}.{k}" for k in keep}
+  theirs = identity.flatten(identity.to_json(base), f"{prefix}.")
+  skip = tuple(f"{prefix}.{k}" for k in keep)
   return [f"{k}={v!r}" for k, v in mine.items()
-          if k not in skip and k in theirs and v != theirs[k]]
-
-
-def _check_sim(c: ml_collections.ConfigDict, check, problems: list[str],
-               num_processes: int) -> None:
-  s = c.sim
-  if not s.enabled:
-    keep = ("enabled",)
-    if c.runtime == "ray":  # the links its nodes sit on (bench/real_links.py builds them;
-      # config.json records them for a replay); HALoS's regions place its workers too
-      keep += tuple(f"network.{field}" for field in s.network)
-    changed = _changed_from_base(s, "sim", keep)
-    if changed:
-      problems.append(f"{', '.join(changed)}: ignored unless sim.enabled=True; set "
-                      "--config.sim.enabled=True or leave them at their defaults")
-    return
-  problems.extend(sim_checks.problems(c, num_processes))
-  if c.algorithm in ALGORITHMS:
-    check(c.sim.network.collective != "server" or algorithms.get(c.algorithm).server_schedule,
-          "sim.network.collective", f"{c.algorithm}'s simulator schedule has no parameter "
-          "server's form; use auto, ring or hierarchical")
-  if c.data.batch_mode == "same":
-    lockstep = c.algorithm in ALGORITHMS and not algorithms.get(c.algorithm).simulated_only
-    check(lockstep and not c.outer.dylu, "data.batch_mode",
-          "workers that run at their own pace read their own streams; use 'different'")
+          if not k.startswith(skip) and k in theirs and v != theirs[k]]

@@ -20,6 +20,8 @@ _ALIASES = {"learning_rate": "lr", "num_worker": "num_workers", "workers": "num_
             "steps": "inner_steps", "local_steps": "inner_steps", "H": "inner_steps",
             "outer_lr": "lr", "batch": "batch_size", "seq_length": "seq_len",
             "block_size": "seq_len"}
+# Fields that moved, and the override that now says the same.
+_MOVED = {"sim.enabled": "--config.runtime=simulator (the runtime field picks the simulator)"}
 
 
 class UsageError(ValueError):
@@ -67,6 +69,8 @@ def _suggest(name: str, options: list[str]) -> str:
 
 def check_override(config: ml_collections.ConfigDict, dotted: str) -> None:
   """Raises UsageError unless `dotted` (e.g. `hosts[1].tier`) names a field of `config`."""
+  if dotted in _MOVED:
+    raise UsageError(f"--config.{dotted}: gone; use {_MOVED[dotted]}")
   node, walked = config, ""
   for name, index in _PATH_PART.findall(dotted):
     if name:

@@ -157,9 +157,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.compress.value_bits = 32  # topk: 32 or 2; demo: 32 or 1 (sign only); sparseloco is always 2
   c.compress.mean_over_senders = False  # demo: average each coefficient over the workers that sent it
 
-  # --- runtime (lowcomm_jax/runtimes/ray/ for 'ray') ---------------------------------------
-  c.runtime = "spmd"  # 'spmd': jax.distributed, lockstep processes | 'ray': a server actor
-  # | and a JAX process per worker; asynchronous algorithms; workers join, leave or crash
+  # --- runtime (lowcomm_jax/runtimes/: the table RUNTIMES) -------------------------------
+  c.runtime = "spmd"  # 'spmd': jax.distributed, lockstep processes | 'simulator': virtual
+  # | workers on a virtual clock, one process (sim.*) | 'ray': a JAX process per worker and
+  # | server; asynchronous algorithms; workers join, leave or crash (ray.*)
   c.ray = ml_collections.ConfigDict()
   c.ray.address = ""  # '' : start a Ray inside this process; 'auto' or 'host:port': join one
   c.ray.num_cpus = 0  # a Ray started here: CPUs it may schedule (0: every core)
@@ -192,9 +193,8 @@ def get_config() -> ml_collections.ConfigDict:
   # | the last checkpoint, the pushes since replayed), 'delay_worker=K:S@N' (S s per push),
   # | 'crash_in_sync=K@N' (the peer form: K dies in the middle of the next collective)
 
-  # --- simulator (lowcomm_jax/sim/, runtimes/simulator/simulate.py): virtual workers on a virtual clock -------
+  # --- simulator (runtime='simulator'; lowcomm_jax/sim/, runtimes/simulator/) -------------
   c.sim = ml_collections.ConfigDict()
-  c.sim.enabled = False  # run in the simulator (one process, workers vmapped on one device)
   c.sim.heterogeneity = "none"  # worker speeds: none | slight | moderate | very (sim/speeds.py)
   c.sim.speeds = ()  # explicit relative speeds, one per worker (overrides heterogeneity)
   c.sim.step_seconds = 0.1  # virtual seconds per inner step of the fastest worker

@@ -72,6 +72,18 @@ def allowed_fields(config: ml_collections.ConfigDict) -> set[str]:
   return {n.strip() for n in names if n.strip()}
 
 
+def upgraded(config: dict) -> dict:
+  """A stored config (config.json's "config") in today's fields: `sim.enabled`, which
+  picked the simulator before the `runtime` field named all three runtimes, becomes
+  `runtime='simulator'`."""
+  sim = config.get("sim") if isinstance(config, dict) else None
+  if not isinstance(sim, dict) or "enabled" not in sim:
+    return config
+  sim = {k: v for k, v in sim.items() if k != "enabled"}
+  runtime = "simulator" if config["sim"]["enabled"] else config.get("runtime", "spmd")
+  return {**config, "sim": sim, "runtime": runtime}
+
+
 def _stored(workdir: pathlib.Path) -> dict | None:
   path = workdir / FILE
   if not path.is_file():
@@ -80,7 +92,7 @@ def _stored(workdir: pathlib.Path) -> dict | None:
     stored = json.loads(path.read_text())
     if not isinstance(stored, dict) or not isinstance(stored.get("config"), dict):
       raise ValueError("no 'config' object")
-    return stored
+    return {**stored, "config": upgraded(stored["config"])}
   except (OSError, ValueError) as e:
     raise ResumeRefused(f"{path}: unreadable ({e}); move it aside to resume without the "
                         "config check, or pass another --workdir") from None

@@ -1,6 +1,7 @@
-"""The simulator's config problems (`sim.*`, and what simulated workers cannot have), each
-'field=value: fix'. Which algorithms may read one stream in lockstep, and the fields ignored
-without `sim.enabled`, are config/check.py's: they ask the algorithms and the defaults."""
+"""The simulator's config problems (`runtime='simulator'`: `sim.*`, and what simulated
+workers cannot have), each 'field=value: fix'. Which algorithms may read one stream in
+lockstep, and the fields other runtimes ignore, are config/check.py's: they ask the
+algorithms and the defaults."""
 
 import math
 
@@ -15,13 +16,16 @@ def _numbers(values) -> bool:
   return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
 
 
-def problems(c: ml_collections.ConfigDict, num_processes: int) -> list[str]:
-  """Problems of a config with `sim.enabled`, simulated in a run of `num_processes`."""
+def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> list[str]:
+  """Problems of a config simulated in a run of `num_processes` with `algorithm` (None:
+  an unknown name, reported elsewhere)."""
   out = Problems(c)
   check = out.check
   s, n = c.sim, c.sim.network
-  check(num_processes == 1, "sim.enabled", "the simulator runs in one process; launch it "
+  check(num_processes == 1, "runtime", "the simulator runs in one process; launch it "
         "without jax.distributed")
+  _check_algorithm(c, check, algorithm)
+  _check_unwired(c, out)
   check(not list(c.hosts), "hosts", "the simulator's workers are full width; describe them "
         "with num_workers and sim.* (leave hosts empty)")
   check(c.mesh.data == 1, "mesh.data", "simulated workers are vmapped on one device; use 1")
@@ -68,3 +72,27 @@ def problems(c: ml_collections.ConfigDict, num_processes: int) -> list[str]:
       check(ok, f"sim.network.{field}", f"give {n.regions} rows of {n.regions} "
             f"{'positive' if positive else 'non-negative'} numbers, or () for the scalar")
   return out
+
+
+def _check_algorithm(c, check, algorithm) -> None:
+  """What the chosen algorithm's schedule has in the simulator."""
+  if algorithm is None:
+    return
+  check(c.sim.network.collective != "server" or algorithm.server_schedule,
+        "sim.network.collective", f"{c.algorithm}'s simulator schedule has no parameter "
+        "server's form; use auto, ring or hierarchical")
+  if c.data.batch_mode == "same":
+    check(not algorithm.simulated_only and not c.outer.dylu, "data.batch_mode",
+          "workers that run at their own pace read their own streams; use 'different'")
+
+
+def _check_unwired(c, out: Problems) -> None:
+  """Features of the lockstep runtime the simulator does not have (yet)."""
+  if c.lora.rank > 0:
+    out.append(f"lora.rank={c.lora.rank}: not yet with runtime='simulator' (the simulator is "
+               "not wired for a frozen base); set --config.lora.rank=0 or "
+               "--config.runtime=spmd")
+  if c.collab.target_batch_size > 0:
+    out.append(f"collab.target_batch_size={c.collab.target_batch_size}: the simulator keeps "
+               "its own clock; set --config.runtime=spmd (or ray), or "
+               "--config.collab.target_batch_size=0")

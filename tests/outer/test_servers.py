@@ -32,7 +32,7 @@ def _local_round(state, workers, batches_GxHxN, ids, steps_G=None):
 
 def _backend(algorithm, workers=2, regions=(0, 0), **overrides):
   config = load_config("smoke", algorithm=algorithm, num_workers=workers,
-                       **{"sim.enabled": True, **overrides})
+                       **{"runtime": "simulator", **overrides})
   plan = Plan(inner_steps=[1] * workers, rounds=1, total_steps=99,
               speeds=SpeedModel.build(num_workers=workers, level="none", explicit=(),
                                       step_seconds=1.0, jitter=0.0, straggler_prob=0.0,

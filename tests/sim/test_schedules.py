@@ -241,7 +241,7 @@ def test_asynchronous_servers_get_their_documented_outer_rules():
   from conftest import load_config
   from lowcomm_jax.outer import DelayedNesterovState
   plan = _plan((1.0, 1.0, 1.0, 0.5), regions=2)
-  config = load_config("smoke", num_workers=4, **{"sim.enabled": True, "outer.lr": 0.8})
+  config = load_config("smoke", num_workers=4, **{"runtime": "simulator", "outer.lr": 0.8})
   x = jnp.ones(3)
   config.algorithm = "async"
   rule = algorithms.get(config.algorithm).server_rules(config, plan)["global"]

@@ -35,7 +35,7 @@ def test_a_skipped_step_leaves_the_worker_bit_for_bit_as_it_was(request):
   if rerun_with_default_compile(request):
     return
   config = load_config("smoke", num_workers=1, inner_steps=5,
-                       **{"algorithm": "async_dn", "sim.enabled": True})
+                       **{"algorithm": "async_dn", "runtime": "simulator"})
   r = build(one_device(config))
   programs = jitted_steps(r, donate=False)
   state, workers = init_run(r, programs)
@@ -61,7 +61,7 @@ def test_a_skipped_step_leaves_the_worker_bit_for_bit_as_it_was(request):
 def _dylu(workers: int, **overrides):
   return load_config("smoke", **{"algorithm": "async_dn", "outer.dylu": True,
                                  "num_workers": workers, "rounds": 2, "inner_steps": 4,
-                                 "sim.enabled": True, "sim.heterogeneity": "very",
+                                 "runtime": "simulator", "sim.heterogeneity": "very",
                                  "sim.jobs_per_call": 4, "eval_every": 2,
                                  "checkpoint_every": 1, **overrides})
 
@@ -104,20 +104,21 @@ def test_sim_geo_takes_a_one_round_smoke_override(tmp_path, method):
 def test_the_memory_check_counts_one_call_of_jobs_and_names_the_width(monkeypatch):
   from lowcomm_jax.assemble import memory
   runs = {(w, width): build(one_device(load_config(
-              "smoke", num_workers=w, **{"sim.enabled": True, "sim.jobs_per_call": width})),
+              "smoke", num_workers=w, **{"runtime": "simulator", "sim.jobs_per_call": width})),
               check_memory=False)
           for w, width in ((16, 1), (16, 4), (64, 4))}
-  temporaries = {k: memory.estimate(r)["round_temporaries"] for k, r in runs.items()}
+  temporaries = {(w, width): memory.estimate(r, width)["round_temporaries"]
+                 for (w, width), r in runs.items()}
   assert temporaries[(16, 4)] == 4 * temporaries[(16, 1)]  # one call's jobs
   assert temporaries[(64, 4)] == temporaries[(16, 4)]  # not every worker's
-  states = memory.estimate(runs[(64, 4)])["inner_optimizer"]
-  assert states == 4 * memory.estimate(runs[(16, 4)])["inner_optimizer"]  # states do grow
+  states = memory.estimate(runs[(64, 4)], 4)["inner_optimizer"]
+  assert states == 4 * memory.estimate(runs[(16, 4)], 4)["inner_optimizer"]  # states do grow
   # Room for everything: every worker in one call; less room: the widest power of two.
-  auto = build(one_device(load_config("smoke", num_workers=12, **{"sim.enabled": True})),
+  auto = build(one_device(load_config("smoke", num_workers=12, **{"runtime": "simulator"})),
                check_memory=False)
   assert memory.choose_sim_width(auto) == 12
   one_job = temporaries[(16, 1)]
-  states = sum(memory.estimate(auto).values()) - one_job
+  states = sum(memory.estimate(auto, 1).values()) - one_job
   for room, width in ((12, 12), (11, 8), (5, 4), (1, 1)):  # room for jobs, twice over
     monkeypatch.setattr(memory, "available_bytes", lambda devices, room=room: (
         states + 2 * room * one_job, "a test device"))
@@ -125,7 +126,7 @@ def test_the_memory_check_counts_one_call_of_jobs_and_names_the_width(monkeypatc
   # Too little for even one job per call: refused in one line naming the fields.
   monkeypatch.setattr(memory, "available_bytes", lambda devices: (2**20, "a test device"))
   with pytest.raises(memory.OutOfMemory) as e:
-    build(one_device(load_config("smoke", num_workers=16, **{"sim.enabled": True})))
+    simulate.build_run(load_config("smoke", num_workers=16, **{"runtime": "simulator"}))
   (message,) = e.value.problems
   assert message.startswith("num_workers=16: the simulation needs about ")
   assert "--config.sim.jobs_per_call" in message and "\n" not in message

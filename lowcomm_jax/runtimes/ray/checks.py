@@ -6,9 +6,6 @@ import ml_collections
 from lowcomm_jax.errors import Problems
 from lowcomm_jax.runtimes.ray import chaos
 
-RUNTIMES = ("spmd", "ray")
-
-
 def peer_capable(c: ml_collections.ConfigDict, algorithm) -> str:
   """Why `algorithm`'s rounds have no peer form on Ray ('' : they have one)."""
   if not algorithm.synchronous:
@@ -48,18 +45,21 @@ def round_form(c: ml_collections.ConfigDict, algorithm) -> str:
 def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> list[str]:
   """Problems of `runtime='ray'` with `algorithm` (None: unknown name, reported elsewhere)."""
   out = Problems(c)
-  check = out.check
+  _check_processes(c, out.check, num_processes, algorithm)
+  _check_fields(c, out.check)
+  _check_form(c, out.check, algorithm)
+  _check_chaos(c, out, algorithm)
+  return list(out)
+
+
+def _check_processes(c, check, num_processes: int, algorithm) -> None:
+  """What one driver process and its workers' own processes need."""
   y = c.ray
-  check(c.runtime in RUNTIMES, "runtime", f"use one of {list(RUNTIMES)}")
-  if c.runtime != "ray":
-    return list(out)
   if algorithm is not None:  # (its declarations say what it needs: algorithms/base.py)
     check(algorithm.partial_rounds(c) or y.min_quorum == 0, "ray.min_quorum",
           f"{c.algorithm} needs every live worker in each round (its segments sync "
           "different fragments, its workers read the outer state, or their optimizer states "
           "are averaged between rounds): use 0 (every live worker)")
-  check(not c.sim.enabled, "sim.enabled", "the simulator has its own clock; set "
-        "--config.sim.enabled=False for runtime='ray', or --config.runtime=spmd")
   check(num_processes == 1, "runtime", "one process drives a Ray run and Ray starts the "
         "others; launch it without jax.distributed")
   devices = c.mesh.data * c.model.tp.size  # a worker's own mesh
@@ -78,6 +78,11 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
   check(not (y.apply_order == "dispatch" and y.min_quorum > 0), "ray.apply_order",
         "'dispatch' takes results in the order jobs started, so a quorum round would wait "
         "for the slowest; use 'arrival' with ray.min_quorum")
+
+
+def _check_fields(c, check) -> None:
+  """ray.*'s own values."""
+  y = c.ray
   check(y.num_cpus >= 0, "ray.num_cpus", "must be >= 0 (0: every core)")
   check(y.gpus_per_worker >= 0, "ray.gpus_per_worker", "must be >= 0")
   check(y.recover_timeout_s > 0, "ray.recover_timeout_s", "must be > 0")
@@ -88,20 +93,6 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
   check(y.collective_timeout_s >= 5, "ray.collective_timeout_s",
         "must be >= 5 seconds (a round's first collective compiles its programs); the "
         "default 600 also covers a big model's shards over slow links")
-  collective = c.sim.network.collective
-  if algorithm is not None:
-    why = peer_capable(c, algorithm)
-    check(not (why and collective in ("ring", "hierarchical", "direct")),
-          "sim.network.collective",
-          f"{why}: it has no collective form on Ray; use 'auto' or 'server'")
-  regions = max(c.sim.network.regions, len(set(c.sim.network.worker_regions)))
-  check(collective != "hierarchical" or regions > 1, "sim.network.collective",
-        "'hierarchical' reduces inside each region, then across them, and the network has "
-        "one region: use 'ring', or give sim.network.regions > 1")
-  if algorithm is not None and collective == "hierarchical" and not why:
-    flat = hierarchical_flat(c, algorithm)
-    check(not flat, "sim.network.collective",
-          f"{flat}: 'hierarchical' is for a dense mean on Ray; use 'ring' or 'auto'")
   sizes = list(y.batch_sizes)
   check(not sizes or (len(sizes) == c.num_workers and min(sizes) >= 1), "ray.batch_sizes",
         f"give one batch size >= 1 per worker ({c.num_workers}), or () for data.batch_size")
@@ -116,6 +107,31 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
   sleeps = list(y.step_sleep_s)
   check(not sleeps or (len(sleeps) == c.num_workers and min(sleeps) >= 0),
         "ray.step_sleep_s", f"give one non-negative number per worker ({c.num_workers})")
+
+
+def _check_form(c, check, algorithm) -> None:
+  """`sim.network.collective` against the forms `algorithm`'s rounds have on Ray."""
+  collective = c.sim.network.collective
+  why = ""
+  if algorithm is not None:
+    why = peer_capable(c, algorithm)
+    check(not (why and collective in ("ring", "hierarchical", "direct")),
+          "sim.network.collective",
+          f"{why}: it has no collective form on Ray; use 'auto' or 'server'")
+  regions = max(c.sim.network.regions, len(set(c.sim.network.worker_regions)))
+  check(collective != "hierarchical" or regions > 1, "sim.network.collective",
+        "'hierarchical' reduces inside each region, then across them, and the network has "
+        "one region: use 'ring', or give sim.network.regions > 1")
+  if algorithm is not None and collective == "hierarchical" and not why:
+    flat = hierarchical_flat(c, algorithm)
+    check(not flat, "sim.network.collective",
+          f"{flat}: 'hierarchical' is for a dense mean on Ray; use 'ring' or 'auto'")
+
+
+def _check_chaos(c, out: Problems, algorithm) -> None:
+  """ray.chaos's events: parsed, naming workers and tiers that exist, and the failures
+  this run's round form has."""
+  check, y = out.check, c.ray
   try:
     events = chaos.parse(y.chaos)
   except ValueError as e:
@@ -157,4 +173,3 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
           f"{c.algorithm}'s workers keep their own row of the sync's state, and a row for a "
           "worker that joins mid-run would start from θ₀: use kill_worker/rejoin_worker "
           "(a rejoining worker keeps its row)")
-  return list(out)

@@ -1,6 +1,6 @@
 """The simulator: many virtual workers on one machine, on a virtual clock.
 
-`run(config, workdir)` (when `sim.enabled`) builds the run as the real runner does, then lets the
+`run(config, workdir)` (`runtime='simulator'`) builds the run as the real runner does, then lets the
 event loop (sim/events.py) and the algorithm's schedule (sim/*_schedules.py) decide when each worker
 pulls, computes and sends, while runtimes/simulator/backend.py does the real training. Each batch of
 simultaneous events is followed by one `flush` that runs the jobs they started. Progress is counted
@@ -36,11 +36,19 @@ from lowcomm_jax.runtimes.simulator.backend import SimBackend
 from lowcomm_jax.run.files import RunFiles, TrainingDiverged  # noqa: F401 - raised by the loop
 
 
+def build_run(config: ml_collections.ConfigDict):
+  """The run as the runner builds it, on one device; its memory counted as the simulator
+  holds it (every worker's state stacked, jobs `sim.jobs_per_call` at a time)."""
+  r = build(one_device(config), check_memory=False)
+  memory.check(r, jobs_per_call=memory.sim_width(r.config))
+  return r
+
+
 def clock(config: ml_collections.ConfigDict) -> list[tuple[float, int]]:
   """The simulation's clock without its training: [(virtual seconds, inner steps applied)]
   (sim/replay.py). Builds the run (data, model shapes) but compiles and trains nothing."""
   from lowcomm_jax.sim import replay
-  r = build(one_device(config))
+  r = build_run(config)
   return replay.clock(make_plan(r.config, r), r.algorithm.schedule, r.config)
 
 
@@ -48,7 +56,7 @@ class Simulation:
   """One simulation's moving parts, and saving/restoring them together."""
 
   def __init__(self, config: ml_collections.ConfigDict):
-    self.r = r = build(one_device(config))
+    self.r = r = build_run(config)
     self.c = r.config
     self.plan = make_plan(self.c, r)
     # Nothing donated: its servers outlive the calls (backend.py).

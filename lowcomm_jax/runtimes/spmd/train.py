@@ -46,6 +46,18 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path, *,
     return loop.run(driver, files, t_start=t_start)
 
 
+def run_of(config: ml_collections.ConfigDict):
+  """The run as the one that saved its checkpoints built it (export: runtimes.RUNTIMES)."""
+  return build(config, check_memory=False)
+
+
+def global_params(ckpt, r, step: int):
+  """θ (flat) of checkpoint `step`, restored onto the run's shardings."""
+  from lowcomm_jax.run.checkpoint import abstract_with_shardings
+  abstract = abstract_with_shardings(r.state_spec.abstract, r.state_spec.shardings)
+  return ckpt.restore_state(step, abstract).params
+
+
 def _check_same_base(base: dict) -> None:
   """Every process of a LoRA run loads its own copy of the frozen base (nothing sends it):
   they must be the same file, compared by SHA-256 (32 bytes gathered)."""
