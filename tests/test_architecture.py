@@ -172,17 +172,18 @@ def test_no_runtime_or_assembly_names_an_algorithm():
 def test_nothing_outside_the_algorithms_knows_one():
   """No module outside algorithms/ imports one algorithm's module (only the package's
   registry and base.py's declarations), and none reads an algorithm's own config section
-  (`config_section`, HALoS's outer.halos) but config/defaults.py, which declares them."""
+  (`config_section`, HALoS's outer.halos): each algorithm declares its own
+  (`config_defaults`), and config/defaults.py puts it in place without naming it."""
   from lowcomm_jax import algorithms
   own = {m for m in MODULES if m.startswith("algorithms.") and m != "algorithms.base"}
   assert "algorithms.halos" in own and len(own) >= 12
   importing = [f"{a} -> {b}" for a, b in _arrows() if b in own and not a.startswith("algorithms")]
-  sections = {a.config_section for a in algorithms.REGISTRY.values() if a.config_section}
-  sections |= {"halos"}
-  assert {"streaming", "pier", "desloc"} <= sections
+  sections = {a.config_section.rpartition(".")[2] for a in algorithms.REGISTRY.values()
+              if a.config_section}
+  assert {"streaming", "pier", "desloc", "overlap", "halos"} <= sections
   reading = []
   for module, path in MODULES.items():
-    if module.startswith("algorithms") or module == "config.defaults":
+    if module.startswith("algorithms"):
       continue
     for node in ast.walk(ast.parse(path.read_text())):
       # c.<section>.<field>: an attribute read through the section
@@ -219,3 +220,39 @@ def test_only_the_runtimes_compare_runtime_names():
   for code in ('c.runtime == "ray"', 'x in ("spmd", "simulator")', 'c.sim.x or c.runtime != y'):
     assert _runtime_comparisons(ast.parse(code)), code
   assert not _runtime_comparisons(ast.parse('c.algorithm == "diloco"'))
+
+
+def _mentions(tree: ast.AST, word: str) -> bool:
+  """Whether code in `tree` (names, attributes, imports, strings but docstrings) names
+  `word`."""
+  docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef))
+                and node.body and isinstance(node.body[0], ast.Expr)}
+  for node in ast.walk(tree):
+    texts = []
+    if isinstance(node, ast.Name):
+      texts = [node.id]
+    elif isinstance(node, ast.Attribute):
+      texts = [node.attr]
+    elif isinstance(node, ast.alias):
+      texts = [node.name, node.asname or ""]
+    elif isinstance(node, ast.ImportFrom):
+      texts = [node.module or ""]
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+      texts = [] if id(node) in docstrings else [node.value]
+    if any(word in t.lower() for t in texts):
+      return True
+  return False
+
+
+def test_pier_and_halos_are_their_own_files_and_a_registry_line():
+  """Adding an algorithm like Pier is its files under algorithms/ (and outer/ for its outer
+  rule) and its line in algorithms.REGISTRY: no other module's code names it (HALoS's
+  merge rule is also listed in outer/'s index of rules)."""
+  homes = {"pier": {"algorithms.pier", "outer.pier"},
+           "halos": {"algorithms.halos", "outer.halos"}}
+  elsewhere = {"pier": {"algorithms"}, "halos": {"algorithms", "outer"}}
+  for word, own in homes.items():
+    naming = {name for name, path in MODULES.items()
+              if name not in own and _mentions(ast.parse(path.read_text()), word)}
+    assert naming == elsewhere[word], (word, naming)

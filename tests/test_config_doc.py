@@ -52,4 +52,18 @@ def test_host_table_rows_print_one_per_line():
 def test_without_base_py_fields_print_without_comments(tmp_path):
   text = doc.describe(load_config('base'), base=tmp_path / "missing.py")
   assert "outer.lr = 0.7\n" in text
-  assert "#" not in text
+  assert "# DiLoCo's outer learning rate" not in text
+  # an algorithm's own section still has its comments: they are read from its module
+  assert "pier.warmup = 0.1" in text and "# fraction of the rounds" in text
+
+
+def test_an_algorithms_section_is_documented_where_it_is_declared():
+  """Pier's fields and their comments come from algorithms/pier.py alone."""
+  import inspect
+  from lowcomm_jax.algorithms import pier
+  docs, order = doc.field_docs()
+  source = inspect.getsource(pier.Pier.config_defaults)
+  for field in ("warmup", "decay_momenta", "final_lr_ratio", "final", "total_rounds"):
+    assert docs[f"pier.{field}"] and docs[f"pier.{field}"] in source, field
+  assert "pier" not in doc.BASE.read_text().replace("pier.py", "")  # nothing of it there
+  assert order["outer.halos"] > order["outer.dn_c"] and docs["outer.halos.sync_every"]

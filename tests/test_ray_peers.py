@@ -456,3 +456,27 @@ def test_a_hierarchical_reduce_is_the_flat_rounds_mean_on_every_member(overrides
   pieces_n = np.diff(replica_lib.shard_bounds(n, len(groups))).ravel()
   assert across == {g[0]: 4 * int(n - pieces_n[h] + pieces_n[h] * (len(groups) - 1))
                     for h, g in enumerate(groups)}
+
+
+def test_a_state_average_is_the_runners_program_on_every_runtime():
+  """The lockstep runner's (and the simulator's) state average, `make_state_sync` with
+  DES-LOC's MomentSync, and the Ray server's task (`average_parts`) on the parts the workers
+  send give the same moments bit for bit: one program averages them everywhere."""
+  from lowcomm_jax.algorithms.desloc import MomentSync
+  from lowcomm_jax.programs import steps
+  from lowcomm_jax.runtimes.ray.server import average_parts
+  import optax
+  rng = np.random.default_rng(0)
+  sync = MomentSync(1, 1)
+  states = [optax.ScaleByAdamState(
+      count=jnp.int32(3), mu={"w": rng.standard_normal((5, 3)).astype(np.float32)},
+      nu={"w": rng.random((5, 3)).astype(np.float32)}) for _ in range(3)]
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+  parts = ("first_moment", "second_moment")
+  runner = jax.jit(steps.make_state_sync(sync), static_argnames="parts")(stacked, parts=parts)
+  rows = [jax.tree.map(lambda x: np.asarray(x)[None], sync.take(s, parts)) for s in states]
+  server = average_parts(*rows)
+  for w in range(3):
+    mine = jax.tree.map(lambda x: np.asarray(x)[w][None], sync.take(runner, parts))
+    for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(server)):
+      np.testing.assert_array_equal(a, b)

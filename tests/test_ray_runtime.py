@@ -110,7 +110,7 @@ def test_config_problems_name_their_field():
              for p in _problems(runtime="ray", algorithm="async",
                                 **{"ray.apply_order": "random"}))
   # ray.* without runtime='ray' would be ignored: refused
-  assert any("ignored unless runtime='ray'" in p
+  assert any("ignored unless runtime is 'ray'" in p
              for p in _problems(**{"ray.chaos": ("kill_server@3",)}))
   # the asynchronous algorithms still need the simulator or Ray, and say both
   assert any("--config.runtime=ray" in p for p in _problems(algorithm="async_dn"))

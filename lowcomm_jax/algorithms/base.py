@@ -96,7 +96,9 @@ class Algorithm:
   # Its simulator schedule can time the Ray runtime's parameter server
   # (sim.network.collective='server'): rounds of one sync, or asynchronous pushes.
   server_schedule = True
-  config_section = None  # its own config fields (c.<section>.*), if any
+  # Its own config fields, c.<section>.*, if any: `config_defaults` declares them, each
+  # with its default and a trailing comment on what it means (config/doc.py prints it).
+  config_section = None
   # The sync's new θ (and what local programs read of the outer state) does not depend on
   # its own aggregate, only on earlier ones: the runner may run a round's sync inside the
   # next round's program, its collective beside the local steps (rounds.can_overlap).
@@ -104,6 +106,11 @@ class Algorithm:
   # Its servers are regional (sim.network.regions / worker_regions place the workers), so
   # those fields matter outside the simulator too (on Ray).
   regional_servers = False
+
+  def config_defaults(self) -> ml_collections.ConfigDict:
+    """Its `config_section`'s fields at their defaults (config/defaults.py puts them in
+    every config)."""
+    raise NotImplementedError(f"{self.name} declares config_section but no defaults")
 
   def problems(self, c: ml_collections.ConfigDict) -> list[str]:
     """This algorithm's own config problems, each 'field=value: fix'."""

@@ -27,7 +27,7 @@ class DDP(Algorithm):
                                "--config.inner_steps=1 (and raise rounds for more steps)"))
     if c.outer.dylu:
       out.append(field_problem(c, "outer.dylu", "Dynamic Local Updates need local steps; use "
-                               "diloco (or async, async_dn, halos in the simulator)"))
+                               "an algorithm with them, e.g. diloco or async_dn"))
     for i, row in enumerate(c.hosts):
       if row.get("inner_steps", 0) not in (0, 1):
         out.append(f"hosts[{i}].inner_steps={row['inner_steps']}: ddp takes one step per "

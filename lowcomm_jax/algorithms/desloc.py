@@ -19,6 +19,7 @@ by the byte ledger and timed by the simulator.
 """
 
 import jax
+import ml_collections
 import optax
 
 from lowcomm_jax import outer
@@ -67,6 +68,16 @@ class DesLoc(DiLoCo):
   config_section = "desloc"
   summary = ("DES-LOC: Local AdamW; parameters averaged every H steps, each Adam moment on a "
              "longer period of its own")
+
+  def config_defaults(self):
+    # Parameters sync every H steps: the paper's plain average (plain_average=True), or the
+    # outer rule outer.lr/momentum (False). Each AdamW moment is averaged over the workers every
+    # this many rounds (0: never, each worker keeps its own as in DiLoCo).
+    s = ml_collections.ConfigDict()
+    s.plain_average = True  # theta <- the workers' mean (False: outer.lr/momentum on the mean delta)
+    s.first_moment_rounds = 3  # K_u = 3 H, the paper's recommendation
+    s.second_moment_rounds = 6  # K_v = 6 H
+    return s
 
   def problems(self, c):
     d = c.desloc

@@ -6,6 +6,8 @@ merges is its declaration (`exchange_rule`, base.ExchangeRule): the simulator's
 schedule (`HalosSchedule`) and the Ray runtime's regional servers (runtimes/ray/regions.py)
 both read it from the plan."""
 
+import ml_collections
+
 from lowcomm_jax import outer
 from lowcomm_jax.algorithms.async_dn import dn_c_problems
 from lowcomm_jax.algorithms.async_local_sgd import AsyncLocalSGD
@@ -25,6 +27,16 @@ class Halos(AsyncLocalSGD):
   name = "halos"
   summary = "hierarchical asynchronous servers, one per region plus a global one"
   regional_servers = True
+  config_section = "outer.halos"  # (regions' local servers use outer.lr/momentum/dn_buffer)
+
+  def config_defaults(self):
+    s = ml_collections.ConfigDict()
+    s.sync_every = 8  # K: local-server updates between pushes to the global server
+    s.merge_alpha = 0.25  # weight of the global model when a local server merges it
+    s.global_lr = 0.3  # the global server's Delayed Nesterov lr
+    s.global_momentum = 0.5  # ... its momentum
+    s.global_buffer = 2  # ... its N (pushes per momentum refresh)
+    return s
 
   def problems(self, c):
     out = super().problems(c)

@@ -15,6 +15,8 @@ is evaluated and checkpointed as the model). Reconstructed from the paper's desc
 its own.
 """
 
+import ml_collections
+
 from lowcomm_jax import outer
 from lowcomm_jax.algorithms.base import Segment, field_problem
 from lowcomm_jax.algorithms.one_step_delay import OneStepDelay
@@ -25,6 +27,12 @@ class OverlapLocalSGD(OneStepDelay):
   config_section = "overlap"
   summary = ("Overlap Local-SGD: workers keep their models, pull back toward an anchor every "
              "H steps; the anchor follows the average one period late")
+
+  def config_defaults(self):
+    s = ml_collections.ConfigDict()
+    s.alpha = 0.2  # pull-back every H steps: x_w <- (1 - alpha) * x_w + alpha * anchor
+    s.anchor_momentum = 0.0  # beta: the anchor follows the average that arrived with momentum
+    return s
 
   def problems(self, c):
     out = super().problems(c)

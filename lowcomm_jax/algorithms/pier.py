@@ -7,6 +7,8 @@ where it stopped; one resumed with more `rounds` re-stretches them unless
 `pier.total_rounds` pins T (as optimizer.decay_steps pins the inner schedule).
 """
 
+import ml_collections
+
 from lowcomm_jax.algorithms.base import field_problem
 from lowcomm_jax.algorithms.diloco import DiLoCo
 from lowcomm_jax.outer.pier import boundaries, pier_outer
@@ -17,6 +19,19 @@ class Pier(DiLoCo):
   config_section = "pier"
   summary = ("Pier: DiLoCo whose outer momentum is filled by averaging rounds first, then "
              "decayed, with an outer-lr warmup and final drop")
+
+  def config_defaults(self):
+    # Rounds [0, warmup*T): theta <- the workers' mean, the outer momentum filled
+    # (m <- outer.momentum * m + delta). Then for as many rounds the momentum steps through
+    # decay_momenta and the outer lr ramps up to outer.lr (the authors use 1.1); from final*T
+    # on it is outer.lr * final_lr_ratio (their 0.9 / 1.1). T = total_rounds, or `rounds` (0).
+    s = ml_collections.ConfigDict()
+    s.warmup = 0.1  # fraction of the rounds that fill the momentum (the authors' 0.1)
+    s.decay_momenta = (0.99, 0.95)  # outer momentum in equal parts of the next warmup*T rounds
+    s.final_lr_ratio = 0.82  # outer lr from final*T on, as a fraction of outer.lr (0.9 / 1.1)
+    s.final = 0.8  # fraction of the rounds where the outer lr drops
+    s.total_rounds = 0  # pins T: a run extended on resume keeps its schedules (0: rounds)
+    return s
 
   def problems(self, c):
     p = c.pier

@@ -21,6 +21,8 @@ H/P > τ: the hosts' segments then end, and sync, together. DyLU is not: its mea
 would not keep that alignment.
 """
 
+import ml_collections
+
 from lowcomm_jax.algorithms.base import Segment, field_problem
 from lowcomm_jax.algorithms.diloco import DiLoCo, codec_problems
 from lowcomm_jax.model.pretrained import architecture_of
@@ -49,6 +51,14 @@ class StreamingDiLoCo(DiLoCo):
   config_section = "streaming"
   summary = ("Streaming DiLoCo: P model fragments sync in turn every H/P steps, each applied "
              "tau steps later and mixed with alpha")
+
+  def config_defaults(self):
+    s = ml_collections.ConfigDict()
+    s.fragments = 2  # P: model fragments; one syncs every H/P inner steps (H % P == 0)
+    s.layout = "strided"  # 'strided' (block i in fragment i % P) | 'sequential' (contiguous blocks)
+    s.overlap_steps = 0  # tau: inner steps between sending a fragment and applying its update (< H/P)
+    s.mix = 0.0  # alpha: theta_w,p <- (1 - alpha) * theta_p + alpha * theta_w,p when it lands
+    return s
 
   def problems(self, c):
     s = c.streaming

@@ -2,20 +2,44 @@
 
 It ships with the package, so a non-editable install keeps every check that compares a
 config with the defaults and every field's meaning in `--print_config` (config/doc.py reads
-the comments here). configs/base.py hands it to config files; they start from
+the comments here, and an algorithm's own section from its `config_defaults`). configs/base.py hands it to config files; they start from
 `get_config()` and change a few fields. Any field can be overridden on the command line:
 `--config.outer.lr=0.5 --config.data.batch_mode=same`. Values are checked once at start-up
 (lowcomm_jax/config/check.py) before any compute.
 """
 
 import os
+from typing import Callable
 
 import ml_collections
 
 
 def get_config() -> ml_collections.ConfigDict:
+  """Every field at its default: the package's own sections, then each algorithm's
+  (declared in its module: `Algorithm.config_defaults`)."""
   c = ml_collections.ConfigDict()
+  for section in (_run, _devices, _outer, _aggregation, _ray, _simulator, _optimizer, _model,
+                  _data):
+    section(c)
+  for dotted, declare in declared_sections():
+    *parents, name = dotted.split(".")
+    node = c
+    for parent in parents:
+      node = node[parent]
+    node[name] = declare()
+  return c
 
+
+def declared_sections() -> list[tuple[str, Callable[[], ml_collections.ConfigDict]]]:
+  """(dotted section, the function that declares its fields) of every algorithm with a
+  section of its own (config/doc.py reads their comments from the same functions)."""
+  from lowcomm_jax import algorithms
+  return [(a.config_section, a.config_defaults) for a in algorithms.REGISTRY.values()
+          if a.config_section]
+
+
+def _run(c: ml_collections.ConfigDict) -> None:
+  """The run itself: its algorithm, size, cadence and what it writes; the host table."""
   # --- run ---------------------------------------------------------------------------
   c.algorithm = "diloco"  # a name in algorithms.REGISTRY (each with its summary: docs/algorithms.md)
   c.num_workers = 4  # workers (replicas); each has its own data stream and inner optimizer state
@@ -51,6 +75,9 @@ def get_config() -> ml_collections.ConfigDict:
   # --- hosts: one row per process (lowcomm_jax/assemble/hosts.py); [] = num_workers at full width
   c.hosts = []  # e.g. [host(tier=1.0), host(tier=0.25, workers=2)] with hosts.host
 
+
+def _devices(c: ml_collections.ConfigDict) -> None:
+  """The processes (jax.distributed) and each worker's devices."""
   # --- processes (jax.distributed); unset fields fall back to JAX's/SLURM's env variables
   c.distributed = ml_collections.ConfigDict()
   c.distributed.coordinator_address = ""  # 'host:port' of process 0 ('' = env / single)
@@ -68,6 +95,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.mesh.data = 1  # devices each worker splits its batch over
   # (the 'model' axis has model.tp.size devices)
 
+
+def _outer(c: ml_collections.ConfigDict) -> None:
+  """The outer optimizer, which every algorithm with an outer rule reads."""
   # --- outer optimizer (applied to the averaged pseudo-gradient) -------------------------
   c.outer = ml_collections.ConfigDict()
   c.outer.lr = 0.7  # DiLoCo's outer learning rate
@@ -76,47 +106,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.outer.dylu = False  # Dynamic Local Updates: H_w = max(1, ceil(H * speed_w / max speed))
   c.outer.dn_buffer = 0  # async_dn/halos: Delayed Nesterov's N (0: the server's workers)
   c.outer.dn_c = 0.0  # Delayed Nesterov's momentum activation c in [0, 1/N] between refreshes
-  # HALoS (lowcomm_jax/outer/halos.py): regions' local servers use outer.lr/momentum/dn_buffer.
-  c.outer.halos = ml_collections.ConfigDict()
-  c.outer.halos.sync_every = 8  # K: local-server updates between pushes to the global server
-  c.outer.halos.merge_alpha = 0.25  # weight of the global model when a local server merges it
-  c.outer.halos.global_lr = 0.3  # the global server's Delayed Nesterov lr
-  c.outer.halos.global_momentum = 0.5  # ... its momentum
-  c.outer.halos.global_buffer = 2  # ... its N (pushes per momentum refresh)
 
-  # --- Overlap Local-SGD (algorithm='overlap'; lowcomm_jax/algorithms/overlap.py) ---------
-  c.overlap = ml_collections.ConfigDict()
-  c.overlap.alpha = 0.2  # pull-back every H steps: x_w <- (1 - alpha) * x_w + alpha * anchor
-  c.overlap.anchor_momentum = 0.0  # beta: the anchor follows the average that arrived with momentum
 
-  # --- Streaming DiLoCo (algorithm='streaming'; lowcomm_jax/algorithms/streaming.py) -------
-  c.streaming = ml_collections.ConfigDict()
-  c.streaming.fragments = 2  # P: model fragments; one syncs every H/P inner steps (H % P == 0)
-  c.streaming.layout = "strided"  # 'strided' (block i in fragment i % P) | 'sequential' (contiguous blocks)
-  c.streaming.overlap_steps = 0  # tau: inner steps between sending a fragment and applying its update (< H/P)
-  c.streaming.mix = 0.0  # alpha: theta_w,p <- (1 - alpha) * theta_p + alpha * theta_w,p when it lands
-
-  # --- Pier (algorithm='pier'; lowcomm_jax/algorithms/pier.py, outer/pier.py) -----------
-  # Rounds [0, warmup*T): theta <- the workers' mean, the outer momentum filled
-  # (m <- outer.momentum * m + delta). Then for as many rounds the momentum steps through
-  # decay_momenta and the outer lr ramps up to outer.lr (the authors use 1.1); from final*T
-  # on it is outer.lr * final_lr_ratio (their 0.9 / 1.1). T = total_rounds, or `rounds` (0).
-  c.pier = ml_collections.ConfigDict()
-  c.pier.warmup = 0.1  # fraction of the rounds that fill the momentum (the authors' 0.1)
-  c.pier.decay_momenta = (0.99, 0.95)  # outer momentum in equal parts of the next warmup*T rounds
-  c.pier.final_lr_ratio = 0.82  # outer lr from final*T on, as a fraction of outer.lr (0.9 / 1.1)
-  c.pier.final = 0.8  # fraction of the rounds where the outer lr drops
-  c.pier.total_rounds = 0  # pins T: a run extended on resume keeps its schedules (0: rounds)
-
-  # --- DES-LOC (algorithm='desloc'; lowcomm_jax/algorithms/desloc.py) ------------------
-  # Parameters sync every H steps: the paper's plain average (plain_average=True), or the
-  # outer rule outer.lr/momentum (False). Each AdamW moment is averaged over the workers every
-  # this many rounds (0: never, each worker keeps its own as in DiLoCo).
-  c.desloc = ml_collections.ConfigDict()
-  c.desloc.plain_average = True  # theta <- the workers' mean (False: outer.lr/momentum on the mean delta)
-  c.desloc.first_moment_rounds = 3  # K_u = 3 H, the paper's recommendation
-  c.desloc.second_moment_rounds = 6  # K_v = 6 H
-
+def _aggregation(c: ml_collections.ConfigDict) -> None:
+  """How the workers' contributions are combined, attacked (tests) and compressed."""
   # --- aggregation of pseudo-gradients --------------------------------------------------
   c.aggregate = ml_collections.ConfigDict()
   c.aggregate.weighting = "uniform"  # 'uniform' | 'tokens' (weight workers by tokens processed)
@@ -157,6 +150,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.compress.value_bits = 32  # topk: 32 or 2; demo: 32 or 1 (sign only); sparseloco is always 2
   c.compress.mean_over_senders = False  # demo: average each coefficient over the workers that sent it
 
+
+def _ray(c: ml_collections.ConfigDict) -> None:
+  """The runtime, and the Ray runtime's own fields."""
   # --- runtime (lowcomm_jax/runtimes/: the table RUNTIMES) -------------------------------
   c.runtime = "spmd"  # 'spmd': jax.distributed, lockstep processes | 'simulator': virtual
   # | workers on a virtual clock, one process (sim.*) | 'ray': a JAX process per worker and
@@ -193,6 +189,9 @@ def get_config() -> ml_collections.ConfigDict:
   # | the last checkpoint, the pushes since replayed), 'delay_worker=K:S@N' (S s per push),
   # | 'crash_in_sync=K@N' (the peer form: K dies in the middle of the next collective)
 
+
+def _simulator(c: ml_collections.ConfigDict) -> None:
+  """The simulator's fields, and the network both it and the Ray runtime read."""
   # --- simulator (runtime='simulator'; lowcomm_jax/sim/, runtimes/simulator/) -------------
   c.sim = ml_collections.ConfigDict()
   c.sim.heterogeneity = "none"  # worker speeds: none | slight | moderate | very (sim/speeds.py)
@@ -229,6 +228,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.sim.network.bytes_scale = 1.0  # payloads take this many times their real bytes' time
   # | (a small CPU model standing in for a large one; bytes_sent stays real)
 
+
+def _optimizer(c: ml_collections.ConfigDict) -> None:
+  """Each worker's inner optimizer."""
   # --- inner optimizer (each worker; for ddp the per-step optimizer) ----------------------
   c.optimizer = ml_collections.ConfigDict()
   # Inner optimizers (lowcomm_jax/programs/optimizers.py): adamw | sgd | lamb | lars | adafactor | lion |
@@ -246,6 +248,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.optimizer.weight_decay = 0.1  # decoupled, on matrices only (not biases/LayerNorm)
   c.optimizer.grad_clip = 1.0  # global-norm clipping; 0 disables it
 
+
+def _model(c: ml_collections.ConfigDict) -> None:
+  """The model, its LoRA adapters, collaborative epochs and tensor parallelism."""
   # --- model -------------------------------------------------------------------------
   c.model = ml_collections.ConfigDict()
   # Presets (lowcomm_jax/model/presets.py): tiny | small | small12 | pythia_14m | gpt2_124m,
@@ -293,6 +298,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.tp.layers_per_group = 1  # grouped: blocks per all-reduce (must divide n_layer)
   c.model.tp.attn_sync_layers = ()  # selective: blocks that keep their attention all-reduce
 
+
+def _data(c: ml_collections.ConfigDict) -> None:
+  """The corpus and how the workers read it."""
   # --- data --------------------------------------------------------------------------
   c.data = ml_collections.ConfigDict()
   c.data.path = ""  # a plain-text corpus; '' means TinyShakespeare (local copy or download)
@@ -313,5 +321,3 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.corruption_prob = 0.3  # token_swap: per token; other_text: per window
   c.data.corruption_path = ""  # other_text: a plain-text file the corrupted workers read
   c.data.val_fraction = 0.1  # tail kept for validation (text, or a .bin without val_path)
-
-  return c

@@ -2,15 +2,18 @@
 
   outer.lr = 0.7  # DiLoCo's outer learning rate
 
-Comments come from the source of the defaults (config/defaults.py, inside the package): the trailing
-comment on the line that assigns `c.<field> = ...`, plus comment-only lines right below it that
-start with `# |` (the continuation convention there). Fields a specific config adds print without a
-comment.
+Comments come from where each field is declared: config/defaults.py for the package's own
+sections, an algorithm's `config_defaults` for its section (both inside the package). A field's
+comment is the trailing comment on the line that assigns it (`c.<field> = ...`, or `s.<field> =
+...` in a section's declaration), plus comment-only lines right below it that start with `# |`
+(the continuation convention there). Fields a specific config adds print without a comment.
 """
 
 import ast
+import inspect
 import io
 import pathlib
+import textwrap
 import tokenize
 
 import ml_collections
@@ -19,14 +22,34 @@ BASE = pathlib.Path(__file__).resolve().with_name("defaults.py")
 COMMENT_COLUMN = 44  # comments line up here unless the assignment is longer
 
 
-def field_docs(path: pathlib.Path = BASE) -> tuple[dict[str, str], dict[str, int]]:
-  """({dotted field: comment}, {dotted field or group: order in the source}); empty when
-  the file is missing."""
+def field_docs(path: pathlib.Path = BASE) -> tuple[dict[str, str], dict[str, float]]:
+  """({dotted field: comment}, {dotted field or group: order in --print_config}) of the
+  defaults in `path` and of every algorithm's own section (after them, in the registry's
+  order); a source that cannot be read gives none."""
   try:
-    source = pathlib.Path(path).read_text()
+    docs, order = _docs_in(pathlib.Path(path).read_text())
+  except OSError:
+    docs, order = {}, {}
+  from lowcomm_jax.config import defaults
+  start = max(order.values(), default=0) + 1
+  for i, (dotted, declare) in enumerate(defaults.declared_sections()):
+    try:
+      source = textwrap.dedent(inspect.getsource(declare))
+    except (OSError, TypeError):
+      continue
+    mine, mine_order = _docs_in(source, prefix=f"{dotted}.")
+    docs.update(mine)
+    order[dotted] = start + i
+    order.update({k: start + i + v / 1e6 for k, v in mine_order.items()})
+  return docs, order
+
+
+def _docs_in(source: str, prefix: str = "") -> tuple[dict[str, str], dict[str, int]]:
+  """(docs, order) of the assignments in `source`, each field named `prefix` + its path."""
+  try:
     tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
     tree = ast.parse(source)
-  except (OSError, SyntaxError, tokenize.TokenError):
+  except (SyntaxError, tokenize.TokenError):
     return {}, {}  # comments are a help: never let them stop --print_config
   # line -> (comment text, whether the comment is alone on its line)
   comments = {}
@@ -42,6 +65,7 @@ def field_docs(path: pathlib.Path = BASE) -> tuple[dict[str, str], dict[str, int
       name = _dotted(target)
       if name is None:
         continue
+      name = prefix + name
       order.setdefault(name, node.lineno)
       text, alone = comments.get(node.end_lineno, ("", True))
       parts = [text] if text and not alone else []

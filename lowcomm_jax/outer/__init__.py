@@ -5,4 +5,3 @@ from lowcomm_jax.outer.delayed_nesterov import DelayedNesterovState, delayed_nes
 from lowcomm_jax.outer.diloco import diloco_outer, pseudo_gradient
 from lowcomm_jax.outer.halos import merge_global
 from lowcomm_jax.outer.one_step_delay import OneStepDelayState, one_step_delay
-from lowcomm_jax.outer.pier import PierState, pier_outer

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from lowcomm_jax.model.matformer import pad_tier, slice_tier, unslice_tier
+from lowcomm_jax.parallel import collectives
 from lowcomm_jax.parallel.workers import map_host_workers
 from lowcomm_jax.parallel.flat import ParamLayout
 
@@ -139,35 +140,12 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
   Ray runtime's peer form); 'tail', from the head's workers, the mix of the new θ and the
   rest. Both take the whole segment's batches. 'whole': both in one program.
   """
-  if part not in ("whole", "head", "tail"):
-    raise ValueError(f"part={part!r}: use 'whole', 'head' or 'tail'")
-  if part != "whole" and not (segment.mix_at > 0 and keeps_params and local_steps
-                              and worker_rule is None):
-    raise ValueError("a segment runs in a head and a tail only with a mix inside it "
-                     "(mix_at > 0) and workers that keep their parameters")
+  _check_part(part, segment, keeps_params, local_steps, worker_rule)
   grad_fn = jax.value_and_grad(loss_fn)
   narrow = hidden != d_ff
-  sync, mix, mix_at = segment.sync, segment.mix, segment.mix_at
-
-  def inner_steps(params, opt_state, batches, keys, frozen, taken=None):
-    """The scan of steps over `batches`; with `taken` (a traced count), steps from `taken`
-    on are skipped: they leave the carry as it was, bit for bit, and their loss is 0."""
-    def inner_step(carry, batch_and_key):
-      local_params, opt_state = carry
-      batch, step_key = batch_and_key
-      loss, grads = grad_fn(local_params, batch, step_key, frozen)
-      updates, opt_state = inner_tx.update(grads, opt_state, local_params)
-      return (optax.apply_updates(local_params, updates), opt_state), loss
-    if taken is None:
-      return jax.lax.scan(inner_step, (params, opt_state), (batches, keys))
-
-    def step_or_skip(carry, indexed):
-      k, batch_and_key = indexed
-      loss_shape = jax.eval_shape(inner_step, carry, batch_and_key)[1]
-      skip = lambda carry, _: (carry, jnp.zeros(loss_shape.shape, loss_shape.dtype))
-      return jax.lax.cond(k < taken, inner_step, skip, carry, batch_and_key)
-    return jax.lax.scan(step_or_skip, (params, opt_state),
-                        (jnp.arange(batches.shape[0]), (batches, keys)))
+  sync, mix_at = segment.sync, segment.mix_at
+  inner_steps = _make_inner_steps(grad_fn, inner_tx)
+  landed = _make_landing(layout, segment, index, alpha, hidden, narrow)
 
   def worker(global_flat, round_, rule_state, sync_state, own_flat, opt_state, steps, memory,
              batches, key, taken, frozen):
@@ -188,17 +166,6 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
       return delta, WorkerState((), opt_state, steps + s, memory), losses_s
     own = layout.unravel(own_flat) if keeps_params else global_params
 
-    def landed(own_full):
-      """The synced fragment's new global value, mixed into θ_w. In the first segment of a
-      run nothing is in flight: skipped (at step 0 it is a no-op, θ_w = θ, and stays
-      unconditional so DiLoCo's program is what it always was)."""
-      mixed = _mix_fragment(own_full, global_params, layout, mix, alpha)
-      if narrow and alpha != 0.0:  # units the tier does not train follow θ: their Δ stays 0
-        mixed = unslice_tier(global_params, slice_tier(mixed, hidden))
-      if index == 0 and mix_at > 0 and not segment.mix_in_first_round:
-        return jax.tree.map(lambda m, o: jnp.where(round_ > 0, m, o), mixed, own_full)
-      return mixed
-
     def tier(full):
       return slice_tier(full, hidden) if narrow else full
 
@@ -213,7 +180,7 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
       losses.append(first)
       if part == "head":
         return (), WorkerState(layout.ravel(own), opt_state, steps + mix_at, memory), first
-    own = landed(own)
+    own = landed(own, global_params, round_)
     (trained, opt_state), rest = inner_steps(tier(own), opt_state, batches[mix_at:],
                                              step_keys[mix_at:], frozen, taken)
     own_flat = layout.ravel(full(trained, own))
@@ -224,6 +191,16 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
     return (delta, WorkerState(own_flat if keeps_params else (), opt_state, steps + done,
                                memory), losses_s)
 
+  return _over_host_workers(worker, worker_rule=worker_rule, count=count, mix_at=mix_at,
+                            local_steps=local_steps, keeps_params=keeps_params, mesh=mesh,
+                            axis_name=axis_name)
+
+
+def _over_host_workers(worker, *, worker_rule, count: int, mix_at: int, local_steps: bool,
+                       keeps_params: bool, mesh, axis_name: str):
+  """`local(state, workers, batches, worker_ids, steps_G=None, *, frozen=())`: one
+  worker's segment (`worker`) mapped over a host's G workers, each with its own key, and
+  what of the state it reads."""
   def local(state: TrainState, workers: WorkerState | tuple, batches_GxSxBxL1, worker_ids_G,
             steps_G=None, *, frozen=()):
     """`steps_G` (optional, [G] int32): worker g takes only its first steps_G[g] of the S
@@ -252,6 +229,60 @@ def make_local_segment(loss_fn: LossFn, *, inner_tx: optax.GradientTransformatio
     return delta, workers, losses
 
   return local
+
+
+def _check_part(part: str, segment: Segment, keeps_params: bool, local_steps: bool,
+                worker_rule) -> None:
+  if part not in ("whole", "head", "tail"):
+    raise ValueError(f"part={part!r}: use 'whole', 'head' or 'tail'")
+  if part != "whole" and not (segment.mix_at > 0 and keeps_params and local_steps
+                              and worker_rule is None):
+    raise ValueError("a segment runs in a head and a tail only with a mix inside it "
+                     "(mix_at > 0) and workers that keep their parameters")
+
+
+def _make_inner_steps(grad_fn, inner_tx: optax.GradientTransformation):
+  """`inner_steps(params, opt_state, batches, keys, frozen, taken=None)`: the scan of steps
+  over `batches`; with `taken` (a traced count), steps from `taken` on are skipped: they
+  leave the carry as it was, bit for bit, and their loss is 0."""
+  def inner_steps(params, opt_state, batches, keys, frozen, taken=None):
+    def inner_step(carry, batch_and_key):
+      local_params, opt_state = carry
+      batch, step_key = batch_and_key
+      loss, grads = grad_fn(local_params, batch, step_key, frozen)
+      updates, opt_state = inner_tx.update(grads, opt_state, local_params)
+      return (optax.apply_updates(local_params, updates), opt_state), loss
+    if taken is None:
+      return jax.lax.scan(inner_step, (params, opt_state), (batches, keys))
+
+    def step_or_skip(carry, indexed):
+      k, batch_and_key = indexed
+      loss_shape = jax.eval_shape(inner_step, carry, batch_and_key)[1]
+      skip = lambda carry, _: (carry, jnp.zeros(loss_shape.shape, loss_shape.dtype))
+      return jax.lax.cond(k < taken, inner_step, skip, carry, batch_and_key)
+    return jax.lax.scan(step_or_skip, (params, opt_state),
+                        (jnp.arange(batches.shape[0]), (batches, keys)))
+
+  return inner_steps
+
+
+def _make_landing(layout: ParamLayout, segment: Segment, index: int, alpha: float,
+                  hidden: int, narrow: bool):
+  """`landed(own_full, global_params, round_)`: the synced fragment's new global value,
+  mixed into θ_w. In the first segment of a run nothing is in flight: skipped (at step 0
+  it is a no-op, θ_w = θ, and stays unconditional so DiLoCo's program is what it always
+  was)."""
+  mix, mix_at = segment.mix, segment.mix_at
+
+  def landed(own_full, global_params, round_):
+    mixed = _mix_fragment(own_full, global_params, layout, mix, alpha)
+    if narrow and alpha != 0.0:  # units the tier does not train follow θ: their Δ stays 0
+      mixed = unslice_tier(global_params, slice_tier(mixed, hidden))
+    if index == 0 and mix_at > 0 and not segment.mix_in_first_round:
+      return jax.tree.map(lambda m, o: jnp.where(round_ > 0, m, o), mixed, own_full)
+    return mixed
+
+  return landed
 
 
 def make_accumulate(loss_fn: LossFn, *, hidden: int, d_ff: int, layout: ParamLayout,
@@ -287,6 +318,16 @@ def make_state_sync(state_sync):
     return jax.vmap(lambda s: state_sync.average(s, parts, "replica"), axis_name="replica",
                     spmd_axis_name="replica")(opt_state_R)
   return average
+
+
+@jax.jit
+def rows_mean(rows_R):
+  """The mean of stacked rows (a tree, leaves [R, ...]) by the all-reduce a state average
+  runs (collectives.mean over the vmapped rows, as `make_state_sync`'s StateSync.average
+  does): the Ray runtime's server and peers average the parts they hold with it, so a
+  state average is one program on every runtime. Leaves [...]."""
+  mean_R = jax.vmap(lambda row: collectives.mean(row, "replica"), axis_name="replica")(rows_R)
+  return jax.tree.map(lambda x: x[0], mean_R)
 
 
 def local_input(state: TrainState, reads_rules: bool, reads_own: bool = False) -> TrainState:

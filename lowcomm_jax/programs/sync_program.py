@@ -42,10 +42,7 @@ def make_sync(aggregator: optax.GradientTransformationExtraArgs,
   the norms two more passes over θ.
   """
   part = layout.fragment(fragment)
-
-  def coordinate_weights(hidden, weight):
-    return jax.tree.map(lambda m: m * weight, tier_mask(part.abstract, hidden))
-
+  coordinate_weights = _coordinate_weights(part)
   rule = optax.with_extra_args_support(rule)
   if map_workers is None:
     def map_workers(fn, in_axes, out_axes):
@@ -59,15 +56,12 @@ def make_sync(aggregator: optax.GradientTransformationExtraArgs,
       extra.update(coordinate_weights=coordinate_weights(hidden, weight),
                    sender_weights=all_weights, weight_totals=totals)
     mean, agg_state = aggregator.update(delta, agg_state, params, **extra)
-    # Every worker's train loss and the whole θ: a robust combination's signals read them
-    # (the loss EMA, and the probe loss of each worker's proposal); other rules ignore them.
-    updates, rule_state = rule.update(mean, rule_state, params, worker_losses=losses_R,
-                                      round_index=round_index, theta=theta)
-    return optax.apply_updates(params, updates), agg_state, rule_state
+    new_params, rule_state = _outer_update(rule, params, rule_state, mean, losses=losses_R,
+                                           round_index=round_index, theta=theta)
+    return new_params, agg_state, rule_state
 
   def sync(state: TrainState, deltas_R, signals: Signals, metrics: bool = True):
-    if attack is not None:  # adversaries replace what they send (aggregate.make_attack)
-      deltas_R = attack(deltas_R, _attack_key(state, fragment))
+    deltas_R = _attacked(attack, state, deltas_R, fragment)
     weight_R = (signals.tokens if weigh_tokens
                 else jnp.ones(signals.tokens.shape, jnp.float32))
     # Σ_w weights from the replicated signals: computed here, never communicated.
@@ -85,24 +79,58 @@ def make_sync(aggregator: optax.GradientTransformationExtraArgs,
     new_params = layout.fragment_update(state.params, new_part, fragment)
     outer = OuterState(_replace(outer.per_worker, fragment, agg_state),
                        _replace(outer.per_fragment, fragment, rule_state))
-    out = {}
-    if metrics:  # two more passes over θ: worth it on rounds that log or checkpoint
-      out = {"param_norm": jnp.linalg.norm(new_params),
-             "outer_update_norm": jnp.linalg.norm(new_params - state.params)}
-      # Every worker's loss by a sum over workers, not an all-gather: XLA merges it into
-      # the pseudo-gradient's all-reduce op. (`where`, not a product: one worker's NaN must
-      # not spread to the others' entries.)
-      losses_R = signals.loss
-      per_worker = jnp.where(jnp.eye(losses_R.shape[0], dtype=bool), losses_R[:, None],
-                             0).sum(0)
-      out.update(train_loss=per_worker.mean(), train_loss_per_worker=per_worker)
-      if isinstance(rule_state, CombinedState):  # a robust combination's weights
-        weights = rule_state.combine.signals.weights
-        out.update(worker_weights=weights, effective_workers=effective_workers(weights))
+    out = _sync_metrics(state.params, new_params, signals, rule_state) if metrics else {}
     round_ = state.round + 1 if last else state.round
     return TrainState(round_, state.rng, new_params, outer), out
 
   return sync
+
+
+def _sync_metrics(old_params, new_params, signals: Signals, rule_state) -> dict:
+  """What a sync reports on rounds that log: two more passes over θ (norms), every
+  worker's train loss and a robust combination's weights."""
+  out = {"param_norm": jnp.linalg.norm(new_params),
+         "outer_update_norm": jnp.linalg.norm(new_params - old_params)}
+  # Every worker's loss by a sum over workers, not an all-gather: XLA merges it into the
+  # pseudo-gradient's all-reduce op. (`where`, not a product: one worker's NaN must not
+  # spread to the others' entries.)
+  losses_R = signals.loss
+  per_worker = jnp.where(jnp.eye(losses_R.shape[0], dtype=bool), losses_R[:, None], 0).sum(0)
+  out.update(train_loss=per_worker.mean(), train_loss_per_worker=per_worker)
+  if isinstance(rule_state, CombinedState):  # a robust combination's weights
+    weights = rule_state.combine.signals.weights
+    out.update(worker_weights=weights, effective_workers=effective_workers(weights))
+  return out
+
+
+# The steps every sync is composed of, wherever its rows meet (the lockstep workers'
+# collectives in `make_sync`, a server's or a round's members' rows in `make_server_sync`):
+# the attack, each row's coordinate weights, and the outer rule on the combination.
+
+def _attacked(attack, state: TrainState, deltas, fragment: int):
+  """The rows with the adversaries' replaced (aggregate.make_attack; None: as they are).
+  Every place that runs a sync draws the same attack from the round's key."""
+  return deltas if attack is None else attack(deltas, _attack_key(state, fragment))
+
+
+def _coordinate_weights(part):
+  """`weights(hidden, weight) -> tree`: a worker's weight per coordinate of fragment
+  `part`, its tier mask (its first `hidden` FFN units) times its weight (tokens or 1)."""
+  def coordinate_weights(hidden, weight):
+    return jax.tree.map(lambda m: m * weight, tier_mask(part.abstract, hidden))
+
+  return coordinate_weights
+
+
+def _outer_update(rule, params, rule_state, update, *, losses, round_index, theta,
+                  **extra):
+  """(new θ_p, rule state): the outer rule (`with_extra_args_support`) on `update`, the
+  combined Δ (or the rows a robust rule combines). Every worker's train loss and the
+  whole θ go with it: a robust combination's signals read them (the loss EMA, the probe
+  loss of each proposal); other rules ignore them."""
+  updates, rule_state = rule.update(update, rule_state, params, worker_losses=losses,
+                                    round_index=round_index, theta=theta, **extra)
+  return optax.apply_updates(params, updates), rule_state
 
 
 def make_server_sync(sync, rule: optax.GradientTransformation, *, layout: ParamLayout,
@@ -142,8 +170,7 @@ def make_server_sync(sync, rule: optax.GradientTransformation, *, layout: ParamL
       deltas = jax.vmap(decode)(received, keys) if codec is not None else received
       if not full:  # whatever an absent row decodes to counts for nothing
         deltas = jnp.where(present[:, None], deltas, 0.0)
-      if attack is not None:
-        deltas = attack(deltas, _attack_key(state, fragment))
+      deltas = _attacked(attack, state, deltas, fragment)
       if sync.robust:
         combined = deltas  # the robust rule, inside `rule`, combines the rows
         if not full:
@@ -306,10 +333,11 @@ def peer_reduces(sync) -> bool:
 def _row_weights(sync, part):
   """`weights(signals) -> a[S, N_p]`: each row's weight per coordinate, as the nested mean's
   (tier mask × tokens or 1), zero for absent rows (tokens 0)."""
+  tree_weights = _coordinate_weights(part)
+
   def coordinate_weights(hidden, weight):
-    mask = tier_mask(part.abstract, hidden)
-    return part.ravel(jax.tree.map(lambda m, x: jnp.broadcast_to(m, x.shape) * weight,
-                                   mask, part.abstract))
+    return part.ravel(jax.tree.map(lambda w, x: jnp.broadcast_to(w, x.shape),
+                                   tree_weights(hidden, weight), part.abstract))
 
   def weights(signals: Signals):
     present = signals.tokens > 0
@@ -329,11 +357,9 @@ def _outer_step(sync, rule, *, layout: ParamLayout, fragment: int, count: int, l
 
   def apply(state: TrainState, combined, signals: Signals, total, full: bool, extra: dict):
     params = layout.fragment_slice(state.params, fragment)
-    rule_state = state.outer.per_fragment[fragment]
-    extra = {"worker_losses": signals.loss, "round_index": state.round * count + fragment,
-             "theta": state.params, **extra}
-    updates, rule_state = rule.update(combined, rule_state, params, **extra)
-    new_part = optax.apply_updates(params, updates)
+    new_part, rule_state = _outer_update(
+        rule, params, state.outer.per_fragment[fragment], combined, losses=signals.loss,
+        round_index=state.round * count + fragment, theta=state.params, **extra)
     if not full and not sync.robust:  # units no present worker trained keep their values
       new_part = jnp.where(total > 0, new_part, params)
     new_params = layout.fragment_update(state.params, new_part, fragment)

@@ -127,36 +127,8 @@ def run(driver: Driver, files: RunFiles, *, t_start: float,
   # A restart under a changed config is recorded at the mark it continues from (0: a run
   # that died before its first checkpoint).
   resumes = files.start_metrics(step, start, write_files=driver.writes_files)
-  logger = files.logger
-  # Training speed, from one reading's ready time to the next, less the seconds spent
-  # evaluating and saving in between.
-  clock = {"step": step, "tokens": tokens, "time": time.perf_counter(), "paused": 0.0}
-  first = None  # (mark, time) of the first reading: compilation is behind from there
-
-  def report(mark: Mark, reading: Reading | None, evals: dict | None = None) -> dict:
-    nonlocal first
-    if reading is None:
-      return {}
-    if reading.problem is not None:
-      raise files.diverged(reading.problem, unit=driver.unit)
-    scalars = reading.scalars
-    seconds = max(reading.ready_time - clock["time"] - clock["paused"], 1e-9)
-    scalars["steps_per_second"] = (reading.step - clock["step"]) / seconds
-    tokens_per_second = (scalars["tokens"] - clock["tokens"]) / seconds
-    clock.update(step=reading.step, tokens=scalars["tokens"], time=reading.ready_time,
-                 paused=0.0)
-    first = first or (mark.index, reading.ready_time)
-    eval_loss = evals["eval_loss"] if evals else None
-    scalars.update(evals or {})
-    if mark.due.write:
-      logger.write(reading.step, scalars)
-      left = ((c.rounds - mark.index) * (reading.ready_time - first[1]) / (mark.index - first[0])
-              if mark.index > first[0] else None)
-      logger.progress(mark.index, train_loss=scalars.get("train_loss"), eval_loss=eval_loss,
-                      tokens_per_second=tokens_per_second,
-                      bytes_sent=scalars.get("bytes_sent"), seconds_left=left)
-    return scalars
-
+  reporter = _Reporter(files, driver.unit, step, tokens)
+  report, clock = reporter.report, reporter.clock
   due = lambda mark, **last: due_at(c, mark, **last)
   pending = None  # a mark whose metrics are read one mark late
   scalars, evals, saved = {}, None, 0
@@ -211,3 +183,39 @@ def run(driver: Driver, files: RunFiles, *, t_start: float,
   summary.update(startup_seconds=startup, programs_compiled=compiled,
                  programs_from_cache=loaded, compile_seconds=compiling)
   return files.write_summary(summary, resumes, write_files=driver.writes_files)
+
+
+class _Reporter:
+  """A run's metric rows and progress lines, one per reading, with its training speed:
+  from one reading's ready time to the next, less the seconds spent evaluating and saving
+  in between (`clock["paused"]`, which the loop adds to)."""
+
+  def __init__(self, files: RunFiles, unit: str, step: int, tokens: int):
+    self.files, self.unit, self.rounds = files, unit, files.config.rounds
+    self.clock = {"step": step, "tokens": tokens, "time": time.perf_counter(), "paused": 0.0}
+    self.first = None  # (mark, time) of the first reading: compilation is behind from there
+
+  def report(self, mark: Mark, reading: Reading | None, evals: dict | None = None) -> dict:
+    if reading is None:
+      return {}
+    if reading.problem is not None:
+      raise self.files.diverged(reading.problem, unit=self.unit)
+    clock = self.clock
+    scalars = reading.scalars
+    seconds = max(reading.ready_time - clock["time"] - clock["paused"], 1e-9)
+    scalars["steps_per_second"] = (reading.step - clock["step"]) / seconds
+    tokens_per_second = (scalars["tokens"] - clock["tokens"]) / seconds
+    clock.update(step=reading.step, tokens=scalars["tokens"], time=reading.ready_time,
+                 paused=0.0)
+    first = self.first = self.first or (mark.index, reading.ready_time)
+    eval_loss = evals["eval_loss"] if evals else None
+    scalars.update(evals or {})
+    if mark.due.write:
+      self.files.logger.write(reading.step, scalars)
+      left = ((self.rounds - mark.index) * (reading.ready_time - first[1])
+              / (mark.index - first[0]) if mark.index > first[0] else None)
+      self.files.logger.progress(
+          mark.index, train_loss=scalars.get("train_loss"), eval_loss=eval_loss,
+          tokens_per_second=tokens_per_second, bytes_sent=scalars.get("bytes_sent"),
+          seconds_left=left)
+    return scalars

@@ -107,9 +107,9 @@ def hierarchical_bytes(n: int, groups: list[list[int]], itemsize: int = 4) -> di
 
 
 def mean_rows(*rows: np.ndarray) -> np.ndarray:
-  """The mean of the members' rows, as the server's state average takes it (`average_parts`:
-  the same sum in the same order, so a shard of it is that mean's shard bit for bit)."""
-  return np.mean(np.stack(rows), axis=0).astype(rows[0].dtype)
+  """The mean of the members' rows by the program the server's state average runs
+  (steps.rows_mean: coordinate by coordinate, so a shard of it is that mean's shard)."""
+  return np.asarray(steps.rows_mean(np.stack(rows)))
 
 
 def params_hash(tree) -> str:

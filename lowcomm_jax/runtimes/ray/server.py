@@ -273,6 +273,6 @@ class ServerProcess:
 
 def average_parts(*rows):
   """A state average's mean (Algorithm.state_sync: the workers' optimizer-state parts, each
-  row [1, ...]), as the runner's all-reduce averages them; run as a Ray task."""
-  return jax.tree.map(lambda *xs: np.mean(np.concatenate(xs), axis=0, keepdims=True)
-                      .astype(xs[0].dtype), *rows)
+  row [1, ...]), by the runner's all-reduce program (steps.rows_mean); run as a Ray task."""
+  mean = steps.rows_mean(jax.tree.map(lambda *xs: np.concatenate(xs), *rows))
+  return jax.tree.map(lambda x: np.asarray(x)[None], mean)

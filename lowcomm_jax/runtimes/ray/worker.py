@@ -13,6 +13,7 @@ from lowcomm_jax import aggregate
 from lowcomm_jax.programs import optimizers
 from lowcomm_jax.programs import servers
 from lowcomm_jax.programs import steps
+from lowcomm_jax.programs.epochs import PeerEpoch
 from lowcomm_jax.runtimes.ray import replica as replica_lib
 from lowcomm_jax.runtimes.ray.actors import built, initial_params
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
@@ -88,8 +89,7 @@ class WorkerProcess:
       zeros = np.zeros((1, r.topology.hosts[self.host].batch_size, r.config.data.seq_len + 1),
                        np.int32)
       with jax.set_mesh(self.mesh):
-        jax.block_until_ready(self.accumulate(self.epoch["view"], self.epoch["sums"], zeros,
-                                              self.ids, np.int32(0)))
+        jax.block_until_ready(self.epoch.run(zeros)[0])
       self.epoch = None
 
   def ping(self) -> int:
@@ -397,10 +397,9 @@ class WorkerProcess:
   # --- collaborative epochs (runtimes/ray/epochs.py) ---------------------------------------
 
   def _begin_epoch(self, version: int, params: np.ndarray) -> None:
-    view = self._view(version, params)
     sums = jnp.zeros((1, self.r.model.layout.size), jnp.float32)
-    self.epoch = {"version": version, "view": view, "sums": sums, "micro": 0, "samples": 0,
-                  "loss_sum": 0.0, "seconds": 0.0}
+    self.epoch = PeerEpoch(self.accumulate, self._view(version, params), sums, self.ids,
+                           version)
 
   def micro(self, version: int, params) -> dict:
     """One micro-batch of the epoch at θ of `version` (`params`; in the peer form its own
@@ -410,7 +409,7 @@ class WorkerProcess:
     samples are lost)."""
     start = time.perf_counter()
     with self._lock:  # (a checkpoint reads the stream's position)
-      if self.epoch is None or self.epoch["version"] != version:
+      if self.epoch is None or self.epoch.version != version:
         if self.replica is not None:
           if self.replica.version != version:
             raise RuntimeError(f"peer {self.worker}: a micro-batch at version {version}, but "
@@ -420,18 +419,14 @@ class WorkerProcess:
       epoch = self.epoch
       batch = self.streams.next_round(1)[:, 0]
     with jax.set_mesh(self.mesh):
-      sums, losses = self.accumulate(epoch["view"], epoch["sums"], batch, self.ids,
-                                     np.int32(epoch["micro"]))
-      loss = float(np.asarray(losses)[0])  # waits: the micro-batch counts once it is done
+      sums, losses, _ = epoch.run(batch)
     took = time.perf_counter() - start
     time.sleep(self.step_sleep_s + self.delay_s)
     samples = batch.shape[1]
     with self._lock:
       counted = self.epoch is epoch and self.collected != version
       if counted:
-        epoch.update(sums=sums, micro=epoch["micro"] + 1, samples=epoch["samples"] + samples,
-                     loss_sum=epoch["loss_sum"] + loss * samples,
-                     seconds=epoch["seconds"] + took)
+        epoch.count(sums, losses, samples, took)
     return {"worker": self.worker, "version": int(version), "counted": counted,
             "samples": samples, "compute_seconds": took,
             "job_seconds": time.perf_counter() - start}
@@ -445,14 +440,14 @@ class WorkerProcess:
       epoch, self.epoch = self.epoch, None
     meta = {"worker": self.worker, "version": int(version), "samples": 0, "tokens": 0,
             "steps": 0}
-    if epoch is None or epoch["version"] != version or epoch["samples"] == 0:
+    if epoch is None or epoch.version != version or epoch.samples == 0:
       return meta, None
     with jax.set_mesh(self.mesh):
-      sent = self._to_send(epoch["view"], epoch["sums"] / epoch["samples"], meta)
-    meta.update(samples=epoch["samples"], tokens=epoch["samples"] * self.r.config.data.seq_len,
-                loss=epoch["loss_sum"] / epoch["samples"], micro=epoch["micro"],
+      sent = self._to_send(epoch.view, epoch.mean_gradient(), meta)
+    meta.update(samples=epoch.samples, tokens=epoch.samples * self.r.config.data.seq_len,
+                loss=float(epoch.loss_sums[0]) / epoch.samples, micro=epoch.micro,
                 batch_size=self.r.topology.hosts[self.host].batch_size,
-                compute_seconds=epoch["seconds"], data=self.streams.get_state())
+                compute_seconds=epoch.seconds, data=self.streams.get_state())
     if self.replica is not None:  # kept for the epoch's collective (and a retry of it)
       self.replica.keep(int(version), sent, meta)
       if self.replica.reduces:

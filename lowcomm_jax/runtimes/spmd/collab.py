@@ -53,6 +53,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lowcomm_jax.run import loop
 from lowcomm_jax.programs import steps
+from lowcomm_jax.programs.epochs import PeerEpoch
 from lowcomm_jax.runtimes.spmd.driver import RoundDriver
 from lowcomm_jax.runtimes.spmd.rounds import worker_ids
 from lowcomm_jax.run.metrics import JsonlWriter, announce_compile
@@ -228,11 +229,8 @@ class CollabDriver(RoundDriver):
     self.stretch = ([fastest / (topo.hosts[i].speed or 1.0) for i in topo.local_hosts]
                     if jax.process_count() > 1 else [1.0] * len(topo.local_hosts))
     self.link_s = 0.0  # the emulated link's seconds per epoch (open)
-    per_worker = mesh_lib.per_worker(topo.local_mesh)
     self.ids = [worker_ids(r, i) for i in topo.local_hosts]
     self.batch_sharding = NamedSharding(topo.local_mesh, P("replica", "data"))
-    self.mean = jax.jit(lambda acc, n: acc / jnp.maximum(n, 1.0)[:, None],
-                        out_shardings=per_worker)
     self.live = None
 
   def _zero_sums(self, host: int) -> jax.Array:
@@ -291,38 +289,30 @@ class CollabDriver(RoundDriver):
     start = time.perf_counter()
     view = mesh_lib.local_view(r.local_input(self.state), topo.local_mesh)
     with jax.set_mesh(topo.local_mesh):
-      accs = [self._zero_sums(i) for i in local]
-    loss_sums = [np.zeros(len(topo.hosts[i].worker_ids)) for i in local]
-    seconds = [0.0] * len(local)
-    micro = [0] * len(local)
+      peers = [PeerEpoch(fns.accumulate[k], view, self._zero_sums(i), self.ids[k])
+               for k, i in enumerate(local)]
     last_live = start
     progress.begin(epoch)
     with jax.set_mesh(topo.local_mesh):
       while (k := progress.next_host()) is not None:
         host = topo.hosts[local[k]]
         batch = jax.device_put(r.data.streams[k].next_round(1)[:, 0], self.batch_sharding)
-        t0 = time.perf_counter()
-        accs[k], losses = fns.accumulate[k](view, accs[k], batch, self.ids[k],
-                                            np.int32(micro[k]))
-        losses = np.asarray(losses)  # waits: a micro-batch counts once it is done
-        took = time.perf_counter() - t0
+        sums, losses, took = peers[k].run(batch)
         if self.stretch[k] > 1.0:
           time.sleep(took * (self.stretch[k] - 1.0))
           took *= self.stretch[k]
-        seconds[k] += took
-        micro[k] += 1
-        loss_sums[k] += losses.astype(np.float64) * host.batch_size
+        peers[k].count(sums, losses, host.batch_size, took)
         progress.done(k)
         if self.live is not None and time.perf_counter() - last_live >= LIVE_EVERY_S:
           last_live = time.perf_counter()
           self.live.write({"epoch": epoch, "live": True, "time": time.time(),
                            "samples": progress.live(), "target": self.c.collab.target_batch_size})
-    shares = progress.agree([(float(ls.sum()), s) for ls, s in zip(loss_sums, seconds)])
+    shares = progress.agree([(float(p.loss_sums.sum()), p.seconds) for p in peers])
     if self.link_s:
       time.sleep(self.link_s)  # the sync's transfer over the emulated link
-    return self._step(epoch, mark_due, shares, accs, loss_sums, time.perf_counter() - start)
+    return self._step(epoch, mark_due, shares, peers, time.perf_counter() - start)
 
-  def _step(self, epoch, mark_due, shares: list[HostEpoch], accs, loss_sums, wall):
+  def _step(self, epoch, mark_due, shares: list[HostEpoch], peers: list[PeerEpoch], wall):
     """The epoch's sample-weighted average and its one optimizer step (the sync)."""
     r, topo, c = self.r, self.r.topology, self.c
     local_mesh, per_worker = topo.local_mesh, mesh_lib.per_worker(topo.local_mesh)
@@ -333,9 +323,8 @@ class CollabDriver(RoundDriver):
     with jax.set_mesh(local_mesh):
       for k, i in enumerate(topo.local_hosts):
         ids = np.asarray(topo.hosts[i].worker_ids)
-        n = jax.device_put(worker_samples[ids], per_worker)
-        deltas.append(self.mean(accs[k], n))
-        losses.append(loss_sums[k] / np.maximum(worker_samples[ids], 1.0))
+        deltas.append(peers[k].mean_gradient(jax.device_put(worker_samples[ids], per_worker)))
+        losses.append(peers[k].loss_sums / np.maximum(worker_samples[ids], 1.0))
     with jax.set_mesh(local_mesh):
       deltas_local = jnp.concatenate(deltas)
       losses_local = jax.device_put(np.concatenate(losses).astype(np.float32), per_worker)
