@@ -3,6 +3,7 @@ workers send is replaced before any aggregation sees it."""
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 
@@ -30,3 +31,12 @@ def make_attack(workers, kind: str, scale: float, num_workers: int):
     return jnp.where(jnp.asarray(bad)[:, None], sent, deltas_RxN)
 
   return attack
+
+
+def config_defaults() -> ml_collections.ConfigDict:
+  """The `attack` section: adversarial workers (tests and benchmarks of robust aggregation)."""
+  s = ml_collections.ConfigDict()
+  s.workers = ()  # worker ids that send a manipulated update
+  s.kind = "scale"  # 'scale' (x attack.scale) | 'sign_flip' | 'random' (same norm)
+  s.scale = 100.0  # the factor of 'scale'
+  return s

@@ -101,3 +101,22 @@ __all__ = ["CODECS", "Codec", "CodecSpec", "DCTTopK", "ErrorFeedback", "Fp8", "I
            "dct_matrix",
            "declared", "error_feedback", "make_codec", "names", "problems", "randomk_codec",
            "spec", "topk_codec"]
+
+
+def config_defaults() -> ml_collections.ConfigDict:
+  """The `compress` section: what crosses the network, and how (config/defaults.py puts it in
+  every config). diloco compresses each round's pseudo-gradients; ddp every step's
+  gradients ('demo' there is DisTrO-style training: DeMo momentum + DCT top-k, sign
+  descent)."""
+  s = ml_collections.ConfigDict()
+  s.codec = "none"  # none | int8 | fp8 | int4 | muloco | topk | randomk | sparseloco | demo
+  s.error_feedback = True  # keep what was not sent and re-send it (sparseloco/demo always do)
+  s.beta = -1.0  # error-buffer decay e = beta*e + x; -1: the codec's (1.0; SparseLoCo 0.95; DeMo momentum 0.999)
+  s.quant_block = 0  # int8/fp8/int4/muloco: one scale (muloco: bin table) per row (0) or per this many entries
+  s.stochastic_rounding = False  # int8/int4: round to a random neighbour (unbiased)
+  s.density = 0.01  # topk (chunk=0) / randomk: fraction of each tensor's entries sent
+  s.chunk = 64  # topk/sparseloco/demo: chunk side (chunk x chunk blocks); topk 0 = per tensor
+  s.k = 0  # topk/sparseloco/demo: entries sent per chunk; 0: the codec's (64 of 4096; DeMo 32)
+  s.value_bits = 32  # topk: 32 or 2; demo: 32 or 1 (sign only); sparseloco is always 2
+  s.mean_over_senders = False  # demo: average each coefficient over the workers that sent it
+  return s

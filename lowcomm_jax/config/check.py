@@ -44,33 +44,27 @@ def validate_here(c: ml_collections.ConfigDict) -> None:
   validate(c, num_devices=devices, num_processes=jax.process_count(), local_devices=local)
 
 
+@dataclasses.dataclass(frozen=True)
+class Where:
+  """The processes and devices a config is checked for."""
+  num_devices: int
+  num_processes: int = 1
+  local_devices: int | None = None
+
+
 def validate(c: ml_collections.ConfigDict, *, num_devices: int, num_processes: int = 1,
              local_devices: int | None = None) -> None:
-  """Raises ConfigError listing every bad field of `c` for this run's processes and devices.
-  Each part checks one group of fields, or asks their owner (the algorithm, compress/,
-  sim/, the Ray runtime) for its own."""
+  """Raises ConfigError listing every bad field of `c` for this run's processes and devices:
+  each entry of CHECKS in turn (a fixed order, so the first problem named does not change)."""
   problems = Problems(c)
-  check = problems.check
-  _check_run(c, problems)
-  _check_owners(c, problems, num_processes)
-  _check_mesh(c, problems, num_devices)
-  _check_shapes(c, problems)
-  _check_model(c, problems)
-  check(c.aggregate.weighting in ("uniform", "tokens"), "aggregate.weighting",
-        "use 'uniform' or 'tokens'")
-  _check_robust(c, check)
-  _check_lora(c, check, problems)
-  _check_collab(c, check, problems)
-  _check_adversaries(c, check)
-  check(c.keep_checkpoints >= 2, "keep_checkpoints",
-        "keep at least 2: a crash mid-save must leave an older complete checkpoint")
-  problems.extend(hosts.problems(c, num_devices, num_processes, local_devices))
-  problems.extend(optimizers.problems(c))
+  where = Where(num_devices, num_processes, local_devices)
+  for check_fields in CHECKS:
+    check_fields(c, problems, where)
   if problems:
     raise ConfigError(problems)
 
 
-def _check_run(c: ml_collections.ConfigDict, problems: Problems) -> None:
+def _check_run(c: ml_collections.ConfigDict, problems: Problems, where: Where) -> None:
   """The run's own fields, and the fields of algorithms other than the chosen one."""
   check = problems.check
   check(c.algorithm in ALGORITHMS, "algorithm", f"use one of {ALGORITHMS}")
@@ -101,9 +95,8 @@ def _check_run(c: ml_collections.ConfigDict, problems: Problems) -> None:
   problems.extend(distributed.problems(c))
 
 
-def _check_owners(c: ml_collections.ConfigDict, problems: Problems, num_processes: int) -> None:
-  """What each owner checks of its own fields: codecs, and the chosen runtime."""
-  problems.extend(compress.problems(c))
+def _check_runtime(c: ml_collections.ConfigDict, problems: Problems, where: Where) -> None:
+  """The chosen runtime's own check (runtimes.RUNTIMES), and the sections only others read."""
   if "enabled" in c.sim:  # the field that picked the simulator before `runtime` did
     problems.append("sim.enabled: gone; the runtime field picks the simulator: set "
                     "--config.runtime=simulator (and drop sim.enabled)")
@@ -112,7 +105,7 @@ def _check_owners(c: ml_collections.ConfigDict, problems: Problems, num_processe
     problems.append(f"runtime={c.runtime!r}: use one of {list(runtimes.NAMES)}")
     return
   algorithm = algorithms.get(c.algorithm) if c.algorithm in ALGORITHMS else None
-  problems.extend(runtime.problems(c, num_processes, algorithm))
+  problems.extend(runtime.problems(c, where.num_processes, algorithm))
   _check_ignored(c, problems, runtime)
 
 
@@ -138,7 +131,7 @@ def _check_ignored(c: ml_collections.ConfigDict, problems: Problems, runtime) ->
                     "leave them at their defaults")
 
 
-def _check_mesh(c: ml_collections.ConfigDict, problems: Problems, num_devices: int) -> None:
+def _check_mesh(c: ml_collections.ConfigDict, problems: Problems, where: Where) -> None:
   """Workers spread evenly over replica devices, within the devices present."""
   check = problems.check
   m = c.mesh
@@ -150,13 +143,14 @@ def _check_mesh(c: ml_collections.ConfigDict, problems: Problems, num_devices: i
           "change num_workers or set --config.mesh.replica=-1")
   tp = c.model.tp.size
   needed = max(m.replica, 1) * max(m.data, 1) * max(tp, 1)
-  if needed > num_devices:
+  if needed > where.num_devices:
     problems.append(
-        f"mesh.replica*mesh.data*model.tp.size={needed}: only {num_devices} devices are visible; "
+        f"mesh.replica*mesh.data*model.tp.size={needed}: only {where.num_devices} devices "
+        "are visible; "
         "shrink the mesh (mesh.replica=-1 picks what fits)")
 
 
-def _check_shapes(c: ml_collections.ConfigDict, problems: Problems) -> None:
+def _check_shapes(c: ml_collections.ConfigDict, problems: Problems, where: Where) -> None:
   """The model's and the data's own fields."""
   check = problems.check
   m = c.mesh
@@ -186,7 +180,7 @@ def _check_shapes(c: ml_collections.ConfigDict, problems: Problems) -> None:
   check(0.0 < c.data.val_fraction < 1.0, "data.val_fraction", "must be in (0, 1)")
 
 
-def _check_model(c: ml_collections.ConfigDict, problems: Problems) -> None:
+def _check_model(c: ml_collections.ConfigDict, problems: Problems, where: Where) -> None:
   """The model against the mesh, the tokenizer and the widths asked for: a preset's, or a
   pretrained checkpoint's architecture."""
   check = problems.check
@@ -232,8 +226,9 @@ def _check_model(c: ml_collections.ConfigDict, problems: Problems) -> None:
                       f"{tok_vocab} tokens; set --config.model.vocab_size=0 or larger")
 
 
-def _check_adversaries(c: ml_collections.ConfigDict, check) -> None:
+def _check_adversaries(c: ml_collections.ConfigDict, problems: Problems, where: Where) -> None:
   """data.corrupt_workers / data.corruption* and attack.* (tests and benchmarks)."""
+  check = problems.check
   from lowcomm_jax.data.pipeline import CORRUPTIONS
   ids = range(c.num_workers)
   check(c.data.partition in ("none", "contiguous"), "data.partition",
@@ -263,7 +258,8 @@ def _check_adversaries(c: ml_collections.ConfigDict, check) -> None:
           f"{_names_with(lambda a: a.synchronous)}")
 
 
-def _check_lora(c, check, problems: list) -> None:
+def _check_lora(c: ml_collections.ConfigDict, problems: Problems, where: Where) -> None:
+  check = problems.check
   lo = c.lora
   check(lo.rank >= 0, "lora.rank", "must be >= 0 (0: no LoRA)")
   if lo.rank == 0:
@@ -283,8 +279,10 @@ def _check_lora(c, check, problems: list) -> None:
                       f"set --config.lora.rank=0 or change {field}")
 
 
-def _check_collab(c, check, problems: list) -> None:
-  """collab.* (lowcomm_jax/runtimes/spmd/collab.py): a target batch reached together by unequal peers."""
+def _check_collab(c: ml_collections.ConfigDict, problems: Problems, where: Where) -> None:
+  """collab.* (lowcomm_jax/runtimes/spmd/collab.py): a target batch reached together by
+  unequal peers."""
+  check = problems.check
   co = c.collab
   check(co.target_batch_size >= 0, "collab.target_batch_size",
         "must be >= 0 (0: no collaborative epochs)")
@@ -306,10 +304,12 @@ def _check_collab(c, check, problems: list) -> None:
         "aggregate.signal='none' and aggregate.bucket=0" + off)
 
 
-def _check_robust(c: ml_collections.ConfigDict, check) -> None:
-  """aggregate.rule / aggregate.signal and their fields (aggregate/robust.py, signal.py)."""
+def _check_robust(c: ml_collections.ConfigDict, problems: Problems, where: Where) -> None:
+  """aggregate.* (aggregate/robust.py, signal.py): the weighting, the rule, the signal."""
   from lowcomm_jax.aggregate import RULES, SIGNALS
+  check = problems.check
   a = c.aggregate
+  check(a.weighting in ("uniform", "tokens"), "aggregate.weighting", "use 'uniform' or 'tokens'")
   check(a.rule in RULES, "aggregate.rule", f"use one of {list(RULES)}")
   check(a.signal in SIGNALS, "aggregate.signal", f"use one of {list(SIGNALS)}")
   check(a.clip_iters >= 1, "aggregate.clip_iters", "must be >= 1")
@@ -341,6 +341,34 @@ def _check_robust(c: ml_collections.ConfigDict, check) -> None:
     check(algorithms.get(c.algorithm).robust_aggregation, "aggregate.rule",
           f"{c.algorithm} combines contributions its own way; use one of "
           f"{_names_with(lambda a: a.robust_aggregation)}")
+
+
+def _check_codecs(c: ml_collections.ConfigDict, problems: Problems, where: Where) -> None:
+  problems.extend(compress.problems(c))
+
+
+def _check_checkpoints(c: ml_collections.ConfigDict, problems: Problems, where: Where) -> None:
+  problems.check(c.keep_checkpoints >= 2, "keep_checkpoints",
+                 "keep at least 2: a crash mid-save must leave an older complete checkpoint")
+
+
+def _check_hosts(c: ml_collections.ConfigDict, problems: Problems, where: Where) -> None:
+  problems.extend(hosts.problems(c, where.num_devices, where.num_processes, where.local_devices))
+
+
+def _check_optimizer(c: ml_collections.ConfigDict, problems: Problems, where: Where) -> None:
+  problems.extend(optimizers.problems(c))
+
+
+# Every group of fields, in the order `validate` asks: the run's own (and the chosen
+# algorithm's `problems`, parallel/distributed.py's), the codecs (compress/), the chosen
+# runtime's, the devices, the model and data, aggregation, LoRA, collaborative epochs, the
+# adversaries, checkpoints, the host table (assemble/hosts.py), the inner optimizer
+# (programs/optimizers.py). Each is `check(c, problems, where)`; an owner of new fields adds
+# its own here.
+CHECKS = (_check_run, _check_codecs, _check_runtime, _check_mesh, _check_shapes, _check_model,
+          _check_robust, _check_lora, _check_collab, _check_adversaries, _check_checkpoints,
+          _check_hosts, _check_optimizer)
 
 
 @functools.lru_cache(maxsize=1)

@@ -2,7 +2,7 @@
 
 It ships with the package, so a non-editable install keeps every check that compares a
 config with the defaults and every field's meaning in `--print_config` (config/doc.py reads
-the comments here, and an algorithm's own section from its `config_defaults`). configs/base.py hands it to config files; they start from
+the comments here, and a section declared beside its owner from its `config_defaults`). configs/base.py hands it to config files; they start from
 `get_config()` and change a few fields. Any field can be overridden on the command line:
 `--config.outer.lr=0.5 --config.data.batch_mode=same`. Values are checked once at start-up
 (lowcomm_jax/config/check.py) before any compute.
@@ -15,11 +15,10 @@ import ml_collections
 
 
 def get_config() -> ml_collections.ConfigDict:
-  """Every field at its default: the package's own sections, then each algorithm's
-  (declared in its module: `Algorithm.config_defaults`)."""
+  """Every field at its default: the run's own sections here, then those declared beside
+  their owners (`declared_sections`: codecs, aggregation, the runtimes', each algorithm's)."""
   c = ml_collections.ConfigDict()
-  for section in (_run, _devices, _outer, _aggregation, _ray, _simulator, _optimizer, _model,
-                  _data):
+  for section in (_run, _devices, _outer, _runtime, _optimizer, _model, _data):
     section(c)
   for dotted, declare in declared_sections():
     *parents, name = dotted.split(".")
@@ -31,11 +30,20 @@ def get_config() -> ml_collections.ConfigDict:
 
 
 def declared_sections() -> list[tuple[str, Callable[[], ml_collections.ConfigDict]]]:
-  """(dotted section, the function that declares its fields) of every algorithm with a
-  section of its own (config/doc.py reads their comments from the same functions)."""
-  from lowcomm_jax import algorithms
-  return [(a.config_section, a.config_defaults) for a in algorithms.REGISTRY.values()
-          if a.config_section]
+  """(dotted section, the function that declares its fields) of each section declared
+  beside its owner, in the order --print_config lists them: how contributions combine
+  (aggregate/), the attacks, the codecs (compress/), the Ray runtime's and the simulator's
+  own (their checks' modules), then every algorithm with a section of its own. config/doc.py
+  reads their comments from the same functions."""
+  from lowcomm_jax import aggregate, algorithms, compress
+  from lowcomm_jax.aggregate import attack
+  from lowcomm_jax.runtimes.ray import checks as ray_checks
+  from lowcomm_jax.sim import checks as sim_checks
+  owners = [("aggregate", aggregate.config_defaults), ("attack", attack.config_defaults),
+            ("compress", compress.config_defaults), ("ray", ray_checks.config_defaults),
+            ("sim", sim_checks.config_defaults)]
+  return owners + [(a.config_section, a.config_defaults) for a in algorithms.REGISTRY.values()
+                   if a.config_section]
 
 
 def _run(c: ml_collections.ConfigDict) -> None:
@@ -108,125 +116,13 @@ def _outer(c: ml_collections.ConfigDict) -> None:
   c.outer.dn_c = 0.0  # Delayed Nesterov's momentum activation c in [0, 1/N] between refreshes
 
 
-def _aggregation(c: ml_collections.ConfigDict) -> None:
-  """How the workers' contributions are combined, attacked (tests) and compressed."""
-  # --- aggregation of pseudo-gradients --------------------------------------------------
-  c.aggregate = ml_collections.ConfigDict()
-  c.aggregate.weighting = "uniform"  # 'uniform' | 'tokens' (weight workers by tokens processed)
-  c.aggregate.rule = "mean"  # 'mean' | 'median' | 'trimmed_mean' | 'centered_clip' (robust)
-  c.aggregate.signal = "none"  # per-worker weights from: 'none' | 'loss_ema'
-  # | 'grad_norm_stability' | 'cosine' | 'probe_loss' (lowcomm_jax/aggregate/signal.py)
-  c.aggregate.trim = 1  # trimmed_mean: values dropped per side per coordinate (workers)
-  c.aggregate.clip_iters = 1  # centered_clip: clipping iterations from the previous aggregate
-  c.aggregate.clip_tau = 0.0  # centered_clip: clipping radius; 0: the median distance
-  c.aggregate.bucket = 0  # > 1: average shuffled buckets of this many workers before the rule
-  c.aggregate.temperature = 1.0  # softmax temperature over the standardized signal
-  c.aggregate.noise_sigmas = 3.0  # a difference must exceed this many noise std to count; 0: plain z-score
-  c.aggregate.floor = 0.2  # no worker's weight below floor / num_workers
-  c.aggregate.weight_ema = 0.5  # smoothing of the weights from round to round
-  c.aggregate.warmup_rounds = 2  # uniform weights while the signals accumulate
-  c.aggregate.signal_ema = 0.9  # EMA decay of each worker's signals
-  c.aggregate.probe_batch_size = 16  # probe_loss: windows in the shared probe batch (train split)
-  c.aggregate.probe_step = 0.0  # probe_loss: proposal θ − step·Δ_w; 0: 1 (local steps), optimizer.lr (ddp)
-
-  # --- adversarial workers (tests and benchmarks of robust aggregation) ---------------
-  c.attack = ml_collections.ConfigDict()
-  c.attack.workers = ()  # worker ids that send a manipulated update
-  c.attack.kind = "scale"  # 'scale' (x attack.scale) | 'sign_flip' | 'random' (same norm)
-  c.attack.scale = 100.0  # the factor of 'scale'
-
-  # --- compression of what crosses the network (lowcomm_jax/compress/) ------------------
-  # diloco: compresses each round's pseudo-gradients; ddp: every step's gradients ('demo'
-  # there is DisTrO-style training: DeMo momentum + DCT top-k, sign descent).
-  c.compress = ml_collections.ConfigDict()
-  c.compress.codec = "none"  # none | int8 | fp8 | int4 | muloco | topk | randomk | sparseloco | demo
-  c.compress.error_feedback = True  # keep what was not sent and re-send it (sparseloco/demo always do)
-  c.compress.beta = -1.0  # error-buffer decay e = beta*e + x; -1: the codec's (1.0; SparseLoCo 0.95; DeMo momentum 0.999)
-  c.compress.quant_block = 0  # int8/fp8/int4/muloco: one scale (muloco: bin table) per row (0) or per this many entries
-  c.compress.stochastic_rounding = False  # int8/int4: round to a random neighbour (unbiased)
-  c.compress.density = 0.01  # topk (chunk=0) / randomk: fraction of each tensor's entries sent
-  c.compress.chunk = 64  # topk/sparseloco/demo: chunk side (chunk x chunk blocks); topk 0 = per tensor
-  c.compress.k = 0  # topk/sparseloco/demo: entries sent per chunk; 0: the codec's (64 of 4096; DeMo 32)
-  c.compress.value_bits = 32  # topk: 32 or 2; demo: 32 or 1 (sign only); sparseloco is always 2
-  c.compress.mean_over_senders = False  # demo: average each coefficient over the workers that sent it
-
-
-def _ray(c: ml_collections.ConfigDict) -> None:
-  """The runtime, and the Ray runtime's own fields."""
+def _runtime(c: ml_collections.ConfigDict) -> None:
+  """Which runtime runs the run (runtimes.RUNTIMES; each declares its own section beside
+  its checks)."""
   # --- runtime (lowcomm_jax/runtimes/: the table RUNTIMES) -------------------------------
   c.runtime = "spmd"  # 'spmd': jax.distributed, lockstep processes | 'simulator': virtual
   # | workers on a virtual clock, one process (sim.*) | 'ray': a JAX process per worker and
   # | server; asynchronous algorithms; workers join, leave or crash (ray.*)
-  c.ray = ml_collections.ConfigDict()
-  c.ray.address = ""  # '' : start a Ray inside this process; 'auto' or 'host:port': join one
-  c.ray.num_cpus = 0  # a Ray started here: CPUs it may schedule (0: every core)
-  c.ray.bind_address = ""  # a Ray started here: the address its services listen on
-  # | ('' : Ray's default; '127.0.0.1' keeps every port on this machine)
-  c.ray.gpus_per_worker = 0.0  # GPUs each worker actor holds (0.5: two workers share one)
-  c.ray.worker_nodes = ()  # per worker: a custom resource its actor needs, which pins it to
-  # | the node started with it (`ray start --resources='{"node2": 1}'`); () : anywhere,
-  # | an entry '': that worker anywhere
-  c.ray.server_node = ""  # the same for every server process ('': anywhere)
-  c.ray.apply_order = "arrival"  # 'arrival': pushes applied as they come | 'dispatch': in
-  # | the order their jobs started (reproducible runs: tests, comparison with the simulator)
-  c.ray.step_sleep_s = ()  # per worker: seconds slept per inner step (imposed slowness)
-  c.ray.batch_sizes = ()  # collaborative epochs: per worker, its micro-batch in samples (a
-  # | bigger GPU, a bigger batch); () or a worker that joins later: data.batch_size
-  # Quorum rounds (synchronous algorithms): a round closes once min_quorum workers have
-  # contributed from its θ and grace_s seconds have passed since, or when every live worker
-  # has; later contributions fold into the next round (weighted by tokens, staleness kept).
-  c.ray.min_quorum = 0  # workers a round needs (0: every live worker)
-  c.ray.grace_s = 0.0  # seconds a reached quorum waits for the others
-  c.ray.recover_timeout_s = 120.0  # a restarted server or worker must answer within this
-  c.ray.collective_timeout_s = 600.0  # the peer form (sim.network.collective): a round's
-  # | collective gives up on members that have not finished within this, and is tried
-  # | again among the others (>= 5 s: round 1 compiles its programs)
-  c.ray.standby_server = False  # keep a server process built and idle: a dead server's
-  # | successor skips the process start (one more process and θ's memory on its node)
-  c.ray.chaos = ()  # failures on cue (tests, benchmarks), each 'what@N' (N pushes applied):
-  # | 'kill_worker=K@N', 'add_worker@N' (the next free id joins), 'rejoin_worker=K@N' (a
-  # | killed worker back where its data stream was), 'kill_server@N' (once: it restarts from
-  # | the last checkpoint, the pushes since replayed), 'delay_worker=K:S@N' (S s per push),
-  # | 'crash_in_sync=K@N' (the peer form: K dies in the middle of the next collective)
-
-
-def _simulator(c: ml_collections.ConfigDict) -> None:
-  """The simulator's fields, and the network both it and the Ray runtime read."""
-  # --- simulator (runtime='simulator'; lowcomm_jax/sim/, runtimes/simulator/) -------------
-  c.sim = ml_collections.ConfigDict()
-  c.sim.heterogeneity = "none"  # worker speeds: none | slight | moderate | very (sim/speeds.py)
-  c.sim.speeds = ()  # explicit relative speeds, one per worker (overrides heterogeneity)
-  c.sim.step_seconds = 0.1  # virtual seconds per inner step of the fastest worker
-  c.sim.jitter = 0.0  # per-step duration noise: x (1 + jitter * N(0, 1))
-  c.sim.straggler_prob = 0.0  # chance a job runs straggler_slowdown times slower
-  c.sim.straggler_slowdown = 3.0  # how much slower a straggling job runs
-  c.sim.jobs_per_call = 0  # synchronous jobs run in one vmapped call (their activations are
-  # | held at once); 0: every worker if they fit in memory, else the widest power of two
-  # The network: the simulator's links; under runtime='ray', the links its nodes sit on
-  # (bench/real_links.py builds them; config.json keeps them for the simulator's replay).
-  c.sim.network = ml_collections.ConfigDict()
-  c.sim.network.regions = 1  # workers fill regions in contiguous blocks
-  c.sim.network.worker_regions = ()  # or: the region of each worker
-  c.sim.network.server_region = -1  # where the global parameter server sits: -1: a region
-  # | of its own (linked to every region at inter_gbps, inter_latency_s); r: in region r,
-  # | with its workers (the summary records which)
-  c.sim.network.region_gbps = 0.0  # each region's uplink and downlink, shared by all its
-  # | inter-region transfers (sim/flows.py: max-min fair); 0: its fastest link's bandwidth
-  c.sim.network.collective = "auto"  # synchronous rounds: ring | hierarchical (inside each
-  # | region, then across regions) | auto (the faster; sim/collectives.py) | direct (every
-  # | pair at once: the Ray runtime's flat exchange) | server (a parameter server's rounds:
-  # | pulls, then contributions). On Ray: 'server' runs quorum rounds through the server
-  # | actor; the others (where the algorithm has the form: runtimes/ray/checks.round_form)
-  # | among the round's workers, each holding θ: 'ring' and 'direct' in one direct
-  # | exchange, 'hierarchical' by region, 'auto' by region where the simulator picks it
-  c.sim.network.intra_gbps = 100.0  # bandwidth inside a region: each node's NIC
-  c.sim.network.intra_latency_s = 1e-4  # seconds, inside a region
-  c.sim.network.inter_gbps = 1.0  # bandwidth between any two regions
-  c.sim.network.inter_latency_s = 0.05  # seconds, between any two regions
-  c.sim.network.inter_gbps_matrix = ()  # or per pair: regions x regions rows (diagonal unused)
-  c.sim.network.inter_latency_matrix = ()  # or per pair, like inter_gbps_matrix
-  c.sim.network.bytes_scale = 1.0  # payloads take this many times their real bytes' time
-  # | (a small CPU model standing in for a large one; bytes_sent stays real)
 
 
 def _optimizer(c: ml_collections.ConfigDict) -> None:

@@ -96,3 +96,43 @@ def _check_unwired(c, out: Problems) -> None:
     out.append(f"collab.target_batch_size={c.collab.target_batch_size}: the simulator keeps "
                "its own clock; set --config.runtime=spmd (or ray), or "
                "--config.collab.target_batch_size=0")
+
+
+def config_defaults() -> ml_collections.ConfigDict:
+  """The `sim` section: the simulator's fields (`runtime='simulator'`), and the network both
+  it and the Ray runtime read (config/defaults.py puts it in every config)."""
+  s = ml_collections.ConfigDict()
+  s.heterogeneity = "none"  # worker speeds: none | slight | moderate | very (sim/speeds.py)
+  s.speeds = ()  # explicit relative speeds, one per worker (overrides heterogeneity)
+  s.step_seconds = 0.1  # virtual seconds per inner step of the fastest worker
+  s.jitter = 0.0  # per-step duration noise: x (1 + jitter * N(0, 1))
+  s.straggler_prob = 0.0  # chance a job runs straggler_slowdown times slower
+  s.straggler_slowdown = 3.0  # how much slower a straggling job runs
+  s.jobs_per_call = 0  # synchronous jobs run in one vmapped call (their activations are
+  # | held at once); 0: every worker if they fit in memory, else the widest power of two
+  # The network: the simulator's links; under runtime='ray', the links its nodes sit on
+  # (bench/real_links.py builds them; config.json keeps them for the simulator's replay).
+  s.network = ml_collections.ConfigDict()
+  s.network.regions = 1  # workers fill regions in contiguous blocks
+  s.network.worker_regions = ()  # or: the region of each worker
+  s.network.server_region = -1  # where the global parameter server sits: -1: a region
+  # | of its own (linked to every region at inter_gbps, inter_latency_s); r: in region r,
+  # | with its workers (the summary records which)
+  s.network.region_gbps = 0.0  # each region's uplink and downlink, shared by all its
+  # | inter-region transfers (sim/flows.py: max-min fair); 0: its fastest link's bandwidth
+  s.network.collective = "auto"  # synchronous rounds: ring | hierarchical (inside each
+  # | region, then across regions) | auto (the faster; sim/collectives.py) | direct (every
+  # | pair at once: the Ray runtime's flat exchange) | server (a parameter server's rounds:
+  # | pulls, then contributions). On Ray: 'server' runs quorum rounds through the server
+  # | actor; the others (where the algorithm has the form: runtimes/ray/checks.round_form)
+  # | among the round's workers, each holding θ: 'ring' and 'direct' in one direct
+  # | exchange, 'hierarchical' by region, 'auto' by region where the simulator picks it
+  s.network.intra_gbps = 100.0  # bandwidth inside a region: each node's NIC
+  s.network.intra_latency_s = 1e-4  # seconds, inside a region
+  s.network.inter_gbps = 1.0  # bandwidth between any two regions
+  s.network.inter_latency_s = 0.05  # seconds, between any two regions
+  s.network.inter_gbps_matrix = ()  # or per pair: regions x regions rows (diagonal unused)
+  s.network.inter_latency_matrix = ()  # or per pair, like inter_gbps_matrix
+  s.network.bytes_scale = 1.0  # payloads take this many times their real bytes' time
+  # | (a small CPU model standing in for a large one; bytes_sent stays real)
+  return s

@@ -173,3 +173,40 @@ def _check_chaos(c, out: Problems, algorithm) -> None:
           f"{c.algorithm}'s workers keep their own row of the sync's state, and a row for a "
           "worker that joins mid-run would start from θ₀: use kill_worker/rejoin_worker "
           "(a rejoining worker keeps its row)")
+
+
+def config_defaults() -> ml_collections.ConfigDict:
+  """The `ray` section: the Ray runtime's own fields (`runtime='ray'`; config/defaults.py
+  puts it in every config)."""
+  s = ml_collections.ConfigDict()
+  s.address = ""  # '' : start a Ray inside this process; 'auto' or 'host:port': join one
+  s.num_cpus = 0  # a Ray started here: CPUs it may schedule (0: every core)
+  s.bind_address = ""  # a Ray started here: the address its services listen on
+  # | ('' : Ray's default; '127.0.0.1' keeps every port on this machine)
+  s.gpus_per_worker = 0.0  # GPUs each worker actor holds (0.5: two workers share one)
+  s.worker_nodes = ()  # per worker: a custom resource its actor needs, which pins it to
+  # | the node started with it (`ray start --resources='{"node2": 1}'`); () : anywhere,
+  # | an entry '': that worker anywhere
+  s.server_node = ""  # the same for every server process ('': anywhere)
+  s.apply_order = "arrival"  # 'arrival': pushes applied as they come | 'dispatch': in
+  # | the order their jobs started (reproducible runs: tests, comparison with the simulator)
+  s.step_sleep_s = ()  # per worker: seconds slept per inner step (imposed slowness)
+  s.batch_sizes = ()  # collaborative epochs: per worker, its micro-batch in samples (a
+  # | bigger GPU, a bigger batch); () or a worker that joins later: data.batch_size
+  # Quorum rounds (synchronous algorithms): a round closes once min_quorum workers have
+  # contributed from its θ and grace_s seconds have passed since, or when every live worker
+  # has; later contributions fold into the next round (weighted by tokens, staleness kept).
+  s.min_quorum = 0  # workers a round needs (0: every live worker)
+  s.grace_s = 0.0  # seconds a reached quorum waits for the others
+  s.recover_timeout_s = 120.0  # a restarted server or worker must answer within this
+  s.collective_timeout_s = 600.0  # the peer form (sim.network.collective): a round's
+  # | collective gives up on members that have not finished within this, and is tried
+  # | again among the others (>= 5 s: round 1 compiles its programs)
+  s.standby_server = False  # keep a server process built and idle: a dead server's
+  # | successor skips the process start (one more process and θ's memory on its node)
+  s.chaos = ()  # failures on cue (tests, benchmarks), each 'what@N' (N pushes applied):
+  # | 'kill_worker=K@N', 'add_worker@N' (the next free id joins), 'rejoin_worker=K@N' (a
+  # | killed worker back where its data stream was), 'kill_server@N' (once: it restarts from
+  # | the last checkpoint, the pushes since replayed), 'delay_worker=K:S@N' (S s per push),
+  # | 'crash_in_sync=K@N' (the peer form: K dies in the middle of the next collective)
+  return s
