@@ -28,8 +28,9 @@ class Runtime:
   Unavailable when the runtime cannot start here. `problems(c, num_processes, algorithm)`
   is its config check (plain Python, seconds; `algorithm` None for an unknown name).
   `sections`: the config sections it reads that not every runtime does (changed under a
-  runtime that reads none of them: named as ignored). `one_device`: it builds each run on one device, a row per worker
-  (plan.one_device), so the mesh's replica axis is not checked against the devices.
+  runtime that reads none of them: named as ignored). `one_device`: it builds each run on
+  one device, a row per worker (plan.one_device), so the mesh's replica axis is not checked
+  against the devices.
   `own_devices`: each worker's devices are its own process's (mesh.data × model.tp.size).
   `finished()`: a module with `run_of(config)` (the run as the one that saved it) and
   `global_params(ckpt, r, round)` (θ, flat); None where its runs keep no checkpoint of θ,
