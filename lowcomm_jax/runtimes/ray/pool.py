@@ -212,12 +212,15 @@ class Pool:
     if order is None:
       order, self.counts.next_order = self.counts.next_order, self.counts.next_order + 1
     server = self.server_of(worker)
+    # Stamped before the calls: the worker may start the job before `.remote()` returns
+    # here, and a job's start must not precede its dispatch (accounts.Timeline).
+    dispatched_at = time.time()
     pulled_version, params, outer = self.servers[server].pull.options(num_returns=3).remote(
         version, worker)
     meta, sent = self.actors[worker].job.options(num_returns=2).remote(
         pulled_version, params, outer, lr_step, steps, order)
     self.jobs[worker] = Job(worker, order, lr_step, steps, pulled_version, meta, sent,
-                            server=server, dispatched_at=time.time())
+                            server=server, dispatched_at=dispatched_at)
 
   def dispatch_own(self, worker: int, version, lr_step: int, steps: int,
                    order: int | None = None) -> None:
