@@ -2,8 +2,9 @@
 
   outer.lr = 0.7  # DiLoCo's outer learning rate
 
-Comments come from where each field is declared: config/defaults.py for the package's own
-sections, an algorithm's `config_defaults` for its section (both inside the package). A field's
+Comments come from where each field is declared: config/defaults.py for the run's own
+sections, the owner's `config_defaults` for a section declared beside it (codecs,
+aggregation, the runtimes', each algorithm's; all inside the package). A field's
 comment is the trailing comment on the line that assigns it (`c.<field> = ...`, or `s.<field> =
 ...` in a section's declaration), plus comment-only lines right below it that start with `# |`
 (the continuation convention there). Fields a specific config adds print without a comment.
@@ -24,8 +25,8 @@ COMMENT_COLUMN = 44  # comments line up here unless the assignment is longer
 
 def field_docs(path: pathlib.Path = BASE) -> tuple[dict[str, str], dict[str, float]]:
   """({dotted field: comment}, {dotted field or group: order in --print_config}) of the
-  defaults in `path` and of every algorithm's own section (after them, in the registry's
-  order); a source that cannot be read gives none."""
+  defaults in `path` and of every section declared beside its owner (after them, in
+  `defaults.declared_sections`' order); a source that cannot be read gives none."""
   try:
     docs, order = _docs_in(pathlib.Path(path).read_text())
   except OSError:
