@@ -18,7 +18,7 @@ def get_config() -> ml_collections.ConfigDict:
   """Every field at its default: the run's own sections here, then those declared beside
   their owners (`declared_sections`: codecs, aggregation, the runtimes', each algorithm's)."""
   c = ml_collections.ConfigDict()
-  for section in (_run, _devices, _outer, _runtime, _optimizer, _model, _data):
+  for section in (_run, _devices, _outer, _runtime, _model, _data):
     section(c)
   for dotted, declare in declared_sections():
     *parents, name = dotted.split(".")
@@ -31,15 +31,21 @@ def get_config() -> ml_collections.ConfigDict:
 
 def declared_sections() -> list[tuple[str, Callable[[], ml_collections.ConfigDict]]]:
   """(dotted section, the function that declares its fields) of each section declared
-  beside its owner, in the order --print_config lists them: how contributions combine
-  (aggregate/), the attacks, the codecs (compress/), the Ray runtime's and the simulator's
-  own (their checks' modules), then every algorithm with a section of its own. config/doc.py
+  beside its owner, in the order --print_config lists them: the processes' join
+  (parallel/distributed.py), the inner optimizer (programs/optimizers.py), how
+  contributions combine (aggregate/), the attacks, the codecs (compress/), the Ray
+  runtime's and the simulator's own (their checks' modules), then every algorithm with a
+  section of its own. config/doc.py
   reads their comments from the same functions."""
   from lowcomm_jax import aggregate, algorithms, compress
   from lowcomm_jax.aggregate import attack
+  from lowcomm_jax.parallel import distributed
+  from lowcomm_jax.programs import optimizers
   from lowcomm_jax.runtimes.ray import checks as ray_checks
   from lowcomm_jax.sim import checks as sim_checks
-  owners = [("aggregate", aggregate.config_defaults), ("attack", attack.config_defaults),
+  owners = [("distributed", distributed.config_defaults),
+            ("optimizer", optimizers.config_defaults),
+            ("aggregate", aggregate.config_defaults), ("attack", attack.config_defaults),
             ("compress", compress.config_defaults), ("ray", ray_checks.config_defaults),
             ("sim", sim_checks.config_defaults)]
   return owners + [(a.config_section, a.config_defaults) for a in algorithms.REGISTRY.values()
@@ -85,18 +91,7 @@ def _run(c: ml_collections.ConfigDict) -> None:
 
 
 def _devices(c: ml_collections.ConfigDict) -> None:
-  """The processes (jax.distributed) and each worker's devices."""
-  # --- processes (jax.distributed); unset fields fall back to JAX's/SLURM's env variables
-  c.distributed = ml_collections.ConfigDict()
-  c.distributed.coordinator_address = ""  # 'host:port' of process 0 ('' = env / single)
-  c.distributed.num_processes = 0  # 0: from the environment, else 1
-  c.distributed.process_id = -1  # -1: from the environment
-  c.distributed.heartbeat_timeout_s = 60  # a silent process is declared dead after this
-  c.distributed.join_timeout_s = 300  # wait this long for all processes, then name the missing
-  # Where process 0's coordinator listens. '' = the coordinator_address host only (its port);
-  # '0.0.0.0:PORT' listens on every interface. Unauthenticated: keep it on a private network.
-  c.distributed.coordinator_bind_address = ""  # 'host:port' ('' = coordinator_address's host)
-
+  """Each worker's devices (the processes' join is parallel/distributed.py's section)."""
   # --- devices: mesh ('replica', 'data', 'model') ---------------------------------------
   c.mesh = ml_collections.ConfigDict()
   c.mesh.replica = -1  # devices along the replica axis; -1: as many as divide num_workers
@@ -123,26 +118,6 @@ def _runtime(c: ml_collections.ConfigDict) -> None:
   c.runtime = "spmd"  # 'spmd': jax.distributed, lockstep processes | 'simulator': virtual
   # | workers on a virtual clock, one process (sim.*) | 'ray': a JAX process per worker and
   # | server; asynchronous algorithms; workers join, leave or crash (ray.*)
-
-
-def _optimizer(c: ml_collections.ConfigDict) -> None:
-  """Each worker's inner optimizer."""
-  # --- inner optimizer (each worker; for ddp the per-step optimizer) ----------------------
-  c.optimizer = ml_collections.ConfigDict()
-  # Inner optimizers (lowcomm_jax/programs/optimizers.py): adamw | sgd | lamb | lars | adafactor | lion |
-  # muon (Newton-Schulz-orthogonalized momentum on hidden matrices, AdamW on embeddings,
-  # the LM head, norms and biases).
-  c.optimizer.name = "adamw"  # inner optimizer (above)
-  c.optimizer.lr = 3e-3  # peak learning rate
-  c.optimizer.warmup_steps = 50  # linear warmup (inner steps)
-  c.optimizer.decay_steps = 0  # cosine decay length in inner steps; 0: rounds * inner_steps
-  c.optimizer.min_lr_ratio = 0.1  # final lr = lr * min_lr_ratio
-  c.optimizer.b1 = 0.9  # first-moment decay (AdamW, LAMB, Lion, Muon's AdamW part)
-  c.optimizer.b2 = 0.95  # second-moment decay (the same; Lion's paper uses 0.99)
-  c.optimizer.momentum = 0.95  # momentum of lars and muon (sgd is plain SGD)
-  c.optimizer.adam_lr = 0.0  # muon: peak lr of its AdamW part; 0: optimizer.lr
-  c.optimizer.weight_decay = 0.1  # decoupled, on matrices only (not biases/LayerNorm)
-  c.optimizer.grad_clip = 1.0  # global-norm clipping; 0 disables it
 
 
 def _model(c: ml_collections.ConfigDict) -> None:

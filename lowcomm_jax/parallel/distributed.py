@@ -142,3 +142,19 @@ def initialize(config: ml_collections.ConfigDict) -> None:
   # Asking for the backend first would start it, which initialize() must precede.
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(**args)
+
+
+def config_defaults() -> ml_collections.ConfigDict:
+  """The `distributed` section: how the processes join (jax.distributed); unset fields
+  fall back to JAX's and SLURM's environment variables (config/defaults.py puts it in every
+  config)."""
+  s = ml_collections.ConfigDict()
+  s.coordinator_address = ""  # 'host:port' of process 0 ('' = env / single)
+  s.num_processes = 0  # 0: from the environment, else 1
+  s.process_id = -1  # -1: from the environment
+  s.heartbeat_timeout_s = 60  # a silent process is declared dead after this
+  s.join_timeout_s = 300  # wait this long for all processes, then name the missing
+  # Where process 0's coordinator listens. '' = the coordinator_address host only (its port);
+  # '0.0.0.0:PORT' listens on every interface. Unauthenticated: keep it on a private network.
+  s.coordinator_bind_address = ""  # 'host:port' ('' = coordinator_address's host)
+  return s

@@ -122,3 +122,24 @@ def problems(c: ml_collections.ConfigDict) -> list[str]:
   check(c.outer.dn_buffer >= 0, "outer.dn_buffer", "must be >= 0 (0: the server's workers)")
   check(c.outer.dn_c >= 0, "outer.dn_c", "Delayed Nesterov's c must be >= 0")
   return list(out)
+
+
+def config_defaults() -> ml_collections.ConfigDict:
+  """The `optimizer` section: each worker's inner optimizer (for ddp the per-step one;
+  config/defaults.py puts it in every config)."""
+  s = ml_collections.ConfigDict()
+  # Inner optimizers (this module): adamw | sgd | lamb | lars | adafactor | lion | muon
+  # (Newton-Schulz-orthogonalized momentum on hidden matrices, AdamW on embeddings, the LM
+  # head, norms and biases).
+  s.name = "adamw"  # inner optimizer (above)
+  s.lr = 3e-3  # peak learning rate
+  s.warmup_steps = 50  # linear warmup (inner steps)
+  s.decay_steps = 0  # cosine decay length in inner steps; 0: rounds * inner_steps
+  s.min_lr_ratio = 0.1  # final lr = lr * min_lr_ratio
+  s.b1 = 0.9  # first-moment decay (AdamW, LAMB, Lion, Muon's AdamW part)
+  s.b2 = 0.95  # second-moment decay (the same; Lion's paper uses 0.99)
+  s.momentum = 0.95  # momentum of lars and muon (sgd is plain SGD)
+  s.adam_lr = 0.0  # muon: peak lr of its AdamW part; 0: optimizer.lr
+  s.weight_decay = 0.1  # decoupled, on matrices only (not biases/LayerNorm)
+  s.grad_clip = 1.0  # global-norm clipping; 0 disables it
+  return s
