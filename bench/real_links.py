@@ -195,7 +195,7 @@ class Links:
       where = ([f"--head", f"--port={port}", "--include-dashboard=false",
                 f"--temp-dir={self.ray_dir}"] if i == 0 else [f"--address={head}"])
       done = subprocess.run(
-          ["ip", "netns", "exec", self.namespace(i), "ray", "start", *where,
+          ["ip", "netns", "exec", self.namespace(i), ray_command(), "start", *where,
            f"--node-ip-address={self.address(i)}", "--num-cpus=1",
            f"--resources={{\"node{i}\": 1}}", "--disable-usage-stats"],
           capture_output=True, text=True, env=ray_env())
@@ -267,6 +267,13 @@ class Links:
       self.down()
     finally:
       signal.signal(signal.SIGTERM, self._old_term)
+
+
+def ray_command() -> str:
+  """The `ray` of the Python running this (beside `sys.executable`: a venv's python called
+  without activating the venv has no `ray` on PATH), else PATH's."""
+  beside = pathlib.Path(sys.executable).with_name("ray")
+  return str(beside) if beside.exists() else "ray"
 
 
 def ray_env() -> dict:

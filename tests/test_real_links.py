@@ -49,6 +49,28 @@ def test_an_error_inside_takes_the_links_and_their_processes_down():
 
 
 @needs_links
+def test_a_failure_partway_through_up_leaves_nothing_behind(monkeypatch):
+  """The machine refuses a command in the middle of `up` (the second node's veth), after
+  the bridge, the first node and its links exist: entering the links fails, and what was
+  made is gone (down() knows a partial `up`)."""
+  real_run, calls = real_links._run, []
+
+  def refuses_the_second_veth(*args):
+    calls.append(args)
+    if args[:3] == ("ip", "link", "add") and args[3].endswith("v1"):
+      raise RuntimeError(f"`{' '.join(args)}` failed: refused by the test")
+    real_run(*args)
+
+  monkeypatch.setattr(real_links, "_run", refuses_the_second_veth)
+  links = real_links.Links(2, 50)
+  with pytest.raises(RuntimeError, match="refused by the test"):
+    with links:
+      pass
+  assert any(args[:3] == ("ip", "netns", "add") for args in calls)  # partway, not at once
+  assert links.leftovers() == []
+
+
+@needs_links
 def test_sigterm_tears_the_links_down(tmp_path):
   # The command runs once every link is up: the file says so. (Counting the links while
   # they were being made once caught a veth's peer before it moved into its namespace.)
