@@ -111,6 +111,8 @@ def test_the_memory_check_counts_one_call_of_jobs_and_names_the_width(monkeypatc
                  for (w, width), r in runs.items()}
   assert temporaries[(16, 4)] == 4 * temporaries[(16, 1)]  # one call's jobs
   assert temporaries[(64, 4)] == temporaries[(16, 4)]  # not every worker's
+  # more lanes per call than a device has workers: only its workers run at once
+  assert memory.estimate(runs[(16, 4)], 64)["round_temporaries"] == 16 * temporaries[(16, 1)]
   states = memory.estimate(runs[(64, 4)], 4)["inner_optimizer"]
   assert states == 4 * memory.estimate(runs[(16, 4)], 4)["inner_optimizer"]  # states do grow
   # Room for everything: every worker in one call; less room: the widest power of two.
