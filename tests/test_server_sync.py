@@ -190,3 +190,25 @@ def test_noloco_on_a_server_a_worker_whose_peer_missed_keeps_its_own_model():
                                rtol=0, atol=1e-6)
   # θ: the consensus of the workers that came (worker 3's stale row would hold it back)
   np.testing.assert_allclose(server.arrays["params"], after.phi[:3].mean(0), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("rule", ["median", "trimmed_mean"])
+def test_a_partial_server_round_combines_only_the_rows_that_came(rule):
+  """Ray's server closes a quorum round that worker 3 missed (`close_round`): the robust
+  rule combines the three rows that arrived, as NumPy computes it from those rows alone
+  (the absent worker's zero row, counted in, would move both rules), and the outer rule
+  (SGD at lr 1) steps by the result."""
+  from lowcomm_jax.runtimes.ray.server import ServerProcess
+  c = load_config("smoke", algorithm="diloco", num_workers=4, inner_steps=2, runtime="ray",
+                  **{"mesh.replica": 1, "aggregate.rule": rule, "aggregate.trim": 1,
+                     "outer.lr": 1.0, "outer.momentum": 0.0, "outer.nesterov": False,
+                     "sim.network.collective": "server"})
+  server = ServerProcess(c)
+  theta = np.asarray(server.arrays["params"])
+  rows = (np.random.default_rng(5).normal(0, 1e-2, (3, theta.size)) + 0.05).astype(np.float32)
+  for w in range(3):
+    server.contribute({"worker": w, "version": 0, "tokens": 8, "loss": 2.0}, rows[w])
+  server.close_round()
+  combined = np.median(rows, 0) if rule == "median" else np.sort(rows, 0)[1:-1].mean(0)
+  np.testing.assert_allclose(np.asarray(server.arrays["params"]), theta - combined,
+                             rtol=0, atol=1e-6)
