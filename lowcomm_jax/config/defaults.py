@@ -2,8 +2,9 @@
 
 It ships with the package, so a non-editable install keeps every check that compares a
 config with the defaults and every field's meaning in `--print_config` (config/doc.py reads
-the comments here, and a section declared beside its owner from its `config_defaults`). configs/base.py hands it to config files; they start from
-`get_config()` and change a few fields. Any field can be overridden on the command line:
+the comments here, and a section declared beside its owner from its `config_defaults`).
+configs/base.py hands it to config files; they start from `get_config()` and change a few
+fields. Any field can be overridden on the command line:
 `--config.outer.lr=0.5 --config.data.batch_mode=same`. Values are checked once at start-up
 (lowcomm_jax/config/check.py) before any compute.
 """
@@ -35,8 +36,7 @@ def declared_sections() -> list[tuple[str, Callable[[], ml_collections.ConfigDic
   (parallel/distributed.py), the inner optimizer (programs/optimizers.py), how
   contributions combine (aggregate/), the attacks, the codecs (compress/), the Ray
   runtime's and the simulator's own (their checks' modules), then every algorithm with a
-  section of its own. config/doc.py
-  reads their comments from the same functions."""
+  section of its own. config/doc.py reads their comments from the same functions."""
   from lowcomm_jax import aggregate, algorithms, compress
   from lowcomm_jax.aggregate import attack
   from lowcomm_jax.parallel import distributed
