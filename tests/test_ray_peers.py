@@ -15,10 +15,12 @@ from conftest import load_config
 from lowcomm_jax.assemble.build import build
 from lowcomm_jax.assemble.hosts import host
 from lowcomm_jax.assemble.plan import one_device
+from lowcomm_jax.compress import CODECS
 from lowcomm_jax.config import check
 from lowcomm_jax.programs import steps, sync_program
 from lowcomm_jax.runtimes.ray import replica as replica_lib
 from lowcomm_jax.runtimes.ray.actors import initial_params, round_inputs
+from lowcomm_jax.runtimes.ray.sender import Sender
 
 
 def _run(**overrides):
@@ -480,3 +482,96 @@ def test_a_state_average_is_the_runners_program_on_every_runtime():
     mine = jax.tree.map(lambda x: np.asarray(x)[w][None], sync.take(runner, parts))
     for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(server)):
       np.testing.assert_array_equal(a, b)
+
+
+# --- a round's whole path on Ray, held against the lockstep sync -----------------------
+
+_TIERS = [host(1.0), host(0.5), host(0.5)]
+
+
+def _ray_round(r, senders, replicas, version, deltas, tokens, losses):
+  """Round `version` as the Ray runtime's peer form runs it, from each worker's Δ: what
+  the worker sends (sender.py: its codec's payload, key and error buffer), kept on its
+  replica, then the collective replicas.py picks for the run (a dense mean reduced shard
+  by shard, a robust rule shard by shard, or the rows all-gathered into the round's own
+  program: round_inputs, decode, attack, rule), committed on every member."""
+  members = sorted(replicas)
+  rows = {}
+  for w in members:
+    meta = {"tokens": tokens[w], "loss": losses[w], "version": version}
+    view = steps.TrainState(jnp.asarray(version, jnp.int32), replicas[w]._rng,
+                            jnp.asarray(replicas[w].params), ())
+    sent = senders[w].send(view, jnp.asarray(deltas[w])[None], meta)
+    replicas[w].keep(version, sent, meta)
+    rows[w] = (sent, meta)
+  if sync_program.peer_reduces(r.sync):
+    shards = {w: replicas[w].shards(version, len(members)) for w in members}
+    reduced = [replicas[w].reduce_shard(version, j, members, tokens, [shards[i][j] for i in members])
+               for j, w in enumerate(members)]
+    hashes = {replicas[w].apply_reduced(version, members, tokens, losses, reduced)
+              for w in members}
+  elif sync_program.robust_shards(r.sync):
+    hashes = set(_robust_peer_round(r, replicas, version, rows).values())
+  else:  # (what replicas.py sends each member: the rows and their small metas)
+    small = {w: (rows[w][0], {k: rows[w][1][k] for k in ("tokens", "loss", "codec_key")
+                              if k in rows[w][1]}) for w in members}
+    hashes = {replicas[w].apply_gathered(version, small) for w in members}
+  assert len(hashes) == 1  # every member staged the same θ
+  for w in members:
+    assert replicas[w].commit(version) == version + 1
+
+
+@pytest.mark.parametrize("overrides", [
+    *({"compress.codec": codec} for codec in CODECS if codec != "none"),
+    {"aggregate.rule": "trimmed_mean", "aggregate.trim": 1},
+    {"aggregate.rule": "centered_clip", "aggregate.clip_iters": 2},
+    {"aggregate.signal": "loss_ema", "aggregate.warmup_rounds": 1},
+    {"aggregate.weighting": "tokens"},
+    {"attack.workers": (1,), "attack.kind": "sign_flip"},  # under the plain mean
+    {"attack.workers": (1,), "attack.kind": "random"},
+    {"attack.workers": (2,), "attack.kind": "scale", "aggregate.rule": "median"},
+    {"hosts": _TIERS, "compress.codec": "int4"},
+    {"hosts": _TIERS, "aggregate.rule": "median", "aggregate.signal": "loss_ema",
+     "aggregate.warmup_rounds": 1},
+], ids=lambda o: ",".join(f"{k.split('.')[-1]}={v if k != 'hosts' else 'tiers'}"
+                          for k, v in o.items()))
+def test_a_rays_round_path_is_the_lockstep_sync(overrides):
+  """Three rounds of three workers' Δ (distinct, one loud every other round) through the
+  Ray runtime's own path (each worker's sender, its replica, the members' collective) and
+  through the lockstep runner's sync of the same config: the same θ (within 1e-5) and
+  outer state. An attacked run's θ differs from the clean run's: the attack was applied."""
+  from lowcomm_jax.assemble.jitted import jitted_steps
+  r = _run(**overrides)
+  slots = r.config.num_workers
+  senders = {w: Sender(r, jnp.asarray([w], jnp.int32)) for w in range(slots)}
+  replicas = {w: replica_lib.Replica(r, initial_params(r), w) for w in range(slots)}
+  lockstep = jitted_steps(r, donate=False).syncs[0]
+  with jax.set_mesh(r.topology.mesh):
+    theirs = jax.jit(r.state_spec.init)(r.state_spec.initial_params())
+  clean = None
+  if r.config.attack.workers:
+    plain = _run(**{k: v for k, v in overrides.items() if not k.startswith("attack.")})
+    clean_sync = jitted_steps(plain, donate=False).syncs[0]
+    clean = theirs
+  tokens = [5.0, 10.0, 15.0]  # unequal: 'tokens' weighting must weigh them
+  rng = np.random.default_rng(0)
+  for version in range(3):
+    deltas = rng.normal(0, 1e-3, (slots, r.model.layout.size)).astype(np.float32)
+    deltas[2] *= 1 + 10 * (version % 2)
+    losses = [2.0, 2.1, 2.5 + version]
+    _ray_round(r, senders, replicas, version, deltas, tokens, losses)
+    signals = steps.Signals(jnp.asarray(r.topology.hidden_per_worker),
+                            jnp.asarray(tokens, jnp.float32), jnp.asarray(losses, jnp.float32))
+    with jax.set_mesh(r.topology.mesh):
+      theirs, _ = lockstep(theirs, jnp.asarray(deltas), signals, metrics=False)
+      if clean is not None:
+        clean, _ = clean_sync(clean, jnp.asarray(deltas), signals, metrics=False)
+  for ours in replicas.values():
+    assert ours.version == 3
+    diff = np.abs(np.asarray(ours.params) - np.asarray(theirs.params)).max()
+    assert diff <= 1e-5, diff
+    for a, b in zip(jax.tree.leaves(ours.opt_state), jax.tree.leaves(theirs.outer.per_fragment)):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  assert np.abs(np.asarray(theirs.params) - initial_params(r)).max() > 1e-5  # θ moved
+  if clean is not None:
+    assert np.abs(np.asarray(theirs.params) - np.asarray(clean.params)).max() > 1e-4

@@ -36,7 +36,7 @@ def hierarchical_flat(c: ml_collections.ConfigDict, algorithm) -> str:
 def round_form(c: ml_collections.ConfigDict, algorithm) -> str:
   """How a Ray run's rounds move their bytes: 'peers' (the quorum's workers reduce among
   themselves, each holding θ: replica.py) where the algorithm has that form and
-  `sim.network.collective` is 'auto' or 'ring'; else 'server' (the server actor)."""
+  `sim.network.collective` is anything but 'server'; else 'server' (the server actor)."""
   if c.sim.network.collective == "server" or peer_capable(c, algorithm):
     return "server"
   return "peers"

@@ -9,15 +9,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from lowcomm_jax import aggregate
 from lowcomm_jax.programs import optimizers
-from lowcomm_jax.programs import servers
 from lowcomm_jax.programs import steps
 from lowcomm_jax.programs.epochs import PeerEpoch
 from lowcomm_jax.runtimes.ray import replica as replica_lib
 from lowcomm_jax.runtimes.ray.actors import built, initial_params
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.runtimes.ray.checks import round_form
+from lowcomm_jax.runtimes.ray.sender import Sender
 
 
 class WorkerProcess:
@@ -65,15 +64,7 @@ class WorkerProcess:
     self.streams = r.data.streams[self.host].of_workers([worker])
     if "data" in restored:
       self.streams.set_state(restored["data"])
-    # Per fragment, as the runner's aggregators: an encoder and an error buffer each (one
-    # fragment for most algorithms; a push or an epoch's gradient is fragment 0, the model).
-    codec, layout = r.sync.codec, r.model.layout
-    fragments = [layout.fragment(p) for p in range(layout.num_fragments)]
-    self.encoders = ([jax.jit(jax.vmap(servers.make_encode(codec, part))) for part in fragments]
-                     if codec else None)
-    self.codec_state = (jax.tree.map(jnp.asarray, restored["codec"]) if "codec" in restored
-                        else tuple(jax.tree.map(lambda x: x[None], codec.init(part.abstract))
-                                   for part in fragments) if codec else ())
+    self.sender = Sender(r, self.ids, restored.get("codec"))  # its codec's error buffer
     # The job running (or last run) and what the worker held before it: a checkpoint taken
     # while that job is unpushed keeps these, and the resumed run runs the job again. The
     # lock: a checkpoint (the actor's second thread) reads them while a job runs.
@@ -106,32 +97,6 @@ class WorkerProcess:
              else ())
     return self.r.local_input(steps.TrainState(
         jnp.asarray(round_, jnp.int32), self.rng, jnp.asarray(params), outer))
-
-  def _to_send(self, view, update, meta: dict, segment: int = 0):
-    """What goes to the server for `update` [1, N] (a job's Δ, an epoch's mean gradient):
-    itself, or the codec's payload (error buffer kept here; its key in `meta`, for the
-    server's decode)."""
-    if self.encoders is None:
-      sent = np.asarray(update[0])
-    else:
-      keys = self._codec_keys(view, segment)
-      fragment = self.segments[segment].sync
-      payload, state = self.encoders[fragment](update, self.codec_state[fragment], keys)
-      self.codec_state = (self.codec_state[:fragment] + (state,)
-                          + self.codec_state[fragment + 1:])
-      meta["codec_key"] = np.asarray(jax.random.key_data(keys[0]))
-      sent = jax.device_get(jax.tree.map(lambda x: x[0], payload))
-    meta["bytes"] = sum(np.asarray(x).nbytes for x in jax.tree.leaves(sent))
-    return sent
-
-  def _codec_keys(self, view, segment: int) -> jax.Array:
-    """This worker's codec key for what it sends from `view` in `segment`: in a synchronous
-    run the compressed mean's key of that sync (round · segments + its fragment, as the
-    lockstep runner's workers draw), else its push's own."""
-    if not self.r.algorithm.synchronous:
-      return servers.codec_keys(view, self.ids)
-    sync_index = view.round * len(self.segments) + self.segments[segment].sync
-    return aggregate.sender_keys(self.r.config.seed, sync_index, self.ids)
 
   # --- a state average (Algorithm.state_sync: DES-LOC's moments), between rounds ---------
 
@@ -179,7 +144,8 @@ class WorkerProcess:
       if unpushed_job is not None and self.running == unpushed_job:
         state, codec_state, data = self.before
       else:  # no job of it started: it is as it was before
-        state, codec_state, data = self.state, self.codec_state, self.streams.get_state()
+        state, codec_state, data = (self.state, self.sender.codec_state,
+                                    self.streams.get_state())
     return {"state": jax.device_get(state), "codec": jax.device_get(codec_state), "data": data}
 
   def job(self, version: int, params: np.ndarray, outer, lr_step: int, steps_: int,
@@ -188,7 +154,7 @@ class WorkerProcess:
     version // segments), its lr schedule at `lr_step`: (meta, what it sends)."""
     start, started_at = time.perf_counter(), time.time()  # (θ is here: Ray fetched it)
     with self._lock:
-      self.before = (self.state, self.codec_state, self.streams.get_state())
+      self.before = (self.state, self.sender.codec_state, self.streams.get_state())
       self.running = order
     round_, segment = divmod(version, len(self.segments))
     halves = None
@@ -222,7 +188,7 @@ class WorkerProcess:
         view = self._view(round_, self.replica.params, self.replica.view_outer())
         deltas, self.state, rest = tail(view, workers, batches, self.ids)
         losses = jnp.concatenate([first, rest], axis=1)
-      sent = self._to_send(view, deltas, meta, segment)
+      sent = self.sender.send(view, deltas, meta, segment)
     # Its own seconds, not the collective's it waited for (a segment in two parts): the
     # step times a replay is held against, and what DyLU's speeds are made of
     waited = meta.get("waited_s", 0.0)
@@ -443,7 +409,7 @@ class WorkerProcess:
     if epoch is None or epoch.version != version or epoch.samples == 0:
       return meta, None
     with jax.set_mesh(self.mesh):
-      sent = self._to_send(epoch.view, epoch.mean_gradient(), meta)
+      sent = self.sender.send(epoch.view, epoch.mean_gradient(), meta)
     meta.update(samples=epoch.samples, tokens=epoch.samples * self.r.config.data.seq_len,
                 loss=float(epoch.loss_sums[0]) / epoch.samples, micro=epoch.micro,
                 batch_size=self.r.topology.hosts[self.host].batch_size,
