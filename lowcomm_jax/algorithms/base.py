@@ -83,7 +83,7 @@ class ExchangeRule:
 class Algorithm:
   """Base: synchronous, one fragment, local steps from θ_w reset to θ every round."""
   name = ""
-  summary = ""  # one line: what it does (config/defaults.py, --help texts, errors)
+  summary = ""  # one line: what it does (its description; the registry lists the names)
   # not on the lockstep runtime (asynchronous servers: the simulator and Ray run them)
   simulated_only = False
   # Rounds end in a sync every worker joins (attacks and robust rules act there); False:

@@ -116,7 +116,7 @@ class Run:
   # Enter around compiling and running the run's programs (model/tp.py: GSPMD under TP).
   partitioner: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
   # Weights every program reads and none trains (a LoRA run's base, replicated on the mesh);
-  # passed as an argument (rounds.Bound binds it), never compiled in as a constant.
+  # passed as an argument (assemble/jitted.Bound binds it), never compiled in as a constant.
   frozen: Any = ()
   _placed: dict = dataclasses.field(default_factory=dict)
   _state_bytes: dict = dataclasses.field(default_factory=dict)  # parts -> CommBytes

@@ -1,5 +1,5 @@
-"""The one run loop, for the runner (runtimes/spmd/train.py) and the simulator
-(runtimes/simulator/simulate.py).
+"""The one run loop, for the runner (runtimes/spmd/train.py), the simulator
+(runtimes/simulator/simulate.py) and the Ray driver (runtimes/ray/driver.py).
 
 A driver makes progress and reports each *mark* it reaches: a round of the runner, a
 round-equivalent of the simulator (W·H inner steps applied, or a synchronous round). This

@@ -199,7 +199,7 @@ class ReadyClock:
 def announce_compile(jitted, what: str) -> None:
   """Logs "compiling <what>…" before a jitted function's first call: compiling a real model
   takes minutes, which would otherwise pass in silence."""
-  jitted = getattr(jitted, "func", jitted)  # through rounds.Bound (a bound frozen argument)
+  jitted = getattr(jitted, "func", jitted)  # through jitted.Bound (a bound frozen argument)
   cache_size = getattr(jitted, "_cache_size", None)  # jax's jit objects; not a public API
   if cache_size is None or cache_size() == 0:
     logging.info("compiling %s…", what)
