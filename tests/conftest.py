@@ -283,3 +283,13 @@ def all_gathered_bytes(hlo: str) -> int:
       for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
         total += _DTYPE_BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
   return total
+
+
+def pytest_collection_modifyitems(config, items):
+  """The `slow` marker on every test over slow_marker.SLOW_OVER_S seconds in the clean CI
+  run recorded in tests/durations.txt (a measured rule, not a judgement per test)."""
+  import slow_marker
+  slow = slow_marker.slow(slow_marker.read())
+  for item in items:
+    if item.nodeid in slow:
+      item.add_marker(pytest.mark.slow)

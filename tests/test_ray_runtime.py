@@ -366,7 +366,6 @@ def test_the_ray_server_applies_pushes_as_the_simulator_does(cluster, tmp_path):
   ray.kill(server)
 
 
-@pytest.mark.ray_slow
 @pytest.mark.parametrize("overrides", [
     {},
     # Issue 51: on Ray the attack was skipped (the same loss to the last digit) and median
@@ -453,7 +452,6 @@ def test_a_quorum_round_does_not_wait_for_a_slow_or_dead_worker(cluster, tmp_pat
   assert [e["worker"] for e in events if e["event"] == "worker_lost"] == [0]
 
 
-@pytest.mark.ray_slow
 @pytest.mark.parametrize("algorithm,rule", [("diloco", "mean"), ("one_step_delay", "mean"),
                                             ("diloco", "trimmed_mean"), ("streaming", "mean")])
 def test_a_worker_dying_mid_collective_is_retried_among_the_survivors(cluster, tmp_path,
@@ -490,7 +488,6 @@ def test_a_worker_dying_mid_collective_is_retried_among_the_survivors(cluster, t
   assert summary["eval_loss"] == replay["eval_loss"]
 
 
-@pytest.mark.ray_slow
 @pytest.mark.parametrize("overrides", [{"algorithm": "diloco"},
                                        {"algorithm": "noloco", "num_workers": 4}],
                          ids=lambda o: o["algorithm"])
@@ -511,7 +508,6 @@ def test_a_driver_restarted_from_its_checkpoint_ends_where_the_uninterrupted_run
   assert resumed["eval_loss"] == plain["eval_loss"]
 
 
-@pytest.mark.ray_slow
 def test_a_hierarchical_round_reduces_by_region_and_ends_where_the_flat_one_does(
     cluster, tmp_path):
   """Three workers in two regions (0, 0 | 1), DiLoCo with token weights: every round's mean
@@ -552,7 +548,6 @@ def test_a_joining_worker_takes_theta_from_a_peer(cluster, tmp_path):
   assert [e["event"] for e in events][:1] == ["worker_joined"]
 
 
-@pytest.mark.ray_slow
 def test_a_robust_quorum_survives_a_join_and_its_server_restarting(cluster, tmp_path):
   """DiLoCo with the median on Ray: a worker joins mid-run (the server keeps a row for its
   id), and the server dies and is restored from a checkpoint whose robust state has a row
@@ -569,7 +564,6 @@ def test_a_robust_quorum_survives_a_join_and_its_server_restarting(cluster, tmp_
   assert "worker_joined" in {e["event"] for e in events}
 
 
-@pytest.mark.ray_slow
 @pytest.mark.parametrize("overrides", [
     {"algorithm": "one_step_delay"},
     {"algorithm": "eager"},  # its worker rule reads the outer state the pull brings
@@ -621,7 +615,6 @@ def test_every_synchronous_algorithm_on_ray_is_the_runners(cluster, tmp_path, ov
                for v in range(syncs - 1)), (dispatched, committed)
 
 
-@pytest.mark.ray_slow
 @pytest.mark.parametrize("devices", [{"mesh.data": 2}, {"model.tp.size": 2}],
                          ids=["data2", "tp2"])
 def test_workers_of_several_devices_train_as_the_runner(cluster, tmp_path, devices):
@@ -644,7 +637,6 @@ def test_workers_of_several_devices_train_as_the_runner(cluster, tmp_path, devic
   _assert_same_theta(config, tmp_path / "ray", runner_config, tmp_path / "runner")
 
 
-@pytest.mark.ray_slow
 def test_a_host_table_on_ray_trains_and_exports_as_the_runner(cluster, tmp_path):
   """Two tiers of unequal batch and H, full quorums: each worker actor runs its row's tier,
   batch and H; the server's round is the nested mean. Every width's eval and the exported
@@ -705,7 +697,6 @@ def test_a_lost_workers_tier_is_counted_and_untrained_units_are_said(caplog):
   assert pool.rows.host_of[3].tier == 1.0 and pool.rows.configured_inner_steps(3) == config.inner_steps
 
 
-@pytest.mark.ray_slow
 def test_the_main_job_on_ray_survives_tiered_failures_and_ends_where_its_replay_does(
     cluster, tmp_path):
   """configs/diloco_hetero.py (a full-width host and three 25% hosts), shortened, on Ray in

@@ -184,7 +184,6 @@ def test_a_jobs_phases_are_its_pull_compute_and_intake_after_each_workers_first(
 
 
 @needs_links
-@pytest.mark.ray_slow
 def test_a_peer_round_moves_its_bytes_between_workers_not_through_the_drivers_node(tmp_path):
   """Issue 61, read back from the kernel's own counters (each node's tbf): DiLoCo on Ray,
   2 workers of `small` (a 3.4 MB payload: shards in Ray's object stores) on nodes 1 and 2,

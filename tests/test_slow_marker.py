@@ -1,0 +1,58 @@
+"""The slow marker's measured rule (tests/slow_marker.py): the recorded durations name tests
+that exist, and the tests over the threshold are the ones marked."""
+
+import ast
+import pathlib
+
+import conftest
+import slow_marker
+
+TESTS = pathlib.Path(__file__).parent
+
+
+def test_the_recorded_durations_name_tests_that_exist():
+  """A renamed or removed test would silently leave the quick set's rule: each recorded
+  node id is a test function (or method) defined in its file."""
+  functions: dict[str, set[str]] = {}
+  missing = []
+  for node in slow_marker.read():
+    path, _, name = node.partition("::")
+    name = name.split("[")[0].split("::")[-1]
+    if path not in functions:
+      file = TESTS.parent / path
+      tree = ast.parse(file.read_text()) if file.exists() else ast.Module(body=[])
+      functions[path] = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
+    if name not in functions[path]:
+      missing.append(node)
+  assert not missing, f"tests/durations.txt names tests that are gone: {missing[:5]}"
+
+
+def test_tests_over_the_threshold_are_marked_slow():
+  durations = slow_marker.read()
+  over = max(durations, key=durations.get)
+  under = min(durations, key=durations.get)
+  assert durations[over] > slow_marker.SLOW_OVER_S >= durations[under]
+
+  class Item:
+    def __init__(self, nodeid):
+      self.nodeid, self.markers = nodeid, []
+
+    def add_marker(self, marker):
+      self.markers.append(marker.name)
+
+  items = [Item(over), Item(under), Item("tests/test_new.py::test_not_measured_yet")]
+  conftest.pytest_collection_modifyitems(None, items)
+  assert [i.markers for i in items] == [["slow"], [], []]
+
+
+def test_a_ci_log_gives_each_tests_phases_added(tmp_path):
+  log = ("============ slowest durations ============\n"
+         "12.50s call     tests/test_a.py::test_x[p-1]\n"
+         "1.25s setup    tests/test_a.py::test_x[p-1]\n"
+         "0.75s call     tests/test_b.py::test_y\n"
+         "(3 durations < 0.5s hidden.)\n")
+  measured = slow_marker.from_log(log)
+  assert measured == {"tests/test_a.py::test_x[p-1]": 13.75, "tests/test_b.py::test_y": 0.75}
+  slow_marker.write(measured, "abc1234", tmp_path / "d.txt")
+  assert slow_marker.read(tmp_path / "d.txt") == measured
+  assert slow_marker.slow(measured) == {"tests/test_a.py::test_x[p-1]"}
