@@ -44,21 +44,29 @@ def _peer_round(r, rows):
   """Round 0 among `rows`' workers, as peer_rounds.py drives it: shards, their means, the
   outer step on every member; (each member's committed replica, the hashes)."""
   members = sorted(rows)
-  m = len(members)
   replicas = {w: replica_lib.Replica(r, initial_params(r), w) for w in members}
   for w, (delta, meta) in rows.items():
     replicas[w].keep(0, delta, meta)
-  shards = {w: replicas[w].shards(0, m) for w in members}
-  tokens = [rows[w][1]["tokens"] for w in members]
-  losses = [rows[w][1]["loss"] for w in members]
-  reduced = [replicas[w].reduce_shard(0, j, members, tokens, [shards[i][j] for i in members])
-             for j, w in enumerate(members)]
-  hashes = {w: replicas[w].apply_reduced(0, members, tokens, losses, reduced)
-            for w in members}
+  hashes = _reduced_round(replicas, 0, rows)
   for w in members:
     assert replicas[w].commit(0) == 1
     assert replicas[w].commit(0) == 1  # a second commit of the round applies nothing
   return replicas, hashes
+
+
+def _reduced_round(replicas, version, rows):
+  """Round `version`'s dense mean among `rows`' workers (their contributions kept on their
+  replicas), as replicas.py drives it: each member's shards, their means, the outer step on
+  every member; each member's staged hash."""
+  members = sorted(rows)
+  shards = {w: replicas[w].shards(version, len(members)) for w in members}
+  tokens = [rows[w][1]["tokens"] for w in members]
+  losses = [rows[w][1]["loss"] for w in members]
+  reduced = [replicas[w].reduce_shard(version, j, members, tokens,
+                                      [shards[i][j] for i in members])
+             for j, w in enumerate(members)]
+  return {w: replicas[w].apply_reduced(version, members, tokens, losses, reduced)
+          for w in members}
 
 
 def _server(r):
@@ -505,11 +513,7 @@ def _ray_round(r, senders, replicas, version, deltas, tokens, losses):
     replicas[w].keep(version, sent, meta)
     rows[w] = (sent, meta)
   if sync_program.peer_reduces(r.sync):
-    shards = {w: replicas[w].shards(version, len(members)) for w in members}
-    reduced = [replicas[w].reduce_shard(version, j, members, tokens, [shards[i][j] for i in members])
-               for j, w in enumerate(members)]
-    hashes = {replicas[w].apply_reduced(version, members, tokens, losses, reduced)
-              for w in members}
+    hashes = set(_reduced_round(replicas, version, rows).values())
   elif sync_program.robust_shards(r.sync):
     hashes = set(_robust_peer_round(r, replicas, version, rows).values())
   else:  # (what replicas.py sends each member: the rows and their small metas)
