@@ -1,10 +1,14 @@
 """The peer form of the Ray runtime's quorum rounds (runtimes/ray/replica.py,
 peer_rounds.py): replicas of θ on every worker, a round's collective among its members.
 
-In-process here (no Ray): each member's steps run on Replica objects, and their result is
-held against the parameter server's program over the same rows (the Ray runtime's round
-until now, itself held against the lockstep runner in tests/test_server_sync.py). The
-runs on Ray, failures included, are in tests/test_ray_runtime.py."""
+In-process here (no Ray): each member's real part of its collective form
+(runtimes/ray/forms) runs in a thread of its own on its own Replica, the members reaching
+each other through their mailboxes (tests/peer_members.py counts what crosses), and their
+result is held against the parameter server's program over the same rows (itself held
+against the lockstep runner in tests/test_server_sync.py). The runs on Ray, failures
+included, are in tests/test_ray_runtime.py."""
+
+import collections
 
 import jax
 import jax.numpy as jnp
@@ -12,12 +16,14 @@ import numpy as np
 import pytest
 
 from conftest import load_config
+from peer_members import form_round, run_members
 from lowcomm_jax.assemble.build import build
 from lowcomm_jax.assemble.hosts import host
 from lowcomm_jax.assemble.plan import one_device
 from lowcomm_jax.compress import CODECS
 from lowcomm_jax.config import check
 from lowcomm_jax.programs import steps, sync_program
+from lowcomm_jax.runtimes.ray import forms
 from lowcomm_jax.runtimes.ray import replica as replica_lib
 from lowcomm_jax.runtimes.ray.actors import initial_params, round_inputs
 from lowcomm_jax.runtimes.ray.sender import Sender
@@ -41,32 +47,25 @@ def _rows(r, members, seed=0):
 
 
 def _peer_round(r, rows):
-  """Round 0 among `rows`' workers, as peer_rounds.py drives it: shards, their means, the
-  outer step on every member; (each member's committed replica, the hashes)."""
+  """Round 0 among `rows`' workers, as the members run it on Ray (the form the driver picks:
+  a dense mean's shards reduced and all-gathered, the outer step on every member); (each
+  member's committed replica, its outcome, the transport that counted the bytes)."""
   members = sorted(rows)
   replicas = {w: replica_lib.Replica(r, initial_params(r), w) for w in members}
   for w, (delta, meta) in rows.items():
     replicas[w].keep(0, delta, meta)
-  hashes = _reduced_round(replicas, 0, rows)
+  outcome, transport = form_round(replicas, 0, rows)
   for w in members:
     assert replicas[w].commit(0) == 1
     assert replicas[w].commit(0) == 1  # a second commit of the round applies nothing
-  return replicas, hashes
+  return replicas, outcome, transport
 
 
-def _reduced_round(replicas, version, rows):
-  """Round `version`'s dense mean among `rows`' workers (their contributions kept on their
-  replicas), as replicas.py drives it: each member's shards, their means, the outer step on
-  every member; each member's staged hash."""
-  members = sorted(rows)
-  shards = {w: replicas[w].shards(version, len(members)) for w in members}
-  tokens = [rows[w][1]["tokens"] for w in members]
-  losses = [rows[w][1]["loss"] for w in members]
-  reduced = [replicas[w].reduce_shard(version, j, members, tokens,
-                                      [shards[i][j] for i in members])
-             for j, w in enumerate(members)]
-  return {w: replicas[w].apply_reduced(version, members, tokens, losses, reduced)
-          for w in members}
+def _hashes(replicas, version, rows) -> dict:
+  """Round `version` among `rows`' workers (their contributions kept on their replicas), as
+  the members run it on Ray: each member's staged hash."""
+  outcome, _ = form_round(replicas, version, rows)
+  return {w: out["hash"] for w, out in outcome.items()}
 
 
 def _server(r):
@@ -101,8 +100,14 @@ def test_reduced_shards_move_every_replica_as_the_server_moves_theta(overrides, 
   rows' weighted mean, coordinate by coordinate), and the replicas are identical."""
   r = _run(**overrides)
   rows = _rows(r, list(members))
-  replicas, hashes = _peer_round(r, rows)
-  assert len(set(hashes.values())) == 1
+  replicas, outcome, transport = _peer_round(r, rows)
+  assert len({out["hash"] for out in outcome.values()}) == 1
+  # each link carried a reduce-scatter and an all-gather, 2·(M−1)/M of Δ each way (shards
+  # differ by one coordinate at most), as each member reported it: not (M−1)·Δ
+  n, m = r.model.layout.size, len(members)
+  for w, (sent, received) in transport.links(members).items():
+    assert sent == received == outcome[w]["sent"] == outcome[w]["received"]
+    assert abs(sent - 4 * 2 * (m - 1) / m * n) <= 4 * 2 * m, (sent, n, m)
   theirs = _server_round(r, rows)
   for w, ours in replicas.items():
     assert ours.version == 1 and not ours.kept
@@ -140,36 +145,28 @@ def test_gathered_rows_are_the_servers_program_on_every_member():
     payload, _ = encode(jnp.asarray(delta)[None], errors, keys)
     rows[w] = (jax.device_get(jax.tree.map(lambda x: x[0], payload)),
                {**meta, "codec_key": np.asarray(jax.random.key_data(keys[0]))})
-  hashes = set()
-  ours = replica_lib.Replica(r, initial_params(r), 0)  # (one object plays each member in turn)
-  fresh = ours.share()
-  for w in rows:
-    ours.adopt(fresh)
-    hashes.add(ours.apply_gathered(0, rows))
-    ours.commit(0)
+  replicas = {w: replica_lib.Replica(r, initial_params(r), w) for w in rows}
+  for w, row in rows.items():
+    replicas[w].keep(0, *row)
+  outcome, transport = form_round(replicas, 0, rows)
+  assert len({out["hash"] for out in outcome.values()}) == 1
+  size = lambda tree: sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
+  for w, (sent, received) in transport.links(list(rows)).items():  # its payload to each
+    assert sent == outcome[w]["sent"] == 2 * size(rows[w][0])
+    assert received == outcome[w]["received"] == sum(size(rows[i][0]) for i in rows if i != w)
   theirs = _server_round(r, rows)
-  assert len(hashes) == 1
-  np.testing.assert_allclose(ours.params, theirs.params, rtol=0, atol=1e-6)
+  for w in rows:
+    assert replicas[w].commit(0) == 1
+    np.testing.assert_allclose(replicas[w].params, theirs.params, rtol=0, atol=1e-6)
 
 
 def _robust_peer_round(r, replicas, version, rows):
-  """Round `version` of a robust rule shard by shard among `rows`' workers, as
-  replicas.Replicas._start_robust drives it; the hashes of what each member staged."""
-  members = sorted(rows)
-  m = len(members)
+  """Round `version` of a robust rule shard by shard among `rows`' workers, as the members
+  run it on Ray (forms/direct.py); the hashes of what each member staged."""
+  rows = {w: (delta, {**meta, "version": version}) for w, (delta, meta) in rows.items()}
   for w, (delta, meta) in rows.items():
     replicas[w].keep(version, delta, meta)
-  shards = {w: replicas[w].shards(version, m) for w in members}
-  tokens = [rows[w][1]["tokens"] for w in members]
-  losses = [rows[w][1]["loss"] for w in members]
-  statistics = [replicas[w].robust_statistics(version, j, members, [shards[i][j] for i in members])
-                for j, w in enumerate(members)]
-  outs = [replicas[w].robust_shard(version, j, members, tokens, losses, statistics)
-          for j, w in enumerate(members)]
-  for _ in range(replicas[members[0]].clip_iters - 1):
-    outs = [replicas[w].robust_clip(j, outs) for j, w in enumerate(members)]
-  return {w: replicas[w].apply_robust(version, members, tokens, losses, statistics, outs)
-          for w in members}
+  return _hashes(replicas, version, rows)
 
 
 @pytest.mark.parametrize("overrides", [
@@ -282,8 +279,10 @@ def test_a_pair_swap_moves_each_member_by_its_peer_alone(members):  # keeps its 
     replicas[w].keep(0, *rows[w])
     rows_w, _ = replicas[w].view_outer()  # (its own rows only, as a server's pull)
     assert jax.tree.leaves(rows_w)[0].shape == (1, theta0.shape[0])
-  payloads = {w: replicas[w].swap_payload(0) for w in members}
-  hashes = {w: replicas[w].apply_swap(0, payloads[w], payloads.get(peer[w])) for w in members}
+  outcome, transport = form_round(replicas, 0, rows)
+  hashes = {w: out["hash"] for w, out in outcome.items()}
+  n = 4 * theta0.shape[0]  # θ_i to its peer alone, and the peer's back; nothing else moves
+  assert transport.moved == {(w, peer[w]): n for w in members if peer[w] in members}
   # each pair's own: from the same φ = θ₀ in round 0, a pair's two members land together
   assert len(set(hashes.values())) == len({min(w, peer[w]) if peer[w] in members else w
                                            for w in members}) > 1
@@ -302,22 +301,27 @@ def test_a_pair_swap_moves_each_member_by_its_peer_alone(members):  # keeps its 
 @pytest.mark.parametrize("members", [1, 3, 4])
 def test_a_state_average_among_the_workers_is_the_servers_bit_for_bit(members):
   """DES-LOC's moments in the peer form: each worker's parts as one vector in M shards,
-  member j's mean of shard j, all-gathered and put back in each part's shape and dtype,
-  equal bit for bit to the Ray task's mean of whole rows (server.average_parts)."""
+  member j's mean of shard j, all-gathered (forms.mean_of, its members in threads) and put
+  back in each part's shape and dtype, equal bit for bit on every member to the Ray task's
+  mean of whole rows (server.average_parts)."""
   from lowcomm_jax.runtimes.ray.server import average_parts
   rng = np.random.default_rng(members)
   rows = [{"mu": rng.standard_normal((1, 5, 3)).astype(np.float32),
            "nu": {"w": rng.random((1, 7)).astype(np.float32)}} for _ in range(members)]
   vectors = [replica_lib.flat(row) for row in rows]
   assert vectors[0].shape == (22,)
-  bounds = replica_lib.shard_bounds(22, members)
-  reduced = [replica_lib.mean_rows(*[v[a:b] for v in vectors]) for a, b in bounds]
-  ours = replica_lib.unflat(np.concatenate(reduced), rows[0])
+  steps = {w: (lambda ex, w=w: dict(zip(("mean", "moved"), forms.mean_of(ex, vectors[w]))))
+           for w in range(members)}
+  outcome, transport = run_members(list(range(members)), 0, steps)
   theirs = average_parts(*rows)
-  assert jax.tree.structure(ours) == jax.tree.structure(theirs)
-  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
-    assert a.shape == b.shape and a.dtype == b.dtype == np.float32
-    np.testing.assert_array_equal(a, b)
+  for w in range(members):
+    ours = replica_lib.unflat(outcome[w]["mean"], rows[0])
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+      assert a.shape == b.shape and a.dtype == b.dtype == np.float32
+      np.testing.assert_array_equal(a, b)
+    moved = outcome[w]["moved"]
+    assert [moved["sent"], moved["received"]] == transport.links(range(members))[w]
 
 
 # --- config ----------------------------------------------------------------------------
@@ -374,24 +378,23 @@ def test_auto_reduces_by_region_where_the_simulators_model_does(intra_gbps, inte
   slow links between regions (1 Gb/s against 100 Gb/s inside), one direct exchange where
   the NICs are the slow ones (0.1 Gb/s: a leader's link would carry its region's sums too).
   No latency, so bandwidth decides."""
-  import types
-  from lowcomm_jax.assemble.plan import make_plan
-  from lowcomm_jax.runtimes.ray.peer_rounds import PeerRounds
+  from peer_members import rounds_of
   from lowcomm_jax.sim import collectives
   r = _run(num_workers=4, **{"sim.network.regions": 2, "sim.network.inter_gbps": inter_gbps,
                             "sim.network.intra_gbps": intra_gbps,
                             "sim.network.intra_latency_s": 0.0,
                             "sim.network.inter_latency_s": 0.0})
-  plan = make_plan(r.config, r)
-  fake = types.SimpleNamespace(d=types.SimpleNamespace(c=r.config, plan=plan, r=r))
-  groups = PeerRounds._regions_of(fake, [0, 1, 2, 3])
+  fake = rounds_of(r)
+  plan = fake.d.plan
+  groups = forms.regions_of(fake, [0, 1, 2, 3])
   times = {how: collectives.seconds(plan.network, "allreduce", [0, 1, 2, 3],
                                     4 * r.model.layout.size, how)[0]
            for how in ("direct", "hierarchical")}
   faster = times["hierarchical"] < times["direct"]
   assert (groups is not None) == faster == (inter_gbps < intra_gbps), times
   assert groups in (None, [[0, 1], [2, 3]])
-  assert PeerRounds._regions_of(fake, [0, 1]) is None  # (one region among these members)
+  assert forms.regions_of(fake, [0, 1]) is None  # (one region among these members)
+  assert forms.for_round(fake, [0, 1, 2, 3]) is (forms.HIERARCHICAL if faster else forms.DIRECT)
 
 
 @pytest.mark.parametrize("overrides,regions", [
@@ -399,70 +402,37 @@ def test_auto_reduces_by_region_where_the_simulators_model_does(intra_gbps, inte
     ({"aggregate.weighting": "tokens"}, [0, 1, 1, 0]),  # the regions interleaved in ids
 ])
 def test_a_hierarchical_reduce_is_the_flat_rounds_mean_on_every_member(overrides, regions):
-  """The reduce by region as peer_rounds drives it (each step a Replica's, in the order of
-  `Replicas._start_hierarchical`): region sums of each shard, cut into the leaders' pieces,
-  each piece divided by every member's weight, the mean cut again and all-gathered in each
-  region. Every member stages the same θ', which is the direct exchange's up to the order of
-  the sum; each member's link bytes are `hierarchical_bytes`."""
+  """The reduce by region as its members run it (forms/hierarchical.py): region sums of each
+  shard, cut into the leaders' pieces, each piece divided by every member's weight, the mean
+  cut again and all-gathered in each region. Every member stages the same θ', which is the
+  direct exchange's up to the order of the sum; each link carries `hierarchical_bytes`."""
   members = list(range(len(regions)))
   r = _run(num_workers=len(members), **overrides)
   rows = _rows(r, members)
-  flat, _ = _peer_round(r, rows)
+  flat, _, _ = _peer_round(r, rows)
   replicas = {w: replica_lib.Replica(r, initial_params(r), w) for w in members}
   for w in members:
     replicas[w].keep(0, *rows[w])
   groups = [[w for w in members if regions[w] == g] for g in sorted(set(regions))]
-  tokens = [rows[w][1]["tokens"] for w in members]
-  losses = [rows[w][1]["loss"] for w in members]
-  cut = lambda parts, whole: [whole[a:b] for a, b in replica_lib.shard_bounds(len(whole), parts)]
-  pieces = []
-  for group in groups:
-    k = len(group)
-    shards = {w: replicas[w].shards(0, k) for w in group}
-    sums = [replicas[w].sum_shard(0, j, group, [rows[i][1]["tokens"] for i in group],
-                                  [shards[i][j] for i in group]) for j, w in enumerate(group)]
-    pieces.append(cut(len(groups), np.concatenate(sums)))
-  means = [replicas[groups[h][0]].divide_piece(0, h, len(groups), members, tokens,
-                                               [p[h] for p in pieces])
-           for h in range(len(groups))]
-  hashes = set()
-  for group in groups:
-    spread = cut(len(group), np.concatenate(means))
-    for w in group:
-      hashes.add(replicas[w].apply_reduced(0, members, tokens, losses, spread))
-      assert replicas[w].commit(0) == 1
-  assert len(hashes) == 1
+  outcome, transport = form_round(replicas, 0, rows, form=forms.HIERARCHICAL,
+                                  extra={"groups": groups})
+  assert len({out["hash"] for out in outcome.values()}) == 1
+  for w in members:
+    assert replicas[w].commit(0) == 1
   theta = replicas[0].params
   np.testing.assert_allclose(theta, flat[0].params, rtol=0, atol=1e-7)
   assert (theta != initial_params(r)).any()
-  # The bytes, counted object by object: what each step made on one worker and another
-  # took (peer_rounds' placement: sums on the shard's owner, cuts and pieces on the leaders,
-  # each member's relayed shard on it)
-  n, wire, across = r.model.layout.size, {w: [0, 0] for w in members}, {}
-  def move(source, sink, array):
-    if source != sink:
-      wire[source][0] += array.nbytes
-      wire[sink][1] += array.nbytes
-    if regions[source] != regions[sink]:
-      across[source] = across.get(source, 0) + array.nbytes
-  for g, group in enumerate(groups):
-    shards = {w: cut(len(group), rows[w][0]) for w in group}
-    for j, owner in enumerate(group):
-      for i in group:
-        move(i, owner, shards[i][j])  # the reduce-scatter inside the region
-      move(owner, group[0], shards[owner][j])  # its shard of the sums, to the leader
-    for h in range(len(groups)):
-      move(group[0], groups[h][0], pieces[g][h])  # the leaders' reduce-scatter ...
-      move(groups[h][0], group[0], means[h])  # ... and all-gather
-    spread = cut(len(group), np.concatenate(means))
-    for j, owner in enumerate(group):
-      move(group[0], owner, spread[j])  # the leader's shards of the mean, out
-      for w in group:
-        move(owner, w, spread[j])  # the all-gather inside the region
+  # The bytes each link really carried (counted value by value as the members sent them)
+  n = r.model.layout.size
   expect = replica_lib.hierarchical_bytes(n, groups)
-  assert {w: [e["sent"], e["received"]] for w, e in expect.items()} == wire
+  assert {w: [e["sent"], e["received"]] for w, e in expect.items()} == transport.links(members)
+  assert all(outcome[w]["sent"] == expect[w]["sent"] for w in members)
   # Only the leaders cross regions, each with one all-reduce's share of the leaders' ring
   # (2·(G−1)/G of the payload), where in the direct exchange every member does.
+  across = collections.Counter()
+  for (a, b), nbytes in transport.moved.items():
+    if regions[a] != regions[b]:
+      across[a] += nbytes
   pieces_n = np.diff(replica_lib.shard_bounds(n, len(groups))).ravel()
   assert across == {g[0]: 4 * int(n - pieces_n[h] + pieces_n[h] * (len(groups) - 1))
                     for h, g in enumerate(groups)}
@@ -500,9 +470,10 @@ _TIERS = [host(1.0), host(0.5), host(0.5)]
 def _ray_round(r, senders, replicas, version, deltas, tokens, losses):
   """Round `version` as the Ray runtime's peer form runs it, from each worker's Δ: what
   the worker sends (sender.py: its codec's payload, key and error buffer), kept on its
-  replica, then the collective replicas.py picks for the run (a dense mean reduced shard
-  by shard, a robust rule shard by shard, or the rows all-gathered into the round's own
-  program: round_inputs, decode, attack, rule), committed on every member."""
+  replica, then the members' collective in the form the driver picks for the run (a dense
+  mean reduced shard by shard, a robust rule shard by shard, or the rows all-gathered into
+  the round's own program: round_inputs, decode, attack, rule), committed on every
+  member."""
   members = sorted(replicas)
   rows = {}
   for w in members:
@@ -512,14 +483,7 @@ def _ray_round(r, senders, replicas, version, deltas, tokens, losses):
     sent = senders[w].send(view, jnp.asarray(deltas[w])[None], meta)
     replicas[w].keep(version, sent, meta)
     rows[w] = (sent, meta)
-  if sync_program.peer_reduces(r.sync):
-    hashes = set(_reduced_round(replicas, version, rows).values())
-  elif sync_program.robust_shards(r.sync):
-    hashes = set(_robust_peer_round(r, replicas, version, rows).values())
-  else:  # (what replicas.py sends each member: the rows and their small metas)
-    small = {w: (rows[w][0], {k: rows[w][1][k] for k in ("tokens", "loss", "codec_key")
-                              if k in rows[w][1]}) for w in members}
-    hashes = {replicas[w].apply_gathered(version, small) for w in members}
+  hashes = set(_hashes(replicas, version, rows).values())
   assert len(hashes) == 1  # every member staged the same θ
   for w in members:
     assert replicas[w].commit(version) == version + 1

@@ -1,4 +1,5 @@
-"""NoLoCo's rounds in the peer form: each member swaps with its round's peer alone."""
+"""NoLoCo's rounds in the peer form: each member swaps with its round's peer alone
+(forms/pairs.py); θ, the workers' mean φ, where a read needs it."""
 
 import jax
 import numpy as np
@@ -19,8 +20,6 @@ class PairRounds(PeerRounds):
   evaluation, a norm or a checkpoint reads it (as the runner computes it only on rounds that
   read it): its bytes are counted apart (`consensus_bytes`), outside the training ledger."""
 
-  same_state = False  # each member's row is its own
-
   def __init__(self, d):
     super().__init__(d)
     self.consensus_at = None  # the version whose θ the live replicas hold
@@ -38,15 +37,6 @@ class PairRounds(PeerRounds):
     return {"params": self.restored, "opt_state": own_rows(self.slots, worker),
             "version": self.version}
 
-  def _start_collective(self, v: int, members: list[int], crash: int | None) -> list:
-    pool = self.d.pool
-    peer = self.d.r.sync.partners(v)
-    payloads = {w: pool.actors[w].swap_payload.remote(self._rows_of(v)[w][0]["version"])
-                for w in members}
-    return [pool.actors[w].apply_swap.remote(v, w == crash, payloads[w],
-                                             payloads.get(peer[w]))
-            for w in members]
-
   def _consensus(self) -> None:
     """θ of the open version, the live replicas' mean φ, reduced among them (once)."""
     d = self.d
@@ -55,21 +45,9 @@ class PairRounds(PeerRounds):
                  and w not in self.adopting and w not in d.pool.joining]
       if not workers:
         raise RuntimeError(f"no live worker holds the rows of version {self.version}")
-      started = self._mean_among(
-          "a consensus", workers,
-          lambda a, m: a.phi_shards.options(num_returns=m + 1).remote(m),
-          lambda a, reduced: a.set_consensus.remote(workers, *reduced))
-      if started is None:
-        continue
-      _, done = started
-      lost = False
-      for w, ref in done.items():
-        try:
-          self.consensus_bytes += d.ray.get(ref)["sent"]
-        except (d.ray.exceptions.RayActorError, d.ray.exceptions.RayTaskError):
-          d.pool.lose(w, "died taking the consensus θ")
-          lost = True
-      if not lost:
+      outcome = self._mean_among("a consensus", workers, "consensus")
+      if outcome is not None:
+        self.consensus_bytes += sum(out["sent"] for out in outcome.values())
         self.consensus_at = self.version
 
   def global_call(self, method: str):

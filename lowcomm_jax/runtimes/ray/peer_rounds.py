@@ -52,9 +52,9 @@ class PeerRounds(Replicas, QuorumRounds):
     d, n = self.d, self.d.counts
     v, rows, members, staged, began = self.pending
     while members:
-      outcome = self._collective(v, members, staged)
+      outcome, attempt = self._collective(v, members, staged)
       if outcome is not None:
-        self._commit(v, members, outcome)
+        self._commit(v, members, outcome, attempt.form)
         d.timeline.collective(v, members, began, outcome, time.time())
         break
       n.collective_retries += 1
@@ -112,8 +112,7 @@ class PeerRounds(Replicas, QuorumRounds):
     if members:
       began = time.time()
       self.pending = (v, rows, members, None, began)  # (_rows_of(v) finds its rows now)
-      crash, pool.crash_in_sync = pool.crash_in_sync, None
-      self.pending = (v, rows, members, self._start_collective(v, members, crash), began)
+      self.pending = (v, rows, members, self._start_collective(v, members), began)
     else:  # nobody contributed: θ stays, every current replica moves on
       for w in [w for w, h in self.held.items() if h == v and w in pool.actors]:
         d.ray.get(pool.actors[w].skip.remote(v))
@@ -146,16 +145,15 @@ class PeerRounds(Replicas, QuorumRounds):
 
   # --- a state average between rounds (DES-LOC's moments), among the workers ------------
 
-  def _state_average(self, workers: list[int], parts) -> tuple[list, dict] | None:
+  def _state_average(self, workers: list[int], parts) -> int | None:
     """Each worker's parts in M shards, member j's mean of shard j, all-gathered into each
-    (replica.py): no link carries every worker's parts."""
-    return self._mean_among(
-        "a state average", workers,
-        lambda a, m: a.state_shards.options(num_returns=m + 1).remote(parts, m),
-        lambda a, reduced: a.set_state_mean.remote(parts, workers, *reduced))
-
-  def _state_set(self, worker: int, out: dict) -> None:
-    self._count_wire(worker, out)
+    (forms.mean_of): no link carries every worker's parts. The bytes of the parts."""
+    outcome = self._mean_among("a state average", workers, "mean_state", parts=parts)
+    if outcome is None:
+      return None
+    for w, out in outcome.items():
+      self._count_wire(w, out)
+    return sum(out["bytes"] for out in outcome.values())
 
   def work_to_mark(self) -> bool:
     done = super().work_to_mark()

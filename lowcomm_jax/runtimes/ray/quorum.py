@@ -63,24 +63,18 @@ class QuorumRounds(Progress):
       return
     self.states_averaged = n.rounds
     while workers := [w for w in pool.up() if w not in pool.jobs]:
-      started = self._state_average(workers, parts)
-      if started is None:  # some worker died before every part was in: again without it
+      sent = self._state_average(workers, parts)
+      if sent is None:  # some worker died before every part was in: again without it
         continue
-      metas, done = started
-      for w, ref in done.items():
-        try:
-          self._state_set(w, d.ray.get(ref))
-        except (d.ray.exceptions.RayActorError, d.ray.exceptions.RayTaskError):
-          self._lose_dead([w])  # it died taking the mean: the others have theirs
-      n.sent_bytes += sum(meta["bytes"] for meta in metas)
+      n.sent_bytes += sent
       logging.info("ray: round %d starts from %s averaged over workers %s", n.rounds,
                    "/".join(parts), workers)
       return
 
-  def _state_average(self, workers: list[int], parts) -> tuple[list, dict] | None:
-    """Every worker's parts in, their mean (a Ray task) out to each: (each worker's
-    {"bytes"}, {worker: the reference of its set}); None after losing a worker that died
-    before every part was in."""
+  def _state_average(self, workers: list[int], parts) -> int | None:
+    """Every worker's parts in, their mean (a Ray task) out to each: the bytes of the
+    parts sent; None after losing a worker that died before every part was in. One that
+    dies taking the mean is lost, the others keep theirs."""
     d, pool = self.d, self.d.pool
     sent = {w: pool.actors[w].state_parts.options(num_returns=2).remote(parts)
             for w in workers}
@@ -90,11 +84,12 @@ class QuorumRounds(Progress):
       self._lose_dead(workers)
       return None
     mean = self._average.remote(*[ref for _, ref in sent.values()])
-    return metas, {w: pool.actors[w].set_state_parts.remote(parts, mean) for w in workers}
-
-  def _state_set(self, worker: int, out) -> None:
-    """What a worker's set of the average returned (the peer form counts its link's bytes)."""
-    del worker, out
+    for w in workers:
+      try:
+        d.ray.get(pool.actors[w].set_state_parts.remote(parts, mean))
+      except (d.ray.exceptions.RayActorError, d.ray.exceptions.RayTaskError):
+        self._lose_dead([w])
+    return sum(meta["bytes"] for meta in metas)
 
   def _lose_dead(self, workers) -> None:
     pool = self.d.pool

@@ -19,11 +19,22 @@ What differs from the server form:
   global state is a replica's, in the server's layout, and a resumed run's workers adopt it.
 """
 
+import collections
 import logging
 import time
+from typing import NamedTuple
 
 from lowcomm_jax.programs import sync_program
-from lowcomm_jax.sim import GLOBAL, collectives
+from lowcomm_jax.runtimes.ray import forms
+from lowcomm_jax.sim import GLOBAL
+
+
+class Attempt(NamedTuple):
+  """One attempt of a collective, started: its number (the members' mailboxes key on it),
+  its form, and each member's outcome's reference (in member order)."""
+  number: int
+  form: forms.Form
+  refs: list
 
 
 class Replicas:
@@ -31,8 +42,6 @@ class Replicas:
   quorum rounds; peer_epochs.PeerEpochs: collaborative epochs): which version each worker
   holds, the adopts in flight, the open version's contributions (`rows`), and its
   collective among their workers (`_close_collective`)."""
-
-  same_state = True  # every member's staged state is the same (its hash is compared)
 
   def __init__(self, d):
     super().__init__(d)
@@ -42,8 +51,8 @@ class Replicas:
     self.adopting: dict[int, object] = {}  # worker -> its adopt's reference, in flight
     self.restored = None  # a resumed run's global state (object ref), for the workers
     self.reduces = sync_program.peer_reduces(d.r.sync)
-    self.robust_shards = sync_program.robust_shards(d.r.sync)
-    self.hierarchical = 0  # collectives reduced by region (since this driver started)
+    self.attempts = 0  # collectives started (each attempt's number: the members key on it)
+    self.tallies = collections.Counter()  # rounds closed by form, where the form counts
 
   # --- what the driver asks of the global state -------------------------------------------
 
@@ -95,8 +104,8 @@ class Replicas:
     return {GLOBAL: {**state, "snapshots": {}}}
 
   def summary(self) -> dict:
-    return {**super().summary(), "round_form": "peers", "server_bytes_sent": 0,
-            "hierarchical_collectives": self.hierarchical}
+    tallies = {f.tally: self.tallies[f.tally] for f in forms.FORMS.values() if f.tally}
+    return {**super().summary(), "round_form": "peers", "server_bytes_sent": 0, **tallies}
 
   def _bring_up(self, worker: int):
     """`worker`'s replica at the open round's version: the version (an int), or the
@@ -136,24 +145,15 @@ class Replicas:
     self.held.pop(worker, None)
     self.adopting.pop(worker, None)
 
-  def _mean_among(self, what: str, workers: list[int], shards, put):
-    """A mean of one vector per worker, reduced among `workers` (`shards(actor, M)`: its
-    ({"bytes"}, M shards) references; `put(actor, reduced shards)`: the reference of its
-    taking the mean): (each worker's {"bytes"}, {worker: its put}); None after losing the
-    workers that died or did not finish their shard within ray.collective_timeout_s."""
-    pool, m = self.d.pool, len(workers)
-    actors = [pool.actors[w] for w in workers]
-    outs = [list(shards(a, m)) for a in actors]
-    reduced = [a.mean_state_shard.options(num_returns=2).remote(*[out[1 + j] for out in outs])
-               for j, a in enumerate(actors)]
-    checks = [out[0] for out in outs] + [done for done, _ in reduced]
-    values, ready = self._gather(what, self.version, checks)
-    if values is not None:
-      return values[:m], {w: put(a, [r for _, r in reduced]) for w, a in zip(workers, actors)}
-    # the workers whose shards did not come, else those whose shard's mean did not
-    pending = checks[:m] if not set(checks[:m]) <= set(ready) else checks[m:]
-    self._lose_failed(what, workers, pending, ready)
-    return None
+  def _mean_among(self, what: str, workers: list[int], method: str, **fields) -> dict | None:
+    """A mean of one vector per worker among `workers` (the workers' `method`: mean_state,
+    consensus; `fields`: what else it is told): {worker: its outcome}; None after losing the
+    workers that died or that the others waited for in vain (then try again)."""
+    attempt = self._start(self.version, workers, method, {w: fields for w in workers})
+    outcome = self._await(what, self.version, workers, attempt)
+    if outcome is None:
+      self._lose_failed(what, workers, attempt)
+    return outcome
 
   def _count_wire(self, worker: int, out: dict) -> None:
     n = self.d.counts
@@ -174,9 +174,9 @@ class Replicas:
       if not members:
         break
       began = time.time()
-      outcome = self._collective(v, members)
+      outcome, attempt = self._collective(v, members)
       if outcome is not None:
-        self._commit(v, members, outcome)
+        self._commit(v, members, outcome, attempt.form)
         d.timeline.collective(v, members, began, outcome, time.time())
         break
       n.collective_retries += 1
@@ -188,175 +188,115 @@ class Replicas:
     self.version = v + 1
     return applied
 
-  def _collective(self, v: int, members: list[int], staged=None) -> dict | None:
-    """Round `v`'s collective among `members` (`staged`: its references, if it is already
-    started): {worker: {hash, sent, received}}, or None after losing the members that died
-    or did not finish in time (then try again)."""
-    pool = self.d.pool
+  def _collective(self, v: int, members: list[int], staged: Attempt | None = None
+                  ) -> tuple[dict | None, Attempt]:
+    """Round `v`'s collective among `members` (`staged`: its attempt, if it is already
+    started): ({worker: {hash, sent, received, moments}}, or None after losing the members
+    that died or that the others waited for in vain (then try again); the attempt)."""
     if staged is None:
-      crash, pool.crash_in_sync = pool.crash_in_sync, None
-      staged = self._start_collective(v, members, crash)
-    values, ready = self._gather("a round's collective", v, staged)
-    if values is not None:
-      return dict(zip(members, values))
-    self._lose_failed("a round's collective", members, staged, ready)
-    return None
+      staged = self._start_collective(v, members)
+    outcome = self._await("a round's collective", v, members, staged)
+    if outcome is None:
+      self._lose_failed("a round's collective", members, staged)
+    return outcome, staged
 
-  def _gather(self, what: str, version: int, refs: list) -> tuple[list | None, list]:
-    """(`refs`' values, or None if some member died or did not finish within
-    ray.collective_timeout_s; the references that are ready). A member's own error, not
-    its death, stops the run."""
-    d = self.d
-    ready, _ = d.ray.wait(refs, num_returns=len(refs), timeout=d.c.ray.collective_timeout_s)
-    try:
-      if len(ready) == len(refs):
-        return d.ray.get(refs), ready
-    except d.ray.exceptions.RayTaskError as e:
-      if not isinstance(e.cause, (d.ray.exceptions.RayActorError,
-                                  d.ray.exceptions.ObjectLostError)):
-        raise RuntimeError(f"{what} (version {version}) failed: {e}") from e
-    except d.ray.exceptions.RayError:
-      pass
-    return None, ready
-
-  def _start_collective(self, v: int, members: list[int], crash: int | None) -> list:
-    """Round `v`'s collective among `members` (worker `crash` dies in it: chaos), started:
-    the reference of each member's staged outcome."""
-    pool, rows = self.d.pool, self._rows_of(v)
-    actors = [pool.actors[w] for w in members]
+  def _start_collective(self, v: int, members: list[int]) -> Attempt:
+    """Round `v`'s collective among `members`, started: one message to each member, which
+    then move the bytes among themselves (forms/: the form `forms.for_round` picks)."""
+    rows = self._rows_of(v)
+    form = forms.for_round(self, members)
+    if form.tally:
+      self.tallies[form.tally] += 1
     metas = {w: rows[w][0] for w in members}
-    groups = self._regions_of(members) if self.reduces else None
-    if groups is not None:
-      return self._start_hierarchical(v, members, groups, metas, crash)
-    if self.robust_shards:
-      return self._start_robust(v, members, metas, crash)
-    if self.reduces:
-      tokens, losses = _signals_of(metas, members)
-      shards = self._scatter(members, metas)
-      reduced = [actor.reduce_shard.remote(v, j, members, tokens, w == crash,
-                                           *[row[j] for row in shards])
-                 for j, (w, actor) in enumerate(zip(members, actors))]
-      staged = [actor.apply_reduced.remote(v, members, tokens, losses, *reduced)
-                for actor in actors]
-    else:
-      small = {w: {k: metas[w][k] for k in ("tokens", "loss", "codec_key") if k in metas[w]}
-               for w in members}
-      staged = [actor.apply_gathered.remote(v, small, w == crash,
-                                            *[rows[i][1] for i in members])
-                for w, actor in zip(members, actors)]
-    return staged
-
-  def _scatter(self, members: list[int], metas) -> list[list]:
-    """Each member's contribution cut into one shard per member: [member][shard] refs."""
-    m = len(members)
-    out = [self.d.pool.actors[w].scatter.options(num_returns=m).remote(metas[w]["version"], m)
-           for w in members]
-    return [list(refs) if m > 1 else [refs] for refs in out]
-
-  def _start_robust(self, v: int, members: list[int], metas, crash) -> list:
-    """Round `v`'s robust rule shard by shard (replica.py): member j takes shard j of every
-    member's contribution (an all-to-all, a reduce-scatter's bytes) and returns its part of
-    the rows' statistics over the whole update; with every member's parts, its shard of the
-    result (centered clipping: each further iteration one more exchange of the rows'
-    distances); the result all-gathered and the outer step staged on every member."""
-    actors = [self.d.pool.actors[w] for w in members]
-    tokens, losses = _signals_of(metas, members)
-    shards = self._scatter(members, metas)
-    statistics = [actor.robust_statistics.remote(v, j, members, w == crash,
-                                                 *[row[j] for row in shards])
-                  for j, (w, actor) in enumerate(zip(members, actors))]
-    outs = [actor.robust_shard.remote(v, j, members, tokens, losses, *statistics)
-            for j, actor in enumerate(actors)]
-    rule = self.d.c.aggregate
-    for _ in range(rule.clip_iters - 1 if rule.rule == "centered_clip" else 0):
-      outs = [actor.robust_clip.remote(j, *outs) for j, actor in enumerate(actors)]
-    return [actor.apply_robust.remote(v, members, tokens, losses, *statistics, *outs)
-            for actor in actors]
-
-  def _regions_of(self, members: list[int]) -> list[list[int]] | None:
-    """The members by region, where the round reduces hierarchically: `sim.network.collective`
-    'hierarchical', or 'auto' where the simulator's model of the network says it is faster
-    for these members than one direct exchange (`sim/collectives`: the two forms Ray runs);
-    None: one direct exchange."""
-    how, net = self.d.c.sim.network.collective, self.d.plan.network
-    if how not in ("auto", "hierarchical") or max(members) >= len(net.worker_region):
-      return None  # (a joined worker's id is past the network's placement: flat)
-    by_region = {}
-    for w in members:
-      by_region.setdefault(net.worker_region[w], []).append(w)
-    if len(by_region) < 2:
-      return None
-    if how == "auto":
-      nbytes = 4 * self.d.r.model.layout.size * net.bytes_scale
-      if (collectives.hierarchical_allreduce_seconds(net, members, nbytes)
-          >= collectives.direct_allreduce_seconds(net, members, nbytes)):
-        return None
-    return [by_region[k] for k in sorted(by_region)]
-
-  def _start_hierarchical(self, v: int, members: list[int], groups, metas, crash) -> list:
-    """Round `v`'s dense mean reduced by region (replica.hierarchical_bytes: inside each
-    region a reduce-scatter and its sums to the leader; the leaders' reduce-scatter and
-    all-gather; the mean's shards back out and all-gathered in each region), then the outer
-    step on every member: the reference of each member's staged outcome, in `members`'
-    order."""
-    self.hierarchical += 1
-    actor = self.d.pool.actors.__getitem__
-    tokens, losses = _signals_of(metas, members)
-    refs = lambda out, k: list(out) if k > 1 else [out]  # (num_returns=1: one reference)
-    count = len(groups)
-    pieces = []  # each region's sums, cut into the leaders' pieces (at its leader)
-    for group in groups:
-      k = len(group)
-      shards = {w: refs(actor(w).scatter.options(num_returns=k).remote(metas[w]["version"], k),
-                        k) for w in group}
-      sums = [actor(w).sum_shard.remote(v, j, group, [float(metas[i]["tokens"]) for i in group],
-                                        w == crash, *[shards[i][j] for i in group])
-              for j, w in enumerate(group)]
-      pieces.append(refs(actor(group[0]).cut.options(num_returns=count).remote(count, *sums),
-                         count))
-    means = [actor(groups[h][0]).divide_piece.remote(v, h, count, members, tokens,
-                                                     *[p[h] for p in pieces])
-             for h in range(count)]
-    staged = {}
-    for group in groups:
-      k = len(group)
-      spread = refs(actor(group[0]).cut.options(num_returns=k).remote(k, *means), k)
-      relayed = [actor(w).relay.remote(spread[j]) for j, w in enumerate(group)]
-      for w in group:
-        staged[w] = actor(w).apply_hierarchical.remote(v, members, tokens, losses, groups,
-                                                       *relayed)
-    return [staged[w] for w in members]
+    crash, self.d.pool.crash_in_sync = self.d.pool.crash_in_sync, None
+    return self._start(v, members, "exchange", form.messages(self, v, members, metas), form,
+                       crash)
 
   def _rows_of(self, v: int) -> dict:
     """The contributions of round `v` (the open one)."""
     del v
     return self.rows
 
-  def _lose_failed(self, what: str, members, pending, ready) -> None:
-    """After a failed collective (`what`: a round's collective, a state average): the
-    members that died, else those whose `pending` reference did not finish within
-    ray.collective_timeout_s, are lost (their contributions with them)."""
+  def _start(self, v: int, members: list[int], method: str, messages: dict,
+             form: forms.Form | None = None, crash: int | None = None) -> Attempt:
+    """An attempt of a collective among `members`: each member's `method` called once with
+    its message and what every member is told (the version, the attempt, the members and
+    their handles, the timeout; `crash`: the member chaos kills in it)."""
     pool = self.d.pool
-    dead = [w for w in members if not pool.worker_alive(w)]
-    done = set(ready)
-    slow = [w for w, ref in zip(members, pending) if ref not in done]
-    lost = dead or slow
+    self.attempts += 1
+    common = {"version": v, "attempt": self.attempts, "members": list(members),
+              "handles": {w: pool.actors[w] for w in members},
+              "timeout_s": self.d.c.ray.collective_timeout_s, "crash": crash}
+    if form is not None:
+      common["form"] = form.name
+    refs = [getattr(pool.actors[w], method).remote({**common, **messages[w]})
+            for w in members]
+    return Attempt(self.attempts, form, refs)
+
+  def _await(self, what: str, version: int, members: list[int], attempt: Attempt
+             ) -> dict | None:
+    """Every member's outcome of `attempt` ({worker: outcome}), or None where some member
+    died, failed its part (the outcome names whom it waited for) or did not answer within
+    ray.collective_timeout_s (and ray.recover_timeout_s more to report). At the first
+    failure the others are told to stop waiting (`abort`). A member's own error, not a
+    death, stops the run."""
+    d = self.d
+    errors = d.ray.exceptions
+    deadline = time.monotonic() + d.c.ray.collective_timeout_s + d.c.ray.recover_timeout_s
+    waiting = dict(zip(attempt.refs, members))
+    outcome, failed = {}, False
+    while waiting:
+      ready, _ = d.ray.wait(list(waiting), num_returns=1,
+                            timeout=max(0.0, deadline - time.monotonic()))
+      if not ready:
+        break
+      w = waiting.pop(ready[0])
+      try:
+        outcome[w] = d.ray.get(ready[0])
+      except errors.RayTaskError as e:
+        if not isinstance(e.cause, (errors.RayActorError, errors.ObjectLostError)):
+          raise RuntimeError(f"{what} (version {version}) failed: {e}") from e
+        outcome[w] = {"failed": str(e.cause), "missing": []}
+      except errors.RayError:  # it died
+        outcome[w] = None
+      if not failed and (outcome[w] is None or "failed" in outcome[w]):
+        failed = True  # the others stop waiting and report at once
+        for other in waiting.values():
+          if other in d.pool.actors:
+            d.pool.actors[other].abort.remote(version, attempt.number)
+        deadline = min(deadline, time.monotonic() + d.c.ray.recover_timeout_s)
+    self.failures = (outcome, list(waiting.values()))
+    return None if failed or waiting else outcome
+
+  def _lose_failed(self, what: str, members, attempt: Attempt) -> None:
+    """After a failed attempt (`_await`'s record of it): the members that died are lost;
+    else those the others waited for in vain, and those that never answered."""
+    pool = self.d.pool
+    outcome, unanswered = self.failures
+    dead = [w for w in members if w in pool.actors
+            and (outcome.get(w, {}) is None or not pool.worker_alive(w))]
+    named = collections.Counter(m for out in outcome.values() if out is not None
+                                for m in out.get("missing", ()) if m in members)
+    most = max(named.values(), default=0)
+    waited_for = sorted({w for w, k in named.items() if k == most} | set(unanswered))
+    lost = dead or waited_for
     if not lost:
-      raise RuntimeError(f"{what} (version {self.version}) failed and members {members} "
-                         "are alive and finished")
-    for w in lost:
+      raise RuntimeError(f"{what} (version {self.version}, attempt {attempt.number}) failed "
+                         f"and members {members} are alive and answered: {outcome}")
+    for w in [w for w in lost if w in pool.actors]:
       why = (f"died in {what}" if dead else
-             f"did not finish {what} within ray.collective_timeout_s="
-             f"{self.d.c.ray.collective_timeout_s}")
+             f"was waited for in vain in {what} (ray.collective_timeout_s="
+             f"{self.d.c.ray.collective_timeout_s})")
       pool.lose(w, why)
     logging.warning("ray: %s (version %d) is tried again without workers %s", what,
                     self.version, lost)
 
-  def _commit(self, v: int, members: list[int], outcome: dict) -> None:
-    """Every member commits the staged round, once their hashes agree."""
+  def _commit(self, v: int, members: list[int], outcome: dict, form: forms.Form) -> None:
+    """Every member commits the staged round, once their hashes agree (where the form's
+    members stage the same state)."""
     d = self.d
     hashes = {w: o["hash"] for w, o in outcome.items()}
-    if self.same_state and len(set(hashes.values())) != 1:
+    if form.same_state and len(set(hashes.values())) != 1:
       raise RuntimeError(f"round {v}: the members' θ differ after the same collective "
                          f"({hashes}); the replicas have diverged")
     refs = {w: d.pool.actors[w].commit.remote(v) for w in members}
@@ -369,9 +309,3 @@ class Replicas:
     for w, o in outcome.items():
       self._count_wire(w, o)
 
-
-def _signals_of(metas: dict, members: list[int]) -> tuple[list[float], list[float]]:
-  """The members' tokens and train losses, in member order (what each member's outer step
-  weighs and its signals read)."""
-  return ([float(metas[w]["tokens"]) for w in members],
-          [float(metas[w].get("loss", 0.0)) for w in members])

@@ -12,10 +12,12 @@ import numpy as np
 from lowcomm_jax.programs import optimizers
 from lowcomm_jax.programs import steps
 from lowcomm_jax.programs.epochs import PeerEpoch
+from lowcomm_jax.runtimes.ray import forms
 from lowcomm_jax.runtimes.ray import replica as replica_lib
 from lowcomm_jax.runtimes.ray.actors import built, initial_params
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.runtimes.ray.checks import round_form
+from lowcomm_jax.runtimes.ray.cluster import import_ray
 from lowcomm_jax.runtimes.ray.sender import Sender
 
 
@@ -47,6 +49,7 @@ class WorkerProcess:
     if params0 is None and ("state" not in restored or programs.accumulate or peers):
       params0 = initial_params(r)
     self.replica = replica_lib.Replica(r, params0, worker) if peers else None
+    self.mailbox = forms.Mailbox()  # what peers sent it in a collective (forms/exchange.py)
     # Per segment, where the segment mixes the last sync's fragment in after some steps, the
     # program in two parts (the peer form: the first runs while that sync's collective does)
     self._halves = (programs.local_halves[self.host] if peers and programs.local_halves
@@ -112,30 +115,6 @@ class WorkerProcess:
     with self._lock:
       self.state = self.state._replace(opt_state=self.r.worker_state_sync.put(
           self.state.opt_state, parts, jax.tree.map(jnp.asarray, values)))
-
-  # The peer form's state average: reduced among the workers (replica.py), not by a task.
-
-  def state_shards(self, parts: tuple[str, ...], members: int):
-    """({"bytes": what its parts are}, shard 0, ..., shard members−1 of them as one vector)."""
-    with self._lock:
-      vector = replica_lib.flat(self.r.worker_state_sync.take(self.state.opt_state, parts))
-    return ({"bytes": int(vector.nbytes)},
-            *[vector[a:b] for a, b in replica_lib.shard_bounds(vector.shape[0], members)])
-
-  def mean_state_shard(self, *shards: np.ndarray) -> tuple[dict, np.ndarray]:
-    """The members' mean of one shard; ({}, it) so the driver sees that it is done (and an
-    error) without fetching it."""
-    return {}, replica_lib.mean_rows(*shards)
-
-  def set_state_mean(self, parts: tuple[str, ...], members: list[int], *reduced) -> dict:
-    """Its `parts` replaced by the all-gathered mean; the bytes its link carried (its
-    shards out and its mean shard to each other member, the mirror in)."""
-    with self._lock:
-      like = jax.device_get(self.r.worker_state_sync.take(self.state.opt_state, parts))
-      mean = replica_lib.unflat(np.concatenate(reduced), like)
-      self.state = self.state._replace(opt_state=self.r.worker_state_sync.put(
-          self.state.opt_state, parts, jax.tree.map(jnp.asarray, mean)))
-    return replica_lib.gathered_bytes(reduced, members.index(self.worker))
 
   def checkpoint_state(self, unpushed_job: int | None) -> dict:
     """Its state for a checkpoint: as it was before job `unpushed_job` (started or not) if
@@ -211,139 +190,54 @@ class WorkerProcess:
   def adopt(self, state: dict) -> int:
     return self.replica.adopt(state)
 
-  def scatter(self, version: int, members: int):
-    """Its contribution from `version` in `members` shards (one return value each)."""
-    shards = self.replica.shards(version, members)
-    self.replica.moments["scattered"] = time.time()
-    return tuple(shards) if members > 1 else shards[0]
-
-  def reduce_shard(self, round_version: int, index: int, members: list[int], tokens,
-                   crash: bool, *shards) -> np.ndarray:
-    if crash:
-      replica_lib.crash_here()
-    mean = self.replica.reduce_shard(round_version, index, members, tokens, shards)
-    self.replica.moments["reduced"] = time.time()
-    return mean
-
-  # A robust rule shard by shard (replicas.Replicas._start_robust): its steps.
-
-  def robust_statistics(self, round_version: int, index: int, members: list[int],
-                        crash: bool, *shards) -> np.ndarray:
-    if crash:
-      replica_lib.crash_here()
-    return self.replica.robust_statistics(round_version, index, members, shards)
-
-  def robust_shard(self, round_version: int, index: int, members: list[int], tokens, losses,
-                   *statistics) -> np.ndarray:
-    out = self.replica.robust_shard(round_version, index, members, tokens, losses, statistics)
-    self.replica.moments["reduced"] = time.time()
-    return out
-
-  def robust_clip(self, index: int, *distances) -> np.ndarray:
-    out = self.replica.robust_clip(index, distances)
-    self.replica.moments["reduced"] = time.time()
-    return out
-
-  def apply_robust(self, round_version: int, members: list[int], tokens, losses, *parts) -> dict:
-    """`parts`: every member's statistics, then every member's shard of the result. Its
-    link's bytes: its shards of its contribution out and its shard of everyone's in (a
-    reduce-scatter's), its statistics (and centered clipping's distances each further
-    iteration) to and from every member, the result's all-gather."""
-    m = len(members)
-    statistics, combined = parts[:m], parts[m:]
-    digest = self.replica.apply_robust(round_version, members, tokens, losses, statistics,
-                                       combined)
-    small = (m - 1) * (statistics[0].nbytes
-                       + 4 * self.replica.r.config.num_workers * (self.replica.clip_iters - 1))
-    moved = replica_lib.gathered_bytes(combined, members.index(self.worker))
-    return {"hash": digest, "sent": moved["sent"] + small,
-            "received": moved["received"] + small, "moments": self._moments()}
-
-  # A hierarchical reduce (replicas.Replicas._start_hierarchical): its steps.
-
-  def sum_shard(self, round_version: int, index: int, group: list[int], tokens, crash: bool,
-                *shards) -> np.ndarray:
-    if crash:
-      replica_lib.crash_here()
-    total = self.replica.sum_shard(round_version, index, group, tokens, shards)
-    self.replica.moments["reduced"] = time.time()
-    return total
-
-  def cut(self, parts: int, *pieces: np.ndarray):
-    """`pieces` joined and cut again into `parts` (a leader: its region's sums into the
-    leaders' pieces; the mean's pieces into its region's shards)."""
-    whole = np.concatenate(pieces)
-    out = tuple(whole[a:b] for a, b in replica_lib.shard_bounds(whole.shape[0], parts))
-    return out if parts > 1 else out[0]
-
-  def divide_piece(self, round_version: int, index: int, groups: int, members: list[int],
-                   tokens, *pieces) -> np.ndarray:
-    return self.replica.divide_piece(round_version, index, groups, members, tokens, pieces)
-
-  def relay(self, shard: np.ndarray) -> np.ndarray:
-    """Its shard of the mean, from its leader, for its region's all-gather."""
-    return shard
-
-  def apply_hierarchical(self, round_version: int, members: list[int], tokens, losses,
-                         groups: list[list[int]], *reduced) -> dict:
-    """`apply_reduced` on the mean its region all-gathered; its link's bytes in the whole
-    hierarchical reduce."""
-    digest = self.replica.apply_reduced(round_version, members, tokens, losses, reduced)
-    n = int(sum(x.shape[0] for x in reduced))
-    return {"hash": digest, **replica_lib.hierarchical_bytes(n, groups)[self.worker],
-            "moments": self._moments()}
-
   def advance(self, round_version: int, members: list[int], tokens, losses) -> str:
     return self.replica.advance(round_version, members, tokens, losses)
 
-  def apply_reduced(self, round_version: int, members: list[int], tokens, losses,
-                    *reduced) -> dict:
-    digest = self.replica.apply_reduced(round_version, members, tokens, losses, reduced)
-    return {"hash": digest, **replica_lib.gathered_bytes(reduced, members.index(self.worker)),
-            "moments": self._moments()}
+  # A collective among the workers (forms/): one call each, the bytes member to member.
 
-  def apply_gathered(self, round_version: int, metas: dict, crash: bool, *rows) -> dict:
-    if crash:
-      replica_lib.crash_here()
-    members = sorted(metas)
-    got = dict(zip(members, rows))
-    digest = self.replica.apply_gathered(
-        round_version, {w: (got[w], metas[w]) for w in members})
-    size = lambda tree: sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
-    mine = size(got[self.worker])
-    return {"hash": digest, "sent": int(mine * (len(members) - 1)),
-            "received": int(sum(size(got[w]) for w in members) - mine),
-            "moments": self._moments()}
+  def exchange(self, message: dict) -> dict:
+    """Its part of a round's collective, as the form `message` names: its outcome (the
+    hash of what it staged, its link's bytes) or why the attempt failed."""
+    form = forms.get(message["form"])
+    return self._take_part(message, lambda ex: form.member(self.replica, ex, message))
 
-  def swap_payload(self, version: int) -> np.ndarray:
-    """What it sends its round's peer (a pair swap: `Sync.partners`)."""
-    payload = self.replica.swap_payload(version)
-    self.replica.moments["scattered"] = time.time()
-    return payload
+  def mean_state(self, message: dict) -> dict:
+    """Its `parts` of the optimizer state (a state average: DES-LOC's moments) replaced by
+    their mean among the members; its link's bytes and the parts' own."""
+    parts = tuple(message["parts"])
 
-  def apply_swap(self, round_version: int, crash: bool, mine: np.ndarray, theirs) -> dict:
-    """Its new own row from its payload and its peer's (None: the peer is not in the round)."""
-    if crash:
-      replica_lib.crash_here()
-    digest = self.replica.apply_swap(round_version, mine, theirs)
-    moved = 0 if theirs is None else int(mine.nbytes)
-    return {"hash": digest, "sent": moved, "received": moved, "moments": self._moments()}
+    def steps(ex):
+      with self._lock:
+        like = jax.device_get(self.r.worker_state_sync.take(self.state.opt_state, parts))
+      vector = replica_lib.flat(like)
+      mean, moved = forms.mean_of(ex, vector)
+      with self._lock:
+        self.state = self.state._replace(opt_state=self.r.worker_state_sync.put(
+            self.state.opt_state, parts,
+            jax.tree.map(jnp.asarray, replica_lib.unflat(mean, like))))
+      return {**moved, "bytes": int(vector.nbytes)}
+    return self._take_part(message, steps)
 
-  def phi_shards(self, members: int):
-    """({"bytes"}, its φ in `members` shards) for the consensus θ."""
-    vector = self.replica.phi()
-    return ({"bytes": int(vector.nbytes)},
-            *[vector[a:b] for a, b in replica_lib.shard_bounds(vector.shape[0], members)])
+  def consensus(self, message: dict) -> dict:
+    """θ, the members' mean φ (a sync of pair swaps: NoLoCo), on every member."""
+    def steps(ex):
+      mean, moved = forms.mean_of(ex, self.replica.phi())
+      self.replica.set_consensus(mean)
+      return moved
+    return self._take_part(message, steps)
 
-  def set_consensus(self, members: list[int], *reduced) -> dict:
-    """θ, the all-gathered mean of the members' φ; the bytes its link carried."""
-    self.replica.set_consensus(np.concatenate(reduced))
-    return replica_lib.gathered_bytes(reduced, members.index(self.worker))
+  def deliver(self, tag: tuple, sender: int, box) -> None:
+    """A peer's value in a collective (`forms.exchange`), kept until its phase is gathered."""
+    self.mailbox.put(tuple(tag), sender, box)
 
-  def _moments(self) -> dict:
-    """When this member finished each step of the round's collective (the Timeline's)."""
-    moments, self.replica.moments = {**self.replica.moments, "staged": time.time()}, {}
-    return moments
+  def abort(self, version: int, attempt: int) -> None:
+    """The driver called the attempt off (a member was lost): stop waiting in it."""
+    self.mailbox.abort(version, attempt)
+
+  def _take_part(self, message: dict, steps) -> dict:
+    transport = forms.RayTransport(import_ray(), message["handles"])
+    return forms.take_part(self.worker, message, self.mailbox, transport, steps,
+                           replica_lib.crash_here)
 
   def commit(self, round_version: int) -> int:
     return self.replica.commit(round_version)

@@ -1,0 +1,41 @@
+"""Collective forms of the Ray runtime's peer form: how a synchronous round's members
+combine their contributions among themselves, with no process in the middle.
+
+Each form is one module (base.Form: what the driver tells each member, and what a member
+does); `FORMS` is the registry, and `for_round` the one place that picks a form for a
+round, so nothing outside this package compares a form's name. `exchange.py` is how the
+members reach each other (their mailboxes, an attempt's sends and gathers).
+
+  direct        every member with every other: a dense mean reduce-scattered and
+                all-gathered, a robust rule shard by shard, or whole rows all-gathered
+  hierarchical  a dense mean by region, the regions' leaders between them
+  pairs         each member with its round's peer alone (NoLoCo's swaps)
+"""
+
+from lowcomm_jax.runtimes.ray.forms.base import Form, take_part
+from lowcomm_jax.runtimes.ray.forms.direct import DIRECT, mean_of
+from lowcomm_jax.runtimes.ray.forms.exchange import (Exchange, Failed, LocalTransport, Mailbox,
+                                                     RayTransport)
+from lowcomm_jax.runtimes.ray.forms.hierarchical import HIERARCHICAL, regions_of
+from lowcomm_jax.runtimes.ray.forms.pairs import PAIRS
+
+FORMS: dict[str, Form] = {f.name: f for f in (DIRECT, HIERARCHICAL, PAIRS)}
+
+
+def get(name: str) -> Form:
+  return FORMS[name]
+
+
+def for_round(rounds, members: list[int]) -> Form:
+  """The form of a round among `members` (`rounds`: the driver's Replicas): pair swaps where
+  the sync swaps with a peer, by region where `regions_of` says so, else direct."""
+  if rounds.d.r.sync.partners is not None:
+    return PAIRS
+  if regions_of(rounds, members) is not None:
+    return HIERARCHICAL
+  return DIRECT
+
+
+__all__ = ["DIRECT", "FORMS", "HIERARCHICAL", "PAIRS", "Exchange", "Failed", "Form",
+           "LocalTransport", "Mailbox", "RayTransport", "for_round", "get", "mean_of",
+           "regions_of", "take_part"]

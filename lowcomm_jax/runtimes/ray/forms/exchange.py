@@ -1,0 +1,155 @@
+"""How a collective's members reach each other without the driver: each member's mailbox
+(what the others sent it, by round, attempt, phase and sender) and `Exchange`, one member's
+view of one attempt of one collective (send, gather, all-gather, all-to-all).
+
+The driver starts an attempt with one message to each member and reads one outcome back;
+everything between is member to member. A transport moves the values: on Ray
+(`RayTransport`) a sender puts its value once in the object store, so the object is owned
+by the sender, and calls each receiver's `deliver` with its reference (wrapped, so Ray does
+not fetch it before the call); the receiver fetches every reference of a phase at once when
+it needs them. In one process (`LocalTransport`, the tests') the mailboxes are shared.
+
+A member stops waiting, and its attempt ends staging nothing, when the driver calls the
+attempt off (`abort`: another member died), when a peer's object is lost with its owner,
+or past the attempt's deadline; its outcome then names the members it still waited for.
+"""
+
+import threading
+import time
+
+
+class Failed(Exception):
+  """This member's part of an attempt ended without staging: `missing` are the members it
+  still waited for (none where the driver called the attempt off)."""
+
+  def __init__(self, why: str, missing=()):
+    super().__init__(why)
+    self.missing = list(missing)
+
+
+class Mailbox:
+  """What the other members sent this one, by (version, attempt, phase) and sender; the
+  attempts the driver called off. Thread-safe: deliveries come on the actor's other
+  threads while its exchange waits."""
+
+  def __init__(self):
+    self._items: dict = {}  # ((version, attempt, phase), sender) -> box
+    self._off: set = set()  # (version, attempt) called off
+    self._arrived = threading.Condition()
+
+  def put(self, tag: tuple, sender: int, box) -> None:
+    with self._arrived:
+      if tag[:2] not in self._off:
+        self._items[(tag, sender)] = box
+        self._arrived.notify_all()
+
+  def abort(self, version: int, attempt: int) -> None:
+    with self._arrived:
+      self._off.add((version, attempt))
+      self._arrived.notify_all()
+
+  def open(self, version: int, attempt: int) -> None:
+    """An attempt starts here: what earlier attempts and versions left is let go."""
+    with self._arrived:
+      old = lambda key: key[:2] < (version, attempt)
+      self._items = {k: box for k, box in self._items.items() if not old(k[0])}
+      self._off = {k for k in self._off if not old(k)}
+
+  def take(self, tag: tuple, senders: list[int], deadline: float) -> list:
+    """The boxes `senders` sent under `tag`, in their order, once all are in."""
+    with self._arrived:
+      while True:
+        if tag[:2] in self._off:
+          raise Failed(f"round {tag[0]} attempt {tag[1]} was called off")
+        missing = [s for s in senders if (tag, s) not in self._items]
+        if not missing:
+          return [self._items.pop((tag, s)) for s in senders]
+        left = deadline - time.monotonic()
+        if left <= 0:
+          raise Failed(f"members {missing} sent no {tag[2]!r} of round {tag[0]} in time",
+                       missing)
+        self._arrived.wait(left)
+
+
+class LocalTransport:
+  """Members in one process (the tests' rounds, one thread each): values go as they are."""
+
+  def __init__(self, mailboxes: dict[int, Mailbox]):
+    self.mailboxes = mailboxes
+
+  def pack(self, value):
+    return value
+
+  def deliver(self, to: int, tag: tuple, sender: int, box) -> None:
+    self.mailboxes[to].put(tag, sender, box)
+
+  def unpack(self, boxes: list, deadline: float) -> list:
+    del deadline
+    return list(boxes)
+
+
+class RayTransport:
+  """Members as Ray actors (`handles`: worker -> actor handle): a value is put once in the
+  sender's object store, and each receiver's `deliver` gets its reference."""
+
+  def __init__(self, ray, handles: dict):
+    self.ray, self.handles = ray, handles
+
+  def pack(self, value):
+    return [self.ray.put(value)]  # (in a list: Ray passes the reference, not the value)
+
+  def deliver(self, to: int, tag: tuple, sender: int, box) -> None:
+    self.handles[to].deliver.remote(tag, sender, box)
+
+  def unpack(self, boxes: list, deadline: float) -> list:
+    ray = self.ray
+    try:
+      return ray.get([box[0] for box in boxes], timeout=max(1.0, deadline - time.monotonic()))
+    except ray.exceptions.ObjectLostError as e:  # (its owner, the sender, died)
+      raise Failed(f"a peer's object was lost: {type(e).__name__}") from e
+    except ray.exceptions.GetTimeoutError as e:
+      raise Failed("a peer's objects did not arrive in time") from e
+
+
+class Exchange:
+  """Member `me`'s view of one attempt of a collective among `members` (worker order):
+  what it sends whom, and what it waits for. Its own values never leave it."""
+
+  def __init__(self, me: int, members: list[int], version: int, attempt: int,
+               mailbox: Mailbox, transport, timeout_s: float):
+    self.me, self.members, self.version, self.attempt = me, list(members), version, attempt
+    self.index = self.members.index(me)
+    self.mailbox, self.transport = mailbox, transport
+    self.deadline = time.monotonic() + timeout_s
+    mailbox.open(version, attempt)
+
+  def _tag(self, phase: str) -> tuple:
+    return (self.version, self.attempt, phase)
+
+  def send(self, to: list[int], phase: str, value) -> None:
+    """`value` to each member of `to` (itself excepted: it keeps its own)."""
+    others = [w for w in to if w != self.me]
+    if others:
+      box = self.transport.pack(value)
+      for w in others:
+        self.transport.deliver(w, self._tag(phase), self.me, box)
+
+  def gather(self, phase: str, senders: list[int], own=None) -> list:
+    """What each of `senders` sent under `phase`, in their order (`own` in its own place)."""
+    others = [w for w in senders if w != self.me]
+    boxes = self.mailbox.take(self._tag(phase), others, self.deadline)
+    got = dict(zip(others, self.transport.unpack(boxes, self.deadline)))
+    return [own if w == self.me else got[w] for w in senders]
+
+  def all_gather(self, phase: str, value, among: list[int] | None = None) -> list:
+    """Every member's `value` (of `among`, by default every member), in their order."""
+    among = self.members if among is None else among
+    self.send(among, phase, value)
+    return self.gather(phase, among, own=value)
+
+  def all_to_all(self, phase: str, pieces: list, among: list[int] | None = None) -> list:
+    """Piece k of `pieces` to the k-th of `among`: what each of them sent this member."""
+    among = self.members if among is None else among
+    for w, piece in zip(among, pieces):
+      self.send([w], phase, piece)
+    return self.gather(phase, among, own=pieces[among.index(self.me)])
