@@ -36,21 +36,31 @@ class CountingTransport(forms.LocalTransport):
     return out
 
 
+class Died(Exception):
+  """A member's death, in-process (chaos' crash_in_sync)."""
+
+
 def run_members(members, version, steps, *, attempt=1, timeout_s=60.0, crash=None):
-  """`steps[w](exchange)` of each member in its own thread: ({member: its outcome}, the
-  transport). `crash`: the member whose part raises at once (chaos' crash, in-process)."""
+  """`steps[w](exchange)` of each member in its own thread: ({member: its outcome, None for
+  the one that died}, the transport). `crash`: the member that dies as its part starts."""
   mailboxes = {w: forms.Mailbox() for w in members}
   transport = CountingTransport(mailboxes)
   message = {"version": version, "attempt": attempt, "members": list(members),
              "timeout_s": timeout_s, "crash": crash}
 
   def died():
-    raise RuntimeError("crashed")
+    raise Died
+
+  def outcome(future):
+    try:
+      return future.result()
+    except Died:
+      return None
 
   with concurrent.futures.ThreadPoolExecutor(len(members)) as pool:
     futures = {w: pool.submit(forms.take_part, w, message, mailboxes[w], transport, steps[w],
                               died) for w in members}
-    return {w: f.result() for w, f in futures.items()}, transport
+    return {w: outcome(f) for w, f in futures.items()}, transport
 
 
 def rounds_of(r):

@@ -432,6 +432,9 @@ def test_diloco_in_full_quorum_rounds_trains_as_the_runner_does(cluster, tmp_pat
   assert [c[:2] for c in collectives] == [[v, workers] for v in range(3)]
   assert all(c[2] <= c[5] <= c[6] for c in collectives), collectives
   assert all((c[3] is None) == gathered for c in collectives)  # (all-gathered rows)
+  # the members drive each round: the driver calls each member twice (the round's one
+  # message, its commit), whatever the phases of the exchange between them
+  assert summary["collective_calls"] == 3 * 2 * workers
 
 
 def test_a_quorum_round_does_not_wait_for_a_slow_or_dead_worker(cluster, tmp_path):

@@ -60,6 +60,8 @@ class Counts:
   recoveries: list = dataclasses.field(default_factory=list)  # {"what", "seconds", ...}
   chaos_done: int = 0  # chaos events already fired
   collective_retries: int = 0  # peer form: rounds' collectives tried again among survivors
+  collective_calls: int = 0  # peer form: the driver's calls to members for collectives
+  # (an attempt's one message each, a commit each, an abort each: O(W) a round)
   wire_bytes: dict = dataclasses.field(default_factory=dict)  # peer form: worker -> [sent,
   # received] on its own link by rounds' collectives (the arrays it sent and took)
 
@@ -103,6 +105,7 @@ class Counts:
         "recoveries": self.recoveries, "compute_seconds_per_worker": self.compute_seconds,
         "bytes_sent_total": self.sent_bytes, "wire_bytes_per_worker": self.wire_bytes,
         "collective_retries": self.collective_retries,
+        "collective_calls": self.collective_calls,
         "server_bytes_sent": self.pushes * plan.param_bytes,
         "bytes_sent_ddp_equivalent": plan.param_bytes * self.applied_steps // num_workers}
 

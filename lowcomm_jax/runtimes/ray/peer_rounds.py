@@ -91,6 +91,7 @@ class PeerRounds(Replicas, QuorumRounds):
     tokens = [float(self.rows[w][0]["tokens"]) for w in members]
     losses = [float(self.rows[w][0].get("loss", 0.0)) for w in members]
     refs = {w: pool.actors[w].advance.remote(v, members, tokens, losses) for w in members}
+    d.counts.collective_calls += len(members)
     hashes = {}
     for w, ref in refs.items():
       try:

@@ -231,6 +231,7 @@ class Replicas:
       common["form"] = form.name
     refs = [getattr(pool.actors[w], method).remote({**common, **messages[w]})
             for w in members]
+    self.d.counts.collective_calls += len(members)
     return Attempt(self.attempts, form, refs)
 
   def _await(self, what: str, version: int, members: list[int], attempt: Attempt
@@ -264,6 +265,7 @@ class Replicas:
         for other in waiting.values():
           if other in d.pool.actors:
             d.pool.actors[other].abort.remote(version, attempt.number)
+            d.counts.collective_calls += 1
         deadline = min(deadline, time.monotonic() + d.c.ray.recover_timeout_s)
     self.failures = (outcome, list(waiting.values()))
     return None if failed or waiting else outcome
@@ -300,6 +302,7 @@ class Replicas:
       raise RuntimeError(f"round {v}: the members' θ differ after the same collective "
                          f"({hashes}); the replicas have diverged")
     refs = {w: d.pool.actors[w].commit.remote(v) for w in members}
+    d.counts.collective_calls += len(members)
     for w, ref in refs.items():
       try:
         d.ray.get(ref)
