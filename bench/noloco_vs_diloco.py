@@ -96,7 +96,7 @@ def clock(diloco_collective: str = "auto") -> None:
           "data.seq_len": 64, "rounds": 20,
           "sim.network.bytes_scale": float(f"{124_000_000 / TINY_PARAMS:.1f}")})
       if method == "diloco":
-        c.sim.network.collective = diloco_collective
+        c.collective_form = diloco_collective
       seconds[method] = simulate.clock(c)[-1][0]
     ratios.append(seconds["noloco"] / seconds["diloco"])
     print(f"seed {seed}: diloco {seconds['diloco']:.1f} s, noloco {seconds['noloco']:.1f} s, "

@@ -238,7 +238,7 @@ def main() -> None:
                 "--config.ray.apply_order=arrival", "--config.ray.min_quorum=0",
                 f"--config.ray.standby_server={args.standby_server}",
                 # issue 29's measurement: rounds through a server, which its chaos kills
-                "--config.sim.network.collective=server"]
+                "--config.collective_form=server"]
       if part == "ray_chaos":
         flags.append("--config.ray.chaos=" + repr(tuple(ray_chaos(args.rounds))))
       cmd = [sys.executable, "-m", "lowcomm_jax.main", *flags]

@@ -20,15 +20,15 @@ then contributions to it).
   python bench/real_vs_sim.py --report /tmp/real_vs_sim   # the table, from the results
 
 Issue 61's scaling table: one case at W workers in each form of the Ray runtime's rounds
-(`server`: through the parameter server; `ring`: among the workers in one exchange;
-`hierarchical`: among the workers, by region; sim.network.collective), each run replayed
+(`server`: through the parameter server; `direct`: among the workers in one exchange;
+`hierarchical`: among the workers, by region; collective_form), each run replayed
 with the simulator's model of that form:
 
   python bench/real_vs_sim.py --scaling diloco,10,20 --workers 2 4 8 --seeds 0 1 2 \
       --out /tmp/real_vs_sim
   python bench/real_vs_sim.py --scaling diloco,10,20,colocated --workers 4 \
-      --forms ring hierarchical --out /tmp/real_vs_sim   # two regions behind 5 Mb/s uplinks
-  python bench/real_vs_sim.py --time_to_loss --form ring --out /tmp/real_vs_sim
+      --forms direct hierarchical --out /tmp/real_vs_sim   # two regions behind 5 Mb/s uplinks
+  python bench/real_vs_sim.py --time_to_loss --form direct --out /tmp/real_vs_sim
                                      # DiLoCo H 50 against DDP, rounds among the workers
 """
 
@@ -116,7 +116,7 @@ def replay(workdir: pathlib.Path, step_seconds: list[float], collective: str | N
     c.sim.step_seconds = fastest
     c.sim.speeds = tuple(fastest / s for s in step_seconds)
     if collective is not None:
-      c.sim.network.collective = collective
+      c.collective_form = collective
   return simulate.clock(c)
 
 
@@ -146,14 +146,15 @@ def compare(real: list[float], predicted: list[float]) -> dict:
 
 
 # Issue 61: each form of the Ray runtime's rounds, and the simulator's model of it.
-# form (sim.network.collective on Ray) -> the simulator's model a run is replayed with: Ray's
-# 'ring' is one direct exchange, every pair at once ('direct'; replayed with 'auto', a ring,
-# until hierarchical rounds existed on Ray: on one region the same bytes per NIC)
-FORMS = {"server": "server", "ring": "direct", "hierarchical": "hierarchical"}
+# form (collective_form on Ray) -> the simulator's model a run is replayed with: Ray's
+# 'direct' is one direct exchange, every pair at once (issue 61 called it 'ring', replayed
+# with 'auto', a ring, until hierarchical rounds existed on Ray: on one region the same
+# bytes per NIC; issue 70 gave it its own name)
+FORMS = {"server": "server", "direct": "direct", "hierarchical": "hierarchical"}
 
 
 def run_scaling(case: str, workers: list[int], seeds: list[int], out: pathlib.Path,
-                forms=("server", "ring")) -> None:
+                forms=("server", "direct")) -> None:
   """`case` at each worker count in each of `forms` (FORMS): the real runs over links built
   for W workers, each replayed with its form's model; result.json per run, written as it
   goes (a finished one is skipped)."""
@@ -161,9 +162,9 @@ def run_scaling(case: str, workers: list[int], seeds: list[int], out: pathlib.Pa
   for w in workers:
     for form in forms:
       model = FORMS[form]
-      overrides = (f"--config.num_workers={w}", f"--config.sim.network.collective={form}")
+      overrides = (f"--config.num_workers={w}", f"--config.collective_form={form}")
       config = load_config(str(ROOT / f"configs/real_links.py:{case}"))
-      config.num_workers, config.sim.network.collective = w, form
+      config.num_workers, config.collective_form = w, form
       folder = out / "scaling" / _folder(case, w, form)
       folder.mkdir(parents=True, exist_ok=True)
       with links_for(config) as links:
@@ -377,7 +378,7 @@ def run_time_to_loss(seeds: list[int], out: pathlib.Path, form: str = "server") 
         if (workdir / "result.json").exists():
           continue
         summary = real_run(links, env, case, seed, workdir, config.num_workers,
-                           overrides + (f"--config.sim.network.collective={form}",))
+                           overrides + (f"--config.collective_form={form}",))
         steps = measured_speeds(summary["step_seconds_by_job"], config.num_workers)
         evals = [(row["total_inner_steps"], row["eval_loss"])
                  for row in report.read_metrics(workdir) if "eval_loss" in row]
@@ -451,7 +452,7 @@ def main() -> None:
   p.add_argument("--scaling", help="a configs/real_links.py argument run at --workers "
                  "workers in each form of the Ray runtime's rounds (FORMS)")
   p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
-  p.add_argument("--forms", nargs="+", choices=list(FORMS), default=["server", "ring"],
+  p.add_argument("--forms", nargs="+", choices=list(FORMS), default=["server", "direct"],
                  help="--scaling: the forms to run ('hierarchical' needs a PLACE of regions)")
   p.add_argument("--report", type=pathlib.Path, help="print the tables of a finished --out")
   p.add_argument("--replay", type=pathlib.Path,

@@ -220,7 +220,7 @@ def method_rows(workdir, method, point, seeds, goals, clocks) -> list[dict]:
       entry = {"seconds": t, "steps": steps,
                "floor": clocks.seconds_at(fields, seed, FREE, steps)}
       if method in SYNCHRONOUS:  # clock-only variants of the same trained run
-        entry["ring"] = clocks.seconds_at(fields, seed, {"sim.network.collective": "ring"},
+        entry["ring"] = clocks.seconds_at(fields, seed, {"collective_form": "ring"},
                                           steps)
       if method.startswith("ddp"):
         entry["bf16"] = clocks.seconds_at(fields, seed, {

@@ -1,7 +1,7 @@
 """Real processes over real slow links, and the simulator's replay of them (issue 54):
 4 workers of the byte-level `small` model (a 3.4 MB pseudo-gradient), on links that make
 the sync matter; synchronous rounds among the workers, or through a parameter server with
---config.sim.network.collective=server (issue 61). The same file runs three ways:
+--config.collective_form=server (issue 61). The same file runs three ways:
 
   bench/real_vs_sim.py --cases ARG    Ray over namespaces and `tbf` links built from
                                       sim.network (every NIC, region uplinks; root)

@@ -222,6 +222,40 @@ def test_only_the_runtimes_compare_runtime_names():
   assert not _runtime_comparisons(ast.parse('c.algorithm == "diloco"'))
 
 
+def _form_comparisons(tree: ast.AST) -> list[int]:
+  """Lines of `tree` that compare with a collective form's name (or the simulator's
+  'ring'), or compare a `.collective_form` field ('auto' is ray.address's too)."""
+  from lowcomm_jax.runtimes.ray import forms
+  names = (set(forms.FORMS) | set(forms.config.ON_RAY) | {"ring"}) - {"auto"}
+
+  def named(node) -> bool:
+    if isinstance(node, ast.Constant):
+      return node.value in names
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+      return any(named(e) for e in node.elts)
+    return isinstance(node, ast.Attribute) and node.attr == "collective_form"
+
+  return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+          and any(named(side) for side in [node.left, *node.comparators])]
+
+
+def test_only_the_forms_package_compares_a_collective_forms_name():
+  """runtimes/ray/forms/ is where a round's collective form is picked (the registry,
+  `for_round`, and which forms a config has: forms/config.py): no other module of the Ray
+  runtime branches on `c.collective_form == 'server'`, a form's name, or the like."""
+  found = [f"{name}:{line}" for name, path in MODULES.items()
+           if name.startswith("runtimes.ray") and not name.startswith("runtimes.ray.forms")
+           for line in _form_comparisons(ast.parse(path.read_text()))]
+  assert not found, "form names compared outside runtimes/ray/forms/: " + ", ".join(found)
+  # The walk finds what it is for (so the test above cannot pass by finding nothing).
+  for code in ('c.collective_form == "auto"', 'how in ("auto", "hierarchical")',
+               'x.name != "pairs"', 'form == "server"'):
+    assert _form_comparisons(ast.parse(code)), code
+  assert not _form_comparisons(ast.parse('c.algorithm == "diloco"'))
+  # ... and before the forms were a package, it found the Ray runtime's branches
+  assert _form_comparisons(ast.parse('if c.sim.network.collective == "server" or x: pass'))
+
+
 def _mentions(tree: ast.AST, word: str) -> bool:
   """Whether code in `tree` (names, attributes, imports, strings but docstrings) names
   `word`."""

@@ -163,8 +163,8 @@ def test_memory_estimate_counts_adamw_states_and_codec_buffers(smoke_config):
     ({"collab.target_batch_size": 32, "data.batch_mode": "different"},
      "algorithm='diloco': collaborative epochs average gradients at θ and take one optimizer "
      "step per epoch; use --config.algorithm=ddp (or set --config.collab.target_batch_size=0)"),
-    ({"algorithm": "streaming", "runtime": "simulator", "sim.network.collective": "server"},
-     "sim.network.collective='server': streaming's simulator schedule has no parameter "
+    ({"algorithm": "streaming", "runtime": "simulator", "collective_form": "server"},
+     "collective_form='server': streaming's simulator schedule has no parameter "
      "server's form; use auto, ring or hierarchical"),
     ({"algorithm": "halos", "runtime": "simulator", "aggregate.rule": "median"},
      "aggregate.rule='median': halos combines contributions its own way; use one of ['ddp', "
@@ -194,3 +194,25 @@ def test_the_field_that_picked_the_simulator_names_the_runtime_field():
   with pytest.raises(check.ConfigError, match=r"runtime='lockstep': use one of \['spmd', "
                      r"'simulator', 'ray'\]"):
     check.validate(load_config("smoke", runtime="lockstep"), num_devices=8)
+
+
+def test_the_field_that_picked_a_rounds_collective_names_collective_form():
+  """`sim.network.collective` moved to `collective_form` (both the simulator and Ray read
+  it): a config file that still sets it, or a command line, gets one line naming the new
+  field; a workdir written with it resumes with its value in the new field."""
+  from lowcomm_jax.config import command_line
+  from lowcomm_jax.run import identity
+  config = load_config("smoke")
+  with config.unlocked():
+    config.sim.network.collective = "hierarchical"
+  problems = _problems(config)
+  assert problems == ["sim.network.collective='hierarchical': moved; set "
+                      "--config.collective_form=hierarchical (and drop "
+                      "sim.network.collective)"], problems
+  with pytest.raises(command_line.UsageError, match=r"^--config\.sim\.network\.collective: "
+                     r"gone; use --config\.collective_form"):
+    command_line.check_override(load_config("smoke"), "sim.network.collective")
+  old = {"runtime": "ray", "sim": {"step_seconds": 0.1,
+                                   "network": {"collective": "server", "regions": 2}}}
+  assert identity.upgraded(old) == {"runtime": "ray", "collective_form": "server",
+                                    "sim": {"step_seconds": 0.1, "network": {"regions": 2}}}

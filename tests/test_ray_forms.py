@@ -96,3 +96,27 @@ def test_the_driver_loses_the_dead_else_whom_the_others_waited_for():
   # nobody named, everyone answered and alive: the run stops, naming what it saw
   with pytest.raises(RuntimeError, match="alive and answered"):
     _lose({0: failed(), 1: failed(), 2: failed(), 3: failed()}, [])
+
+
+@pytest.mark.parametrize("gbps,covered", [(100.0, True), (1e-5, False)])
+def test_the_collective_timeout_is_held_against_a_rounds_bytes(gbps, covered):
+  """The driver says in one line that ray.collective_timeout_s covers a round's bytes over
+  the links sim.network describes, or refuses the config naming the field and the least
+  value that does (10 kb/s: the smoke model's Δ takes minutes)."""
+  from conftest import load_config
+  from lowcomm_jax.assemble.build import build
+  from lowcomm_jax.assemble.plan import make_plan, one_device
+  from lowcomm_jax.errors import ConfigError
+  from lowcomm_jax.runtimes.ray.replicas import timeout_covers_bytes
+  c = load_config("smoke", **{"algorithm": "diloco", "num_workers": 3, "mesh.replica": 1,
+                              "runtime": "ray", "sim.network.intra_gbps": gbps,
+                              "ray.collective_timeout_s": 60.0})
+  r = build(one_device(c), check_memory=False)
+  plan = make_plan(r.config, r)
+  if covered:
+    line = timeout_covers_bytes(r.config, plan, reduces=True)
+    assert line.startswith("ray.collective_timeout_s=60 covers") and "\n" not in line
+  else:
+    with pytest.raises(ConfigError, match=r"ray.collective_timeout_s=60.0: a round's bytes "
+                                          r"among 3 workers take [\d.]+ s .* use at least"):
+      timeout_covers_bytes(r.config, plan, reduces=True)

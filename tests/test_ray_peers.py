@@ -337,28 +337,29 @@ def _problems(**overrides):
 
 def test_the_form_follows_the_collective_and_the_algorithm():
   from lowcomm_jax import algorithms
-  from lowcomm_jax.runtimes.ray.checks import round_form
-  form = lambda **o: round_form(load_config("smoke", **{"runtime": "ray", **o}),
-                                algorithms.get(o.get("algorithm", "diloco")))
-  assert form(algorithm="diloco") == "peers"
-  assert form(algorithm="streaming") == "peers"
-  assert form(algorithm="diloco", **{"sim.network.collective": "server"}) == "server"
-  assert form(algorithm="async_dn") == "server"  # the server is the algorithm
-  assert form(algorithm="noloco", num_workers=4) == "peers"  # each pair swaps directly
-  assert form(algorithm="ddp", **{"collab.target_batch_size": 64}) == "peers"  # (epochs too)
+  peers = lambda **o: forms.among_workers(load_config("smoke", **{"runtime": "ray", **o}),
+                                          algorithms.get(o.get("algorithm", "diloco")))
+  assert peers(algorithm="diloco")
+  assert peers(algorithm="streaming")
+  assert not peers(algorithm="diloco", **{"collective_form": "server"})
+  assert not peers(algorithm="async_dn")  # the server is the algorithm
+  assert peers(algorithm="noloco", num_workers=4)  # each pair swaps directly
+  assert peers(algorithm="ddp", **{"collab.target_batch_size": 64})  # (epochs too)
 
 
 @pytest.mark.parametrize("overrides,field", [
     ({"ray.collective_timeout_s": 1.0}, "ray.collective_timeout_s"),
-    ({"sim.network.collective": "hierarchical"}, "sim.network.collective"),  # one region
+    ({"collective_form": "hierarchical"}, "collective_form"),  # one region
     # two regions, but payloads all-gathered whole (a codec) or a pair swap (NoLoCo)
-    ({"sim.network.collective": "hierarchical", "sim.network.regions": 2,
-      "compress.codec": "int8"}, "sim.network.collective"),
-    ({"algorithm": "noloco", "num_workers": 4, "sim.network.collective": "hierarchical",
-      "sim.network.regions": 2}, "sim.network.collective"),
-    ({"algorithm": "async_dn", "sim.network.collective": "ring"}, "sim.network.collective"),
+    ({"collective_form": "hierarchical", "sim.network.regions": 2,
+      "compress.codec": "int8"}, "collective_form"),
+    ({"algorithm": "noloco", "num_workers": 4, "collective_form": "hierarchical",
+      "sim.network.regions": 2}, "collective_form"),
+    ({"algorithm": "async_dn", "collective_form": "direct"}, "collective_form"),
+    ({"collective_form": "ring"}, "collective_form"),  # (the simulator's: Ray has none)
+    ({"collective_form": "tree"}, "collective_form"),
     ({"ray.chaos": ("kill_server@2",)}, "ray.chaos"),  # the peer form has no server
-    ({"ray.chaos": ("crash_in_sync=0@2",), "sim.network.collective": "server"}, "ray.chaos"),
+    ({"ray.chaos": ("crash_in_sync=0@2",), "collective_form": "server"}, "ray.chaos"),
     ({"ray.standby_server": True}, "ray.standby_server"),
 ])
 def test_bad_collective_input_is_one_line_naming_its_field(overrides, field):
@@ -367,7 +368,7 @@ def test_bad_collective_input_is_one_line_naming_its_field(overrides, field):
 
 
 def test_a_hierarchical_dense_mean_over_regions_is_accepted():
-  assert _problems(algorithm="diloco", **{"sim.network.collective": "hierarchical",
+  assert _problems(algorithm="diloco", **{"collective_form": "hierarchical",
                                           "sim.network.regions": 2}) == ""
 
 

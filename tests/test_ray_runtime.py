@@ -520,17 +520,17 @@ def test_a_hierarchical_round_reduces_by_region_and_ends_where_the_flat_one_does
   from lowcomm_jax.runtimes.ray import replica as replica_lib
   same = {"algorithm": "diloco", "num_workers": 3, "aggregate.weighting": "tokens",
           "sim.network.regions": 2, "sim.network.worker_regions": (0, 0, 1)}
-  tiered = _config(**same, **{"sim.network.collective": "hierarchical"})
+  tiered = _config(**same, **{"collective_form": "hierarchical"})
   summary, _ = _run(tiered, tmp_path / "hierarchical")
-  ring = _config(**same, **{"sim.network.collective": "ring"})
-  flat, _ = _run(ring, tmp_path / "flat")
+  direct = _config(**same, **{"collective_form": "direct"})
+  flat, _ = _run(direct, tmp_path / "flat")
   assert summary["hierarchical_collectives"] == 3 and flat["hierarchical_collectives"] == 0
   n = summary["params"]
   per_round = replica_lib.hierarchical_bytes(n, [[0, 1], [2]])
   assert summary["wire_bytes_per_worker"] == {
       str(w): [3 * b["sent"], 3 * b["received"]] for w, b in per_round.items()}
   np.testing.assert_allclose(_ray_checkpointed_params(tiered, tmp_path / "hierarchical"),
-                             _ray_checkpointed_params(ring, tmp_path / "flat"),
+                             _ray_checkpointed_params(direct, tmp_path / "flat"),
                              rtol=0, atol=1e-6)
   assert summary["bytes_sent"] == flat["bytes_sent"]  # (the ledger counts payloads)
 
@@ -557,7 +557,7 @@ def test_a_robust_quorum_survives_a_join_and_its_server_restarting(cluster, tmp_
   per worker id (3, not the 2 it started with). Rounds combine the rows that came."""
   config = _config(algorithm="diloco", rounds=4,
                    **{"aggregate.rule": "median", "aggregate.signal": "loss_ema",
-                      "sim.network.collective": "server",
+                      "collective_form": "server",
                       "ray.chaos": ("add_worker@2", "kill_server@5")})
   summary, events = _run(config, tmp_path)
   assert summary["rounds_closed"] == 4 and np.isfinite(summary["eval_loss"])
@@ -710,7 +710,7 @@ def test_the_main_job_on_ray_survives_tiered_failures_and_ends_where_its_replay_
   short = {"model.name": "tiny", "rounds": 4, "inner_steps": 2, "data.seq_len": 32,
            "eval_every": 4, "checkpoint_every": 1, "log_every": 1, "mesh.replica": 1,
            "runtime": "ray", "ray.apply_order": "dispatch",
-           "sim.network.collective": "server"}  # (the peer form has no server to kill)
+           "collective_form": "server"}  # (the peer form has no server to kill)
   chaos_ = ("delay_worker=0:0.2@1", "kill_worker=2@3", "add_worker=tier:0.25@5")
   config = load_config("diloco_hetero", **short, **{"ray.chaos": chaos_ + ("kill_server@9",)})
   summary, events = _run(config, tmp_path / "chaos")
@@ -783,7 +783,7 @@ def test_a_collaborative_epoch_completes_without_a_killed_peer_and_counts_a_join
   last = {"server": "kill_server@6", "peers": "crash_in_sync=0@6"}[form]
   config = _collab_config(**{"ray.chaos": ("kill_worker=1@2", "add_worker@4", last),
                              "ray.batch_sizes": (4, 4, 8),
-                             "sim.network.collective": "server" if form == "server" else "auto"})
+                             "collective_form": "server" if form == "server" else "auto"})
   summary, events = _run(config, tmp_path)
   assert summary["round_form"] == form and summary["rounds_closed"] == 1
   assert summary["workers_joined"] == 1

@@ -202,7 +202,7 @@ def test_a_partial_server_round_combines_only_the_rows_that_came(rule):
   c = load_config("smoke", algorithm="diloco", num_workers=4, inner_steps=2, runtime="ray",
                   **{"mesh.replica": 1, "aggregate.rule": rule, "aggregate.trim": 1,
                      "outer.lr": 1.0, "outer.momentum": 0.0, "outer.nesterov": False,
-                     "sim.network.collective": "server"})
+                     "collective_form": "server"})
   server = ServerProcess(c)
   theta = np.asarray(server.arrays["params"])
   rows = (np.random.default_rng(5).normal(0, 1e-2, (3, theta.size)) + 0.05).astype(np.float32)

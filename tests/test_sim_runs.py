@@ -218,7 +218,7 @@ def test_divergence_keeps_the_last_good_checkpoint_and_a_changed_plan_is_refused
     ({"sim.network.worker_regions": (0, 0, 1, 3)}, "sim.network.worker_regions"),
     ({"sim.network.server_region": 2}, "sim.network.server_region"),
     ({"sim.network.region_gbps": -1.0}, "sim.network.region_gbps"),
-    ({"sim.network.collective": "tree"}, "sim.network.collective"),
+    ({"collective_form": "tree"}, "collective_form"),
     ({"algorithm": "async", "data.batch_mode": "same"}, "data.batch_mode"),
     ({"algorithm": "async_dn", "outer.dn_c": 0.5}, "outer.dn_c"),
     ({"algorithm": "halos", "outer.halos.merge_alpha": 1.5}, "outer.halos.merge_alpha"),

@@ -94,7 +94,7 @@ class Algorithm:
   robust_aggregation = True
   local_steps = True  # False: the local program is one gradient at θ (DDP)
   # Its simulator schedule can time the Ray runtime's parameter server
-  # (sim.network.collective='server'): rounds of one sync, or asynchronous pushes.
+  # (collective_form='server'): rounds of one sync, or asynchronous pushes.
   server_schedule = True
   # Its own config fields, c.<section>.*, if any: `config_defaults` declares them, each
   # with its default and a trailing comment on what it means (config/doc.py prints it).

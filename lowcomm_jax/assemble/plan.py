@@ -36,7 +36,7 @@ def make_plan(c: ml_collections.ConfigDict, r: Run) -> Plan:
               network=network,
               delta_bytes=wire(params),
               param_bytes=ledger.tree_bytes(params), compressed=r.sync.codec is not None,
-              collective=n.collective, exchange_rule=r.algorithm.exchange_rule(c),
+              collective=c.collective_form, exchange_rule=r.algorithm.exchange_rule(c),
               fragment_bytes=tuple(wire(r.model.layout.fragment(p).abstract)
                                    for p in range(r.model.layout.num_fragments)),
               overlap_steps=first.mix_at)

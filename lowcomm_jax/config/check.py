@@ -100,6 +100,10 @@ def _check_runtime(c: ml_collections.ConfigDict, problems: Problems, where: Wher
   if "enabled" in c.sim:  # the field that picked the simulator before `runtime` did
     problems.append("sim.enabled: gone; the runtime field picks the simulator: set "
                     "--config.runtime=simulator (and drop sim.enabled)")
+  if "collective" in c.sim.network:  # the field that picked the form before collective_form
+    problems.append(f"sim.network.collective={c.sim.network.collective!r}: moved; set "
+                    f"--config.collective_form={c.sim.network.collective} (and drop "
+                    "sim.network.collective)")
   runtime = runtimes.RUNTIMES.get(c.runtime)
   if runtime is None:
     problems.append(f"runtime={c.runtime!r}: use one of {list(runtimes.NAMES)}")

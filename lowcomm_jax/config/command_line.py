@@ -21,7 +21,9 @@ _ALIASES = {"learning_rate": "lr", "num_worker": "num_workers", "workers": "num_
             "outer_lr": "lr", "batch": "batch_size", "seq_length": "seq_len",
             "block_size": "seq_len"}
 # Fields that moved, and the override that now says the same.
-_MOVED = {"sim.enabled": "--config.runtime=simulator (the runtime field picks the simulator)"}
+_MOVED = {"sim.enabled": "--config.runtime=simulator (the runtime field picks the simulator)",
+          "sim.network.collective": "--config.collective_form (the same values; it picks "
+                                    "a round's collective in the simulator and on Ray)"}
 
 
 class UsageError(ValueError):

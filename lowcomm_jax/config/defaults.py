@@ -118,6 +118,12 @@ def _runtime(c: ml_collections.ConfigDict) -> None:
   c.runtime = "spmd"  # 'spmd': jax.distributed, lockstep processes | 'simulator': virtual
   # | workers on a virtual clock, one process (sim.*) | 'ray': a JAX process per worker and
   # | server; asynchronous algorithms; workers join, leave or crash (ray.*)
+  c.collective_form = "auto"  # how a synchronous round's workers combine their updates,
+  # | in the simulator and on Ray (the lockstep runtime's are XLA's): 'direct' (every pair at
+  # | once, in two steps: Ray's runtimes/ray/forms/direct.py) | 'hierarchical' (inside each
+  # | region, then across regions) | 'ring' (the simulator only) | 'server' (a parameter
+  # | server's rounds: pulls, then contributions) | 'auto' (the faster in the simulator's
+  # | model, sim/collectives.py: ring or hierarchical there, direct or hierarchical on Ray)
 
 
 def _model(c: ml_collections.ConfigDict) -> None:

@@ -14,6 +14,7 @@ another base (a file replaced at the same path, a seed allowed to change) is ref
 
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import sys
@@ -75,13 +76,22 @@ def allowed_fields(config: ml_collections.ConfigDict) -> set[str]:
 def upgraded(config: dict) -> dict:
   """A stored config (config.json's "config") in today's fields: `sim.enabled`, which
   picked the simulator before the `runtime` field named all three runtimes, becomes
-  `runtime='simulator'`."""
+  `runtime='simulator'`; `sim.network.collective` becomes `collective_form`."""
   sim = config.get("sim") if isinstance(config, dict) else None
-  if not isinstance(sim, dict) or "enabled" not in sim:
+  if not isinstance(sim, dict):
     return config
-  sim = {k: v for k, v in sim.items() if k != "enabled"}
-  runtime = "simulator" if config["sim"]["enabled"] else config.get("runtime", "spmd")
-  return {**config, "sim": sim, "runtime": runtime}
+  if "enabled" in sim:
+    runtime = "simulator" if sim["enabled"] else config.get("runtime", "spmd")
+    sim = {k: v for k, v in sim.items() if k != "enabled"}
+    config = {**config, "sim": sim, "runtime": runtime}
+  network = sim.get("network")
+  if isinstance(network, dict) and "collective" in network:
+    logging.warning("%s: its sim.network.collective is read as collective_form (the "
+                    "field's name since issue 70)", FILE)
+    config = {**config, "collective_form": network["collective"],
+              "sim": {**sim, "network": {k: v for k, v in network.items()
+                                         if k != "collective"}}}
+  return config
 
 
 def _stored(workdir: pathlib.Path) -> dict | None:

@@ -58,7 +58,8 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
         f"use -1 (a region of its own) or a region in [0, {n.regions})")
   check(n.region_gbps >= 0, "sim.network.region_gbps",
         "must be >= 0 (0: each region's fastest link)")
-  check(n.collective in COLLECTIVES, "sim.network.collective", f"use one of {list(COLLECTIVES)}")
+  check(c.collective_form in COLLECTIVES, "collective_form",
+        f"use one of {list(COLLECTIVES)}")
   check(n.intra_gbps > 0, "sim.network.intra_gbps", "must be > 0")
   check(n.intra_latency_s >= 0, "sim.network.intra_latency_s", "must be >= 0")
   check(n.inter_gbps > 0, "sim.network.inter_gbps", "must be > 0")
@@ -78,8 +79,8 @@ def _check_algorithm(c, check, algorithm) -> None:
   """What the chosen algorithm's schedule has in the simulator."""
   if algorithm is None:
     return
-  check(c.sim.network.collective != "server" or algorithm.server_schedule,
-        "sim.network.collective", f"{c.algorithm}'s simulator schedule has no parameter "
+  check(c.collective_form != "server" or algorithm.server_schedule,
+        "collective_form", f"{c.algorithm}'s simulator schedule has no parameter "
         "server's form; use auto, ring or hierarchical")
   if c.data.batch_mode == "same":
     check(not algorithm.simulated_only and not c.outer.dylu, "data.batch_mode",
@@ -120,13 +121,6 @@ def config_defaults() -> ml_collections.ConfigDict:
   # | with its workers (the summary records which)
   s.network.region_gbps = 0.0  # each region's uplink and downlink, shared by all its
   # | inter-region transfers (sim/flows.py: max-min fair); 0: its fastest link's bandwidth
-  s.network.collective = "auto"  # synchronous rounds: ring | hierarchical (inside each
-  # | region, then across regions) | auto (the faster; sim/collectives.py) | direct (every
-  # | pair at once: the Ray runtime's flat exchange) | server (a parameter server's rounds:
-  # | pulls, then contributions). On Ray: 'server' runs quorum rounds through the server
-  # | actor; the others (where the algorithm has the form: runtimes/ray/checks.round_form)
-  # | among the round's workers, each holding θ: 'ring' and 'direct' in one direct
-  # | exchange, 'hierarchical' by region, 'auto' by region where the simulator picks it
   s.network.intra_gbps = 100.0  # bandwidth inside a region: each node's NIC
   s.network.intra_latency_s = 1e-4  # seconds, inside a region
   s.network.inter_gbps = 1.0  # bandwidth between any two regions

@@ -155,7 +155,7 @@ def seconds(net: Network, op: str, workers: Sequence[int], nbytes: float,
             how: str = "auto") -> tuple[float, str]:
   """(seconds, the collective used) of `op` ('allreduce' | 'allgather') over `workers`."""
   if how == "server":
-    raise ValueError("sim.network.collective='server' times a parameter server's rounds of "
+    raise ValueError("collective_form='server' times a parameter server's rounds of "
                      "one sync each (DiLoCo's kind); this schedule all-reduces: use ring, "
                      "hierarchical or auto")
   if how != "auto":

@@ -6,48 +6,13 @@ import ml_collections
 from lowcomm_jax.errors import Problems
 from lowcomm_jax.runtimes.ray import chaos
 
-def peer_capable(c: ml_collections.ConfigDict, algorithm) -> str:
-  """Why `algorithm`'s rounds have no peer form on Ray ('' : they have one)."""
-  if not algorithm.synchronous:
-    return f"{c.algorithm}'s parameter server is the algorithm (asynchronous pushes)"
-  rule = algorithm.worker_rule(c)
-  if rule is not None and rule.reads_sync_state and not getattr(rule, "swaps_with_a_peer", False):
-    return (f"{c.algorithm}'s workers read their own rows of the sync's state, which the "
-            "server keeps")
-  return ""
-
-
-def hierarchical_flat(c: ml_collections.ConfigDict, algorithm) -> str:
-  """Why the peer form's rounds of `algorithm` have no hierarchical reduce ('': they have):
-  the reduce by region adds region sums of a dense mean, where payloads all-gathered whole
-  (a codec's, an attack's), a robust rule's rows (combined coordinate by coordinate, not
-  summed) or a pair swap have none."""
-  from lowcomm_jax.programs.sync import robust_combination  # (plain Python: no jax)
-  if c.compress.codec != "none" or robust_combination(c) or list(c.attack.workers):
-    return ("a codec or an attack all-gathers the members' payloads whole, and a robust "
-            "rule or signal weights combine every member's rows, not region sums "
-            "(compress.codec, aggregate.*, attack.workers)")
-  rule = algorithm.worker_rule(c)
-  if rule is not None and getattr(rule, "swaps_with_a_peer", False):
-    return f"{c.algorithm}'s rounds are swaps between two workers"
-  return ""
-
-
-def round_form(c: ml_collections.ConfigDict, algorithm) -> str:
-  """How a Ray run's rounds move their bytes: 'peers' (the quorum's workers reduce among
-  themselves, each holding θ: replica.py) where the algorithm has that form and
-  `sim.network.collective` is anything but 'server'; else 'server' (the server actor)."""
-  if c.sim.network.collective == "server" or peer_capable(c, algorithm):
-    return "server"
-  return "peers"
-
-
 def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> list[str]:
   """Problems of `runtime='ray'` with `algorithm` (None: unknown name, reported elsewhere)."""
   out = Problems(c)
   _check_processes(c, out.check, num_processes, algorithm)
   _check_fields(c, out.check)
-  _check_form(c, out.check, algorithm)
+  from lowcomm_jax.runtimes.ray import forms  # (its members' steps import JAX)
+  forms.config_problems(c, out.check, algorithm)
   _check_chaos(c, out, algorithm)
   return list(out)
 
@@ -109,25 +74,6 @@ def _check_fields(c, check) -> None:
         "ray.step_sleep_s", f"give one non-negative number per worker ({c.num_workers})")
 
 
-def _check_form(c, check, algorithm) -> None:
-  """`sim.network.collective` against the forms `algorithm`'s rounds have on Ray."""
-  collective = c.sim.network.collective
-  why = ""
-  if algorithm is not None:
-    why = peer_capable(c, algorithm)
-    check(not (why and collective in ("ring", "hierarchical", "direct")),
-          "sim.network.collective",
-          f"{why}: it has no collective form on Ray; use 'auto' or 'server'")
-  regions = max(c.sim.network.regions, len(set(c.sim.network.worker_regions)))
-  check(collective != "hierarchical" or regions > 1, "sim.network.collective",
-        "'hierarchical' reduces inside each region, then across them, and the network has "
-        "one region: use 'ring', or give sim.network.regions > 1")
-  if algorithm is not None and collective == "hierarchical" and not why:
-    flat = hierarchical_flat(c, algorithm)
-    check(not flat, "sim.network.collective",
-          f"{flat}: 'hierarchical' is for a dense mean on Ray; use 'ring' or 'auto'")
-
-
 def _check_chaos(c, out: Problems, algorithm) -> None:
   """ray.chaos's events: parsed, naming workers and tiers that exist, and the failures
   this run's round form has."""
@@ -157,16 +103,17 @@ def _check_chaos(c, out: Problems, algorithm) -> None:
     check(sum(e.action == "kill_server" for e in events) <= 1, "ray.chaos",
           "the server is killed at most once")
     if algorithm is not None:
-      peers = round_form(c, algorithm) == "peers"
+      from lowcomm_jax.runtimes.ray import forms
+      peers = forms.among_workers(c, algorithm)
       check(not (peers and any(e.action == "kill_server" for e in events)), "ray.chaos",
             "kill_server: this run's rounds have no server (the quorum's workers reduce "
-            "among themselves); set sim.network.collective='server' to test the server's")
+            "among themselves); set collective_form='server' to test the server's")
       check(peers or not any(e.action == "crash_in_sync" for e in events), "ray.chaos",
             "crash_in_sync: this run has no collective among workers (its rounds go "
             "through the server); use kill_worker")
       check(not (peers and y.standby_server), "ray.standby_server",
             "this run's rounds have no server (the quorum's workers reduce among "
-            "themselves); set it False, or sim.network.collective='server'")
+            "themselves); set it False, or collective_form='server'")
     rule = algorithm.worker_rule(c) if algorithm is not None else None
     joins = any(e.action == "add_worker" for e in events)
     check(not (joins and rule is not None and rule.reads_sync_state), "ray.chaos",
@@ -199,7 +146,7 @@ def config_defaults() -> ml_collections.ConfigDict:
   s.min_quorum = 0  # workers a round needs (0: every live worker)
   s.grace_s = 0.0  # seconds a reached quorum waits for the others
   s.recover_timeout_s = 120.0  # a restarted server or worker must answer within this
-  s.collective_timeout_s = 600.0  # the peer form (sim.network.collective): a round's
+  s.collective_timeout_s = 600.0  # the peer form (collective_form): a round's
   # | collective gives up on members that have not finished within this, and is tried
   # | again among the others (>= 5 s: round 1 compiles its programs)
   s.standby_server = False  # keep a server process built and idle: a dead server's

@@ -1,9 +1,11 @@
-"""The Ray runtime's driver: parameter-server training on real processes, with workers that
-join, leave or crash while the run goes on (the actors and their jobs: pool.py).
+"""The Ray runtime's driver: training on real processes, with workers that join, leave or
+crash while the run goes on (the actors and their jobs: pool.py).
 
-One process (the one `main.py` runs) drives: it starts or joins Ray, creates the server
-actor and one actor per worker, and moves references; tensors go from actor to actor
-through Ray's object store. What a finished job does, and what a mark is, is the progress
+One process (the one `main.py` runs) drives: it starts or joins Ray, creates one actor per
+worker (and the server actors where the algorithm or the server form needs them), decides
+which contributions make a round, and moves references; tensors go from actor to actor
+through Ray's object store, and a synchronous round's collective runs among its members
+(replicas.py: one message to each, one outcome back). What a finished job does, and what a mark is, is the progress
 policy the algorithm declares (`Algorithm.progress`, progress.py): asynchronous pushes
 (pushes.py), quorum rounds (quorum.py) or collaborative epochs (epochs.py). This driver
 holds what they share: the actors, the counts, checkpoints and the run loop's side.
@@ -31,7 +33,7 @@ from lowcomm_jax.runtimes.ray import checkpoints, cluster
 from lowcomm_jax.runtimes.ray.accounts import Counts, Timeline
 from lowcomm_jax.runtimes.ray.actors import initial_params, server_rules, server_view
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
-from lowcomm_jax.runtimes.ray.checks import round_form
+from lowcomm_jax.runtimes.ray import forms
 from lowcomm_jax.runtimes.ray.epochs import Epochs
 from lowcomm_jax.runtimes.ray.peer_epochs import PeerEpochs
 from lowcomm_jax.runtimes.ray.pair_rounds import PairRounds
@@ -88,7 +90,7 @@ class RayDriver:
     self.files: RunFiles | None = None
     self.finished, self.mark, self._wall_before = False, 0, 0.0
     progress = r.algorithm.progress(config)
-    if round_form(config, r.algorithm) == "peers":  # (a pair swap: NoLoCo's gossip)
+    if forms.among_workers(config, r.algorithm):  # (a pair swap: NoLoCo's gossip)
       self.progress = (PeerEpochs if progress == "epochs" else PeerRounds
                        if r.sync.partners is None else PairRounds)(self)
     else:

@@ -1,4 +1,4 @@
-"""Collaborative epochs in the peer form (`checks.round_form` 'peers'): epochs.py's epoch
+"""Collaborative epochs in the peer form (`forms.among_workers`): epochs.py's epoch
 (micro-batches to the target, the grace window, each peer's mean gradient), with no server.
 
 Every peer holds a replica of θ and DDP's rule state (replica.py). A micro-batch starts from

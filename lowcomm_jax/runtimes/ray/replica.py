@@ -1,43 +1,23 @@
 """A worker's replica of the global state in the peer form of quorum rounds
-(`checks.round_form`: 'peers'): θ, the outer rules' state and the version (syncs closed),
-held by every worker as DiLoCo defines it, and the worker's part of a round's collective.
+(`forms.among_workers`): θ, the outer rules' state and the version (syncs closed),
+held by every worker as DiLoCo defines it, and what the worker computes in a round's
+collective. Which of these steps run, in what order, and what crosses between members is
+the collective form's (forms/: direct.py, hierarchical.py, pairs.py); here are the steps:
 
-A round's members (the workers whose contributions are in it, in worker order) move the
-bytes among themselves; the driver passes object references only:
-
-  dense mean (`sync_program.peer_reduces`), M members, Δ of n coordinates:
-    shards(i):        member i cuts its Δ into M shards            ─► shard refs
-    reduce_shard(j):  member j takes shard j of every member, their weighted mean
-                      (`make_shard_mean`)                          ─► reduced shard j
-    apply_reduced:    every member takes the M reduced shards, the outer rule on the
-                      whole mean (`make_reduced_apply`)            ─► staged θ', its hash
-    per link: (M−1)/M·n out and in for each half: 2·(M−1)/M·n, a ring all-reduce's bytes
-  a robust rule on dense rows (`sync_program.robust_shards`), S worker slots:
-    shards(i):        as above                                     ─► shard refs
-    robust_statistics(j): member j takes shard j of every member (an all-to-all, the
-                      reduce-scatter's bytes), its part of the rows' statistics
-                      (norms, dots with and distances from the last aggregate)  ─► [3S + 1]
-    robust_shard(j):  with every member's statistics added (the whole update's), the
-                      signals' weights and shard j of the rule's result (centered
-                      clipping: its first iteration; `robust_clip` each further one, on
-                      the rows' distances from the new centre added over the members)
-    apply_robust:     every member takes the M shards of the result, the outer step
-                      (`make_robust_apply`)                        ─► staged θ', its hash
-    per link: the dense mean's bytes, and (M−1)·(3S + 1) floats each way (S more a
-    further clipping iteration)
-  a codec's payloads, an attack, a probe-loss signal (it reads whole rows):
-    apply_gathered:   every member takes every member's row, the parameter server's own
-                      program over them (`make_server_sync`)       ─► staged θ', its hash
-    per link: its payload to M−1 members, theirs from each (the ledger's all-gather)
-  commit: the staged state becomes the replica's (once: a commit of a version already
-  applied is nothing); a failed collective is staged again among the survivors.
+  shards:             its contribution from a version, cut into M shards
+  reduce_shard(j):    the members' weighted mean of shard j (`make_shard_mean`)
+  apply_reduced:      the outer rule on the whole mean, staged (`make_reduced_apply`)
+  robust_statistics, robust_shard, robust_clip, apply_robust (robust_shards.py): a robust
+                      rule shard by shard, from the rows' statistics added over the members
+  sum_shard, divide_piece: a dense mean by region (a region's sums, the leaders' mean)
+  apply_gathered:     the parameter server's own program over every member's row, staged
+  swap_payload, apply_swap: a pair swap (`Sync.partners`: NoLoCo)
+  advance:            a delayed sync's θ' before its collective (one-step delay, eager)
+  commit:             the staged state becomes the replica's (once: a commit of a version
+                      already applied is nothing)
 
 Every member runs the same program on the same bytes, so θ' is the same everywhere; the
-driver compares the hashes before any member commits.
-
-A state average between rounds (`Algorithm.state_sync`: DES-LOC's moments) moves the same
-way: each worker's parts as one vector (`flat`) in M shards, member j's mean of shard j
-(`mean_rows`), all-gathered and put back into each worker's optimizer state (`unflat`).
+driver compares the hashes (`params_hash`) before any member commits.
 """
 
 import hashlib

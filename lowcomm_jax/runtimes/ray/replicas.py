@@ -1,4 +1,4 @@
-"""The peer form (`checks.round_form` 'peers'), the driver's side of it: the driver keeps the
+"""The peer form (`forms.among_workers`), the driver's side of it: the driver keeps the
 control plane of quorum.py (which contributions make a round, `ray.min_quorum`,
 `ray.grace_s`, late contributions, joins and losses), and the round's members move the
 bytes among themselves (replica.py): no process holds θ for the others, and no link
@@ -8,13 +8,17 @@ What differs from the server form:
 - every worker holds a replica of θ and the outer rules' state, and a job starts from its
   own; a worker behind the open round (one that joined, one whose job outlived a round)
   first adopts a live member's replica (torchft's healing, peer to peer);
-- a round closes with a collective among its members: its shards reduced and all-gathered
-  (by region, where the simulator's model says that is faster or the config asks for it),
-  or its rows all-gathered (replica.py), each member staging the outer step. The staged θ's
-  hashes must agree before any member commits;
-- a member that dies or does not finish within `ray.collective_timeout_s` is lost, and the
-  collective is tried again among the others from the contributions they kept: nothing is
-  applied twice (a commit is by version), and no replica moves without the others;
+- a round closes with a collective among its members, in the form `forms.for_round` picks
+  (forms/: direct, by region, pair swaps). The driver sends each member one message (the
+  version, the attempt, the members and their handles, the form's plan) and reads one
+  outcome back (the hash of what it staged, its link's bytes); every phase between is
+  member to member, so the driver's calls a round are O(W) and it never waits between
+  phases. The staged θ's hashes must agree before any member commits (a commit each);
+- a member that dies, or that the others wait for in vain past `ray.collective_timeout_s`,
+  is lost: the others are told to stop waiting (`abort`), and the collective is tried again
+  among them from the contributions they kept: nothing is applied twice (a commit is by
+  version), and no replica moves without the others. At the start the driver says in one
+  line that the timeout covers a round's bytes over sim.network's links, or refuses it;
 - evaluation, parameter norms and checkpoints read a live member's replica; a checkpoint's
   global state is a replica's, in the server's layout, and a resumed run's workers adopt it.
 """
@@ -24,9 +28,10 @@ import logging
 import time
 from typing import NamedTuple
 
+from lowcomm_jax.errors import ConfigError, field_problem
 from lowcomm_jax.programs import sync_program
 from lowcomm_jax.runtimes.ray import forms
-from lowcomm_jax.sim import GLOBAL
+from lowcomm_jax.sim import GLOBAL, collectives
 
 
 class Attempt(NamedTuple):
@@ -53,6 +58,7 @@ class Replicas:
     self.reduces = sync_program.peer_reduces(d.r.sync)
     self.attempts = 0  # collectives started (each attempt's number: the members key on it)
     self.tallies = collections.Counter()  # rounds closed by form, where the form counts
+    logging.info("ray: %s", timeout_covers_bytes(d.c, d.plan, self.reduces))
 
   # --- what the driver asks of the global state -------------------------------------------
 
@@ -311,4 +317,22 @@ class Replicas:
         d.pool.lose(w, f"{type(e).__name__} committing a round")
     for w, o in outcome.items():
       self._count_wire(w, o)
+
+
+def timeout_covers_bytes(c, plan, reduces: bool) -> str:
+  """One line saying that `ray.collective_timeout_s` covers a round's bytes among every
+  worker over the links `sim.network` describes (the simulator's time of the direct form:
+  a dense mean's reduce-scatter and all-gather, or the payloads all-gathered), with twice
+  that to spare for compute and a retry; a ConfigError naming the field where it does not."""
+  members = list(range(c.num_workers))
+  nbytes = plan.delta_bytes * plan.network.bytes_scale
+  seconds = (collectives.direct_allreduce_seconds if reduces
+             else collectives.direct_allgather_seconds)(plan.network, members, nbytes)
+  timeout = c.ray.collective_timeout_s
+  what = (f"a round's bytes among {len(members)} workers take {seconds:.1f} s over "
+          f"sim.network's links ({nbytes / 1e6:.1f} MB a member)")
+  if timeout < 2 * seconds:
+    raise ConfigError([field_problem(c, "ray.collective_timeout_s",
+                                     f"{what}; use at least {2 * seconds:.0f}")])
+  return f"ray.collective_timeout_s={timeout:g} covers the collective: {what}"
 

@@ -16,7 +16,6 @@ from lowcomm_jax.runtimes.ray import forms
 from lowcomm_jax.runtimes.ray import replica as replica_lib
 from lowcomm_jax.runtimes.ray.actors import built, initial_params
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
-from lowcomm_jax.runtimes.ray.checks import round_form
 from lowcomm_jax.runtimes.ray.cluster import import_ray
 from lowcomm_jax.runtimes.ray.sender import Sender
 
@@ -45,7 +44,7 @@ class WorkerProcess:
     self.segments = r.algorithm.segments(r.config, r.config.inner_steps)
     self.mesh = r.topology.local_mesh
     # The peer form of quorum rounds: the worker holds the global state itself (replica.py)
-    peers = round_form(config, r.algorithm) == "peers"
+    peers = forms.among_workers(config, r.algorithm)
     if params0 is None and ("state" not in restored or programs.accumulate or peers):
       params0 = initial_params(r)
     self.replica = replica_lib.Replica(r, params0, worker) if peers else None

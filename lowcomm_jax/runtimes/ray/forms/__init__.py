@@ -3,8 +3,9 @@ combine their contributions among themselves, with no process in the middle.
 
 Each form is one module (base.Form: what the driver tells each member, and what a member
 does); `FORMS` is the registry, and `for_round` the one place that picks a form for a
-round, so nothing outside this package compares a form's name. `exchange.py` is how the
-members reach each other (their mailboxes, an attempt's sends and gathers).
+round; config.py says which forms a config's rounds have (`collective_form`), so nothing
+outside this package compares a form's name. `exchange.py` is how the members reach each
+other (their mailboxes, an attempt's sends and gathers).
 
   direct        every member with every other: a dense mean reduce-scattered and
                 all-gathered, a robust rule shard by shard, or whole rows all-gathered
@@ -13,13 +14,15 @@ members reach each other (their mailboxes, an attempt's sends and gathers).
 """
 
 from lowcomm_jax.runtimes.ray.forms.base import Form, take_part
+from lowcomm_jax.runtimes.ray.forms.config import among_workers, config_problems
 from lowcomm_jax.runtimes.ray.forms.direct import DIRECT, mean_of
 from lowcomm_jax.runtimes.ray.forms.exchange import (Exchange, Failed, LocalTransport, Mailbox,
                                                      RayTransport)
 from lowcomm_jax.runtimes.ray.forms.hierarchical import HIERARCHICAL, regions_of
 from lowcomm_jax.runtimes.ray.forms.pairs import PAIRS
 
-FORMS: dict[str, Form] = {f.name: f for f in (DIRECT, HIERARCHICAL, PAIRS)}
+# In the order `for_round` asks them: the first form that claims a round runs it.
+FORMS: dict[str, Form] = {f.name: f for f in (PAIRS, HIERARCHICAL, DIRECT)}
 
 
 def get(name: str) -> Form:
@@ -27,15 +30,12 @@ def get(name: str) -> Form:
 
 
 def for_round(rounds, members: list[int]) -> Form:
-  """The form of a round among `members` (`rounds`: the driver's Replicas): pair swaps where
-  the sync swaps with a peer, by region where `regions_of` says so, else direct."""
-  if rounds.d.r.sync.partners is not None:
-    return PAIRS
-  if regions_of(rounds, members) is not None:
-    return HIERARCHICAL
-  return DIRECT
+  """The form of a round among `members` (`rounds`: the driver's Replicas): the first in
+  FORMS that claims it (pair swaps where the sync swaps with a peer, by region where
+  `regions_of` says so, else direct)."""
+  return next(f for f in FORMS.values() if f.claims(rounds, members))
 
 
-__all__ = ["DIRECT", "FORMS", "HIERARCHICAL", "PAIRS", "Exchange", "Failed", "Form",
+__all__ = ["among_workers", "config_problems", "DIRECT", "FORMS", "HIERARCHICAL", "PAIRS", "Exchange", "Failed", "Form",
            "LocalTransport", "Mailbox", "RayTransport", "for_round", "get", "mean_of",
            "regions_of", "take_part"]

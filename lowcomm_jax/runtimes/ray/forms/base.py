@@ -27,6 +27,11 @@ class Form:
   same_state = True  # every member stages the same state (the driver compares the hashes)
   tally = None  # the summary's count of the rounds this form closed, if it keeps one
 
+  def claims(self, rounds, members: list[int]) -> bool:
+    """Whether this form runs a round among `members` (`rounds`: the driver's Replicas:
+    its run, config and network), asked in the registry's order."""
+    raise NotImplementedError
+
   def messages(self, rounds, v: int, members: list[int], metas: dict) -> dict[int, dict]:
     """The driver's side: {member: what it is told} for round `v` among `members`
     (`rounds`: the driver's `Replicas`, for the run and the network; `metas`: each

@@ -36,6 +36,9 @@ from lowcomm_jax.runtimes.ray.replica import gathered_bytes, mean_rows, shard_bo
 class Direct(Form):
   name = "direct"
 
+  def claims(self, rounds, members: list[int]) -> bool:
+    return True  # (the last asked: any round the others leave)
+
   def messages(self, rounds, v: int, members: list[int], metas: dict) -> dict[int, dict]:
     sync = rounds.d.r.sync
     kind = ("robust" if sync_program.robust_shards(sync) else

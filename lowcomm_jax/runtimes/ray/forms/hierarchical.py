@@ -1,4 +1,4 @@
-"""The hierarchical form: a dense mean reduced by region (`sim.network.collective`
+"""The hierarchical form: a dense mean reduced by region (`collective_form`
 'hierarchical', or 'auto' where the simulator's model of the network times it faster than
 the direct form for the round's members: `sim.collectives`). The regions' leaders (each
 region's first member) are the only members whose bytes cross between regions:
@@ -25,10 +25,10 @@ from lowcomm_jax.sim import collectives
 
 def regions_of(rounds, members: list[int]) -> list[list[int]] | None:
   """The members by region (each region's in worker order), where the round's dense mean
-  reduces by region: `sim.network.collective` 'hierarchical', or 'auto' where the
+  reduces by region: `collective_form` 'hierarchical', or 'auto' where the
   simulator's model says it is faster for these members than the direct form; else None."""
   d = rounds.d
-  how, net = d.c.sim.network.collective, d.plan.network
+  how, net = d.c.collective_form, d.plan.network
   if (how not in ("auto", "hierarchical") or not sync_program.peer_reduces(d.r.sync)
       or max(members) >= len(net.worker_region)):
     return None  # (a joined worker's id is past the network's placement: direct)
@@ -52,6 +52,9 @@ def _cut(whole: np.ndarray, parts: int) -> list[np.ndarray]:
 class Hierarchical(Form):
   name = "hierarchical"
   tally = "hierarchical_collectives"
+
+  def claims(self, rounds, members: list[int]) -> bool:
+    return regions_of(rounds, members) is not None
 
   def messages(self, rounds, v: int, members: list[int], metas: dict) -> dict[int, dict]:
     tokens, losses = signals_of(metas, members)

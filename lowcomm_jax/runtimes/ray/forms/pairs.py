@@ -11,6 +11,9 @@ class Pairs(Form):
   name = "pairs"
   same_state = False
 
+  def claims(self, rounds, members: list[int]) -> bool:
+    return rounds.d.r.sync.partners is not None
+
   def messages(self, rounds, v: int, members: list[int], metas: dict) -> dict[int, dict]:
     peer = rounds.d.r.sync.partners(v)
     return {w: {"own": metas[w]["version"], "peer": peer[w] if peer[w] in members else None}
