@@ -234,6 +234,42 @@ def scaling_report(out: pathlib.Path) -> str:
   return "\n".join(rows)
 
 
+def split_report(out: pathlib.Path) -> str:
+  """Issue 70: each round after round 1 split into compute (the median job's, of the
+  round's jobs) and communication (its collective: the driver's first message to the
+  last commit, `collective_moments`), against the ring's bytes time 2·(W−1)/W·P/B (P: a
+  member's payload, from the ledger; B: the case's link), per W and form, over seeds."""
+  from lowcomm_jax import report
+  results = [json.loads(p.read_text()) for p in sorted(out.glob("scaling/*/seed*/result.json"))]
+  rows = ["| case | W | seeds | round s | median job's compute s | collective s | ring's bytes s "
+          "| collective / ring (each seed) | round − collective − compute s |",
+          "|---|---|---|---|---|---|---|---|---|"]
+  keys = sorted({(r["case"], r["workers"], r["form"]) for r in results if r["form"] != "server"})
+  for case, w, form in keys:
+    runs = [r for r in results if (r["case"], r["workers"], r["form"]) == (case, w, form)]
+    mbps = float(case.split(",")[2])
+    per = []
+    for r in runs:
+      summary = report.read_summary(out / "scaling" / _folder(case, w, form) / f"seed{r['seed']}")
+      rounds = len(r["real_marks_s"]) - 1
+      round_s = r["real_after_first_s"] / rounds
+      collective = statistics.mean(c[6] - c[2] for c in summary["collective_moments"]
+                                   if c[0] >= 1)
+      jobs = sorted(summary["job_moments"], key=lambda m: m[5])[w:]  # (after round 1)
+      compute = statistics.mean(statistics.median(m[4] - m[3] for m in jobs[k:k + w])
+                                for k in range(0, len(jobs), w))
+      payload = summary["bytes_sent"] / summary["pushes"]  # a member's Δ, from the ledger
+      ring = 2 * (w - 1) / w * payload * 8 / (mbps * 1e6)
+      per.append((round_s, compute, collective, ring))
+    mean = lambda k: statistics.mean(x[k] for x in per)
+    ratios = [x[2] / x[3] for x in per]
+    rows.append(f"| {case} | {w} | {len(per)} | {mean(0):.2f} | {mean(1):.2f} | {mean(2):.2f} ± "
+                f"{_sd([x[2] for x in per]):.2f} | {mean(3):.2f} | "
+                f"{statistics.mean(ratios):.3f} ({', '.join(f'{x:.3f}' for x in ratios)}) | "
+                f"{mean(0) - mean(2) - mean(1):.2f} |")
+  return "\n".join(rows)
+
+
 def _folder(case: str, workers: int, form: str) -> str:
   return f"{case.replace(',', '_')}_w{workers}_{form}"
 
@@ -467,6 +503,7 @@ def main() -> None:
     for form in FORMS:
       print(time_to_loss_report(a.report, form))
     print(scaling_report(a.report))
+    print(split_report(a.report))
     return
   try:
     real_links.preflight()
@@ -483,6 +520,7 @@ def main() -> None:
   for form in FORMS:
     print(time_to_loss_report(a.out.resolve(), form))
   print(scaling_report(a.out.resolve()))
+  print(split_report(a.out.resolve()))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,217 @@
+"""A round's exchange alone, on real links (issue 70): W members, each a Ray actor in a
+network namespace of its own behind a tbf-limited link (bench/real_links.py), hold a fixed Δ
+of N floats (no training, so the machine's 2 cores do not stretch the transfers) and close
+rounds in the direct form, as the Ray runtime's members do: the driver sends each member one
+message (runtimes/ray/forms: the members' real exchange, mailboxes and object transport),
+the members reduce-scatter and all-gather among themselves, each stages θ' and reports its
+hash, and the driver commits. The driver sits in a node of its own.
+
+Per round: its sync time (the driver's first message to the last commit) over the ring's
+bytes time 2·(W−1)/W·4N·8/B, and the driver's CPU seconds (its whole process: Ray's threads
+included). Round 0 of each run warms up (imports, connections) and is not counted.
+
+  python bench/exchange_rig.py --workers 2 4 8 16 --mbps 20 --runs 3 --rounds 3 \\
+      --out /tmp/exchange_rig             # needs root; results.jsonl, written as it goes
+  python bench/exchange_rig.py --report /tmp/exchange_rig   # the table and the CPU fit
+"""
+
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def ring_seconds(workers: int, n: int, mbps: float) -> float:
+  """A ring all-reduce's bytes time: 2·(W−1)/W of the payload through each link."""
+  return 2 * (workers - 1) / workers * 4 * n * 8 / (mbps * 1e6)
+
+
+class RigReplica:
+  """What a member computes in the direct form's dense mean (replica.Replica's steps, in
+  NumPy on a fixed Δ): its shards, a shard's mean, the outer step and its hash."""
+
+  def __init__(self, n: int, worker: int, seed: int):
+    self.delta = np.random.default_rng(seed * 1000 + worker).standard_normal(n).astype(np.float32)
+    self.params = np.zeros(n, np.float32)
+    self.staged = None
+
+  def shards(self, version: int, members: int) -> list[np.ndarray]:
+    del version  # (the same Δ every round)
+    from lowcomm_jax.runtimes.ray.replica import shard_bounds
+    return [self.delta[a:b] for a, b in shard_bounds(self.delta.shape[0], members)]
+
+  def reduce_shard(self, version, index, members, tokens, shards) -> np.ndarray:
+    weights = np.asarray(tokens, np.float32)[:, None]
+    return (np.stack(shards) * weights).sum(0) / weights.sum()
+
+  def apply_reduced(self, version, members, tokens, losses, reduced) -> str:
+    from lowcomm_jax.runtimes.ray.replica import params_hash
+    new = self.params - 0.7 * np.concatenate(reduced)
+    self.staged = (version, new)
+    return params_hash(new)
+
+  def commit(self, version: int) -> int:
+    staged_version, params = self.staged
+    assert staged_version == version
+    self.params = params
+    return version + 1
+
+
+class RigMember:
+  """A member: its replica, its mailbox, and the runtime's one entry point per collective
+  (as WorkerProcess hosts it: `exchange`, with `deliver` and `abort` for its peers)."""
+
+  def __init__(self, worker: int, n: int, seed: int):
+    from lowcomm_jax.runtimes.ray import forms
+    self.worker, self.forms = worker, forms
+    self.replica = RigReplica(n, worker, seed)
+    self.mailbox = forms.Mailbox()
+
+  def ready(self) -> int:
+    return self.worker
+
+  def exchange(self, message: dict) -> dict:
+    import ray
+    form = self.forms.get(message["form"])
+    transport = self.forms.RayTransport(ray, message["handles"])
+    return self.forms.take_part(self.worker, message, self.mailbox, transport,
+                                lambda ex: form.member(self.replica, ex, message),
+                                lambda: None)
+
+  def deliver(self, tag, sender, box) -> None:
+    self.mailbox.put(tuple(tag), sender, box)
+
+  def abort(self, version, attempt) -> None:
+    self.mailbox.abort(version, attempt)
+
+  def commit(self, version: int) -> int:
+    return self.replica.commit(version)
+
+
+def drive(workers: int, n: int, rounds: int, seed: int, mbps: float) -> None:
+  """The driver (in node 0): W members on nodes 1..W, rounds + 1 rounds; a JSON line per
+  counted round on stdout."""
+  import ray
+  ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+  remote = ray.remote(num_cpus=0, max_concurrency=8)(RigMember)
+  actors = [remote.options(resources={f"node{w + 1}": 0.01}).remote(w, n, seed)
+            for w in range(workers)]
+  ray.get([a.ready.remote() for a in actors])
+  members = list(range(workers))
+  handles = dict(zip(members, actors))
+  for version in range(rounds + 1):
+    cpu, began = time.process_time(), time.perf_counter()
+    common = {"form": "direct", "kind": "mean", "version": version, "attempt": version + 1,
+              "members": members, "handles": handles, "timeout_s": 600.0, "crash": None,
+              "tokens": [1.0] * workers, "losses": [0.0] * workers, "own": version}
+    outcome = ray.get([a.exchange.remote(common) for a in actors])
+    staged = time.perf_counter()
+    hashes = {o.get("hash") for o in outcome}
+    assert len(hashes) == 1 and None not in hashes, outcome
+    ray.get([a.commit.remote(version) for a in actors])
+    sync = time.perf_counter() - began
+    if version:
+      ring = ring_seconds(workers, n, mbps)
+      print(json.dumps({"workers": workers, "n": n, "mbps": mbps, "seed": seed,
+                        "round": version, "sync_s": round(sync, 4),
+                        "staged_s": round(staged - began, 4), "ring_s": round(ring, 4),
+                        "ratio": round(sync / ring, 4),
+                        "driver_cpu_s": round(time.process_time() - cpu, 4),
+                        "sent_per_member": outcome[0]["sent"]}), flush=True)
+
+
+def run(workers_list, n: int, mbps: float, runs: int, rounds: int, out: pathlib.Path) -> None:
+  """Each W: links for W + 1 nodes, a Ray cluster over them, `runs` runs of the driver;
+  each counted round a line of out/results.jsonl, with the nodes' kernel byte counts."""
+  import real_links
+  out.mkdir(parents=True, exist_ok=True)
+  results = out / "results.jsonl"
+  for workers in workers_list:
+    with real_links.Links(workers + 1, mbps) as links:
+      env = dict(real_links.ray_env(), RAY_ADDRESS=links.start_ray())
+      for seed in range(runs):
+        before = links.link_bytes()
+        driver = links.run(0, [sys.executable, __file__, "--drive", str(workers), "--n", str(n),
+                               "--rounds", str(rounds), "--seed", str(seed), "--mbps",
+                               str(mbps)], env=env, stdout=subprocess.PIPE, text=True)
+        lines, _ = driver.communicate(timeout=3600)
+        if driver.returncode:
+          raise RuntimeError(f"the rig's driver failed at W={workers} (rc {driver.returncode})")
+        after = links.link_bytes()
+        moved = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)]
+        with results.open("a") as f:
+          for line in lines.splitlines():
+            if line.startswith("{"):
+              row = json.loads(line)
+              # the kernel's counts over the whole run (rounds + 1 rounds, and start-up):
+              # the driver's node, and the members' mean, per round
+              row["node_bytes_per_round"] = {
+                  "driver": [x / (rounds + 1) for x in moved[0]],
+                  "member_mean": [statistics.mean(m[k] for m in moved[1:]) / (rounds + 1)
+                                  for k in (0, 1)]}
+              f.write(json.dumps(row) + "\n")
+              print(line, flush=True)
+
+
+def report(out: pathlib.Path) -> str:
+  rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+  by_w = {}
+  for r in rows:
+    by_w.setdefault(r["workers"], []).append(r)
+  lines = ["| W | rounds | ring's bytes s | sync s (mean ± sd) | sync / ring: mean (min–max) | "
+           "driver CPU s a round | a member's link MB a round (out, in) |",
+           "|---|---|---|---|---|---|---|"]
+  ws, cpus = [], []
+  for w in sorted(by_w):
+    rs = by_w[w]
+    ratios = [r["ratio"] for r in rs]
+    syncs = [r["sync_s"] for r in rs]
+    cpu = statistics.mean(r["driver_cpu_s"] for r in rs)
+    ws.append(w)
+    cpus.append(cpu)
+    link = rs[0]["node_bytes_per_round"]["member_mean"]
+    lines.append(f"| {w} | {len(rs)} | {rs[0]['ring_s']:.2f} | {statistics.mean(syncs):.2f} ± "
+                 f"{statistics.stdev(syncs) if len(syncs) > 1 else 0:.2f} | "
+                 f"{statistics.mean(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f}) | "
+                 f"{cpu:.4f} | {link[0] / 1e6:.2f}, {link[1] / 1e6:.2f} |")
+  if len(ws) > 2:
+    slope, intercept = np.polyfit(ws, cpus, 1)
+    quad = np.polyfit(ws, cpus, 2)
+    lines.append(f"\nDriver CPU a round, least squares over W: {intercept:.4f} + "
+                 f"{slope:.5f}·W s (a quadratic fit's W² term: {quad[0]:.2e} s)")
+  return "\n".join(lines)
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16])
+  p.add_argument("--mbps", type=float, default=20.0, help="every node's link, each way")
+  p.add_argument("--n", type=int, default=0,
+                 help="floats in Δ (0: the ring's bytes take 5 s at W = 2)")
+  p.add_argument("--runs", type=int, default=3)
+  p.add_argument("--rounds", type=int, default=3, help="counted rounds a run (one more warms up)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", type=pathlib.Path)
+  p.add_argument("--report", type=pathlib.Path)
+  p.add_argument("--drive", type=int, help=argparse.SUPPRESS)  # (the driver, in node 0)
+  a = p.parse_args()
+  n = a.n or int(5.0 * a.mbps * 1e6 / 8 / 4)  # W = 2: 2·(1/2)·4N bytes in 5 s
+  if a.drive:
+    drive(a.drive, n, a.rounds, a.seed, a.mbps)
+  elif a.report:
+    print(report(a.report))
+  else:
+    run(a.workers, n, a.mbps, a.runs, a.rounds, a.out)
+    print(report(a.out))
+
+
+if __name__ == "__main__":
+  main()
