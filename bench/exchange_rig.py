@@ -11,7 +11,7 @@ bytes time 2·(W−1)/W·4N·8/B, and the driver's CPU seconds (its whole proces
 included). Round 0 of each run warms up (imports, connections) and is not counted.
 
   python bench/exchange_rig.py --workers 2 4 8 16 --mbps 20 --runs 3 --rounds 3 \\
-      --out /tmp/exchange_rig             # needs root; results.jsonl, written as it goes
+      --queue_ms 20 200 --out /tmp/exchange_rig   # needs root; results.jsonl, as it goes
   python bench/exchange_rig.py --report /tmp/exchange_rig   # the table and the CPU fit
 """
 
@@ -108,7 +108,7 @@ def drive(workers: int, n: int, rounds: int, seed: int, mbps: float) -> None:
   members = list(range(workers))
   handles = dict(zip(members, actors))
   for version in range(rounds + 1):
-    cpu, began = time.process_time(), time.perf_counter()
+    cpu, began, wall = time.process_time(), time.perf_counter(), time.time()
     common = {"form": "direct", "kind": "mean", "version": version, "attempt": version + 1,
               "members": members, "handles": handles, "timeout_s": 600.0, "crash": None,
               "tokens": [1.0] * workers, "losses": [0.0] * workers, "own": version}
@@ -125,17 +125,23 @@ def drive(workers: int, n: int, rounds: int, seed: int, mbps: float) -> None:
                         "staged_s": round(staged - began, 4), "ring_s": round(ring, 4),
                         "ratio": round(sync / ring, 4),
                         "driver_cpu_s": round(time.process_time() - cpu, 4),
-                        "sent_per_member": outcome[0]["sent"]}), flush=True)
+                        "sent_per_member": outcome[0]["sent"],
+                        # each phase's end, the last member's, from the driver's first message
+                        "phases_s": {k: round(max(o["moments"][k] for o in outcome) - wall, 4)
+                                     for k in ("began", "scattered", "reduced", "staged")}}),
+            flush=True)
 
 
-def run(workers_list, n: int, mbps: float, runs: int, rounds: int, out: pathlib.Path) -> None:
-  """Each W: links for W + 1 nodes, a Ray cluster over them, `runs` runs of the driver;
-  each counted round a line of out/results.jsonl, with the nodes' kernel byte counts."""
+def run(workers_list, n: int, mbps: float, runs: int, rounds: int, out: pathlib.Path,
+        queue_ms: float) -> None:
+  """Each W: links for W + 1 nodes (queues of `queue_ms`), a Ray cluster over them, `runs`
+  runs of the driver; each counted round a line of out/results.jsonl, with the nodes'
+  kernel byte counts."""
   import real_links
   out.mkdir(parents=True, exist_ok=True)
   results = out / "results.jsonl"
   for workers in workers_list:
-    with real_links.Links(workers + 1, mbps) as links:
+    with real_links.Links(workers + 1, mbps, queue_ms=queue_ms) as links:
       env = dict(real_links.ray_env(), RAY_ADDRESS=links.start_ray())
       for seed in range(runs):
         before = links.link_bytes()
@@ -150,7 +156,7 @@ def run(workers_list, n: int, mbps: float, runs: int, rounds: int, out: pathlib.
         with results.open("a") as f:
           for line in lines.splitlines():
             if line.startswith("{"):
-              row = json.loads(line)
+              row = {**json.loads(line), "queue_ms": queue_ms}
               # the kernel's counts over the whole run (rounds + 1 rounds, and start-up):
               # the driver's node, and the members' mean, per round
               row["node_bytes_per_round"] = {
@@ -165,28 +171,30 @@ def report(out: pathlib.Path) -> str:
   rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
   by_w = {}
   for r in rows:
-    by_w.setdefault(r["workers"], []).append(r)
-  lines = ["| W | rounds | ring's bytes s | sync s (mean ± sd) | sync / ring: mean (min–max) | "
+    by_w.setdefault((r.get("queue_ms", 200.0), r["workers"]), []).append(r)
+  lines = ["| queue ms | W | rounds | ring's bytes s | sync s (mean ± sd) | sync / ring: mean (min–max) | "
            "driver CPU s a round | a member's link MB a round (out, in) |",
-           "|---|---|---|---|---|---|---|"]
-  ws, cpus = [], []
-  for w in sorted(by_w):
-    rs = by_w[w]
+           "|---|---|---|---|---|---|---|---|"]
+  fits = {}
+  for queue, w in sorted(by_w):
+    rs = by_w[queue, w]
     ratios = [r["ratio"] for r in rs]
     syncs = [r["sync_s"] for r in rs]
     cpu = statistics.mean(r["driver_cpu_s"] for r in rs)
-    ws.append(w)
-    cpus.append(cpu)
+    fits.setdefault(queue, []).append((w, cpu))
     link = rs[0]["node_bytes_per_round"]["member_mean"]
-    lines.append(f"| {w} | {len(rs)} | {rs[0]['ring_s']:.2f} | {statistics.mean(syncs):.2f} ± "
+    lines.append(f"| {queue:g} | {w} | {len(rs)} | {rs[0]['ring_s']:.2f} | {statistics.mean(syncs):.2f} ± "
                  f"{statistics.stdev(syncs) if len(syncs) > 1 else 0:.2f} | "
                  f"{statistics.mean(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f}) | "
                  f"{cpu:.4f} | {link[0] / 1e6:.2f}, {link[1] / 1e6:.2f} |")
-  if len(ws) > 2:
-    slope, intercept = np.polyfit(ws, cpus, 1)
-    quad = np.polyfit(ws, cpus, 2)
-    lines.append(f"\nDriver CPU a round, least squares over W: {intercept:.4f} + "
-                 f"{slope:.5f}·W s (a quadratic fit's W² term: {quad[0]:.2e} s)")
+  for queue, points in fits.items():
+    if len(points) > 2:
+      ws, cpus = zip(*points)
+      slope, intercept = np.polyfit(ws, cpus, 1)
+      quad = np.polyfit(ws, cpus, 2)
+      lines.append(f"\nQueue {queue:g} ms: the driver's CPU a round, least squares over W: "
+                   f"{intercept:.4f} + {slope:.5f}·W s (a quadratic fit's W² term: "
+                   f"{quad[0]:.2e} s)")
   return "\n".join(lines)
 
 
@@ -194,6 +202,8 @@ def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16])
   p.add_argument("--mbps", type=float, default=20.0, help="every node's link, each way")
+  p.add_argument("--queue_ms", type=float, nargs="+", default=[20.0, 200.0],
+                 help="each link's queue in ms of its traffic; a set of runs per value")
   p.add_argument("--n", type=int, default=0,
                  help="floats in Δ (0: the ring's bytes take 5 s at W = 2)")
   p.add_argument("--runs", type=int, default=3)
@@ -209,7 +219,8 @@ def main() -> None:
   elif a.report:
     print(report(a.report))
   else:
-    run(a.workers, n, a.mbps, a.runs, a.rounds, a.out)
+    for queue_ms in a.queue_ms:
+      run(a.workers, n, a.mbps, a.runs, a.rounds, a.out, queue_ms)
     print(report(a.out))
 
 

@@ -71,14 +71,19 @@ def _run(*args: str) -> None:
     raise RuntimeError(f"`{' '.join(args)}` failed: {done.stderr.strip()}")
 
 
-def tbf(device: str, mbps: float, namespace: str | None = None) -> list[str]:
+def tbf(device: str, mbps: float, namespace: str | None = None,
+        queue_ms: float = 200.0) -> list[str]:
   """The `tc` command that limits `device`'s egress to `mbps` (a bucket of 10 ms of
   traffic, at least 32 KiB: tbf needs one timer tick's worth, and a small bucket starves TCP
-  at high rates)."""
+  at high rates), queueing at most `queue_ms` of traffic before it drops. The queue is one
+  FIFO for everything the node sends (this kernel has tbf and pfifo, no fq_codel), so a
+  node's ACKs wait behind its data: at 200 ms, raw TCP both ways at once over a 20 Mb/s
+  link moved 6.25 MB in 2.6 s one way and 3.5–3.7 s the other (2.6 s alone); at 20 ms,
+  2.6–2.9 s both (BENCHMARKS, issue 70)."""
   burst = max(32 * 1024, int(mbps * 1e6 / 8 / 100))
   prefix = ["ip", "netns", "exec", namespace] if namespace else []
   return prefix + ["tc", "qdisc", "replace", "dev", device, "root", "tbf", "rate",
-                   f"{mbps}mbit", "burst", str(burst), "latency", "200ms"]
+                   f"{mbps}mbit", "burst", str(burst), "latency", f"{queue_ms:g}ms"]
 
 
 class Links:
@@ -90,10 +95,11 @@ class Links:
   """
 
   def __init__(self, nodes: int, mbps, *, tag: str | None = None, subnet: str | None = None,
-               regions=None, region_mbps=None):
+               regions=None, region_mbps=None, queue_ms: float = 200.0):
     """`mbps`: every node's NIC, each way (a number, or one per node). `regions`: each
     node's region (None: every node on the one bridge); `region_mbps`: each region's uplink
-    and downlink, shared by every transfer between it and the other regions."""
+    and downlink, shared by every transfer between it and the other regions. `queue_ms`:
+    each link's queue, in ms of its traffic (`tbf`)."""
     if nodes < 1 or nodes > 200:
       raise ValueError(f"nodes={nodes}: use 1 to 200")
     self.nodes = nodes
@@ -102,6 +108,7 @@ class Links:
       raise ValueError(f"mbps={mbps}: one positive rate, or one per node ({nodes})")
     self.regions = list(regions) if regions is not None else None
     self.region_mbps = list(region_mbps) if region_mbps is not None else []
+    self.queue_ms = queue_ms
     if self.regions is not None and (
         len(self.regions) != nodes or min(self.regions) < 0
         or max(self.regions) >= len(self.region_mbps) or min(self.region_mbps) <= 0):
@@ -147,8 +154,8 @@ class Links:
       _run("ip", "-n", ns, "link", "set", "dev", "uplink", "up")
       _run("ip", "link", "set", up, "master", self.bridge)
       _run("ip", "link", "set", up, "up")
-      _run(*tbf("uplink", mbps, ns))  # the region's uplink
-      _run(*tbf(up, mbps))  # its downlink
+      _run(*tbf("uplink", mbps, ns, self.queue_ms))  # the region's uplink
+      _run(*tbf(up, mbps, queue_ms=self.queue_ms))  # its downlink
     for i in range(self.nodes):
       ns, veth = self.namespace(i), self._host_veth(i)
       switch = self.region_namespace(self.regions[i]) if self.regions is not None else None
@@ -164,8 +171,8 @@ class Links:
         _run("ip", "link", "set", veth, "netns", switch)
       _run(*on_switch, "link", "set", veth, "master", "sw" if switch else self.bridge)
       _run(*on_switch, "link", "set", veth, "up")
-      _run(*tbf("eth0", self.mbps[i], ns))  # the node's uplink
-      _run(*tbf(veth, self.mbps[i], switch))  # its downlink
+      _run(*tbf("eth0", self.mbps[i], ns, self.queue_ms))  # the node's uplink
+      _run(*tbf(veth, self.mbps[i], switch, self.queue_ms))  # its downlink
     return self
 
   def link_bytes(self) -> list[tuple[int, int]]:
