@@ -25,9 +25,6 @@ import time
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-
 
 def ring_seconds(workers: int, n: int, mbps: float) -> float:
   """A ring all-reduce's bytes time: 2·(W−1)/W of the payload through each link."""

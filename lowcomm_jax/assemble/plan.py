@@ -27,7 +27,8 @@ def make_plan(c: ml_collections.ConfigDict, r: Run) -> Plan:
       inter_gbps=n.inter_gbps_matrix or n.inter_gbps,
       inter_latency_s=n.inter_latency_matrix or n.inter_latency_s, bytes_scale=n.bytes_scale,
       region_gbps=n.region_gbps, server_region=None if n.server_region < 0 else n.server_region,
-      server_link=(n.inter_gbps, n.inter_latency_s))
+      server_link=(n.inter_gbps, n.inter_latency_s),
+      exchange_efficiency=n.exchange_efficiency, exchange_member_s=n.exchange_member_s)
   params = r.model.layout.abstract
   wire = r.sync.payload_bytes
   first = r.segments(c.inner_steps)[0]

@@ -61,6 +61,9 @@ def problems(c: ml_collections.ConfigDict, num_processes: int, algorithm) -> lis
   check(c.collective_form in COLLECTIVES, "collective_form",
         f"use one of {list(COLLECTIVES)}")
   check(n.intra_gbps > 0, "sim.network.intra_gbps", "must be > 0")
+  check(0 < n.exchange_efficiency <= 1, "sim.network.exchange_efficiency",
+        "a fraction of the links' rate in (0, 1]")
+  check(n.exchange_member_s >= 0, "sim.network.exchange_member_s", "must be >= 0")
   check(n.intra_latency_s >= 0, "sim.network.intra_latency_s", "must be >= 0")
   check(n.inter_gbps > 0, "sim.network.inter_gbps", "must be > 0")
   check(n.inter_latency_s >= 0, "sim.network.inter_latency_s", "must be >= 0")
@@ -127,6 +130,10 @@ def config_defaults() -> ml_collections.ConfigDict:
   s.network.inter_latency_s = 0.05  # seconds, between any two regions
   s.network.inter_gbps_matrix = ()  # or per pair: regions x regions rows (diagonal unused)
   s.network.inter_latency_matrix = ()  # or per pair, like inter_gbps_matrix
+  s.network.exchange_efficiency = 1.0  # the direct exchange (Ray's rounds among the
+  # | workers): the fraction of a link's rate a member gets while it sends and receives at
+  # | once (bench/exchange_rig.py measures it; 1: the bandwidth alone)
+  s.network.exchange_member_s = 0.0  # ... and the seconds each of its steps adds per member
   s.network.bytes_scale = 1.0  # payloads take this many times their real bytes' time
   # | (a small CPU model standing in for a large one; bytes_sent stays real)
   return s

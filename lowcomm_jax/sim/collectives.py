@@ -18,10 +18,15 @@ all-gathered, n each):
   direct        the Ray runtime's exchange among a round's workers (runtimes/ray/replica.py):
                 all-reduce, a reduce-scatter and an all-gather of one step each, every
                 worker sending each other worker n/W at once; all-gather, one step of n to
-                each other worker. On one NIC per worker the bytes and time of a ring; across
-                regions more crosses the regions' links (every pair, not a ring's two
-                hops).
-  auto          the faster of ring and hierarchical for the placement (the default).
+                each other worker. On one NIC per worker the bytes of a ring in 2 steps
+                (not 2(W−1) latencies); across regions more crosses the regions' links
+                (every pair, not a ring's two hops). A real transport's cost beyond the
+                bytes: `sim.network.exchange_efficiency` (the fraction of the bandwidth a
+                member gets while it sends and receives at once) and
+                `exchange_member_s` (seconds a step adds per member), as
+                bench/exchange_rig.py measures them (defaults: the bandwidth alone).
+  auto          the fastest of ring, hierarchical and direct for the placement (the
+                default; issue 70 added direct, the form Ray's rounds run).
   server        not a collective: the transfers of a parameter server as the Ray runtime
                 makes them. A synchronous round: each worker pulls θ from the server and
                 sends its contribution back (sim/sync_schedules.SyncRounds). In every
@@ -133,14 +138,23 @@ def hierarchical_allgather_seconds(net: Network, workers: Sequence[int], nbytes:
   return gather + across + spread
 
 
+def _direct_step(net: Network, sends, members: int) -> float:
+  """A step of the direct exchange: its messages at `exchange_efficiency` of the bandwidth
+  (a member sends and receives at once), and `exchange_member_s` for each member."""
+  return (_step_seconds(net, sends) / net.exchange_efficiency
+          + net.exchange_member_s * members)
+
+
 def direct_allreduce_seconds(net: Network, workers: Sequence[int], nbytes: float) -> float:
   n = len(workers)
   sends = [(a, b, nbytes / n) for a in workers for b in workers if a != b]
-  return 2 * _step_seconds(net, sends) if n > 1 else 0.0
+  return 2 * _direct_step(net, sends, n) if n > 1 else 0.0
 
 
 def direct_allgather_seconds(net: Network, workers: Sequence[int], nbytes: float) -> float:
-  return _step_seconds(net, [(a, b, nbytes) for a in workers for b in workers if a != b])
+  n = len(workers)
+  sends = [(a, b, nbytes) for a in workers for b in workers if a != b]
+  return _direct_step(net, sends, n) if n > 1 else 0.0
 
 
 _TIMES = {("allreduce", "ring"): ring_allreduce_seconds,
@@ -160,6 +174,9 @@ def seconds(net: Network, op: str, workers: Sequence[int], nbytes: float,
                      "hierarchical or auto")
   if how != "auto":
     return _TIMES[op, how](net, workers, nbytes), how
-  ring = _TIMES[op, "ring"](net, workers, nbytes)
-  hierarchical = _TIMES[op, "hierarchical"](net, workers, nbytes)
-  return (hierarchical, "hierarchical") if hierarchical < ring else (ring, "ring")
+  # the fastest; on a tie the first (ring, hierarchical, direct: the order before issue 70
+  # added the direct exchange, which ties a ring's bandwidth on one region)
+  times = [(_TIMES[op, form](net, workers, nbytes), k, form)
+           for k, form in enumerate(("ring", "hierarchical", "direct"))]
+  seconds, _, form = min(times)
+  return seconds, form

@@ -57,13 +57,20 @@ class Network:
   bytes_scale: float = 1.0
   region_bps: np.ndarray | None = None  # [regions]: each region's uplink (= its downlink)
   server_region: int = 0  # where the global parameter server sits
+  # The direct exchange (sim/collectives.direct_*: Ray's members, every pair at once) as
+  # real transports run it: the fraction of its bandwidth a member's link carries while it
+  # sends and receives at once, and the seconds each step adds per member (what
+  # bench/exchange_rig.py measures; 1 and 0: the bandwidth alone)
+  exchange_efficiency: float = 1.0
+  exchange_member_s: float = 0.0
 
   @classmethod
   def build(cls, *, num_workers: int, regions: int, worker_regions: Sequence[int] = (),
             intra_gbps: float, intra_latency_s: float, inter_gbps, inter_latency_s,
             bytes_scale: float = 1.0, region_gbps: float = 0.0,
             server_region: int | None = 0,
-            server_link: tuple[float, float] | None = None) -> "Network":
+            server_link: tuple[float, float] | None = None, exchange_efficiency: float = 1.0,
+            exchange_member_s: float = 0.0) -> "Network":
     """Workers fill regions in contiguous blocks unless `worker_regions` places them.
     `region_gbps` caps each region's uplink and downlink (0: its fastest link's bandwidth);
     `server_region=None` puts the server in a region of its own (index `regions`) whose
@@ -85,7 +92,8 @@ class Network:
     else:  # the fastest link out of (or into) each region
       off = np.where(np.eye(len(bandwidth), dtype=bool), 0.0, bandwidth)
       region = np.maximum(off.max(axis=0), off.max(axis=1)) if len(off) > 1 else np.zeros(1)
-    return cls(placed, latency, bandwidth, bytes_scale, region, int(server_region))
+    return cls(placed, latency, bandwidth, bytes_scale, region, int(server_region),
+               float(exchange_efficiency), float(exchange_member_s))
 
   @property
   def regions(self) -> int:

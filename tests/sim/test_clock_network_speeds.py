@@ -104,3 +104,24 @@ def test_job_seconds_follow_speed_and_are_a_pure_function_of_worker_and_job():
   assert 5 < len(stragglers) < 35  # about half the jobs, each ~4x the ~20 s of a normal one
   assert all(60 < t < 100 for t in stragglers)
   assert all(14 < t < 26 for t in times if t <= 40)
+
+
+def test_auto_weighs_the_direct_exchange_with_what_a_real_transport_adds():
+  """'auto' considers the direct exchange Ray's rounds run (issue 70): on one region it
+  moves a ring's bytes in 2 steps, not 2(W−1), so with latency it is the faster. What a
+  real transport adds beyond the bytes (`exchange_efficiency`, `exchange_member_s`, as
+  bench/exchange_rig.py measures them) slows it, and past that 'auto' keeps the ring."""
+  build = lambda **kw: Network.build(num_workers=8, regions=1, intra_gbps=1.0,
+                                     intra_latency_s=0.01, inter_gbps=1.0,
+                                     inter_latency_s=0.0, **kw)
+  n = 8e6  # 7/8 of 8 MB through each NIC per half: 56 ms at 1 Gb/s
+  seconds, form = collectives.seconds(build(), "allreduce", range(8), n)
+  assert form == "direct" and seconds == pytest.approx(2 * (0.01 + 0.056))
+  assert collectives.ring_allreduce_seconds(build(), range(8), n) == pytest.approx(
+      14 * (0.01 + 0.008))
+  slow = build(exchange_efficiency=0.8, exchange_member_s=0.01)
+  assert collectives.direct_allreduce_seconds(slow, range(8), n) == pytest.approx(
+      2 * ((0.01 + 0.056) / 0.8 + 8 * 0.01))
+  assert collectives.seconds(slow, "allreduce", range(8), n)[1] == "ring"
+  assert collectives.direct_allgather_seconds(slow, range(8), n) == pytest.approx(
+      (0.01 + 7 * 0.064) / 0.8 + 8 * 0.01)

@@ -92,10 +92,14 @@ def test_hierarchical_allgather_time_by_hand():
   assert collectives.ring_allgather_seconds(net, range(4), n) == pytest.approx(3 * (l + 8e-3))
 
 
-def test_one_region_uses_the_ring_and_the_server_can_have_a_region_of_its_own():
+def test_one_region_uses_the_direct_exchange_and_the_server_can_have_a_region_of_its_own():
+  """On one region the direct exchange moves a ring's bytes in 2 steps, not 6, so 'auto'
+  takes it (issue 70; the ring before)."""
   net = _regions((0, 0, 0, 0))
-  assert collectives.seconds(net, "allreduce", range(4), 4e6) == (
+  assert collectives.seconds(net, "allreduce", range(4), 4e6, "ring") == (
       pytest.approx(6 * (1e-4 + 8e6 / 100e9)), "ring")
+  assert collectives.seconds(net, "allreduce", range(4), 4e6) == (
+      pytest.approx(2 * (1e-4 + 3 * 8e6 / 100e9)), "direct")
   own = Network.build(num_workers=4, regions=2, intra_gbps=100.0, intra_latency_s=1e-4,
                       inter_gbps=1.0, inter_latency_s=0.05, server_region=None,
                       server_link=(2.0, 0.01))
