@@ -1,5 +1,8 @@
 """A worker as a Ray actor's class (WorkerProcess): its jobs of local steps, or a
-collaborative epoch's micro-batches."""
+collaborative epoch's micro-batches, and in the peer form its replica (replica.py) and its
+part of each collective among the workers: one call a collective (`exchange`, `mean_state`,
+`consensus`: the form's member side, forms/), its peers' `deliver` and the driver's
+`abort`."""
 
 import threading
 import time
