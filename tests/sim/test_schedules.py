@@ -121,7 +121,7 @@ def test_under_server_the_server_takes_one_contribution_at_a_time():
 
 
 def test_a_streaming_schedule_refuses_the_server_rounds():
-  with pytest.raises(ValueError, match="collective='server'"):
+  with pytest.raises(ValueError, match="collective_form='server'"):
     _run("streaming", _plan((1.0, 1.0), collective="server", fragment_bytes=(1, 1)))
 
 
