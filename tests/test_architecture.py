@@ -193,20 +193,24 @@ def test_nothing_outside_the_algorithms_knows_one():
   assert not importing and not reading, "\n".join(importing + reading)
 
 
-def _runtime_comparisons(tree: ast.AST) -> list[int]:
-  """Lines of `tree` that compare with a runtime's name, or compare a `.runtime` field."""
-  from lowcomm_jax import runtimes
-  names = set(runtimes.NAMES)
+def _comparisons(tree: ast.AST, names: set, field: str) -> list[int]:
+  """Lines of `tree` that compare with one of `names`, or compare a `.field`."""
 
   def named(node) -> bool:
     if isinstance(node, ast.Constant):
       return node.value in names
     if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
       return any(named(e) for e in node.elts)
-    return isinstance(node, ast.Attribute) and node.attr == "runtime"
+    return isinstance(node, ast.Attribute) and node.attr == field
 
   return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
           and any(named(side) for side in [node.left, *node.comparators])]
+
+
+def _runtime_comparisons(tree: ast.AST) -> list[int]:
+  """Lines of `tree` that compare with a runtime's name, or compare a `.runtime` field."""
+  from lowcomm_jax import runtimes
+  return _comparisons(tree, set(runtimes.NAMES), "runtime")
 
 
 def test_only_the_runtimes_compare_runtime_names():
@@ -227,16 +231,7 @@ def _form_comparisons(tree: ast.AST) -> list[int]:
   'ring'), or compare a `.collective_form` field ('auto' is ray.address's too)."""
   from lowcomm_jax.runtimes.ray import forms
   names = (set(forms.FORMS) | set(forms.config.ON_RAY) | {"ring"}) - {"auto"}
-
-  def named(node) -> bool:
-    if isinstance(node, ast.Constant):
-      return node.value in names
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-      return any(named(e) for e in node.elts)
-    return isinstance(node, ast.Attribute) and node.attr == "collective_form"
-
-  return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
-          and any(named(side) for side in [node.left, *node.comparators])]
+  return _comparisons(tree, names, "collective_form")
 
 
 def test_only_the_forms_package_compares_a_collective_forms_name():

@@ -102,8 +102,7 @@ class Pool:
     sleep = sleeps[worker] if worker < len(sleeps) else 0.0
     if restored is None and str(worker) in self.data:
       restored = {"data": self.data[str(worker)]}
-    # Threads: a job, a collective's part (`exchange`: it waits for its peers), and short
-    # calls beside them: its peers' deliveries, an abort, a ping, a checkpoint's read.
+    # Threads: a job, a collective's part (it waits for peers), short calls beside them.
     remote = self.ray.remote(max_concurrency=8,
                              **cluster.actor_options(self.c, worker=True, index=worker))(
                                  WorkerProcess)
