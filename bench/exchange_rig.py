@@ -2,7 +2,7 @@
 network namespace of its own behind a tbf-limited link (bench/real_links.py), hold a fixed Δ
 of N floats (no training, so the machine's 2 cores do not stretch the transfers) and close
 rounds in the direct form, as the Ray runtime's members do: the driver sends each member one
-message (runtimes/ray/forms: the members' real exchange, mailboxes and object transport),
+message (runtimes/ray/forms: the members' real exchange, mailboxes and transport),
 the members reduce-scatter and all-gather among themselves, each stages θ' and reports its
 hash, and the driver commits. The driver sits in a node of its own.
 
@@ -11,7 +11,8 @@ bytes time 2·(W−1)/W·4N·8/B, and the driver's CPU seconds (its whole proces
 included). Round 0 of each run warms up (imports, connections) and is not counted.
 
   python bench/exchange_rig.py --workers 2 4 8 16 --mbps 20 --runs 3 --rounds 3 \\
-      --queue_ms 20 200 --out /tmp/exchange_rig   # needs root; results.jsonl, as it goes
+      --queue_ms 20 200 --transport sockets objects --out /tmp/exchange_rig
+      # needs root; results.jsonl, as it goes
   python bench/exchange_rig.py --report /tmp/exchange_rig   # the table and the CPU fit
 """
 
@@ -32,8 +33,9 @@ def ring_seconds(workers: int, n: int, mbps: float) -> float:
 
 
 class RigReplica:
-  """What a member computes in the direct form's dense mean (replica.Replica's steps, in
-  NumPy on a fixed Δ): its shards, a shard's mean, the outer step and its hash."""
+  """What a member computes in a dense mean (replica.Replica's steps, in NumPy on a fixed
+  Δ): its shards, a shard's mean (direct) or weighted sum and its division (ring), the
+  outer step and its hash."""
 
   def __init__(self, n: int, worker: int, seed: int):
     self.delta = np.random.default_rng(seed * 1000 + worker).standard_normal(n).astype(np.float32)
@@ -48,6 +50,12 @@ class RigReplica:
   def reduce_shard(self, version, index, members, tokens, shards) -> np.ndarray:
     weights = np.asarray(tokens, np.float32)[:, None]
     return (np.stack(shards) * weights).sum(0) / weights.sum()
+
+  def sum_shard(self, version, index, group, tokens, shards, parts=None) -> np.ndarray:
+    return (np.stack(shards) * np.asarray(tokens, np.float32)[:, None]).sum(0)
+
+  def divide_piece(self, version, index, groups, members, tokens, pieces) -> np.ndarray:
+    return np.sum(pieces, axis=0) / np.float32(sum(tokens))
 
   def apply_reduced(self, version, members, tokens, losses, reduced) -> str:
     from lowcomm_jax.runtimes.ray.replica import params_hash
@@ -66,19 +74,24 @@ class RigMember:
   """A member: its replica, its mailbox, and the runtime's one entry point per collective
   (as WorkerProcess hosts it: `exchange`, with `deliver` and `abort` for its peers)."""
 
-  def __init__(self, worker: int, n: int, seed: int):
+  def __init__(self, worker: int, n: int, seed: int, transport: str):
+    import ray
     from lowcomm_jax.runtimes.ray import forms
     self.worker, self.forms = worker, forms
     self.replica = RigReplica(n, worker, seed)
     self.mailbox = forms.Mailbox()
+    self.postbox = (forms.Postbox(self.mailbox, ray.util.get_node_ip_address())
+                    if transport == "sockets" else None)
 
-  def ready(self) -> int:
-    return self.worker
+  def ready(self):
+    return None if self.postbox is None else self.postbox.address
 
   def exchange(self, message: dict) -> dict:
     import ray
     form = self.forms.get(message["form"])
-    transport = self.forms.RayTransport(ray, message["handles"])
+    transport = (self.forms.SocketTransport(self.postbox, message["addresses"])
+                 if "addresses" in message else
+                 self.forms.RayTransport(ray, message["handles"]))
     return self.forms.take_part(self.worker, message, self.mailbox, transport,
                                 lambda ex: form.member(self.replica, ex, message),
                                 lambda: None)
@@ -93,22 +106,25 @@ class RigMember:
     return self.replica.commit(version)
 
 
-def drive(workers: int, n: int, rounds: int, seed: int, mbps: float) -> None:
+def drive(workers: int, n: int, rounds: int, seed: int, mbps: float, transport: str,
+          form: str) -> None:
   """The driver (in node 0): W members on nodes 1..W, rounds + 1 rounds; a JSON line per
   counted round on stdout."""
   import ray
   ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
   remote = ray.remote(num_cpus=0, max_concurrency=8)(RigMember)
-  actors = [remote.options(resources={f"node{w + 1}": 0.01}).remote(w, n, seed)
+  actors = [remote.options(resources={f"node{w + 1}": 0.01}).remote(w, n, seed, transport)
             for w in range(workers)]
-  ray.get([a.ready.remote() for a in actors])
+  addresses = ray.get([a.ready.remote() for a in actors])
   members = list(range(workers))
   handles = dict(zip(members, actors))
   for version in range(rounds + 1):
     cpu, began, wall = time.process_time(), time.perf_counter(), time.time()
-    common = {"form": "direct", "kind": "mean", "version": version, "attempt": version + 1,
+    common = {"form": form, "kind": "mean", "version": version, "attempt": version + 1,
               "members": members, "handles": handles, "timeout_s": 600.0, "crash": None,
               "tokens": [1.0] * workers, "losses": [0.0] * workers, "own": version}
+    if transport == "sockets":
+      common["addresses"] = dict(zip(members, addresses))
     outcome = ray.get([a.exchange.remote(common) for a in actors])
     staged = time.perf_counter()
     hashes = {o.get("hash") for o in outcome}
@@ -118,6 +134,7 @@ def drive(workers: int, n: int, rounds: int, seed: int, mbps: float) -> None:
     if version:
       ring = ring_seconds(workers, n, mbps)
       print(json.dumps({"workers": workers, "n": n, "mbps": mbps, "seed": seed,
+                        "transport": transport, "form": form,
                         "round": version, "sync_s": round(sync, 4),
                         "staged_s": round(staged - began, 4), "ring_s": round(ring, 4),
                         "ratio": round(sync / ring, 4),
@@ -130,7 +147,7 @@ def drive(workers: int, n: int, rounds: int, seed: int, mbps: float) -> None:
 
 
 def run(workers_list, n: int, mbps: float, runs: int, rounds: int, out: pathlib.Path,
-        queue_ms: float) -> None:
+        queue_ms: float, transport: str, form: str, modem: bool) -> None:
   """Each W: links for W + 1 nodes (queues of `queue_ms`), a Ray cluster over them, `runs`
   runs of the driver; each counted round a line of out/results.jsonl, with the nodes'
   kernel byte counts."""
@@ -138,13 +155,15 @@ def run(workers_list, n: int, mbps: float, runs: int, rounds: int, out: pathlib.
   out.mkdir(parents=True, exist_ok=True)
   results = out / "results.jsonl"
   for workers in workers_list:
-    with real_links.Links(workers + 1, mbps, queue_ms=queue_ms) as links:
+    with real_links.Links(workers + 1, mbps, queue_ms=queue_ms, modem=modem,
+                          acks_first=modem) as links:
       env = dict(real_links.ray_env(), RAY_ADDRESS=links.start_ray())
       for seed in range(runs):
         before = links.link_bytes()
         driver = links.run(0, [sys.executable, __file__, "--drive", str(workers), "--n", str(n),
                                "--rounds", str(rounds), "--seed", str(seed), "--mbps",
-                               str(mbps)], env=env, stdout=subprocess.PIPE, text=True)
+                               str(mbps), "--transport", transport, "--form", form],
+                              env=env, stdout=subprocess.PIPE, text=True)
         lines, _ = driver.communicate(timeout=3600)
         if driver.returncode:
           raise RuntimeError(f"the rig's driver failed at W={workers} (rc {driver.returncode})")
@@ -153,7 +172,7 @@ def run(workers_list, n: int, mbps: float, runs: int, rounds: int, out: pathlib.
         with results.open("a") as f:
           for line in lines.splitlines():
             if line.startswith("{"):
-              row = {**json.loads(line), "queue_ms": queue_ms}
+              row = {**json.loads(line), "queue_ms": queue_ms, "modem": modem}
               # the kernel's counts over the whole run (rounds + 1 rounds, and start-up):
               # the driver's node, and the members' mean, per round
               row["node_bytes_per_round"] = {
@@ -168,28 +187,31 @@ def report(out: pathlib.Path) -> str:
   rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
   by_w = {}
   for r in rows:
-    by_w.setdefault((r.get("queue_ms", 200.0), r["workers"]), []).append(r)
-  lines = ["| queue ms | W | rounds | ring's bytes s | sync s (mean ± sd) | sync / ring: mean (min–max) | "
+    link = "modem, ACKs first" if r.get("modem") else "node's NIC"
+    by_w.setdefault((link, r.get("form", "direct"), r.get("transport", "objects"),
+                     r.get("queue_ms", 200.0), r["workers"]), []).append(r)
+  lines = ["| link shaped at | form | transport | queue ms | W | rounds | ring's bytes s | sync s (mean ± sd) | sync / ring: mean (min–max) | "
            "driver CPU s a round | a member's link MB a round (out, in) |",
-           "|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
   fits = {}
-  for queue, w in sorted(by_w):
-    rs = by_w[queue, w]
+  for key in sorted(by_w):
+    link, form, transport, queue, w = key
+    rs = by_w[key]
     ratios = [r["ratio"] for r in rs]
     syncs = [r["sync_s"] for r in rs]
     cpu = statistics.mean(r["driver_cpu_s"] for r in rs)
-    fits.setdefault(queue, []).append((w, cpu))
-    link = rs[0]["node_bytes_per_round"]["member_mean"]
-    lines.append(f"| {queue:g} | {w} | {len(rs)} | {rs[0]['ring_s']:.2f} | {statistics.mean(syncs):.2f} ± "
+    fits.setdefault(key[:-1], []).append((w, cpu))
+    moved = rs[0]["node_bytes_per_round"]["member_mean"]
+    lines.append(f"| {link} | {form} | {transport} | {queue:g} | {w} | {len(rs)} | {rs[0]['ring_s']:.2f} | {statistics.mean(syncs):.2f} ± "
                  f"{statistics.stdev(syncs) if len(syncs) > 1 else 0:.2f} | "
                  f"{statistics.mean(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f}) | "
-                 f"{cpu:.4f} | {link[0] / 1e6:.2f}, {link[1] / 1e6:.2f} |")
-  for queue, points in fits.items():
+                 f"{cpu:.4f} | {moved[0] / 1e6:.2f}, {moved[1] / 1e6:.2f} |")
+  for (link, form, transport, queue), points in fits.items():
     if len(points) > 2:
       ws, cpus = zip(*points)
       slope, intercept = np.polyfit(ws, cpus, 1)
       quad = np.polyfit(ws, cpus, 2)
-      lines.append(f"\nQueue {queue:g} ms: the driver's CPU a round, least squares over W: "
+      lines.append(f"\n{link}, {form}, {transport}, queue {queue:g} ms: the driver's CPU a round, least squares over W: "
                    f"{intercept:.4f} + {slope:.5f}·W s (a quadratic fit's W² term: "
                    f"{quad[0]:.2e} s)")
   return "\n".join(lines)
@@ -203,6 +225,12 @@ def main() -> None:
                  help="each link's queue in ms of its traffic; a set of runs per value")
   p.add_argument("--n", type=int, default=0,
                  help="floats in Δ (0: the ring's bytes take 5 s at W = 2)")
+  p.add_argument("--transport", nargs="+", choices=["sockets", "objects"],
+                 default=["sockets"], help="ray.transport: a set of runs per value")
+  p.add_argument("--form", nargs="+", choices=["direct", "ring"], default=["ring"],
+                 help="the collective form: a set of runs per value")
+  p.add_argument("--modem", action="store_true",
+                 help="links shaped in a box beside each node, ACKs first (real_links.Links)")
   p.add_argument("--runs", type=int, default=3)
   p.add_argument("--rounds", type=int, default=3, help="counted rounds a run (one more warms up)")
   p.add_argument("--seed", type=int, default=0)
@@ -212,12 +240,15 @@ def main() -> None:
   a = p.parse_args()
   n = a.n or int(5.0 * a.mbps * 1e6 / 8 / 4)  # W = 2: 2·(1/2)·4N bytes in 5 s
   if a.drive:
-    drive(a.drive, n, a.rounds, a.seed, a.mbps)
+    drive(a.drive, n, a.rounds, a.seed, a.mbps, a.transport[0], a.form[0])
   elif a.report:
     print(report(a.report))
   else:
-    for queue_ms in a.queue_ms:
-      run(a.workers, n, a.mbps, a.runs, a.rounds, a.out, queue_ms)
+    for form in a.form:
+      for transport in a.transport:
+        for queue_ms in a.queue_ms:
+          run(a.workers, n, a.mbps, a.runs, a.rounds, a.out, queue_ms, transport, form,
+              a.modem)
     print(report(a.out))
 
 

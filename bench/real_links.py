@@ -86,6 +86,30 @@ def tbf(device: str, mbps: float, namespace: str | None = None,
                    f"{mbps}mbit", "burst", str(burst), "latency", f"{queue_ms:g}ms"]
 
 
+def ack_first(device: str, mbps: float, namespace: str | None = None,
+              queue_ms: float = 200.0) -> list[list[str]]:
+  """The `tc` commands that limit `device`'s egress to `mbps` as `tbf` does, but send pure
+  ACKs (IP packets under 128 bytes) ahead of the queued data (htb, two classes; a u32
+  filter on the IP total length), as routers with ACK priority do: a node's ACKs for what
+  it receives no longer wait behind what it sends. The data's FIFO holds `queue_ms`."""
+  prefix = ["ip", "netns", "exec", namespace] if namespace else []
+  rate = f"{mbps}mbit"
+  limit = max(16 * 1024, int(mbps * 1e6 / 8 * queue_ms / 1000))
+  tc = prefix + ["tc"]
+  return [tc + ["qdisc", "replace", "dev", device, "root", "handle", "1:", "htb", "default", "20",
+                "r2q", "1000"],
+          tc + ["class", "add", "dev", device, "parent", "1:", "classid", "1:1", "htb", "rate",
+                rate, "ceil", rate],
+          tc + ["class", "add", "dev", device, "parent", "1:1", "classid", "1:10", "htb", "rate",
+                f"{mbps / 10}mbit", "ceil", rate, "prio", "0"],
+          tc + ["class", "add", "dev", device, "parent", "1:1", "classid", "1:20", "htb", "rate",
+                f"{mbps * 9 / 10}mbit", "ceil", rate, "prio", "1"],
+          tc + ["qdisc", "add", "dev", device, "parent", "1:20", "handle", "20:", "bfifo", "limit",
+                str(limit)],
+          tc + ["filter", "add", "dev", device, "parent", "1:", "protocol", "ip", "prio", "1",
+                "u32", "match", "u16", "0x0000", "0xff80", "at", "2", "flowid", "1:10"]]
+
+
 class Links:
   """`nodes` namespaces behind links of `mbps` each way (a number, or one per node).
 
@@ -95,11 +119,15 @@ class Links:
   """
 
   def __init__(self, nodes: int, mbps, *, tag: str | None = None, subnet: str | None = None,
-               regions=None, region_mbps=None, queue_ms: float = 200.0):
+               regions=None, region_mbps=None, queue_ms: float = 200.0, modem: bool = False,
+               acks_first: bool = False):
     """`mbps`: every node's NIC, each way (a number, or one per node). `regions`: each
     node's region (None: every node on the one bridge); `region_mbps`: each region's uplink
     and downlink, shared by every transfer between it and the other regions. `queue_ms`:
-    each link's queue, in ms of its traffic (`tbf`)."""
+    each link's queue, in ms of its traffic (`tbf`). `modem`: each node's link is limited in
+    a box of its own between the node and the bridge (a namespace bridging two veths), as a
+    home router or an ISP's line is, rather than at the node's own NIC: the node's TCP then
+    meets the queue and its drops as a router's, not as its own qdisc's back-pressure."""
     if nodes < 1 or nodes > 200:
       raise ValueError(f"nodes={nodes}: use 1 to 200")
     self.nodes = nodes
@@ -108,7 +136,7 @@ class Links:
       raise ValueError(f"mbps={mbps}: one positive rate, or one per node ({nodes})")
     self.regions = list(regions) if regions is not None else None
     self.region_mbps = list(region_mbps) if region_mbps is not None else []
-    self.queue_ms = queue_ms
+    self.queue_ms, self.modem, self.acks_first = queue_ms, modem, acks_first
     if self.regions is not None and (
         len(self.regions) != nodes or min(self.regions) < 0
         or max(self.regions) >= len(self.region_mbps) or min(self.region_mbps) <= 0):
@@ -126,6 +154,9 @@ class Links:
   def region_namespace(self, k: int) -> str:
     """Region k's switch: a bridge of its nodes' links and its uplink to the core bridge."""
     return f"lc{self.tag}r{k}"
+
+  def modem_namespace(self, i: int) -> str:
+    return f"lc{self.tag}m{i}"
 
   def _host_veth(self, i: int) -> str:
     return f"lc{self.tag}v{i}"
@@ -162,8 +193,22 @@ class Links:
       on_switch = ["ip", "-n", switch] if switch else ["ip"]
       _run("ip", "netns", "add", ns)
       _run("ip", "link", "add", veth, "type", "veth", "peer", "name", f"{veth}p")
-      _run("ip", "link", "set", f"{veth}p", "netns", ns)
-      _run("ip", "-n", ns, "link", "set", f"{veth}p", "name", "eth0")
+      if self.modem:  # node's eth0 -> lan | the modem's bridge | wan -> veth (on the switch)
+        box, lan = self.modem_namespace(i), f"lc{self.tag}l{i}"
+        _run("ip", "netns", "add", box)
+        _run("ip", "-n", box, "link", "add", "name", "sw", "type", "bridge")
+        _run("ip", "-n", box, "link", "set", "sw", "up")
+        _run("ip", "link", "add", lan, "type", "veth", "peer", "name", f"{lan}p")
+        for end, name in ((lan, "lan"), (f"{veth}p", "wan")):
+          _run("ip", "link", "set", end, "netns", box)
+          _run("ip", "-n", box, "link", "set", "dev", end, "name", name)
+          _run("ip", "-n", box, "link", "set", "dev", name, "master", "sw")
+          _run("ip", "-n", box, "link", "set", "dev", name, "up")
+        node_end = f"{lan}p"
+      else:
+        node_end = f"{veth}p"
+      _run("ip", "link", "set", node_end, "netns", ns)
+      _run("ip", "-n", ns, "link", "set", node_end, "name", "eth0")
       _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
       _run("ip", "-n", ns, "link", "set", "eth0", "up")
       _run("ip", "-n", ns, "link", "set", "lo", "up")
@@ -171,9 +216,20 @@ class Links:
         _run("ip", "link", "set", veth, "netns", switch)
       _run(*on_switch, "link", "set", veth, "master", "sw" if switch else self.bridge)
       _run(*on_switch, "link", "set", veth, "up")
-      _run(*tbf("eth0", self.mbps[i], ns, self.queue_ms))  # the node's uplink
-      _run(*tbf(veth, self.mbps[i], switch, self.queue_ms))  # its downlink
+      for device, where in self._shaped(i):  # its uplink, then its downlink
+        if self.acks_first:
+          for command in ack_first(device, self.mbps[i], where, self.queue_ms):
+            _run(*command)
+        else:
+          _run(*tbf(device, self.mbps[i], where, self.queue_ms))
     return self
+
+  def _shaped(self, i: int) -> list[tuple[str, str | None]]:
+    """Node i's uplink and downlink: (device, its namespace), each limited on egress."""
+    if self.modem:
+      return [("wan", self.modem_namespace(i)), ("lan", self.modem_namespace(i))]
+    switch = self.region_namespace(self.regions[i]) if self.regions is not None else None
+    return [("eth0", self.namespace(i)), (self._host_veth(i), switch)]
 
   def link_bytes(self) -> list[tuple[int, int]]:
     """Per node, (bytes sent, bytes received) through its link so far, as the kernel's
@@ -183,11 +239,8 @@ class Links:
       text = subprocess.run(["tc", *where, "-s", "qdisc", "show", "dev", device],
                             capture_output=True, text=True, check=True).stdout
       return int(re.search(r"Sent (\d+) bytes", text)[1])
-    out = []
-    for i in range(self.nodes):
-      switch = self.region_namespace(self.regions[i]) if self.regions is not None else None
-      out.append((sent("eth0", self.namespace(i)), sent(self._host_veth(i), switch)))
-    return out
+    return [tuple(sent(device, where) for device, where in self._shaped(i))
+            for i in range(self.nodes)]
 
   def run(self, i: int, command: list[str], **kwargs) -> subprocess.Popen:
     """`command` started in node i's namespace."""
@@ -228,6 +281,8 @@ class Links:
         time.sleep(0.05)
       subprocess.run(["ip", "netns", "del", ns], capture_output=True)
       subprocess.run(["ip", "link", "del", self._host_veth(i)], capture_output=True)
+      if self.modem:
+        subprocess.run(["ip", "netns", "del", self.modem_namespace(i)], capture_output=True)
     for k in range(len(self.region_mbps) if self.regions is not None else 0):
       # (its bridge and the veths on it with it; the uplink's root end at once, as a
       # namespace's devices go lazily)

@@ -11,6 +11,7 @@ import pytest
 
 from lowcomm_jax.runtimes.ray import forms
 from lowcomm_jax.runtimes.ray.replicas import Attempt, Replicas
+from conftest import bench_module
 from peer_members import run_members
 
 
@@ -34,14 +35,15 @@ def test_a_member_that_dies_is_named_by_the_others_who_stage_nothing():
 
 def test_an_attempt_called_off_stops_its_members_waiting_at_once():
   """The driver calls the attempt off (another member died): a member waiting for a peer
-  that never sends returns at once, naming nobody, with a long deadline still ahead."""
+  that never sends returns at once, with a long deadline still ahead, naming whom it
+  still waited for (the driver reads every member's waits, not only the first failure's)."""
   mailbox = forms.Mailbox()
   ex = forms.Exchange(0, [0, 1], 5, 2, mailbox, forms.LocalTransport({0: mailbox}), 600.0)
   began = time.monotonic()
   threading.Timer(0.2, mailbox.abort, (5, 2)).start()
   with pytest.raises(forms.Failed, match="called off") as e:
     ex.gather("shards", [1])
-  assert e.value.missing == [] and time.monotonic() - began < 5
+  assert e.value.missing == [1] and time.monotonic() - began < 5
 
 
 def test_a_retry_reads_nothing_an_earlier_attempt_left():
@@ -80,7 +82,7 @@ def _lose(outcome, unanswered, alive=(0, 1, 2, 3), dead=()):
   rounds = types.SimpleNamespace(d=types.SimpleNamespace(
       pool=pool, c=types.SimpleNamespace(ray=types.SimpleNamespace(collective_timeout_s=9))),
       version=4, failures=(outcome, unanswered))
-  Replicas._lose_failed(rounds, "a round's collective", [0, 1, 2, 3],
+  Replicas._lose_failed(rounds, "a round's collective", sorted(set(alive) | set(outcome)),
                         Attempt(1, forms.DIRECT, []))
   return pool.lost
 
@@ -120,3 +122,78 @@ def test_the_collective_timeout_is_held_against_a_rounds_bytes(gbps, covered):
     with pytest.raises(ConfigError, match=r"ray.collective_timeout_s=60.0: a round's bytes "
                                           r"among 3 workers take [\d.]+ s .* use at least"):
       timeout_covers_bytes(r.config, plan, reduces=True)
+
+
+def test_sockets_carry_a_collective_between_members_and_drop_a_strangers_message():
+  """ray.transport='sockets' (forms/sockets.py): three members' postboxes on 127.0.0.1,
+  each member's real part of a dense mean through them, every member ending with the same
+  mean; a message without the receiver's token is dropped unread, and a member that left
+  (not in the next message's addresses) has its socket closed."""
+  import zmq
+  members = [0, 1, 2]
+  mailboxes = {w: forms.Mailbox() for w in members}
+  boxes = {w: forms.Postbox(mailboxes[w], "127.0.0.1") for w in members}
+  try:
+    addresses = {w: boxes[w].address for w in members}
+    vectors = {w: np.arange(10, dtype=np.float32) * (w + 1) for w in members}
+    message = {"version": 3, "attempt": 1, "members": members, "timeout_s": 30.0,
+               "crash": None}
+    steps = _mean_steps(vectors)
+    outcome = {}
+    threads = [threading.Thread(target=lambda w=w: outcome.__setitem__(w, forms.take_part(
+        w, message, mailboxes[w], forms.SocketTransport(boxes[w], addresses), steps[w],
+        None))) for w in members]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(60)
+    for w in members:
+      np.testing.assert_allclose(outcome[w]["mean"], np.arange(10) * 2.0)
+    # A stranger's message (a wrong token) is never filed, even under a valid tag.
+    stranger = zmq.Context.instance().socket(zmq.PUSH)
+    stranger.connect(addresses[0][0])
+    stranger.send_multipart([b"x" * 16, b"", b"", b""])
+    stranger.close(linger=1000)
+    boxes[1].send(addresses[0], (4, 1, "p"), 1, np.ones(3))  # (the real one, after it)
+    assert mailboxes[0].take((4, 1, "p"), [1], time.monotonic() + 10)[0].sum() == 3.0
+    assert mailboxes[0]._items == {}
+    # Member 2 left: the next transport closes the socket to it.
+    assert addresses[2][0] in boxes[0]._outboxes
+    forms.SocketTransport(boxes[0], {w: addresses[w] for w in (0, 1)})
+    assert addresses[2][0] not in boxes[0]._outboxes
+  finally:
+    for box in boxes.values():
+      box.close()
+
+
+def test_a_ring_stalled_at_one_member_is_named_by_the_earliest_wait_alone():
+  """The ring form (forms/ring.py): its members' real parts on NumPy replicas (the
+  exchange rig's), 5 members. First a whole round: every member stages the same θ', the
+  tokens' weighted mean of the rows. Then member 2 stalls before its part: the others wait
+  around the ring behind it, each saying where it stopped; every member but 3 waits for
+  a neighbour that is itself waiting, and the driver loses member 2 alone (the left
+  neighbour of the earliest wait), not the neighbours further round."""
+  rig = bench_module("exchange_rig")
+  members = list(range(5))
+  tokens = [1.0, 2.0, 3.0, 4.0, 5.0]
+
+  def steps_of(version):
+    replicas = {w: rig.RigReplica(23, w, 0) for w in members}
+    message = {"version": version, "tokens": tokens, "losses": [0.0] * 5, "own": 0}
+    return replicas, {w: (lambda ex, w=w: forms.RING.member(replicas[w], ex, message))
+                      for w in members}
+
+  replicas, steps = steps_of(0)
+  outcome, transport = run_members(members, 0, steps)
+  assert len({outcome[w]["hash"] for w in members}) == 1
+  mean = sum(t * replicas[w].delta for w, t in zip(members, tokens)) / sum(tokens)
+  np.testing.assert_allclose(replicas[0].staged[1], -0.7 * mean, rtol=1e-5, atol=1e-7)
+  assert set(transport.moved) == {(w, (w + 1) % 5) for w in members}  # neighbours only
+
+  _, steps = steps_of(1)
+  stalled = steps[2]
+  steps[2] = lambda ex: (time.sleep(4.0), stalled(ex))[1]
+  outcome, _ = run_members(members, 1, steps, timeout_s=2.0)
+  waits = {w: (outcome[w]["waited_at"], outcome[w]["missing"]) for w in (0, 1, 3, 4)}
+  assert waits[3] == (0, [2]) and all(at > 0 for w, (at, _) in waits.items() if w != 3), waits
+  assert list(_lose(outcome, [], alive=tuple(members))) == [2]

@@ -46,15 +46,16 @@ def _rows(r, members, seed=0):
   return out
 
 
-def _peer_round(r, rows):
-  """Round 0 among `rows`' workers, as the members run it on Ray (the form the driver picks:
-  a dense mean's shards reduced and all-gathered, the outer step on every member); (each
-  member's committed replica, its outcome, the transport that counted the bytes)."""
+def _peer_round(r, rows, form=None):
+  """Round 0 among `rows`' workers, as the members run it on Ray (`form`, else the one the
+  driver picks: a dense mean's shards reduced and all-gathered, the outer step on every
+  member); (each member's committed replica, its outcome, the transport that counted the
+  bytes)."""
   members = sorted(rows)
   replicas = {w: replica_lib.Replica(r, initial_params(r), w) for w in members}
   for w, (delta, meta) in rows.items():
     replicas[w].keep(0, delta, meta)
-  outcome, transport = form_round(replicas, 0, rows)
+  outcome, transport = form_round(replicas, 0, rows, form=form)
   for w in members:
     assert replicas[w].commit(0) == 1
     assert replicas[w].commit(0) == 1  # a second commit of the round applies nothing
@@ -94,20 +95,23 @@ def _server_round(r, rows):
     ({"hosts": [host(1.0), host(0.5), host(0.5)]}, (0, 1, 2)),  # tiers: the nested mean
     ({"hosts": [host(1.0), host(0.5), host(0.5)]}, (1, 2)),  # nobody of full width came
 ], ids=["mean", "tokens", "tokens-partial", "tiers", "tiers-partial"])
-def test_reduced_shards_move_every_replica_as_the_server_moves_theta(overrides, members):
-  """The members' reduce-scatter and all-gather, then the outer step on each: every replica
-  ends with the server's θ and outer state for the same rows (the shards' means are the
-  rows' weighted mean, coordinate by coordinate), and the replicas are identical."""
+@pytest.mark.parametrize("form", [forms.DIRECT, forms.RING], ids=["direct", "ring"])
+def test_reduced_shards_move_every_replica_as_the_server_moves_theta(overrides, members, form):
+  """The members' reduce-scatter and all-gather (at once, or around the ring), then the
+  outer step on each: every replica ends with the server's θ and outer state for the same
+  rows (the shards' means are the rows' weighted mean, coordinate by coordinate), and the
+  replicas are identical."""
   r = _run(**overrides)
   rows = _rows(r, list(members))
-  replicas, outcome, transport = _peer_round(r, rows)
+  replicas, outcome, transport = _peer_round(r, rows, form)
   assert len({out["hash"] for out in outcome.values()}) == 1
-  # each link carried a reduce-scatter and an all-gather, 2·(M−1)/M of Δ each way (shards
+  # each link carried a reduce-scatter and an all-gather, 2·(M−1)/M of Δ each way (chunks
   # differ by one coordinate at most), as each member reported it: not (M−1)·Δ
   n, m = r.model.layout.size, len(members)
   for w, (sent, received) in transport.links(members).items():
-    assert sent == received == outcome[w]["sent"] == outcome[w]["received"]
-    assert abs(sent - 4 * 2 * (m - 1) / m * n) <= 4 * 2 * m, (sent, n, m)
+    assert [sent, received] == [outcome[w]["sent"], outcome[w]["received"]]
+    for nbytes in (sent, received):
+      assert abs(nbytes - 4 * 2 * (m - 1) / m * n) <= 4 * 2 * m, (nbytes, n, m)
   theirs = _server_round(r, rows)
   for w, ours in replicas.items():
     assert ours.version == 1 and not ours.kept
@@ -356,7 +360,8 @@ def test_the_form_follows_the_collective_and_the_algorithm():
     ({"algorithm": "noloco", "num_workers": 4, "collective_form": "hierarchical",
       "sim.network.regions": 2}, "collective_form"),
     ({"algorithm": "async_dn", "collective_form": "direct"}, "collective_form"),
-    ({"collective_form": "ring"}, "collective_form"),  # (the simulator's: Ray has none)
+    ({"collective_form": "ring", "compress.codec": "int8"}, "collective_form"),  # (whole
+    # payloads: no partial sums to pass on)
     ({"collective_form": "tree"}, "collective_form"),
     ({"ray.chaos": ("kill_server@2",)}, "ray.chaos"),  # the peer form has no server
     ({"ray.chaos": ("crash_in_sync=0@2",), "collective_form": "server"}, "ray.chaos"),
@@ -374,11 +379,13 @@ def test_a_hierarchical_dense_mean_over_regions_is_accepted():
 
 @pytest.mark.parametrize("intra_gbps,inter_gbps", [(100.0, 1.0), (0.1, 100.0)])
 def test_auto_reduces_by_region_where_the_simulators_model_does(intra_gbps, inter_gbps):
-  """'auto' on Ray picks the faster of its two forms in the simulator's model of the same
-  network and members (sim/collectives: 'hierarchical' against 'direct'): by region over
-  slow links between regions (1 Gb/s against 100 Gb/s inside), one direct exchange where
-  the NICs are the slow ones (0.1 Gb/s: a leader's link would carry its region's sums too).
-  No latency, so bandwidth decides."""
+  """'auto' on Ray picks the form the simulator's model of the same network and members
+  finds fastest (sim/collectives: ring, hierarchical, direct; a tie to the first): by
+  region over slow links between regions (1 Gb/s against 100 Gb/s inside), around a ring
+  where the NICs are the slow ones (0.1 Gb/s: a leader's link would carry its region's sums
+  too; the ring ties the direct exchange's bytes). Values through Ray's object store
+  (ray.transport='objects') take the direct exchange instead of a ring: 2·(W−1) fetches in
+  a row, each asked for first. No latency, so bandwidth decides."""
   from peer_members import rounds_of
   from lowcomm_jax.sim import collectives
   r = _run(num_workers=4, **{"sim.network.regions": 2, "sim.network.inter_gbps": inter_gbps,
@@ -395,6 +402,8 @@ def test_auto_reduces_by_region_where_the_simulators_model_does(intra_gbps, inte
   assert (groups is not None) == faster == (inter_gbps < intra_gbps), times
   assert groups in (None, [[0, 1], [2, 3]])
   assert forms.regions_of(fake, [0, 1]) is None  # (one region among these members)
+  assert forms.for_round(fake, [0, 1, 2, 3]) is (forms.HIERARCHICAL if faster else forms.RING)
+  fake.d.c.ray.transport = "objects"
   assert forms.for_round(fake, [0, 1, 2, 3]) is (forms.HIERARCHICAL if faster else forms.DIRECT)
 
 

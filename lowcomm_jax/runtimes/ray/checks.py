@@ -58,6 +58,8 @@ def _check_fields(c, check) -> None:
   check(y.collective_timeout_s >= 5, "ray.collective_timeout_s",
         "must be >= 5 seconds (a round's first collective compiles its programs); the "
         "default 600 also covers a big model's shards over slow links")
+  check(y.transport in ("sockets", "objects"), "ray.transport",
+        "'sockets' (straight over TCP, the default) or 'objects' (through Ray's object store)")
   sizes = list(y.batch_sizes)
   check(not sizes or (len(sizes) == c.num_workers and min(sizes) >= 1), "ray.batch_sizes",
         f"give one batch size >= 1 per worker ({c.num_workers}), or () for data.batch_size")
@@ -149,6 +151,10 @@ def config_defaults() -> ml_collections.ConfigDict:
   s.collective_timeout_s = 600.0  # the peer form (collective_form): a round's
   # | collective gives up on members that have not finished within this, and is tried
   # | again among the others (>= 5 s: round 1 compiles its programs)
+  s.transport = "sockets"  # the peer form: how members send each other their values:
+  # | 'sockets' straight over TCP (ZeroMQ, a port per worker on its node's address) |
+  # | 'objects' through Ray's object store (where only Ray's own ports are open; each
+  # | value is asked for, then pulled: slower on slow links, BENCHMARKS issue 70)
   s.standby_server = False  # keep a server process built and idle: a dead server's
   # | successor skips the process start (one more process and θ's memory on its node)
   s.chaos = ()  # failures on cue (tests, benchmarks), each 'what@N' (N pushes applied):

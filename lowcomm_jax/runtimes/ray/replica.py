@@ -236,9 +236,10 @@ class Replica(RobustShards):
   # --- a hierarchical reduce (by region): sums in each region, the leaders' mean ---------
 
   def sum_shard(self, round_version: int, index: int, group: list[int], tokens,
-                shards) -> np.ndarray:
-    """Shard `index` (of len(group)) of the region's weighted sum, undivided."""
-    start = shard_bounds(self._fragment_size(round_version), len(group))[index][0]
+                shards, parts: int | None = None) -> np.ndarray:
+    """Shard `index` (of `parts`, by default len(group)) of `group`'s weighted sum,
+    undivided."""
+    start = shard_bounds(self._fragment_size(round_version), parts or len(group))[index][0]
     hidden = np.asarray(self.r.topology.hidden_per_worker)[group]
     total = self._sums[round_version % self.segments](
         jnp.asarray(np.stack(shards)), jnp.asarray(hidden), jnp.asarray(tokens, jnp.float32),

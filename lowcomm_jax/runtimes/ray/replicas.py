@@ -58,6 +58,7 @@ class Replicas:
     self.reduces = sync_program.peer_reduces(d.r.sync)
     self.attempts = 0  # collectives started (each attempt's number: the members key on it)
     self.tallies = collections.Counter()  # rounds closed by form, where the form counts
+    self._addresses: dict = {}  # worker -> (its actor, its postbox's address)
     logging.info("ray: %s", timeout_covers_bytes(d.c, d.plan, self.reduces))
 
   # --- what the driver asks of the global state -------------------------------------------
@@ -235,10 +236,24 @@ class Replicas:
               "timeout_s": self.d.c.ray.collective_timeout_s, "crash": crash}
     if form is not None:
       common["form"] = form.name
+    if self.d.c.ray.transport == "sockets":
+      common["addresses"] = self._addresses_of()
     refs = [getattr(pool.actors[w], method).remote({**common, **messages[w]})
             for w in members]
     self.d.counts.collective_calls += len(members)
     return Attempt(self.attempts, form, refs)
+
+  def _addresses_of(self) -> dict:
+    """Every live worker's postbox address (forms/sockets.py), asked once per process."""
+    pool, ray = self.d.pool, self.d.pool.ray
+    asked = {w: actor.address.remote() for w, actor in pool.actors.items()
+             if self._addresses.get(w, (None,))[0] is not actor}
+    for w, ref in asked.items():
+      try:
+        self._addresses[w] = (pool.actors[w], ray.get(ref, timeout=self.d.c.ray.recover_timeout_s))
+      except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        self._addresses.pop(w, None)  # (gone: its attempt fails, and it is lost there)
+    return {w: self._addresses[w][1] for w in pool.actors if w in self._addresses}
 
   def _await(self, what: str, version: int, members: list[int], attempt: Attempt
              ) -> dict | None:
@@ -278,13 +293,17 @@ class Replicas:
 
   def _lose_failed(self, what: str, members, attempt: Attempt) -> None:
     """After a failed attempt (`_await`'s record of it): the members that died are lost;
-    else those the others waited for in vain, and those that never answered."""
+    else those the others waited for in vain (where members wait in a chain, those the
+    earliest waits named), and those that never answered."""
     pool = self.d.pool
     outcome, unanswered = self.failures
     dead = [w for w in members if w in pool.actors
             and (outcome.get(w, {}) is None or not pool.worker_alive(w))]
-    named = collections.Counter(m for out in outcome.values() if out is not None
-                                for m in out.get("missing", ()) if m in members)
+    reports = [out for out in outcome.values() if out is not None and "failed" in out]
+    chained = [out["waited_at"] for out in reports if "waited_at" in out]
+    if chained:  # (a ring: the others wait behind the earliest wait, next to the stall)
+      reports = [out for out in reports if out.get("waited_at") == min(chained)]
+    named = collections.Counter(m for out in reports for m in out["missing"] if m in members)
     most = max(named.values(), default=0)
     waited_for = sorted({w for w, k in named.items() if k == most} | set(unanswered))
     lost = dead or waited_for

@@ -52,6 +52,9 @@ class WorkerProcess:
       params0 = initial_params(r)
     self.replica = replica_lib.Replica(r, params0, worker) if peers else None
     self.mailbox = forms.Mailbox()  # what peers sent it in a collective (forms/exchange.py)
+    # ... and where they send it (ray.transport='sockets': forms/sockets.py)
+    self.postbox = (forms.Postbox(self.mailbox, import_ray().util.get_node_ip_address())
+                    if peers and config.ray.transport == "sockets" else None)
     # Per segment, where the segment mixes the last sync's fragment in after some steps, the
     # program in two parts (the peer form: the first runs while that sync's collective does)
     self._halves = (programs.local_halves[self.host] if peers and programs.local_halves
@@ -228,8 +231,13 @@ class WorkerProcess:
       return moved
     return self._take_part(message, steps)
 
+  def address(self):
+    """Where its peers send it their values (ray.transport='sockets'), else None."""
+    return None if self.postbox is None else self.postbox.address
+
   def deliver(self, tag: tuple, sender: int, box) -> None:
-    """A peer's value in a collective (`forms.exchange`), kept until its phase is gathered."""
+    """A peer's value in a collective (`forms.exchange`, ray.transport='objects'), kept until
+    its phase is gathered."""
     self.mailbox.put(tuple(tag), sender, box)
 
   def abort(self, version: int, attempt: int) -> None:
@@ -237,7 +245,9 @@ class WorkerProcess:
     self.mailbox.abort(version, attempt)
 
   def _take_part(self, message: dict, steps) -> dict:
-    transport = forms.RayTransport(import_ray(), message["handles"])
+    transport = (forms.SocketTransport(self.postbox, message["addresses"])
+                 if "addresses" in message else
+                 forms.RayTransport(import_ray(), message["handles"]))
     return forms.take_part(self.worker, message, self.mailbox, transport, steps,
                            replica_lib.crash_here)
 

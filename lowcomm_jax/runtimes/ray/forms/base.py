@@ -64,5 +64,6 @@ def take_part(me: int, message: dict, mailbox, transport, steps, crash) -> dict:
   try:
     out = steps(ex)
   except Failed as e:
-    return {"failed": str(e), "missing": e.missing}
+    return {"failed": str(e), "missing": e.missing,
+            **({} if e.waited_at is None else {"waited_at": e.waited_at})}
   return {**out, "moments": {"began": began, **out.get("moments", {}), "staged": time.time()}}

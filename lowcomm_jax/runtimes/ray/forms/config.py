@@ -6,8 +6,8 @@ import ml_collections
 
 SERVER = "server"  # the server form: rounds through a parameter-server actor (quorum.py)
 # What collective_form may say on Ray: the forms that run a dense mean among the workers,
-# 'auto' (direct or by region, as the simulator's model says), and the server.
-ON_RAY = ("auto", "direct", "hierarchical", SERVER)
+# 'auto' (direct, by region or around a ring, as the simulator's model says), the server.
+ON_RAY = ("auto", "direct", "ring", "hierarchical", SERVER)
 
 
 def peer_capable(c: ml_collections.ConfigDict, algorithm) -> str:
@@ -21,10 +21,10 @@ def peer_capable(c: ml_collections.ConfigDict, algorithm) -> str:
   return ""
 
 
-def hierarchical_flat(c: ml_collections.ConfigDict, algorithm) -> str:
-  """Why the rounds of `algorithm` have no hierarchical form ('': they have): the reduce by
-  region adds region sums of a dense mean, where payloads all-gathered whole (a codec's,
-  an attack's), a robust rule's rows (combined coordinate by coordinate, not summed) or a
+def no_dense_mean(c: ml_collections.ConfigDict, algorithm) -> str:
+  """Why the rounds of `algorithm` have no hierarchical or ring form ('': they have): both
+  add partial sums of a dense mean, where payloads all-gathered whole (a codec's, an
+  attack's), a robust rule's rows (combined coordinate by coordinate, not summed) or a
   pair swap have none."""
   from lowcomm_jax.programs.sync import robust_combination  # (plain Python: no jax)
   if c.compress.codec != "none" or robust_combination(c) or list(c.attack.workers):
@@ -47,21 +47,17 @@ def among_workers(c: ml_collections.ConfigDict, algorithm) -> bool:
 def config_problems(c: ml_collections.ConfigDict, check, algorithm) -> None:
   """`collective_form` against the forms Ray has, and those `algorithm`'s rounds have."""
   form = c.collective_form
-  check(form in ON_RAY, "collective_form",
-        f"Ray's rounds run one of {list(ON_RAY)}"
-        + ("; 'ring' is the simulator's: 'direct' moves the same bytes per link "
-           "(2·(W−1)/W of Δ each way) in two steps instead of 2·(W−1)" if form == "ring"
-           else ""))
+  check(form in ON_RAY, "collective_form", f"Ray's rounds run one of {list(ON_RAY)}")
   why = ""
   if algorithm is not None:
     why = peer_capable(c, algorithm)
-    check(not (why and form in ("hierarchical", "direct")), "collective_form",
+    check(not (why and form in ("hierarchical", "ring", "direct")), "collective_form",
           f"{why}: it has no collective form on Ray; use 'auto' or 'server'")
   regions = max(c.sim.network.regions, len(set(c.sim.network.worker_regions)))
   check(form != "hierarchical" or regions > 1, "collective_form",
         "'hierarchical' reduces inside each region, then across them, and the network has "
         "one region: use 'direct', or give sim.network.regions > 1")
-  if algorithm is not None and form == "hierarchical" and not why:
-    flat = hierarchical_flat(c, algorithm)
+  if algorithm is not None and form in ("hierarchical", "ring") and not why:
+    flat = no_dense_mean(c, algorithm)
     check(not flat, "collective_form",
-          f"{flat}: 'hierarchical' is for a dense mean on Ray; use 'direct' or 'auto'")
+          f"{flat}: {form!r} is for a dense mean on Ray; use 'direct' or 'auto'")

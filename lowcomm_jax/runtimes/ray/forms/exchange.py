@@ -20,11 +20,13 @@ import time
 
 class Failed(Exception):
   """This member's part of an attempt ended without staging: `missing` are the members it
-  still waited for (none where the driver called the attempt off)."""
+  still waited for (where the driver called the attempt off too: whom it waited for then).
+  `waited_at`: where in its form's order of waits it stopped, where the form waits in a
+  chain (the ring: the earliest wait is next to the member that stalled)."""
 
-  def __init__(self, why: str, missing=()):
+  def __init__(self, why: str, missing=(), waited_at: int | None = None):
     super().__init__(why)
-    self.missing = list(missing)
+    self.missing, self.waited_at = list(missing), waited_at
 
 
 class Mailbox:
@@ -34,18 +36,18 @@ class Mailbox:
 
   def __init__(self):
     self._items: dict = {}  # ((version, attempt, phase), sender) -> box
-    self._off: set = set()  # (version, attempt) called off
+    self.off: set = set()  # (version, attempt) called off
     self._arrived = threading.Condition()
 
   def put(self, tag: tuple, sender: int, box) -> None:
     with self._arrived:
-      if tag[:2] not in self._off:
+      if tag[:2] not in self.off:
         self._items[(tag, sender)] = box
         self._arrived.notify_all()
 
   def abort(self, version: int, attempt: int) -> None:
     with self._arrived:
-      self._off.add((version, attempt))
+      self.off.add((version, attempt))
       self._arrived.notify_all()
 
   def open(self, version: int, attempt: int) -> None:
@@ -53,15 +55,15 @@ class Mailbox:
     with self._arrived:
       old = lambda key: key[:2] < (version, attempt)
       self._items = {k: box for k, box in self._items.items() if not old(k[0])}
-      self._off = {k for k in self._off if not old(k)}
+      self.off = {k for k in self.off if not old(k)}
 
   def take(self, tag: tuple, senders: list[int], deadline: float) -> list:
     """The boxes `senders` sent under `tag`, in their order, once all are in."""
     with self._arrived:
       while True:
-        if tag[:2] in self._off:
-          raise Failed(f"round {tag[0]} attempt {tag[1]} was called off")
         missing = [s for s in senders if (tag, s) not in self._items]
+        if tag[:2] in self.off:
+          raise Failed(f"round {tag[0]} attempt {tag[1]} was called off", missing)
         if not missing:
           return [self._items.pop((tag, s)) for s in senders]
         left = deadline - time.monotonic()

@@ -1,0 +1,116 @@
+"""Members' values sent straight over TCP (ZeroMQ), the Ray runtime's default transport
+(`ray.transport='sockets'`).
+
+Each member binds one receiving socket on its node's address (`Postbox`); a sender pushes
+a value to it as one message, and the postbox's thread puts it in the member's mailbox.
+A value crosses its link once, with no request before it: Ray's object store, by contrast,
+asks the owner where the object is and then pulls it, several small messages that wait
+behind the phase's bulk data in the same link queue (BUILD_NOTES: "The members' transport").
+
+A message is [the receiver's token, tag, sender, value's pickle, its buffers]. The token is
+random per postbox and handed out only with its address (through the driver's message), so
+a stray connection to the port is dropped before anything of it is unpickled.
+"""
+
+import pickle
+import secrets
+import threading
+
+_STOP = b"stop"
+
+
+def _zmq():
+  try:
+    import zmq
+  except ImportError as e:
+    raise ImportError("ray.transport='sockets' needs pyzmq: pip install 'lowcomm_jax[ray]' "
+                      "(or set ray.transport='objects')") from e
+  return zmq
+
+
+class Postbox:
+  """One member's receiving socket and the thread that files what arrives in `mailbox`."""
+
+  def __init__(self, mailbox, host: str):
+    zmq = _zmq()
+    self.mailbox, self.token = mailbox, secrets.token_bytes(16)
+    self._context = zmq.Context.instance()
+    self._inbox = self._context.socket(zmq.PULL)
+    self._inbox.setsockopt(zmq.RCVHWM, 0)  # (no limit: a phase's values are all awaited)
+    self._inbox.bind(f"tcp://{host}:*")
+    self.endpoint = self._inbox.getsockopt_string(zmq.LAST_ENDPOINT)
+    self._outboxes: dict = {}  # endpoint -> PUSH socket
+    self._send_lock = threading.Lock()  # (ZeroMQ sockets are not thread-safe)
+    self._thread = threading.Thread(target=self._receive, daemon=True, name="postbox")
+    self._thread.start()
+
+  @property
+  def address(self) -> tuple[str, bytes]:
+    return (self.endpoint, self.token)
+
+  def _receive(self) -> None:
+    while True:
+      frames = self._inbox.recv_multipart(copy=False)
+      if frames[0].bytes != self.token:
+        continue  # not from a member of this run
+      if len(frames) == 2 and frames[1].bytes == _STOP:
+        self._inbox.close(linger=0)
+        return
+      tag, sender = pickle.loads(frames[1].bytes)
+      value = pickle.loads(frames[2].bytes, buffers=[f.buffer for f in frames[3:]])
+      self.mailbox.put(tuple(tag), int(sender), value)
+
+  def send(self, address: tuple[str, bytes], tag: tuple, sender: int, value) -> None:
+    """`value` to the postbox at `address` (queued: ZeroMQ's thread sends it)."""
+    endpoint, token = address
+    buffers = []
+    body = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
+    frames = [token, pickle.dumps((tag, sender)), body, *(b.raw() for b in buffers)]
+    with self._send_lock:
+      self._outbox(endpoint).send_multipart(frames, copy=True)
+
+  def _outbox(self, endpoint: str):
+    if endpoint not in self._outboxes:
+      zmq = _zmq()
+      sock = self._context.socket(zmq.PUSH)
+      sock.setsockopt(zmq.SNDHWM, 0)
+      sock.setsockopt(zmq.LINGER, 0)
+      sock.connect(endpoint)
+      self._outboxes[endpoint] = sock
+    return self._outboxes[endpoint]
+
+  def forget(self, keep: set[str]) -> None:
+    """Closes the sockets to every endpoint not in `keep` (members that left: what was
+    queued to them is dropped)."""
+    with self._send_lock:
+      for endpoint in set(self._outboxes) - keep:
+        self._outboxes.pop(endpoint).close(linger=0)
+
+  def close(self) -> None:
+    self.forget(set())
+    stop = self._context.socket(_zmq().PUSH)
+    stop.connect(self.endpoint)
+    stop.send_multipart([self.token, _STOP])
+    stop.close(linger=1000)
+    self._thread.join(timeout=5)
+
+
+class SocketTransport:
+  """A collective's values through the members' postboxes (`addresses`: every live
+  worker's (endpoint, token), from the driver's message: the sockets to any other are
+  closed, so nothing stays queued for a worker that is gone)."""
+
+  def __init__(self, postbox: Postbox, addresses: dict):
+    self.postbox, self.addresses = postbox, addresses
+    postbox.forget({endpoint for endpoint, _ in addresses.values()})
+
+  def pack(self, value):
+    return value
+
+  def deliver(self, to: int, tag: tuple, sender: int, box) -> None:
+    if to in self.addresses:  # (else it was gone when the driver asked: the attempt fails)
+      self.postbox.send(self.addresses[to], tag, sender, box)
+
+  def unpack(self, boxes: list, deadline: float) -> list:
+    del deadline
+    return list(boxes)
