@@ -7,8 +7,9 @@ the members reduce-scatter and all-gather among themselves, each stages θ' and 
 hash, and the driver commits. The driver sits in a node of its own.
 
 Per round: its sync time (the driver's first message to the last commit) over the ring's
-bytes time 2·(W−1)/W·4N·8/B, and the driver's CPU seconds (its whole process: Ray's threads
-included). Round 0 of each run warms up (imports, connections) and is not counted.
+bytes time 2·(W−1)/W·4N·8/B, the exchange alone (to the last member's end of its
+all-gather: what follows is each member's outer step and hash, compute on the machine's
+shared cores), and the driver's CPU seconds (its whole process: Ray's threads included). Round 0 of each run warms up (imports, connections) and is not counted.
 
   python bench/exchange_rig.py --workers 2 4 8 16 --mbps 20 --runs 3 --rounds 3 \\
       --queue_ms 20 200 --transport sockets objects --out /tmp/exchange_rig
@@ -25,6 +26,17 @@ import sys
 import time
 
 import numpy as np
+
+
+def simulated(workers: int, n: int, mbps: float) -> tuple[float, str]:
+  """The simulator's time of the round's all-reduce over the rig's links (`auto`: the form
+  it picks, and its seconds): every NIC at `mbps`, no latency (sim/collectives.py)."""
+  from lowcomm_jax.sim import collectives
+  from lowcomm_jax.sim.network import Network
+  gbps = mbps / 1000
+  net = Network.build(num_workers=workers, regions=1, intra_gbps=gbps, intra_latency_s=0.0,
+                      inter_gbps=gbps, inter_latency_s=0.0)
+  return collectives.seconds(net, "allreduce", list(range(workers)), 4 * n)
 
 
 def ring_seconds(workers: int, n: int, mbps: float) -> float:
@@ -191,13 +203,18 @@ def report(out: pathlib.Path) -> str:
     by_w.setdefault((link, r.get("form", "direct"), r.get("transport", "objects"),
                      r.get("queue_ms", 200.0), r["workers"]), []).append(r)
   lines = ["| link shaped at | form | transport | queue ms | W | rounds | ring's bytes s | sync s (mean ± sd) | sync / ring: mean (min–max) | "
-           "driver CPU s a round | a member's link MB a round (out, in) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "exchange / ring: mean (min–max) | "
+           "driver CPU s a round | a member's link MB a round (out, in) | simulator (auto) s | "
+           "real / simulated (min–max), rounds within ±15% |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   fits = {}
   for key in sorted(by_w):
     link, form, transport, queue, w = key
     rs = by_w[key]
     ratios = [r["ratio"] for r in rs]
+    # the exchange alone: to the last member's end of its all-gather (what follows, each
+    # member's outer step and hash, is compute on the machine's shared cores)
+    exchange = [r["phases_s"]["reduced"] / r["ring_s"] for r in rs]
     syncs = [r["sync_s"] for r in rs]
     cpu = statistics.mean(r["driver_cpu_s"] for r in rs)
     fits.setdefault(key[:-1], []).append((w, cpu))
@@ -205,7 +222,9 @@ def report(out: pathlib.Path) -> str:
     lines.append(f"| {link} | {form} | {transport} | {queue:g} | {w} | {len(rs)} | {rs[0]['ring_s']:.2f} | {statistics.mean(syncs):.2f} ± "
                  f"{statistics.stdev(syncs) if len(syncs) > 1 else 0:.2f} | "
                  f"{statistics.mean(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f}) | "
-                 f"{cpu:.4f} | {moved[0] / 1e6:.2f}, {moved[1] / 1e6:.2f} |")
+                 f"{statistics.mean(exchange):.3f} ({min(exchange):.3f}–{max(exchange):.3f}) | "
+                 f"{cpu:.4f} | {moved[0] / 1e6:.2f}, {moved[1] / 1e6:.2f} | "
+                 + _against_simulator(w, rs[0]["n"], rs[0]["mbps"], syncs))
   for (link, form, transport, queue), points in fits.items():
     if len(points) > 2:
       ws, cpus = zip(*points)
@@ -215,6 +234,14 @@ def report(out: pathlib.Path) -> str:
                    f"{intercept:.4f} + {slope:.5f}·W s (a quadratic fit's W² term: "
                    f"{quad[0]:.2e} s)")
   return "\n".join(lines)
+
+
+def _against_simulator(workers: int, n: int, mbps: float, syncs: list[float]) -> str:
+  predicted, form = simulated(workers, n, mbps)
+  ratios = [x / predicted for x in syncs]
+  within = sum(abs(x - 1) <= 0.15 for x in ratios)
+  return (f"{predicted:.2f} ({form}) | {min(ratios):.3f}–{max(ratios):.3f}, "
+          f"{within} of {len(ratios)} |")
 
 
 def main() -> None:

@@ -376,7 +376,9 @@ def test_the_ray_server_applies_pushes_as_the_simulator_does(cluster, tmp_path):
     # cosine weights from the first round
     {"num_workers": 3, "aggregate.rule": "centered_clip", "aggregate.clip_iters": 2,
      "aggregate.signal": "cosine", "aggregate.warmup_rounds": 0},
-], ids=["mean", "median+attack+int8", "clip+cosine"])
+    # the values through Ray's object store (the direct form: 'auto' takes no ring there)
+    {"num_workers": 3, "ray.transport": "objects"},
+], ids=["mean", "median+attack+int8", "clip+cosine", "mean-objects"])
 def test_diloco_in_full_quorum_rounds_trains_as_the_runner_does(cluster, tmp_path, overrides):
   """Every live worker in every round (min_quorum 0, no failures): the rounds are DiLoCo's,
   through the same Sync (codec, attack, robust rule, outer rule) as the lockstep runner's.

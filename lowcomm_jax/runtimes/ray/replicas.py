@@ -248,9 +248,10 @@ class Replicas:
     pool, ray = self.d.pool, self.d.pool.ray
     asked = {w: actor.address.remote() for w, actor in pool.actors.items()
              if self._addresses.get(w, (None,))[0] is not actor}
+    timeout = self.d.c.ray.recover_timeout_s
     for w, ref in asked.items():
       try:
-        self._addresses[w] = (pool.actors[w], ray.get(ref, timeout=self.d.c.ray.recover_timeout_s))
+        self._addresses[w] = (pool.actors[w], ray.get(ref, timeout=timeout))
       except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         self._addresses.pop(w, None)  # (gone: its attempt fails, and it is lost there)
     return {w: self._addresses[w][1] for w in pool.actors if w in self._addresses}
