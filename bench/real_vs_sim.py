@@ -260,7 +260,9 @@ def split_report(out: pathlib.Path) -> str:
       jobs = sorted(summary["job_moments"], key=lambda m: m[5])[w:]  # (after round 1)
       compute = statistics.mean(statistics.median(m[4] - m[3] for m in jobs[k:k + w])
                                 for k in range(0, len(jobs), w))
-      payload = summary["bytes_sent"] / summary["pushes"]  # a member's Δ, from the ledger
+      # a member's Δ, from the ledger: bytes_sent is a worker's over the run (the lockstep
+      # ledger's), `pushes` every worker's contributions
+      payload = summary["bytes_sent"] * w / summary["pushes"]
       ring = 2 * (w - 1) / w * payload * 8 / (mbps * 1e6)
       per.append((round_s, compute, collective, ring))
     mean = lambda k: statistics.mean(x[k] for x in per)
