@@ -9,11 +9,12 @@ What differs from the server form:
   own; a worker behind the open round (one that joined, one whose job outlived a round)
   first adopts a live member's replica (torchft's healing, peer to peer);
 - a round closes with a collective among its members, in the form `forms.for_round` picks
-  (forms/: direct, by region, pair swaps). The driver sends each member one message (the
-  version, the attempt, the members and their handles, the form's plan) and reads one
-  outcome back (the hash of what it staged, its link's bytes); every phase between is
-  member to member, so the driver's calls a round are O(W) and it never waits between
-  phases. The staged θ's hashes must agree before any member commits (a commit each);
+  (forms/: around a ring, direct, by region, pair swaps). The driver sends each member one
+  message (the version, the attempt, the members, their handles and where each receives,
+  the form's plan) and reads one outcome back (the hash of what it staged, its link's
+  bytes); every phase between is member to member, so the driver's calls a round are O(W)
+  and it never waits between phases. The staged θ's hashes must agree before any member
+  commits (a commit each);
 - a member that dies, or that the others wait for in vain past `ray.collective_timeout_s`,
   is lost: the others are told to stop waiting (`abort`), and the collective is tried again
   among them from the contributions they kept: nothing is applied twice (a commit is by

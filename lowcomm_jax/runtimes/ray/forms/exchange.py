@@ -3,11 +3,13 @@
 view of one attempt of one collective (send, gather, all-gather, all-to-all).
 
 The driver starts an attempt with one message to each member and reads one outcome back;
-everything between is member to member. A transport moves the values: on Ray
-(`RayTransport`) a sender puts its value once in the object store, so the object is owned
-by the sender, and calls each receiver's `deliver` with its reference (wrapped, so Ray does
-not fetch it before the call); the receiver fetches every reference of a phase at once when
-it needs them. In one process (`LocalTransport`, the tests') the mailboxes are shared.
+everything between is member to member. A transport moves the values: by default straight
+over TCP (sockets.py: each member's postbox files what arrives in its mailbox); through
+Ray's object store (`RayTransport`, ray.transport='objects') a sender puts its value once,
+so the object is owned by the sender, and calls each receiver's `deliver` with its
+reference (wrapped, so Ray does not fetch it before the call); the receiver fetches every
+reference of a phase at once when it needs them. In one process (`LocalTransport`, the
+tests') the mailboxes are shared.
 
 A member stops waiting, and its attempt ends staging nothing, when the driver calls the
 attempt off (`abort`: another member died), when a peer's object is lost with its owner,
@@ -36,18 +38,18 @@ class Mailbox:
 
   def __init__(self):
     self._items: dict = {}  # ((version, attempt, phase), sender) -> box
-    self.off: set = set()  # (version, attempt) called off
+    self._off: set = set()  # (version, attempt) called off
     self._arrived = threading.Condition()
 
   def put(self, tag: tuple, sender: int, box) -> None:
     with self._arrived:
-      if tag[:2] not in self.off:
+      if tag[:2] not in self._off:
         self._items[(tag, sender)] = box
         self._arrived.notify_all()
 
   def abort(self, version: int, attempt: int) -> None:
     with self._arrived:
-      self.off.add((version, attempt))
+      self._off.add((version, attempt))
       self._arrived.notify_all()
 
   def open(self, version: int, attempt: int) -> None:
@@ -55,14 +57,14 @@ class Mailbox:
     with self._arrived:
       old = lambda key: key[:2] < (version, attempt)
       self._items = {k: box for k, box in self._items.items() if not old(k[0])}
-      self.off = {k for k in self.off if not old(k)}
+      self._off = {k for k in self._off if not old(k)}
 
   def take(self, tag: tuple, senders: list[int], deadline: float) -> list:
     """The boxes `senders` sent under `tag`, in their order, once all are in."""
     with self._arrived:
       while True:
         missing = [s for s in senders if (tag, s) not in self._items]
-        if tag[:2] in self.off:
+        if tag[:2] in self._off:
           raise Failed(f"round {tag[0]} attempt {tag[1]} was called off", missing)
         if not missing:
           return [self._items.pop((tag, s)) for s in senders]
