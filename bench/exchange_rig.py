@@ -1,19 +1,21 @@
 """A round's exchange alone, on real links (issue 70): W members, each a Ray actor in a
 network namespace of its own behind a tbf-limited link (bench/real_links.py), hold a fixed Δ
 of N floats (no training, so the machine's 2 cores do not stretch the transfers) and close
-rounds in the direct form, as the Ray runtime's members do: the driver sends each member one
-message (runtimes/ray/forms: the members' real exchange, mailboxes and transport),
-the members reduce-scatter and all-gather among themselves, each stages θ' and reports its
-hash, and the driver commits. The driver sits in a node of its own.
+rounds in a form of the Ray runtime's (`--form`: the ring, the default, or direct), as its
+members do: the driver sends each member one message (runtimes/ray/forms: the members' real
+exchange, mailboxes and transport, `--transport`), the members reduce-scatter and
+all-gather among themselves, each stages θ' and reports its hash, and the driver commits.
+The driver sits in a node of its own.
 
 Per round: its sync time (the driver's first message to the last commit) over the ring's
 bytes time 2·(W−1)/W·4N·8/B, the exchange alone (to the last member's end of its
 all-gather: what follows is each member's outer step and hash, compute on the machine's
-shared cores), and the driver's CPU seconds (its whole process: Ray's threads included). Round 0 of each run warms up (imports, connections) and is not counted.
+shared cores), and the driver's CPU seconds (its whole process: Ray's threads included).
+Round 0 of each run warms up (imports, connections) and is not counted.
 
   python bench/exchange_rig.py --workers 2 4 8 16 --mbps 20 --runs 3 --rounds 3 \\
-      --queue_ms 20 200 --transport sockets objects --out /tmp/exchange_rig
-      # needs root; results.jsonl, as it goes
+      --queue_ms 200 --modem --out /tmp/exchange_rig   # needs root; results.jsonl, as it goes
+      # (--transport sockets objects --form ring direct: a set of runs per value)
   python bench/exchange_rig.py --report /tmp/exchange_rig   # the table and the CPU fit
 """
 
@@ -101,9 +103,7 @@ class RigMember:
   def exchange(self, message: dict) -> dict:
     import ray
     form = self.forms.get(message["form"])
-    transport = (self.forms.SocketTransport(self.postbox, message["addresses"])
-                 if "addresses" in message else
-                 self.forms.RayTransport(ray, message["handles"]))
+    transport = self.forms.transport_for(message, self.postbox, ray)
     return self.forms.take_part(self.worker, message, self.mailbox, transport,
                                 lambda ex: form.member(self.replica, ex, message),
                                 lambda: None)

@@ -208,3 +208,31 @@ def test_a_peer_round_moves_its_bytes_between_workers_not_through_the_drivers_no
     assert used[w + 1][0] >= sent and used[w + 1][1] >= received, used
   server = 2 * workers * rounds * payload
   assert sum(used[0]) < server / 3, (used, server)
+
+
+def _both_ways(links, nbytes: int) -> list[float]:
+  """Seconds of `nbytes` node 0 -> node 1 and node 1 -> node 0, both at once."""
+  import concurrent.futures
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    there = pool.submit(real_links.probe, links, 0, 1, nbytes, 47123)
+    back = pool.submit(real_links.probe, links, 1, 0, nbytes, 47124)
+    return [there.result(), back.result()]
+
+
+@needs_links
+def test_links_in_a_modem_box_send_acks_first_so_both_ways_at_once_move_at_the_rate():
+  """`modem=True, acks_first=True` (the exchange rig's links): each node's link is shaped in
+  a namespace beside it, pure ACKs ahead of the queued data. A transfer each way at once
+  takes its bytes over the rate in both directions: neither direction's ACKs wait behind
+  the other's data (with one FIFO at this queue, one direction starved: BENCHMARKS, issue
+  70). The kernel counts the bytes on the box's devices, and nothing is left after."""
+  with real_links.Links(2, 20, modem=True, acks_first=True) as links:
+    seconds = _both_ways(links, 6_250_000)
+    moved = links.link_bytes()
+    made = links.leftovers()
+  ideal = 6_250_000 * 8 / 20e6  # 2.5 s; headers add ~5% on the wire (2.62 s seen both
+  # ways; with one FIFO, 2.88–3.53 s)
+  assert all(0.95 * ideal <= s <= 1.1 * ideal for s in seconds), seconds
+  assert all(6_250_000 <= x <= 1.2 * 6_250_000 for node in moved for x in node), moved
+  assert len(made) == 2 + 2 + 2 + 1  # the nodes' and the boxes' namespaces, two veths, the bridge
+  assert links.leftovers() == []

@@ -245,9 +245,7 @@ class WorkerProcess:
     self.mailbox.abort(version, attempt)
 
   def _take_part(self, message: dict, steps) -> dict:
-    transport = (forms.SocketTransport(self.postbox, message["addresses"])
-                 if "addresses" in message else
-                 forms.RayTransport(import_ray(), message["handles"]))
+    transport = forms.transport_for(message, self.postbox, import_ray())
     return forms.take_part(self.worker, message, self.mailbox, transport, steps,
                            replica_lib.crash_here)
 

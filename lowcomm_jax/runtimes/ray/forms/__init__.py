@@ -23,7 +23,7 @@ from lowcomm_jax.runtimes.ray.forms.exchange import (Exchange, Failed, LocalTran
 from lowcomm_jax.runtimes.ray.forms.hierarchical import HIERARCHICAL, regions_of
 from lowcomm_jax.runtimes.ray.forms.pairs import PAIRS
 from lowcomm_jax.runtimes.ray.forms.ring import RING
-from lowcomm_jax.runtimes.ray.forms.sockets import Postbox, SocketTransport
+from lowcomm_jax.runtimes.ray.forms.sockets import Postbox, SocketTransport, transport_for
 
 # In the order `for_round` asks them: the first form that claims a round runs it.
 FORMS: dict[str, Form] = {f.name: f for f in (PAIRS, HIERARCHICAL, RING, DIRECT)}
@@ -43,4 +43,4 @@ def for_round(rounds, members: list[int]) -> Form:
 __all__ = ["among_workers", "config_problems", "DIRECT", "FORMS", "HIERARCHICAL", "PAIRS", "RING",
            "Exchange", "Failed", "Form", "LocalTransport", "Mailbox", "Postbox",
            "RayTransport", "SocketTransport", "for_round", "get", "mean_of", "regions_of",
-           "take_part"]
+           "take_part", "transport_for"]

@@ -114,3 +114,13 @@ class SocketTransport:
   def unpack(self, boxes: list, deadline: float) -> list:
     del deadline
     return list(boxes)
+
+
+def transport_for(message: dict, postbox: Postbox | None, ray):
+  """The transport of a collective `message` names: its members' postboxes where it
+  carries their addresses (ray.transport='sockets'), else Ray's object store."""
+  from lowcomm_jax.runtimes.ray.forms.exchange import RayTransport
+  if "addresses" in message:
+    return SocketTransport(postbox, message["addresses"])
+  return RayTransport(ray, message["handles"])
+
