@@ -73,9 +73,12 @@ class RigReplica:
 
   def apply_reduced(self, version, members, tokens, losses, reduced) -> str:
     from lowcomm_jax.runtimes.ray.replica import params_hash
+    wall, cpu = time.perf_counter(), time.thread_time()
     new = self.params - 0.7 * np.concatenate(reduced)
     self.staged = (version, new)
-    return params_hash(new)
+    digest = params_hash(new)
+    self.applied = (time.perf_counter() - wall, time.thread_time() - cpu)
+    return digest
 
   def commit(self, version: int) -> int:
     staged_version, params = self.staged
@@ -104,9 +107,10 @@ class RigMember:
     import ray
     form = self.forms.get(message["form"])
     transport = self.forms.transport_for(message, self.postbox, ray)
-    return self.forms.take_part(self.worker, message, self.mailbox, transport,
-                                lambda ex: form.member(self.replica, ex, message),
-                                lambda: None)
+    out = self.forms.take_part(self.worker, message, self.mailbox, transport,
+                               lambda ex: form.member(self.replica, ex, message),
+                               lambda: None)
+    return {**out, "applied": getattr(self.replica, "applied", None)}
 
   def deliver(self, tag, sender, box) -> None:
     self.mailbox.put(tuple(tag), sender, box)
@@ -154,7 +158,11 @@ def drive(workers: int, n: int, rounds: int, seed: int, mbps: float, transport: 
                         "sent_per_member": outcome[0]["sent"],
                         # each phase's end, the last member's, from the driver's first message
                         "phases_s": {k: round(max(o["moments"][k] for o in outcome) - wall, 4)
-                                     for k in ("began", "scattered", "reduced", "staged")}}),
+                                     for k in ("began", "scattered", "reduced", "staged")},
+                        # each member's own tail: its all-gather's end to its staged θ'
+                        "tails_s": [round(o["moments"]["staged"] - o["moments"]["reduced"], 4)
+                                    for o in outcome],
+                        "applied": [o["applied"] for o in outcome]}),
             flush=True)
 
 

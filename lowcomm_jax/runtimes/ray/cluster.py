@@ -27,9 +27,10 @@ SYSTEM_CONFIG = {"worker_niceness": 0}
 def import_ray():
   try:
     import ray
+    import xxhash  # noqa: F401 - the replicas' fingerprints (replica.params_hash)
   except ImportError as e:
-    raise RayUnavailable("runtime='ray' needs Ray: pip install -e \".[ray]\" (or "
-                         "pip install 'ray>=2.40')") from e
+    raise RayUnavailable(f"runtime='ray' needs {e.name}: pip install -e \".[ray]\" (or "
+                         "pip install 'ray>=2.40' xxhash)") from e
   return ray
 
 
