@@ -89,5 +89,5 @@ def form_round(replicas, version, rows, *, form=None, extra=None, timeout_s=60.0
 
 
 def ex_message(ex) -> dict:
-  """What every member is told besides its form's message (`Replicas._start`)."""
+  """What every member is told besides its form's message (`attempts.Attempts.start`)."""
   return {"version": ex.version, "attempt": ex.attempt, "members": ex.members}

@@ -251,6 +251,25 @@ def test_only_the_forms_package_compares_a_collective_forms_name():
   assert _form_comparisons(ast.parse('if c.sim.network.collective == "server" or x: pass'))
 
 
+def _ray_classes() -> dict[str, list[str]]:
+  """Every class of the Ray runtime, by name: the names of its bases."""
+  return {node.name: [ast.unparse(b) for b in node.bases]
+          for name, path in MODULES.items() if name.startswith("runtimes.ray")
+          for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)}
+
+
+def test_a_progress_policy_is_given_its_form_not_mixed_with_it():
+  """The policies (quorum rounds, epochs, pushes) take their form (the server's, or the
+  workers' replicas) as an argument: no class of the Ray runtime derives from a policy and
+  a form at once, and none from two classes (a mixin)."""
+  classes = _ray_classes()
+  policies = {"QuorumRounds", "Epochs", "Pushes"}
+  assert policies <= set(classes) and {"ServerForm", "Replicas", "PairReplicas"} <= set(classes)
+  assert all(classes[p] == ["Progress"] for p in policies), {p: classes[p] for p in policies}
+  mixed = {name: bases for name, bases in classes.items() if len(bases) > 1}
+  assert not mixed, f"classes with more than one base in runtimes/ray: {mixed}"
+
+
 def _mentions(tree: ast.AST, word: str) -> bool:
   """Whether code in `tree` (names, attributes, imports, strings but docstrings) names
   `word`."""
@@ -295,3 +314,10 @@ def test_every_function_is_under_80_lines():
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
                 and node.end_lineno - node.lineno + 1 >= 80)
   assert not long, f"functions of 80 lines or more: {long}"
+
+
+def test_every_module_is_under_400_lines():
+  """A module with one job stays short enough to read whole (issue 70's rule)."""
+  long = sorted((len(path.read_text().splitlines()), name) for name, path in MODULES.items()
+                if len(path.read_text().splitlines()) >= 400)
+  assert not long, f"modules of 400 lines or more: {long}"

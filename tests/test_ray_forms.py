@@ -1,5 +1,5 @@
 """The members' side of a collective's failures (runtimes/ray/forms/exchange.py) and the
-driver's reading of them (replicas.Replicas._lose_failed), in-process: a member that dies,
+driver's reading of them (attempts.Attempts.lose_failed), in-process: a member that dies,
 one that is slow, an attempt the driver calls off, and what an earlier attempt left behind."""
 
 import threading
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lowcomm_jax.runtimes.ray import forms
-from lowcomm_jax.runtimes.ray.replicas import Attempt, Replicas
+from lowcomm_jax.runtimes.ray.attempts import Attempt, Attempts
 from conftest import bench_module
 from peer_members import run_members
 
@@ -79,11 +79,11 @@ class _Pool:
 def _lose(outcome, unanswered, alive=(0, 1, 2, 3), dead=()):
   pool = _Pool(alive)
   pool.dead = set(dead)
-  rounds = types.SimpleNamespace(d=types.SimpleNamespace(
-      pool=pool, c=types.SimpleNamespace(ray=types.SimpleNamespace(collective_timeout_s=9))),
-      version=4, failures=(outcome, unanswered))
-  Replicas._lose_failed(rounds, "a round's collective", sorted(set(alive) | set(outcome)),
-                        Attempt(1, forms.DIRECT, []))
+  attempts = Attempts(types.SimpleNamespace(
+      pool=pool, c=types.SimpleNamespace(ray=types.SimpleNamespace(collective_timeout_s=9))))
+  attempts.failures = (outcome, unanswered)
+  attempts.lose_failed("a round's collective", 4, sorted(set(alive) | set(outcome)),
+                       Attempt(1, forms.DIRECT, []))
   return pool.lost
 
 
@@ -109,7 +109,7 @@ def test_the_collective_timeout_is_held_against_a_rounds_bytes(gbps, covered):
   from lowcomm_jax.assemble.build import build
   from lowcomm_jax.assemble.plan import make_plan, one_device
   from lowcomm_jax.errors import ConfigError
-  from lowcomm_jax.runtimes.ray.replicas import timeout_covers_bytes
+  from lowcomm_jax.runtimes.ray.attempts import timeout_covers_bytes
   c = load_config("smoke", **{"algorithm": "diloco", "num_workers": 3, "mesh.replica": 1,
                               "runtime": "ray", "sim.network.intra_gbps": gbps,
                               "ray.collective_timeout_s": 60.0})

@@ -1,5 +1,5 @@
 """The peer form of the Ray runtime's quorum rounds (runtimes/ray/replica.py,
-peer_rounds.py): replicas of θ on every worker, a round's collective among its members.
+replicas.py): replicas of θ on every worker, a round's collective among its members.
 
 In-process here (no Ray): each member's real part of its collective form
 (runtimes/ray/forms) runs in a thread of its own on its own Replica, the members reaching
@@ -22,7 +22,7 @@ from lowcomm_jax.assemble.hosts import host
 from lowcomm_jax.assemble.plan import one_device
 from lowcomm_jax.compress import CODECS
 from lowcomm_jax.config import check
-from lowcomm_jax.programs import steps, sync_program
+from lowcomm_jax.programs import state_average, steps, sync_program
 from lowcomm_jax.runtimes.ray import forms
 from lowcomm_jax.runtimes.ray import replica as replica_lib
 from lowcomm_jax.runtimes.ray.actors import initial_params, round_inputs
@@ -463,7 +463,7 @@ def test_a_state_average_is_the_runners_program_on_every_runtime():
       nu={"w": rng.random((5, 3)).astype(np.float32)}) for _ in range(3)]
   stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
   parts = ("first_moment", "second_moment")
-  runner = jax.jit(steps.make_state_sync(sync), static_argnames="parts")(stacked, parts=parts)
+  runner = jax.jit(state_average.make_state_sync(sync), static_argnames="parts")(stacked, parts=parts)
   rows = [jax.tree.map(lambda x: np.asarray(x)[None], sync.take(s, parts)) for s in states]
   server = average_parts(*rows)
   for w in range(3):

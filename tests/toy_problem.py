@@ -9,6 +9,7 @@ import numpy as np
 from conftest import load_config
 from lowcomm_jax import algorithms
 from lowcomm_jax.programs import optimizers
+from lowcomm_jax.programs import state_average
 from lowcomm_jax.programs import steps
 from lowcomm_jax.programs import sync_program
 from lowcomm_jax.parallel import mesh as mesh_lib
@@ -58,7 +59,7 @@ def run(algorithm_name: str, rounds: int, **overrides):
                             jnp.zeros(2, jnp.float32))
     batches = jnp.broadcast_to(jnp.asarray(TARGETS)[:, None], (2, H, 2))
     state_sync = algorithm.state_sync(config)
-    average = (jax.jit(steps.make_state_sync(state_sync), static_argnames="parts")
+    average = (jax.jit(state_average.make_state_sync(state_sync), static_argnames="parts")
                if state_sync is not None else None)
     thetas = []
     for r in range(rounds):

@@ -19,6 +19,8 @@ from lowcomm_jax.errors import ConfigError
 from lowcomm_jax.assemble import memory
 from lowcomm_jax.programs import optimizers
 from lowcomm_jax.assemble import program_cache
+from lowcomm_jax.programs import evaluation
+from lowcomm_jax.programs import state_average
 from lowcomm_jax.programs import steps
 from lowcomm_jax.programs import sync_program
 from lowcomm_jax.data import (WorkerStreams, eval_windows, open_corpus, other_corpus,
@@ -126,7 +128,7 @@ def build(config: ml_collections.ConfigDict, *, check_memory: bool = True) -> Ru
   reads_own = worker_rule is not None and worker_rule.reads_sync_state  # NoLoCo's φ_w
   state_sync = algorithm.state_sync(c)
   evaluate = program_cache.shared(
-      steps.make_eval_step, tuple((m, loss_of(m, mesh)) for m in
+      evaluation.make_eval_step, tuple((m, loss_of(m, mesh)) for m in
                                   (hidden_units(model_cfg.d_ff, w) for w in widths)),
       model_cfg.d_ff, layout)
   programs = Programs(local=local_programs, syncs=syncs, init_workers=init_workers,
@@ -134,7 +136,7 @@ def build(config: ml_collections.ConfigDict, *, check_memory: bool = True) -> Ru
                       overlapped=steps.make_overlapped(syncs[0], local_programs[0][0],
                                                        reads_rules=worker_rule is not None,
                                                        reads_own=reads_own),
-                      state_sync=steps.make_state_sync(state_sync) if state_sync else None,
+                      state_sync=state_average.make_state_sync(state_sync) if state_sync else None,
                       local_halves=local_halves)
   programs, init_fn, initial_params = program_cache.same_as_before(
       program_cache.key(c, model_cfg, windows), (programs, init_fn, initial_params))

@@ -84,7 +84,7 @@ class Programs:
   # algorithm has a delayed sync and rounds.can_overlap allows it
   overlapped: Callable | None = None
   # (workers' inner-optimizer states [R, ...], parts) -> the same with those parts averaged
-  # (steps.make_state_sync), where the algorithm has a StateSync (DES-LOC)
+  # (state_average.make_state_sync), where the algorithm has a StateSync (DES-LOC)
   state_sync: Callable | None = None
   # per local host, per segment: its local program as (head, tail) (`make_local_segment`'s
   # `part`), or None where the segment has no mix inside it: the Ray runtime's peer form

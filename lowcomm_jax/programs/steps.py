@@ -1,5 +1,7 @@
-"""Pure, jittable steps: one host's local segment, and eval; the state they share. One
-fragment's sync (the global program) is programs/sync_program.py.
+"""Pure, jittable steps: one host's local segment, a collaborative micro-batch, a held sync
+with the next local steps; the state they share. One fragment's sync (the global
+program) is sync_program.py, the eval program evaluation.py, the workers' state average
+state_average.py.
 
 A round is the algorithm's segments (algorithms/base.py). For workers w stacked on the
 replica axis, a segment is
@@ -36,7 +38,6 @@ import jax.numpy as jnp
 import optax
 
 from lowcomm_jax.model.matformer import pad_tier, slice_tier, unslice_tier
-from lowcomm_jax.parallel import collectives
 from lowcomm_jax.parallel.workers import map_host_workers
 from lowcomm_jax.parallel.flat import ParamLayout
 
@@ -311,25 +312,6 @@ def make_accumulate(loss_fn: LossFn, *, hidden: int, d_ff: int, layout: ParamLay
   return accumulate
 
 
-def make_state_sync(state_sync):
-  """`average(opt_states[R, ...], parts)` -> the workers' inner-optimizer states with `parts`
-  averaged over all workers (algorithms.base.StateSync; an all-reduce per part)."""
-  def average(opt_state_R, parts: tuple[str, ...]):
-    return jax.vmap(lambda s: state_sync.average(s, parts, "replica"), axis_name="replica",
-                    spmd_axis_name="replica")(opt_state_R)
-  return average
-
-
-@jax.jit
-def rows_mean(rows_R):
-  """The mean of stacked rows (a tree, leaves [R, ...]) by the all-reduce a state average
-  runs (collectives.mean over the vmapped rows, as `make_state_sync`'s StateSync.average
-  does): the Ray runtime's server and peers average the parts they hold with it, so a
-  state average is one program on every runtime. Leaves [...]."""
-  mean_R = jax.vmap(lambda row: collectives.mean(row, "replica"), axis_name="replica")(rows_R)
-  return jax.tree.map(lambda x: x[0], mean_R)
-
-
 def local_input(state: TrainState, reads_rules: bool, reads_own: bool = False) -> TrainState:
   """What a local program reads of the global state: θ and the round key, and the outer
   rules' (replicated) state where the algorithm's workers start from it (`reads_rules`:
@@ -352,23 +334,6 @@ def make_overlapped(sync, local, *, reads_rules: bool, reads_own: bool = False):
                                        frozen=frozen)
     return state, sync_metrics, delta, workers, losses_RxS.mean(axis=1)
   return overlapped
-
-
-def make_eval_step(widths: tuple[tuple[int, LossFn], ...], d_ff: int, layout: ParamLayout):
-  """`eval_step(flat params, windows[N, B, L+1]) -> losses[W]`: the mean loss over N fixed
-  batches of each MatFormer width in `widths` ((hidden units, its loss fn), full width
-  first), the first m FFN units of every block, as a tier's worker trains them. One
-  program for all widths: they read the same batches."""
-
-  def eval_step(flat_params, windows_NxBxL1, *, frozen=()):
-    params = layout.unravel(flat_params)
-
-    def losses(batch):
-      return jnp.stack([loss_fn(params if m == d_ff else slice_tier(params, m), batch, None,
-                                frozen) for m, loss_fn in widths])
-    return jax.lax.map(losses, windows_NxBxL1).mean(axis=0)
-
-  return eval_step
 
 
 def run_key(seed: int) -> jax.Array:

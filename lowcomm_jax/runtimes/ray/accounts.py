@@ -65,6 +65,11 @@ class Counts:
   wire_bytes: dict = dataclasses.field(default_factory=dict)  # peer form: worker -> [sent,
   # received] on its own link by rounds' collectives (the arrays it sent and took)
 
+  def wire(self, worker: int, out: dict) -> None:
+    """A collective member's outcome's bytes on its own link ({"sent", "received"})."""
+    sent, received = self.wire_bytes.get(str(worker), [0, 0])
+    self.wire_bytes[str(worker)] = [sent + out["sent"], received + out["received"]]
+
   def contributed(self, worker: int, meta: dict, staleness: int, drift,
                   weight: float = 1.0) -> None:
     """One contribution taken; its train loss counts `weight` times (an epoch's: its

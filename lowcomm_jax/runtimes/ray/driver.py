@@ -3,12 +3,13 @@ crash while the run goes on (the actors and their jobs: pool.py).
 
 One process (the one `main.py` runs) drives: it starts or joins Ray, creates one actor per
 worker (and the server actors where the algorithm or the server form needs them), decides
-which contributions make a round, and moves references; tensors go from actor to actor
-through Ray's object store, and a synchronous round's collective runs among its members
-(replicas.py: one message to each, one outcome back). What a finished job does, and what a mark is, is the progress
-policy the algorithm declares (`Algorithm.progress`, progress.py): asynchronous pushes
-(pushes.py), quorum rounds (quorum.py) or collaborative epochs (epochs.py). This driver
-holds what they share: the actors, the counts, checkpoints and the run loop's side.
+which contributions make a round, and moves references; a synchronous round's collective
+runs among its members (replicas.py: one message to each, one outcome back). What a
+finished job does, and what a mark is, is the progress policy the algorithm declares
+(`Algorithm.progress`, progress.py): asynchronous pushes (pushes.py), quorum rounds
+(quorum.py) or collaborative epochs (epochs.py), each given its form: the server actors
+(forms/server.py) or the workers' replicas (replicas.py). This driver holds what they
+share: the actors, the counts, checkpoints and the run loop's side.
 
 `ray.apply_order` says which finished job is taken next: the first to finish ('arrival')
 or the first started ('dispatch': a run that repeats exactly). Failures: a worker that dies
@@ -35,12 +36,12 @@ from lowcomm_jax.runtimes.ray.actors import initial_params, server_rules, server
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.runtimes.ray import forms
 from lowcomm_jax.runtimes.ray.epochs import Epochs
-from lowcomm_jax.runtimes.ray.peer_epochs import PeerEpochs
-from lowcomm_jax.runtimes.ray.pair_rounds import PairRounds
-from lowcomm_jax.runtimes.ray.peer_rounds import PeerRounds
+from lowcomm_jax.runtimes.ray.forms.server import ServerForm
+from lowcomm_jax.runtimes.ray.pair_rounds import PairReplicas
 from lowcomm_jax.runtimes.ray.pool import Pool
 from lowcomm_jax.runtimes.ray.pushes import Pushes
 from lowcomm_jax.runtimes.ray.quorum import QuorumRounds
+from lowcomm_jax.runtimes.ray.replicas import Replicas
 from lowcomm_jax.runtimes.ray.regions import Regions
 from lowcomm_jax.sim import GLOBAL
 from lowcomm_jax.run.files import RunFiles
@@ -89,12 +90,11 @@ class RayDriver:
     self.started_ray = False
     self.files: RunFiles | None = None
     self.finished, self.mark, self._wall_before = False, 0, 0.0
-    progress = r.algorithm.progress(config)
-    if forms.among_workers(config, r.algorithm):  # (a pair swap: NoLoCo's gossip)
-      self.progress = (PeerEpochs if progress == "epochs" else PeerRounds
-                       if r.sync.partners is None else PairRounds)(self)
-    else:
-      self.progress = PROGRESS[progress](self)
+    # the policy, given its form: the workers' replicas where its rounds close among them
+    # (pair swaps: NoLoCo's gossip), else the server actors
+    form = (ServerForm if not forms.among_workers(config, r.algorithm)
+            else Replicas if r.sync.partners is None else PairReplicas)
+    self.progress = PROGRESS[r.algorithm.progress(config)](self, form(self))
     self.unit = self.progress.unit
     self.pool.on_join = self.progress.start_next
     self.pool.on_lose = self.progress.on_lose

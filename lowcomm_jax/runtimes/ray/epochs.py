@@ -23,6 +23,11 @@ peer's data position and codec buffer). A micro-batch running at a checkpoint be
 epoch already closed: it is not kept. A server that dies mid-epoch is rebuilt from the
 last checkpoint and the epochs' steps since are replayed (pool.py); the peers' sums are
 not the server's, so nothing of the open epoch is lost.
+
+Where θ is and who takes the epoch's step is the policy's form (progress.py): the server
+(forms/server.py), or the peers' replicas, the step a collective among the peers that
+counted samples (replicas.py: shards reduced weighted by samples and all-gathered, each
+member staging DDP's step, the hashes compared, then committed).
 """
 
 import time
@@ -35,8 +40,8 @@ class Epochs(Progress):
   unit = "epoch"
   late_figures = True
 
-  def __init__(self, d):
-    super().__init__(d)
+  def __init__(self, d, form):
+    super().__init__(d, form)
     self.c, self.pool, self.counts, self.ray = d.c, d.pool, d.counts, d.ray
     self.target = d.c.collab.target_batch_size
     self.theta = None  # (version, ObjectRef of θ) of the open epoch, while it takes samples
@@ -56,14 +61,12 @@ class Epochs(Progress):
     del clock
     if (self.theta is not None and worker in self.pool.actors and worker not in self.pool.jobs
         and self._open_samples() < self.target):
-      self._dispatch_micro(worker)
-
-  def _dispatch_micro(self, worker: int) -> None:
-    self.pool.dispatch_micro(worker, *self.theta)
+      self.form.dispatch_micro(worker, self.theta)
 
   def on_lose(self, worker: int) -> None:
     """A peer died: its samples of the open epoch are gone with it."""
     self.counts.samples_lost += self.epoch_samples.pop(worker, 0)
+    self.form.on_lose(worker)
 
   def _take(self, job) -> bool:
     """A finished micro-batch: its samples counted (if it belongs to the open epoch and
@@ -91,7 +94,7 @@ class Epochs(Progress):
     and the server's step."""
     pool, n, c = self.pool, self.counts, self.c
     start = time.perf_counter()
-    self.theta = self._open_theta()
+    self.theta = self.form.open_theta()
     version = self.theta[0]
     self.epoch_samples = {}
     self.d.idle_start()
@@ -112,7 +115,7 @@ class Epochs(Progress):
     self.theta = None
     late = sum(1 for j in pool.jobs.values() if j.version == version)
     by_peer = self._contributions(version)
-    applied = self._apply_epoch(by_peer)  # (a peer lost in it: on_lose counts its samples)
+    applied = self.form.close_epoch(by_peer)  # (a peer lost in it: on_lose counts its samples)
     by_peer = {w: s for w, s in by_peer.items() if w in applied}
     contributed = sum(by_peer.values())
     n.rounds += 1
@@ -151,27 +154,10 @@ class Epochs(Progress):
                           // meta.get("batch_size", self.c.data.batch_size))
       if meta["samples"] == 0:
         continue
-      n.contributed(w, meta, self._contribute_epoch(w, meta, sent_ref), None,
+      n.contributed(w, meta, self.form.contribute_epoch(w, meta, sent_ref), None,
                     weight=meta["samples"])
       sent[w] = meta["samples"]
     return sent
-
-  # --- where θ is: the server (the peer form: peer_epochs.py) ----------------------------
-
-  def _open_theta(self) -> tuple[int, object]:
-    """(version, the reference of θ) the open epoch's micro-batches start from."""
-    version, params = self.pool.call("theta")
-    return version, self.ray.put(params)
-
-  def _contribute_epoch(self, worker: int, meta: dict, sent) -> int:
-    """A peer's mean gradient into the open epoch's step; its staleness in epochs."""
-    return self.pool.call("contribute", meta, sent, changes=True)["staleness"]
-
-  def _apply_epoch(self, by_peer: dict[int, int]) -> set:
-    """The epoch's step over the contributions of `by_peer`'s peers (the server's); the
-    peers whose contributions it applied."""
-    self.pool.call("close_round", changes=True)
-    return set(by_peer)
 
   # --- accounts ---------------------------------------------------------------------------
 
@@ -195,6 +181,6 @@ class Epochs(Progress):
     return []  # micro-batches of closed epochs: not counted, not started again
 
   def summary(self) -> dict:
-    return {"rounds_closed": self.counts.rounds, "round_form": "server",
+    return {"rounds_closed": self.counts.rounds, **self.form.summary(),
             "collab": {"target_batch_size": self.target, "epochs": self.counts.rounds,
                        "samples": self.counts.samples}}

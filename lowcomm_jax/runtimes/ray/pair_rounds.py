@@ -1,16 +1,17 @@
 """NoLoCo's rounds in the peer form: each member swaps with its round's peer alone
-(forms/pairs.py); θ, the workers' mean φ, where a read needs it."""
+(forms/pairs.py); θ, the workers' mean φ, where a read needs it. The form quorum rounds
+are given where the sync swaps with a peer (driver.py)."""
 
 import jax
 import numpy as np
 
 from lowcomm_jax.runtimes.ray.actors import initial_rule_state
-from lowcomm_jax.runtimes.ray.peer_rounds import PeerRounds
+from lowcomm_jax.runtimes.ray.replicas import Replicas
 from lowcomm_jax.runtimes.ray.replica import own_rows
 from lowcomm_jax.sim import GLOBAL
 
 
-class PairRounds(PeerRounds):
+class PairReplicas(Replicas):
   """The peer form of a sync of pair swaps (`Sync.partners`: NoLoCo). Each worker's replica
   holds its own row of the sync's state (φ_i, δ_i); at a round's close each member sends
   its payload (θ_i) to its round's peer alone and stages its own new row: the ledger's N

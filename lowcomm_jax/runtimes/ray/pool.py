@@ -1,22 +1,21 @@
 """The Ray runtime's actors and the jobs in flight: starting them, taking results, telling a
-dead worker from a dead server, recovering the server, chaos and DyLU. The driver
-(driver.py) decides what a result does (a push applied at once, or a contribution to a
-quorum round) and calls the server through `call`, which survives the server's death.
+dead worker from a dead server (its recovery: server_recovery.py), chaos and DyLU. The
+driver (driver.py) decides what a result does (a push applied at once, or a contribution
+to a quorum round) and calls the server through `call`, which survives the server's death.
 
     dispatch(w):  server.pull() ──(version, θ, outer state) refs──► worker w.job(..., lr step, H)
                   ──► (meta, payload) refs                       (the driver holds refs only)
     dispatch_own(w): worker w.job(version, ...) from its own replica of θ (the peer form of
-                  quorum rounds: peer_rounds.py), no pull
+                  quorum rounds: replicas.py), no pull
 """
 
-import collections
 import logging
 import time
 from typing import Callable
 
 import ml_collections
 
-from lowcomm_jax.runtimes.ray import chaos as chaos_lib, cluster
+from lowcomm_jax.runtimes.ray import chaos as chaos_lib, cluster, server_recovery
 from lowcomm_jax.runtimes.ray.accounts import Counts, Job
 from lowcomm_jax.runtimes.ray.rows import WorkerRows
 from lowcomm_jax.runtimes.ray.server import ServerProcess
@@ -354,44 +353,8 @@ class Pool:
       return False
 
   def recover_server(self, why: str, server: str = GLOBAL) -> None:
-    """A new server `server` from the last checkpoint, its calls since replayed in order,
-    then the jobs whose pull from it failed started again as they were."""
-    t0 = time.perf_counter()
-    n = self.counts
-    try:  # (a server that only stopped answering must not live on beside the new one)
-      self.ray.kill(self.servers[server], no_restart=True)
-    except Exception:  # noqa: BLE001 - already gone
-      pass
-    restored, mark = self.restore_latest(server)
-    standby = self.start_server(restored, server)
-    actor = self.servers[server]
-    # Jobs out that pulled from the dead server keep their models (drift, checkpoints);
-    # those whose pull failed start again, as they were, once the calls are replayed.
-    held, failed = collections.Counter(), []
-    for job in sorted(self.jobs.values(), key=lambda j: j.order):
-      if job.micro or job.server != server:  # (a micro-batch's θ is the driver's object)
-        continue
-      try:
-        held[self.ray.get(job.version)] += 1
-      except self.ray.exceptions.RayError:
-        failed.append(job)
-    actor.expect.remote(dict(held))
-    calls = [(method, args) for name, method, args in self.since_checkpoint if name == server]
-    for method, args in calls:
-      self.ray.get(getattr(actor, method).remote(*args))
-    actor.replayed.remote()
-    replayed = len(calls)
-    n.pushes_replayed += replayed
-    n.server_restarts += 1
-    for job in failed:
-      self.discard(job)
-      self.dispatch(job.worker, job.lr_step, job.steps, job.order)
-    seconds = time.perf_counter() - t0
-    n.recoveries.append({"what": "server", "server": server, "seconds": seconds,
-                         "replayed": replayed, "from_checkpoint": mark, "standby": standby})
-    self.note("server_restarted", server=server, why=why, seconds=round(seconds, 3),
-              replayed=replayed, checkpoint=mark, standby=standby)
-    self.start_standby()  # the next one (built while the run goes on)
+    """A new server `server` from the last checkpoint (server_recovery.py)."""
+    server_recovery.recover(self, why, server)
 
   def checkpointed(self) -> None:
     self.since_checkpoint = []

@@ -10,6 +10,24 @@ A policy holds the mode's own state and answers the driver's questions; the driv
 what every mode shares (the pool of actors, the counts, checkpoints, the run loop's side).
 `d` is that driver: a policy reads its `c`, `r`, `plan`, `pool`, `counts`, `ray`,
 `regions` and calls `d.idle_start()`.
+
+Where θ is held and how a round's contributions are combined is the policy's `form`, given
+to it (composition, not a subclass): `forms.server.ServerForm` (the server actors hold θ;
+every mode can run through them) or `replicas.Replicas` (each worker holds a replica and a
+round closes with a collective among its members: quorum rounds and epochs, where
+`forms.among_workers` says so; `pair_rounds.PairReplicas` for pair swaps). A form answers:
+
+  restore_global(state), opened(), global_call(method), global_states(in_flight),
+  resume_job(job), on_lose(worker), summary()   what the driver asks of the global state
+  dispatch(worker, lr_step, steps)             a job from the open round's θ
+  contribute(worker, meta, sent, segments)     a contribution kept for the round's close:
+                                               its staleness, None if no round of it is open
+  close_segment(steps) / after_start()         the round's combine, and what follows once
+                                               the next jobs have started
+  state_average(workers, parts)                a workers' state average (DES-LOC)
+  open_theta(), dispatch_micro(worker, theta),
+  close_epoch(by_peer)                         a collaborative epoch's θ, micro-batches, step
+  finish()                                     the run's end (a collective in flight settled)
 """
 
 
@@ -19,8 +37,8 @@ class Progress:
   unit = "round"  # what a mark is, in log lines
   late_figures = False  # whether the figures count contributions from an older round's θ
 
-  def __init__(self, d):
-    self.d = d
+  def __init__(self, d, form):
+    self.d, self.form = d, form
 
   def start_next(self, worker: int, clock: int | None = None) -> None:
     """`worker`'s next job, if the mode has one for it (`clock`: the inner lr step of jobs
@@ -51,33 +69,29 @@ class Progress:
     return sorted(self.d.pool.jobs.values(), key=lambda j: j.order)
 
   def restore_global(self, state: dict | None) -> None:
-    """A checkpoint's global server state (None: fresh) as the run opens: the servers."""
-    d = self.d
-    d.pool.start_server(state)
+    """A checkpoint's global state (None: fresh) as the run opens."""
+    self.form.restore_global(state)
 
   def global_call(self, method: str):
     """`method` of the global state's holder (evaluate, param_norm)."""
-    return self.d.pool.call(method)
+    return self.form.global_call(method)
 
   def global_states(self, in_flight: list[dict]) -> dict:
-    """What a checkpoint keeps of the global state, by server: each server's state, with
-    the models the jobs in flight pulled."""
-    ray, pool = self.d.ray, self.d.pool
-    return {name: ray.get(actor.state.remote(
-                [j["version"] for j in in_flight if j["server"] == name]))
-            for name, actor in pool.servers.items()}
+    """What a checkpoint keeps of the global state, by server name."""
+    return self.form.global_states(in_flight)
 
   def resume_job(self, job: dict) -> None:
-    """A checkpoint's job in flight, started again as it was."""
-    self.d.pool.dispatch(job["worker"], job["lr_step"], job["steps"], job["order"],
-                         job["version"])
+    """A checkpoint's job in flight, started again."""
+    self.form.resume_job(job)
 
   def opened(self) -> None:
     """The run (re)started, its actors up, before the jobs a checkpoint kept start again."""
+    self.form.opened()
 
   def on_lose(self, worker: int) -> None:
     """A worker died (its job is already dropped by the pool)."""
+    self.form.on_lose(worker)
 
   def summary(self) -> dict:
-    """What only the summary adds for this mode."""
-    return {}
+    """What only the summary adds for this mode (and its form)."""
+    return self.form.summary()

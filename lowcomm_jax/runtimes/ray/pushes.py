@@ -11,8 +11,8 @@ class Pushes(Progress):
 
   unit = "round-equivalent"
 
-  def __init__(self, d):
-    super().__init__(d)
+  def __init__(self, d, form):
+    super().__init__(d, form)
     self.per_mark = d.c.num_workers * d.c.inner_steps  # a round-equivalent: W·H steps
 
   def start_next(self, worker: int, clock: int | None = None) -> None:
@@ -73,5 +73,5 @@ class Pushes(Progress):
       d.counts.global_pushes += d.regions.flush(d.pool)
     return finished
 
-  def summary(self) -> dict:
+  def summary(self) -> dict:  # (no rounds: the server form's round_form is not said)
     return {"global_pushes": self.d.counts.global_pushes} if self.d.regions is not None else {}

@@ -7,28 +7,29 @@ once `ray.min_quorum` workers (0: every live one) have contributed from its θ a
 then start the next segment. Late contributions (from an older θ) fold into the open round
 in their worker's row, without counting toward its quorum; their staleness (in syncs) is
 recorded. Algorithms of several segments close only with every live worker
-(`Algorithm.partial_rounds`). A mark per round."""
+(`Algorithm.partial_rounds`). A mark per round.
+
+Where the contributions go and how a segment closes is the policy's form (progress.py):
+the server's sync (forms/server.py), or a collective among the segment's members
+(replicas.py)."""
 
 import logging
 import time
 
 from lowcomm_jax.runtimes.ray.accounts import Counts
 from lowcomm_jax.runtimes.ray.progress import Progress
-from lowcomm_jax.runtimes.ray.server import average_parts
 
 
 class QuorumRounds(Progress):
 
   late_figures = True
 
-  def __init__(self, d):
-    super().__init__(d)
+  def __init__(self, d, form):
+    super().__init__(d, form)
     self.round = QuorumRound(d.counts, d.c.ray.min_quorum, d.c.ray.grace_s)
     self.segment = 0  # the open segment of the open round (marks are at round ends)
     self.segments = len(d.r.algorithm.segments(d.c, d.c.inner_steps))
     self.states_averaged = None  # the round whose workers' state average is done
-    self._average = (d.ray.remote(num_cpus=0)(average_parts)  # (DES-LOC's moments)
-                     if d.r.worker_state_sync is not None else None)
 
   def start_next(self, worker: int, clock: int | None = None) -> None:
     """`worker`'s next job, the open segment from its θ (every worker, every segment); its
@@ -44,17 +45,13 @@ class QuorumRounds(Progress):
       configured = d.pool.rows.configured_inner_steps(worker)
       start = d.r.algorithm.segments(d.c, configured)[self.segment].start
       steps = d.r.algorithm.segments(d.c, d.pool.rows.inner_steps_of(worker))[self.segment].steps
-      self._dispatch(worker, d.counts.rounds * configured + start, steps)
-
-  def _dispatch(self, worker: int, lr_step: int, steps: int) -> None:
-    """A job of `steps` inner steps from the server's newest θ."""
-    self.d.pool.dispatch(worker, lr_step, steps)
+      self.form.dispatch(worker, d.counts.rounds * configured + start, steps)
 
   def _average_states(self) -> None:
     """Before a round whose average of the workers' optimizer states is due
     (`Algorithm.state_sync`: DES-LOC's moments), once: every live worker's parts, their mean
-    back to each (`_state_average`: a Ray task here, reduced among the workers in the peer
-    form; the driver holds references only). A worker that dies before
+    back to each (the form's `state_average`: a Ray task through the server, reduced among
+    the workers in the peer form; the driver holds references only). A worker that dies before
     every part is in is lost and the rest average again without it; one that dies taking
     the mean is lost, the others keep theirs."""
     d, n, pool = self.d, self.d.counts, self.d.pool
@@ -63,41 +60,13 @@ class QuorumRounds(Progress):
       return
     self.states_averaged = n.rounds
     while workers := [w for w in pool.up() if w not in pool.jobs]:
-      sent = self._state_average(workers, parts)
+      sent = self.form.state_average(workers, parts)
       if sent is None:  # some worker died before every part was in: again without it
         continue
       n.sent_bytes += sent
       logging.info("ray: round %d starts from %s averaged over workers %s", n.rounds,
                    "/".join(parts), workers)
       return
-
-  def _state_average(self, workers: list[int], parts) -> int | None:
-    """Every worker's parts in, their mean (a Ray task) out to each: the bytes of the
-    parts sent; None after losing a worker that died before every part was in. One that
-    dies taking the mean is lost, the others keep theirs."""
-    d, pool = self.d, self.d.pool
-    sent = {w: pool.actors[w].state_parts.options(num_returns=2).remote(parts)
-            for w in workers}
-    try:
-      metas = d.ray.get([meta for meta, _ in sent.values()])
-    except (d.ray.exceptions.RayActorError, d.ray.exceptions.RayTaskError):
-      self._lose_dead(workers)
-      return None
-    mean = self._average.remote(*[ref for _, ref in sent.values()])
-    for w in workers:
-      try:
-        d.ray.get(pool.actors[w].set_state_parts.remote(parts, mean))
-      except (d.ray.exceptions.RayActorError, d.ray.exceptions.RayTaskError):
-        self._lose_dead([w])
-    return sum(meta["bytes"] for meta in metas)
-
-  def _lose_dead(self, workers) -> None:
-    pool = self.d.pool
-    dead = [w for w in workers if w in pool.actors and not pool.worker_alive(w)]
-    if not dead:
-      raise RuntimeError(f"a state average failed and workers {workers} are all alive")
-    for w in dead:
-      pool.lose(w, "died in a state average")
 
   def mark(self) -> int:
     return self.d.counts.rounds
@@ -112,7 +81,7 @@ class QuorumRounds(Progress):
     if meta is None:
       return
     n = d.counts
-    staleness = self._contribute(job, meta)
+    staleness = self.form.contribute(job.worker, meta, job.sent, self.segments)
     if staleness is None:  # another segment's: nothing to join (a joiner's first job)
       n.pushes_dropped += 1
       d.pool.chaos()
@@ -123,22 +92,15 @@ class QuorumRounds(Progress):
     d.timeline.job(job, meta)
     d.pool.chaos()
 
-  def _contribute(self, job, meta: dict) -> int | None:
-    """Puts the contribution in the open round (the server's row of its worker); its
-    staleness in syncs, or None if no round of its segment is open."""
-    info = self.d.pool.call("contribute", meta, job.sent, changes=True)
-    return None if info.get("dropped") else info["staleness"]
-
   def _close_segment(self) -> bool:
     """The open segment's sync; whether it ended the round."""
     d, n = self.d, self.d.counts
-    d.pool.call("close_round", changes=True)
-    n.applied_steps += self.round.steps
-    d.timeline.applied(n.applied_steps)
+    self.form.close_segment(self.round.steps)
     self.segment = (self.segment + 1) % self.segments
     n.rounds += self.segment == 0
     self.round.open()
     d.idle_start()  # every worker that contributed starts the next segment from the new θ
+    self.form.after_start()
     return self.segment == 0
 
   def work_to_mark(self) -> bool:
@@ -151,6 +113,8 @@ class QuorumRounds(Progress):
       job = pool.next_done(self.round.wait_s())
       if job is not None:
         self._take(job)
+    if self._budget_spent():  # the last round's collective, before the run's end reads θ
+      self.form.finish()
     return self._budget_spent()
 
   def opened(self) -> None:
@@ -158,9 +122,10 @@ class QuorumRounds(Progress):
     now, at its first segment."""
     self.segment = 0
     self.round.open()
+    self.form.opened()
 
   def summary(self) -> dict:
-    return {"rounds_closed": self.d.counts.rounds, "round_form": "server"}
+    return {"rounds_closed": self.d.counts.rounds, **self.form.summary()}
 
 
 class QuorumRound:

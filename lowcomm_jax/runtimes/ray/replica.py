@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import xxhash
 
+from lowcomm_jax.programs import state_average
 from lowcomm_jax.programs import steps
 from lowcomm_jax.programs import sync_program
 from lowcomm_jax.runtimes.ray.actors import (initial_rule_state, round_inputs, round_signals,
@@ -88,8 +89,8 @@ def hierarchical_bytes(n: int, groups: list[list[int]], itemsize: int = 4) -> di
 
 def mean_rows(*rows: np.ndarray) -> np.ndarray:
   """The mean of the members' rows by the program the server's state average runs
-  (steps.rows_mean: coordinate by coordinate, so a shard of it is that mean's shard)."""
-  return np.asarray(steps.rows_mean(np.stack(rows)))
+  (state_average.rows_mean: coordinate by coordinate, so a shard of it is that mean's shard)."""
+  return np.asarray(state_average.rows_mean(np.stack(rows)))
 
 
 def params_hash(tree) -> str:

@@ -1,8 +1,9 @@
-"""The peer form (`forms.among_workers`), the driver's side of it: the driver keeps the
-control plane of quorum.py (which contributions make a round, `ray.min_quorum`,
-`ray.grace_s`, late contributions, joins and losses), and the round's members move the
-bytes among themselves (replica.py): no process holds θ for the others, and no link
-carries every worker's payload.
+"""The peer form (`forms.among_workers`), the driver's side of it: the `form` a progress
+policy is given (progress.py) where every worker holds a replica. The policy keeps the
+control plane (quorum.py: which contributions make a round, `ray.min_quorum`,
+`ray.grace_s`, late contributions, joins and losses; epochs.py: a collaborative epoch's
+samples), and the round's members move the bytes among themselves (replica.py): no process
+holds θ for the others, and no link carries every worker's payload.
 
 What differs from the server form:
 - every worker holds a replica of θ and the outer rules' state, and a job starts from its
@@ -13,8 +14,8 @@ What differs from the server form:
   message (the version, the attempt, the members, their handles and where each receives,
   the form's plan) and reads one outcome back (the hash of what it staged, its link's
   bytes); every phase between is member to member, so the driver's calls a round are O(W)
-  and it never waits between phases. The staged θ's hashes must agree before any member
-  commits (a commit each);
+  and it never waits between phases (attempts.py: an attempt's messages and outcomes).
+  The staged θ's hashes must agree before any member commits (a commit each);
 - a member that dies, or that the others wait for in vain past `ray.collective_timeout_s`,
   is lost: the others are told to stop waiting (`abort`), and the collective is tried again
   among them from the contributions they kept: nothing is applied twice (a commit is by
@@ -27,39 +28,40 @@ What differs from the server form:
 import collections
 import logging
 import time
-from typing import NamedTuple
 
-from lowcomm_jax.errors import ConfigError, field_problem
 from lowcomm_jax.programs import sync_program
 from lowcomm_jax.runtimes.ray import forms
-from lowcomm_jax.sim import GLOBAL, collectives
-
-
-class Attempt(NamedTuple):
-  """One attempt of a collective, started: its number (the members' mailboxes key on it),
-  its form, and each member's outcome's reference (in member order)."""
-  number: int
-  form: forms.Form
-  refs: list
+from lowcomm_jax.runtimes.ray.attempts import Attempt, Attempts, timeout_covers_bytes
+from lowcomm_jax.runtimes.ray.forms.base import signals_of
+from lowcomm_jax.sim import GLOBAL
 
 
 class Replicas:
-  """The driver's side of the workers' replicas, before a progress policy (PeerRounds:
-  quorum rounds; peer_epochs.PeerEpochs: collaborative epochs): which version each worker
-  holds, the adopts in flight, the open version's contributions (`rows`), and its
-  collective among their workers (`_close_collective`)."""
+  """The driver's side of the workers' replicas (`d`: the driver): which version each
+  worker holds, the adopts in flight, the open version's contributions (`rows`), and its
+  collective among their workers (`_close_collective`), or in flight beside the next jobs
+  (`pending`: `close_segment` says when)."""
 
   def __init__(self, d):
-    super().__init__(d)
+    self.d = d
+    r = d.r
     self.version = 0  # syncs closed: the version the open round's members start from
     self.held: dict[int, int | None] = {}  # worker -> the version its replica holds
     self.rows: dict[int, tuple[dict, object]] = {}  # the open round: worker -> (meta, sent)
     self.adopting: dict[int, object] = {}  # worker -> its adopt's reference, in flight
     self.restored = None  # a resumed run's global state (object ref), for the workers
-    self.reduces = sync_program.peer_reduces(d.r.sync)
-    self.attempts = 0  # collectives started (each attempt's number: the members key on it)
+    self.reduces = sync_program.peer_reduces(r.sync)
+    self.attempts = Attempts(d)
     self.tallies = collections.Counter()  # rounds closed by form, where the form counts
-    self._addresses: dict = {}  # worker -> (its actor, its postbox's address)
+    segments = len(r.algorithm.segments(d.c, d.c.inner_steps))
+    self.overlaps = r.algorithm.delayed_sync and self.reduces and segments == 1
+    # A mix inside every segment (Streaming's τ > 0): a segment's collective runs while the
+    # next segment's first τ steps compute (`Programs.local_halves`: they read nothing of θ)
+    halves = r.programs.local_halves
+    self.streams = segments > 1 and bool(halves) and all(p is not None for p in halves[0])
+    # the round whose collective runs meanwhile: (version, {worker: (meta, sent)}, its
+    # members, their staged references, when it began)
+    self.pending = None
     logging.info("ray: %s", timeout_covers_bytes(d.c, d.plan, self.reduces))
 
   # --- what the driver asks of the global state -------------------------------------------
@@ -71,7 +73,6 @@ class Replicas:
       self.restored = self.d.ray.put({k: state[k] for k in ("params", "opt_state", "version")})
 
   def opened(self) -> None:
-    super().opened()
     pool = self.d.pool
     for w in pool.actors:
       if self.restored is None:
@@ -94,6 +95,7 @@ class Replicas:
 
   def global_call(self, method: str):
     """`method` (evaluate, param_norm) of a current replica."""
+    self._settle()
     errors = self.d.ray.exceptions.RayActorError
     while True:
       w = self._current()
@@ -111,9 +113,15 @@ class Replicas:
     state = self.global_call("share")
     return {GLOBAL: {**state, "snapshots": {}}}
 
+  def resume_job(self, job: dict) -> None:
+    """A checkpoint's job in flight, started again (from the restored θ: a job that had
+    started from an older one starts from it too)."""
+    self.d.pool.dispatch_own(job["worker"], self.version, job["lr_step"], job["steps"],
+                             job["order"])
+
   def summary(self) -> dict:
     tallies = {f.tally: self.tallies[f.tally] for f in forms.FORMS.values() if f.tally}
-    return {**super().summary(), "round_form": "peers", "server_bytes_sent": 0, **tallies}
+    return {"round_form": "peers", "server_bytes_sent": 0, **tallies}
 
   def _bring_up(self, worker: int):
     """`worker`'s replica at the open round's version: the version (an int), or the
@@ -122,6 +130,7 @@ class Replicas:
       return self.adopting[worker]
     if self.held.get(worker) == self.version:
       return self.version
+    self._settle()  # (a peer's replica is copied whole: with the round in flight applied)
     source = self._current(besides=worker)
     if source is None:
       raise RuntimeError(f"worker {worker} is behind (version {self.held.get(worker)}) and "
@@ -147,54 +156,196 @@ class Replicas:
 
   def on_lose(self, worker: int) -> None:
     """A lost worker's contribution goes with it (its shards and payloads were its own)."""
-    super().on_lose(worker)
     if self.rows.pop(worker, None) is not None:
       self.d.counts.pushes_dropped += 1
     self.held.pop(worker, None)
     self.adopting.pop(worker, None)
 
+  # --- a quorum round ----------------------------------------------------------------------
+
+  def dispatch(self, worker: int, lr_step: int, steps: int) -> None:
+    """A job from the worker's own replica, brought up to the open round first."""
+    self.d.pool.dispatch_own(worker, self._bring_up(worker), lr_step, steps)
+
+  def contribute(self, worker: int, meta: dict, sent, segments: int) -> int | None:
+    """Keeps the contribution's reference in the open round (the bytes stay with its
+    worker); a late one's replica is brought to the open round's θ before it closes."""
+    self.adopting.pop(worker, None)  # (its job waited for its adopt)
+    staleness = self.version - meta["version"]
+    if staleness % segments:  # another segment's fragment: no round of it is open
+      return None
+    if staleness:
+      self._bring_up(worker)
+    self.rows[worker] = (meta, sent)
+    return staleness
+
+  def close_segment(self, steps: int) -> None:
+    """The open segment's collective (`steps`: the server form's count; here each applied
+    contribution's own steps are counted, when its collective commits).
+
+    Streaming's τ > 0 (a mix inside every segment): the collective and the next segment's
+    jobs start at once; each job runs its τ steps (they read nothing of θ:
+    `Programs.local_halves`), then waits for its replica's commit and mixes the new
+    fragment in, as the lockstep runtime's τ defines it.
+    A delayed sync (`Algorithm.delayed_sync`: one-step delay, eager), a dense mean and one
+    segment: θ' on every member at once (`advance`: θ', and what a worker rule reads of the
+    outer state, do not depend on the round's own mean), the next jobs start from it, and
+    the collective runs while they compute, as the lockstep runtime runs it in the next
+    round's program. Either is settled (`_settle`: waited for, tried again without members
+    lost, committed) before the next close and before anything reads or copies a replica
+    (evaluation, a checkpoint, a heal)."""
+    del steps
+    self._settle()
+    if self.overlaps:  # (its steps are counted when its collective is settled)
+      self._advance()
+    elif self.streams:  # the next jobs start now; their first τ steps read nothing of θ
+      self._settle_adopts([w for w in self.rows if w in self.adopting])
+      self._start_pending(self.version,
+                          [w for w in sorted(self.rows) if w in self.d.pool.actors])
+    else:
+      self._applied(self._close_collective().values())
+
+  def after_start(self) -> None:
+    """The next jobs started: a streamed segment's collective is settled meanwhile (each
+    job waits for its replica's commit to mix it in)."""
+    if self.streams:
+      self._settle()
+
+  def finish(self) -> None:
+    self._settle()
+
+  def _settle(self) -> None:
+    """The round in flight's collective, waited for (tried again among its members left)
+    and committed."""
+    if self.pending is not None:
+      v, rows, members, staged, began = self.pending
+      members = self._until_committed(v, members, staged, began)
+      self.pending = None
+      self._applied(rows[w] for w in members)
+
+  def _applied(self, rows) -> None:
+    """Counts the inner steps of the contributions a round's collective applied."""
+    d, n = self.d, self.d.counts
+    n.applied_steps += sum(meta["steps"] for meta, _ in rows)
+    d.timeline.applied(n.applied_steps)
+
+  def _advance(self) -> None:
+    """The open round's θ' on each of its members (`advance`), its collective started. A
+    member that dies taking θ' is lost with its contribution."""
+    d, pool = self.d, self.d.pool
+    v = self.version
+    self._settle_adopts([w for w in self.rows if w in self.adopting])
+    members = [w for w in sorted(self.rows) if w in pool.actors]
+    tokens, losses = signals_of({w: self.rows[w][0] for w in members}, members)
+    refs = {w: pool.actors[w].advance.remote(v, members, tokens, losses) for w in members}
+    d.counts.collective_calls += len(members)
+    hashes = {}
+    for w, ref in refs.items():
+      try:
+        hashes[w] = d.ray.get(ref)
+      except d.ray.exceptions.RayActorError as e:
+        pool.lose(w, f"{type(e).__name__} taking round {v}'s θ'")
+    if len(set(hashes.values())) > 1:
+      raise RuntimeError(f"round {v}: the members' θ' differ ({hashes}); the replicas have "
+                         "diverged")
+    self._start_pending(v, [w for w in members if w in hashes and w in pool.actors])
+
+  def _start_pending(self, v: int, members: list[int]) -> None:
+    """Round `v`'s collective among `members` started, not waited for (`_settle` does); the
+    version moves on."""
+    rows, self.rows = self.rows, {}
+    for w in members:
+      self.held[w] = v + 1
+    if members:
+      began = time.time()
+      self.pending = (v, rows, members, None, began)  # (_rows_of(v) finds its rows now)
+      self.pending = (v, rows, members, self._start_collective(v, members), began)
+    else:
+      self._skip(v)
+    self.version = v + 1
+
+  # --- a state average between rounds (DES-LOC's moments), among the workers ------------
+
+  def state_average(self, workers: list[int], parts) -> int | None:
+    """Each worker's parts in M shards, member j's mean of shard j, all-gathered into each
+    (forms.mean_of): no link carries every worker's parts. The bytes of the parts."""
+    outcome = self._mean_among("a state average", workers, "mean_state", parts=parts)
+    if outcome is None:
+      return None
+    for w, out in outcome.items():
+      self.d.counts.wire(w, out)
+    return sum(out["bytes"] for out in outcome.values())
+
+  # --- a collaborative epoch among the peers ----------------------------------------------
+
+  def open_theta(self) -> tuple[int, None]:
+    return self.version, None  # (each peer's own replica)
+
+  def dispatch_micro(self, worker: int, theta) -> None:
+    """A micro-batch from the peer's own replica (its adopt first, where it is behind)."""
+    del theta
+    self.d.pool.dispatch_micro(worker, self.version, self._bring_up(worker))
+
+  def contribute_epoch(self, worker: int, meta: dict, sent) -> int:
+    """Its mean gradient stays with it (the replica kept it) until the epoch's collective."""
+    self.adopting.pop(worker, None)  # (its micro-batches waited for its adopt)
+    self.rows[worker] = (meta, sent)
+    return 0
+
+  def close_epoch(self, by_peer: dict[int, int]) -> set:
+    """The epoch's step: the collective among the peers whose mean gradients it holds
+    (weighted by samples: the tokens of each peer's meta); the peers it applied."""
+    del by_peer  # (the rows are the contributions)
+    return set(self._close_collective())
+
+  # --- a round's close: the collective ----------------------------------------------------
+
   def _mean_among(self, what: str, workers: list[int], method: str, **fields) -> dict | None:
     """A mean of one vector per worker among `workers` (the workers' `method`: mean_state,
     consensus; `fields`: what else it is told): {worker: its outcome}; None after losing the
     workers that died or that the others waited for in vain (then try again)."""
-    attempt = self._start(self.version, workers, method, {w: fields for w in workers})
-    outcome = self._await(what, self.version, workers, attempt)
+    attempt = self.attempts.start(self.version, workers, method, {w: fields for w in workers})
+    outcome = self.attempts.outcome(what, self.version, workers, attempt)
     if outcome is None:
-      self._lose_failed(what, workers, attempt)
+      self.attempts.lose_failed(what, self.version, workers, attempt)
     return outcome
-
-  def _count_wire(self, worker: int, out: dict) -> None:
-    n = self.d.counts
-    sent, received = n.wire_bytes.get(str(worker), [0, 0])
-    n.wire_bytes[str(worker)] = [sent + out["sent"], received + out["received"]]
-
-  # --- a round's close: the collective ----------------------------------------------------
 
   def _close_collective(self) -> dict:
     """The open version's collective among the workers whose contributions it holds, tried
     again without any that are lost, then committed; the version moves on (every current
     replica's with it if nobody contributed). The rows it applied ({worker: (meta, sent)})."""
-    d, n = self.d, self.d.counts
-    v = self.version
+    d, v = self.d, self.version
     self._settle_adopts([w for w in self.rows if w in self.adopting])
-    while True:
-      members = [w for w in sorted(self.rows) if w in d.pool.actors]
-      if not members:
-        break
-      began = time.time()
-      outcome, attempt = self._collective(v, members)
-      if outcome is not None:
-        self._commit(v, members, outcome, attempt.form)
-        d.timeline.collective(v, members, began, outcome, time.time())
-        break
-      n.collective_retries += 1
+    self._until_committed(v, [w for w in sorted(self.rows) if w in d.pool.actors])
     applied, self.rows = self.rows, {}
-    if not applied:  # nobody contributed: θ stays, every current replica moves on
-      for w in [w for w, h in self.held.items() if h == v and w in d.pool.actors]:
-        d.ray.get(d.pool.actors[w].skip.remote(v))
-        self.held[w] = v + 1
+    if not applied:
+      self._skip(v)
     self.version = v + 1
     return applied
+
+  def _skip(self, v: int) -> None:
+    """Nobody contributed to round `v`: θ stays, every current replica moves on."""
+    pool = self.d.pool
+    for w in [w for w, h in self.held.items() if h == v and w in pool.actors]:
+      self.d.ray.get(pool.actors[w].skip.remote(v))
+      self.held[w] = v + 1
+
+  def _until_committed(self, v: int, members: list[int], staged: Attempt | None = None,
+                       began: float | None = None) -> list[int]:
+    """Round `v`'s collective among `members` (`staged`: its attempt, if started, at
+    `began`), tried again among those left after each failed attempt until one commits:
+    the members it committed (none: every one was lost)."""
+    d = self.d
+    while members:
+      at = time.time() if began is None else began
+      outcome, attempt = self._collective(v, members, staged)
+      if outcome is not None:
+        self._commit(v, members, outcome, attempt.form)
+        d.timeline.collective(v, members, at, outcome, time.time())
+        return members
+      d.counts.collective_retries += 1
+      members, staged = [w for w in members if w in d.pool.actors], None
+    return []
 
   def _collective(self, v: int, members: list[int], staged: Attempt | None = None
                   ) -> tuple[dict | None, Attempt]:
@@ -203,9 +354,9 @@ class Replicas:
     that died or that the others waited for in vain (then try again); the attempt)."""
     if staged is None:
       staged = self._start_collective(v, members)
-    outcome = self._await("a round's collective", v, members, staged)
+    outcome = self.attempts.outcome("a round's collective", v, members, staged)
     if outcome is None:
-      self._lose_failed("a round's collective", members, staged)
+      self.attempts.lose_failed("a round's collective", self.version, members, staged)
     return outcome, staged
 
   def _start_collective(self, v: int, members: list[int]) -> Attempt:
@@ -217,108 +368,14 @@ class Replicas:
       self.tallies[form.tally] += 1
     metas = {w: rows[w][0] for w in members}
     crash, self.d.pool.crash_in_sync = self.d.pool.crash_in_sync, None
-    return self._start(v, members, "exchange", form.messages(self, v, members, metas), form,
-                       crash)
+    return self.attempts.start(v, members, "exchange", form.messages(self, v, members, metas),
+                               form, crash)
 
   def _rows_of(self, v: int) -> dict:
-    """The contributions of round `v` (the open one)."""
-    del v
+    """The contributions of round `v` (the one in flight, or the open one)."""
+    if self.pending is not None and self.pending[0] == v:
+      return self.pending[1]
     return self.rows
-
-  def _start(self, v: int, members: list[int], method: str, messages: dict,
-             form: forms.Form | None = None, crash: int | None = None) -> Attempt:
-    """An attempt of a collective among `members`: each member's `method` called once with
-    its message and what every member is told (the version, the attempt, the members and
-    their handles, the timeout; `crash`: the member chaos kills in it)."""
-    pool = self.d.pool
-    self.attempts += 1
-    common = {"version": v, "attempt": self.attempts, "members": list(members),
-              "handles": {w: pool.actors[w] for w in members},
-              "timeout_s": self.d.c.ray.collective_timeout_s, "crash": crash}
-    if form is not None:
-      common["form"] = form.name
-    if self.d.c.ray.transport == "sockets":
-      common["addresses"] = self._addresses_of()
-    refs = [getattr(pool.actors[w], method).remote({**common, **messages[w]})
-            for w in members]
-    self.d.counts.collective_calls += len(members)
-    return Attempt(self.attempts, form, refs)
-
-  def _addresses_of(self) -> dict:
-    """Every live worker's postbox address (forms/sockets.py), asked once per process."""
-    pool, ray = self.d.pool, self.d.pool.ray
-    asked = {w: actor.address.remote() for w, actor in pool.actors.items()
-             if self._addresses.get(w, (None,))[0] is not actor}
-    timeout = self.d.c.ray.recover_timeout_s
-    for w, ref in asked.items():
-      try:
-        self._addresses[w] = (pool.actors[w], ray.get(ref, timeout=timeout))
-      except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-        self._addresses.pop(w, None)  # (gone: its attempt fails, and it is lost there)
-    return {w: self._addresses[w][1] for w in pool.actors if w in self._addresses}
-
-  def _await(self, what: str, version: int, members: list[int], attempt: Attempt
-             ) -> dict | None:
-    """Every member's outcome of `attempt` ({worker: outcome}), or None where some member
-    died, failed its part (the outcome names whom it waited for) or did not answer within
-    ray.collective_timeout_s (and ray.recover_timeout_s more to report). At the first
-    failure the others are told to stop waiting (`abort`). A member's own error, not a
-    death, stops the run."""
-    d = self.d
-    errors = d.ray.exceptions
-    deadline = time.monotonic() + d.c.ray.collective_timeout_s + d.c.ray.recover_timeout_s
-    waiting = dict(zip(attempt.refs, members))
-    outcome, failed = {}, False
-    while waiting:
-      ready, _ = d.ray.wait(list(waiting), num_returns=1,
-                            timeout=max(0.0, deadline - time.monotonic()))
-      if not ready:
-        break
-      w = waiting.pop(ready[0])
-      try:
-        outcome[w] = d.ray.get(ready[0])
-      except errors.RayTaskError as e:
-        if not isinstance(e.cause, (errors.RayActorError, errors.ObjectLostError)):
-          raise RuntimeError(f"{what} (version {version}) failed: {e}") from e
-        outcome[w] = {"failed": str(e.cause), "missing": []}
-      except errors.RayError:  # it died
-        outcome[w] = None
-      if not failed and (outcome[w] is None or "failed" in outcome[w]):
-        failed = True  # the others stop waiting and report at once
-        for other in waiting.values():
-          if other in d.pool.actors:
-            d.pool.actors[other].abort.remote(version, attempt.number)
-            d.counts.collective_calls += 1
-        deadline = min(deadline, time.monotonic() + d.c.ray.recover_timeout_s)
-    self.failures = (outcome, list(waiting.values()))
-    return None if failed or waiting else outcome
-
-  def _lose_failed(self, what: str, members, attempt: Attempt) -> None:
-    """After a failed attempt (`_await`'s record of it): the members that died are lost;
-    else those the others waited for in vain (where members wait in a chain, those the
-    earliest waits named), and those that never answered."""
-    pool = self.d.pool
-    outcome, unanswered = self.failures
-    dead = [w for w in members if w in pool.actors
-            and (outcome.get(w, {}) is None or not pool.worker_alive(w))]
-    reports = [out for out in outcome.values() if out is not None and "failed" in out]
-    chained = [out["waited_at"] for out in reports if "waited_at" in out]
-    if chained:  # (a ring: the others wait behind the earliest wait, next to the stall)
-      reports = [out for out in reports if out.get("waited_at") == min(chained)]
-    named = collections.Counter(m for out in reports for m in out["missing"] if m in members)
-    most = max(named.values(), default=0)
-    waited_for = sorted({w for w, k in named.items() if k == most} | set(unanswered))
-    lost = dead or waited_for
-    if not lost:
-      raise RuntimeError(f"{what} (version {self.version}, attempt {attempt.number}) failed "
-                         f"and members {members} are alive and answered: {outcome}")
-    for w in [w for w in lost if w in pool.actors]:
-      why = (f"died in {what}" if dead else
-             f"was waited for in vain in {what} (ray.collective_timeout_s="
-             f"{self.d.c.ray.collective_timeout_s})")
-      pool.lose(w, why)
-    logging.warning("ray: %s (version %d) is tried again without workers %s", what,
-                    self.version, lost)
 
   def _commit(self, v: int, members: list[int], outcome: dict, form: forms.Form) -> None:
     """Every member commits the staged round, once their hashes agree (where the form's
@@ -337,23 +394,4 @@ class Replicas:
       except d.ray.exceptions.RayActorError as e:  # the others have the round: it is lost
         d.pool.lose(w, f"{type(e).__name__} committing a round")
     for w, o in outcome.items():
-      self._count_wire(w, o)
-
-
-def timeout_covers_bytes(c, plan, reduces: bool) -> str:
-  """One line saying that `ray.collective_timeout_s` covers a round's bytes among every
-  worker over the links `sim.network` describes (the simulator's time of the direct form:
-  a dense mean's reduce-scatter and all-gather, or the payloads all-gathered), with twice
-  that to spare for compute and a retry; a ConfigError naming the field where it does not."""
-  members = list(range(c.num_workers))
-  nbytes = plan.delta_bytes * plan.network.bytes_scale
-  seconds = (collectives.direct_allreduce_seconds if reduces
-             else collectives.direct_allgather_seconds)(plan.network, members, nbytes)
-  timeout = c.ray.collective_timeout_s
-  what = (f"a round's bytes among {len(members)} workers take {seconds:.1f} s over "
-          f"sim.network's links ({nbytes / 1e6:.1f} MB a member)")
-  if timeout < 2 * seconds:
-    raise ConfigError([field_problem(c, "ray.collective_timeout_s",
-                                     f"{what}; use at least {2 * seconds:.0f}")])
-  return f"ray.collective_timeout_s={timeout:g} covers the collective: {what}"
-
+      d.counts.wire(w, o)

@@ -7,6 +7,7 @@ import ml_collections
 import numpy as np
 
 from lowcomm_jax.programs import servers
+from lowcomm_jax.programs import state_average
 from lowcomm_jax.programs import steps
 from lowcomm_jax.runtimes.ray.actors import (built, initial_rule_state, initial_state,
                                              round_inputs, round_syncs, server_rules,
@@ -273,6 +274,6 @@ class ServerProcess:
 
 def average_parts(*rows):
   """A state average's mean (Algorithm.state_sync: the workers' optimizer-state parts, each
-  row [1, ...]), by the runner's all-reduce program (steps.rows_mean); run as a Ray task."""
-  mean = steps.rows_mean(jax.tree.map(lambda *xs: np.concatenate(xs), *rows))
+  row [1, ...]), by the runner's all-reduce program (state_average.rows_mean); run as a Ray task."""
+  mean = state_average.rows_mean(jax.tree.map(lambda *xs: np.concatenate(xs), *rows))
   return jax.tree.map(lambda x: np.asarray(x)[None], mean)

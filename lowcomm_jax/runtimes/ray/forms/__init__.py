@@ -13,6 +13,10 @@ straight over TCP (the default transport), `exchange.RayTransport` through Ray's
   hierarchical  a dense mean by region, the regions' leaders between them
   ring          a dense mean around the members' ring, one stream each way per link
   pairs         each member with its round's peer alone (NoLoCo's swaps)
+
+server.py is the server form (`ServerForm`): θ on parameter-server actors, whose rule
+combines the contributions; with the driver's side of the members' forms
+(replicas.Replicas), it is one of the two forms a progress policy is given (progress.py).
 """
 
 from lowcomm_jax.runtimes.ray.forms.base import Form, take_part

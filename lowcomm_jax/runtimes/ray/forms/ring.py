@@ -14,7 +14,7 @@ M chunks, member i sending only to member i + 1 and hearing only from member i â
 
 Where a member stalls, the others wait around the ring behind it; each failed wait says
 where in the ring it stopped (`Failed.waited_at`), and the driver blames the left
-neighbour of the earliest wait (replicas.Replicas._lose_failed).
+neighbour of the earliest wait (attempts.Attempts.lose_failed).
 """
 
 import time
