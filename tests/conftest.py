@@ -187,6 +187,20 @@ def record_syncs(fns, calls: list | None = None) -> list[SyncCall]:
   return calls
 
 
+def ray_checkpoint(config, workdir) -> tuple[dict, dict, dict]:
+  """The newest checkpoint of the Ray run in `workdir`: (each server's state by name, the
+  driver's meta, each worker's state)."""
+  from lowcomm_jax.runtimes.ray.driver import RayDriver
+  from lowcomm_jax.run.files import RunFiles
+  files = RunFiles(config, workdir)
+  driver = RayDriver(config)  # (no actor: its checkpoint reading only)
+  driver.files = files
+  try:
+    return driver._restore(files.open_checkpoints())
+  finally:
+    files.close()
+
+
 def checkpointed_state(config, workdir, run=None):
   """((global state, worker states), data-stream states) of the workdir's latest checkpoint,
   restored to the shapes of `run` (default: `config` built; pass the run where building it
@@ -287,9 +301,10 @@ def all_gathered_bytes(hlo: str) -> int:
 
 def pytest_collection_modifyitems(config, items):
   """The `slow` marker on every test over slow_marker.SLOW_OVER_S seconds in the clean CI
-  run recorded in tests/durations.txt (a measured rule, not a judgement per test)."""
+  run recorded in tests/durations.txt (a measured rule, not a judgement per test), but those
+  marked `quick`: the quick set's real Ray rounds (test_ray_quick.py), kept in by intent."""
   import slow_marker
   slow = slow_marker.slow(slow_marker.read())
   for item in items:
-    if item.nodeid in slow:
+    if item.nodeid in slow and item.get_closest_marker("quick") is None:
       item.add_marker(pytest.mark.slow)

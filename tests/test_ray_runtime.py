@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import checkpointed_state, load_config
+from conftest import checkpointed_state, load_config, ray_checkpoint
 from lowcomm_jax.config import check
 from lowcomm_jax.runtimes.ray import chaos
 
@@ -318,7 +318,7 @@ def test_a_killed_worker_does_not_stop_the_run_and_a_joined_one_contributes(clus
   assert [e["worker"] for e in lost] == [1]
   rejoined = [e for e in events if e["event"] == "worker_joined" and e["worker"] == 1]
   assert len(rejoined) == 1
-  _, meta, _ = _ray_checkpoint(config, tmp_path)
+  _, meta, _ = ray_checkpoint(config, tmp_path)
   pushes = summary["pushes_per_worker"]["1"]
   assert pushes >= 2  # (one before it was killed, one after it came back)
   assert meta["data"]["1"]["streams"][0]["next_index"] == config.inner_steps * pushes
@@ -731,23 +731,9 @@ def test_the_main_job_on_ray_survives_tiered_failures_and_ends_where_its_replay_
   assert summary["eval_loss_by_width"] == replay["eval_loss_by_width"]
 
 
-def _ray_checkpoint(config, workdir) -> tuple[dict, dict, dict]:
-  """The newest checkpoint of the Ray run in `workdir`: (each server's state by name, the
-  driver's meta, each worker's state)."""
-  from lowcomm_jax.runtimes.ray.driver import RayDriver
-  from lowcomm_jax.run.files import RunFiles
-  files = RunFiles(config, workdir)
-  driver = RayDriver(config)  # (no actor: its checkpoint reading only)
-  driver.files = files
-  try:
-    return driver._restore(files.open_checkpoints())
-  finally:
-    files.close()
-
-
 def _ray_checkpointed_params(config, workdir) -> np.ndarray:
   """θ in the newest checkpoint of the Ray run in `workdir`."""
-  return _ray_checkpoint(config, workdir)[0]["global"]["params"]
+  return ray_checkpoint(config, workdir)[0]["global"]["params"]
 
 
 def _collab_config(**overrides):

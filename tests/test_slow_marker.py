@@ -34,15 +34,20 @@ def test_tests_over_the_threshold_are_marked_slow():
   assert durations[over] > slow_marker.SLOW_OVER_S >= durations[under]
 
   class Item:
-    def __init__(self, nodeid):
-      self.nodeid, self.markers = nodeid, []
+    def __init__(self, nodeid, markers=()):
+      self.nodeid, self.markers = nodeid, list(markers)
 
     def add_marker(self, marker):
       self.markers.append(marker.name)
 
-  items = [Item(over), Item(under), Item("tests/test_new.py::test_not_measured_yet")]
+    def get_closest_marker(self, name):
+      return name if name in self.markers else None
+
+  # (a test marked `quick` stays in the quick set however long it took)
+  items = [Item(over), Item(under), Item("tests/test_new.py::test_not_measured_yet"),
+           Item(over, ["quick"])]
   conftest.pytest_collection_modifyitems(None, items)
-  assert [i.markers for i in items] == [["slow"], [], []]
+  assert [i.markers for i in items] == [["slow"], [], [], ["quick"]]
 
 
 def test_a_ci_log_gives_each_tests_phases_added(tmp_path):

@@ -5,6 +5,6 @@ collective form `forms/` picks, the members moving the bytes among themselves; p
 server actors run the asynchronous algorithms and the server form
 (`collective_form='server'`: forms/server.py). driver.py holds what every mode shares; the
 algorithm's progress picks the mode (pushes.py, quorum.py, epochs.py), and the mode is
-given its form (the server's, or the replicas'). checks.py and chaos.py are plain Python; Ray is imported by
-cluster.py alone (pool.py, driver.py and the workers' transport get it from
-`cluster.import_ray`)."""
+given its form (the server's, or the replicas'). checks.py and chaos.py are plain Python;
+Ray is imported by cluster.py alone (pool.py, driver.py and the workers' transport get it
+from `cluster.import_ray`)."""

@@ -91,7 +91,7 @@ class RayDriver:
     self.files: RunFiles | None = None
     self.finished, self.mark, self._wall_before = False, 0, 0.0
     # the policy, given its form: the workers' replicas where its rounds close among them
-    # (pair swaps: NoLoCo's gossip), else the server actors
+    # (pair swaps: NoLoCo's gossip, whose progress is rounds), else the server actors
     form = (ServerForm if not forms.among_workers(config, r.algorithm)
             else Replicas if r.sync.partners is None else PairReplicas)
     self.progress = PROGRESS[r.algorithm.progress(config)](self, form(self))

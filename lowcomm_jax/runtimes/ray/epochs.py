@@ -2,7 +2,8 @@
 `collab.target_batch_size` > 0): the target batch of runtimes/spmd/collab.py reached together by
 peers that join, leave or crash while the run goes on.
 
-Each worker actor is a peer. An epoch:
+Each worker actor is a peer. An epoch (here through the server form; the peer form's
+differences are said at the end):
 
 1. The driver takes θ from the server once and puts it in the object store; every live
    peer with nothing running starts a micro-batch at that θ (`WorkerProcess.micro`: the
@@ -25,9 +26,11 @@ last checkpoint and the epochs' steps since are replayed (pool.py); the peers' s
 not the server's, so nothing of the open epoch is lost.
 
 Where θ is and who takes the epoch's step is the policy's form (progress.py): the server
-(forms/server.py), or the peers' replicas, the step a collective among the peers that
-counted samples (replicas.py: shards reduced weighted by samples and all-gathered, each
-member staging DDP's step, the hashes compared, then committed).
+(forms/server.py), or the peers' replicas (replicas.py). Among the peers a micro-batch
+starts from its peer's own replica, `collect` keeps the mean gradient on the peer, and the
+step is a collective among the peers that counted samples (shards reduced weighted by
+samples and all-gathered, each member staging DDP's step, the hashes compared, then
+committed); checkpoints hold a replica's θ, and there is no server to die.
 """
 
 import time
@@ -91,7 +94,7 @@ class Epochs(Progress):
 
   def work_to_mark(self) -> bool:
     """One epoch: micro-batches to the target, the grace window, the peers' contributions
-    and the server's step."""
+    and the form's step."""
     pool, n, c = self.pool, self.counts, self.c
     start = time.perf_counter()
     self.theta = self.form.open_theta()
@@ -130,8 +133,8 @@ class Epochs(Progress):
     return n.rounds >= c.rounds
 
   def _contributions(self, version: int) -> dict[int, int]:
-    """Each live peer's mean gradient into the server's open round; the samples in it,
-    by peer.
+    """Each live peer's mean gradient into the open epoch's step (its form's); the
+    samples in it, by peer.
     A peer that dies or does not answer within ray.recover_timeout_s is lost (and its
     samples with it)."""
     pool, n = self.pool, self.counts

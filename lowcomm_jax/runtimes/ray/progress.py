@@ -26,7 +26,9 @@ round closes with a collective among its members: quorum rounds and epochs, wher
                                                the next jobs have started
   state_average(workers, parts)                a workers' state average (DES-LOC)
   open_theta(), dispatch_micro(worker, theta),
-  close_epoch(by_peer)                         a collaborative epoch's θ, micro-batches, step
+  contribute_epoch(worker, meta, sent),
+  close_epoch(by_peer)                         a collaborative epoch's θ, micro-batches, a
+                                               peer's mean gradient kept, the step
   finish()                                     the run's end (a collective in flight settled)
 """
 

@@ -27,7 +27,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import xxhash
 
 from lowcomm_jax.programs import state_average
 from lowcomm_jax.programs import steps
@@ -97,6 +96,7 @@ def params_hash(tree) -> str:
   """A fingerprint of `tree`'s leaves: xxh3-128 over their own buffers (no copy). It
   catches replicas that diverged by accident, not forgeries; blake2b over copies took
   ~10 ms a 12.5 MB θ, which W members sharing cores paid every round (BUILD_NOTES)."""
+  import xxhash  # (here: the config checks import this module, without the ray extra)
   digest = xxhash.xxh3_128()
   for x in jax.tree.leaves(tree):
     digest.update(np.ascontiguousarray(np.asarray(x)).data)

@@ -356,7 +356,7 @@ class Replicas:
       staged = self._start_collective(v, members)
     outcome = self.attempts.outcome("a round's collective", v, members, staged)
     if outcome is None:
-      self.attempts.lose_failed("a round's collective", self.version, members, staged)
+      self.attempts.lose_failed("a round's collective", v, members, staged)
     return outcome, staged
 
   def _start_collective(self, v: int, members: list[int]) -> Attempt:

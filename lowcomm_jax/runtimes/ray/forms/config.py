@@ -4,7 +4,7 @@ and by the driver and workers at start-up (`among_workers`)."""
 
 import ml_collections
 
-SERVER = "server"  # the server form: rounds through a parameter-server actor (quorum.py)
+SERVER = "server"  # the server form: rounds through a parameter-server actor (server.py)
 # What collective_form may say on Ray: the forms that run a dense mean among the workers,
 # 'auto' (direct, by region or around a ring, as the simulator's model says), the server.
 ON_RAY = ("auto", "direct", "ring", "hierarchical", SERVER)

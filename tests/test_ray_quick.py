@@ -1,0 +1,69 @@
+"""A real Ray round in each form, in the quick set (`-m "not slow"`: marked `quick`, so the
+slow marker's rule leaves them in): a local Ray, a driver, 2 worker actors of the tiny
+model, their jobs, and each round closed through the server, by a collective among the
+members (the ring over sockets) or by NoLoCo's pair swaps; every member commits only once
+their hashes agree. The equality with lockstep, failures and chaos are in
+tests/test_ray_runtime.py (slow)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import load_config, ray_checkpoint
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.quick
+
+
+def _config(**overrides):
+  """2 workers of the tiny model, 2 rounds of H = 2, every round checkpointed."""
+  base = {"runtime": "ray", "num_workers": 2, "rounds": 2, "inner_steps": 2,
+          "eval_every": 2, "checkpoint_every": 1, "log_every": 1, "mesh.replica": 1,
+          "ray.apply_order": "dispatch"}
+  return load_config("smoke", **{**base, **overrides})
+
+
+@pytest.fixture(scope="module")
+def cluster():
+  from lowcomm_jax.runtimes.ray import cluster as ray_cluster
+  assert ray_cluster.connect(_config(**{"ray.num_cpus": 2}))
+  yield
+  ray.shutdown()
+
+
+@pytest.mark.parametrize("algorithm,form,round_form", [
+    ("diloco", "server", "server"),   # θ on the server actor; the workers pull and push
+    ("diloco", "auto", "peers"),      # the members' ring over sockets (2 members: the ring)
+    ("noloco", "auto", "peers"),      # each member swaps θ_i with its round's peer
+])
+def test_a_ray_round_in_each_form_moves_theta_and_counts_its_bytes(cluster, tmp_path,
+                                                                   algorithm, form,
+                                                                   round_form):
+  from lowcomm_jax.runtimes.ray import driver
+  config = _config(algorithm=algorithm, collective_form=form)
+  summary = driver.run(config, tmp_path)
+  rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r for r in rows if "event" in r] == []  # nobody lost, joined or restarted
+  assert summary["rounds_closed"] == 2 and summary["round_form"] == round_form
+  assert summary["pushes"] == 4 and summary["total_inner_steps"] == 8
+  assert np.isfinite(summary["eval_loss"])
+  # θ moved from θ₀, the same in every coordinate a worker trains
+  from lowcomm_jax.runtimes.ray.actors import initial_params
+  from lowcomm_jax.runtimes.ray import checkpoints
+  theta0 = np.asarray(initial_params(checkpoints.run_of(config)))
+  servers, _, _ = ray_checkpoint(config, tmp_path)  # (the newest: the last round's)
+  moved = np.abs(np.asarray(servers["global"]["params"]) - theta0)
+  assert (moved > 0).mean() > 0.5, (moved > 0).mean()
+  if round_form == "server":
+    assert summary["server_bytes_sent"] > 0 and summary["wire_bytes_per_worker"] == {}
+  else:  # each link carried the ledger's bytes both ways, through no server
+    # the driver calls each member twice a round (its message, its commit); NoLoCo's θ,
+    # the members' mean, is reduced among them when a checkpoint reads it (every round
+    # here): one call more each
+    reads = 2 if algorithm == "noloco" else 0
+    assert summary["server_bytes_sent"] == 0
+    assert summary["collective_calls"] == 2 * 2 * 2 + 2 * reads
+    assert (summary.get("consensus_bytes", 0) > 0) == (algorithm == "noloco")
+    assert summary["wire_bytes_per_worker"] == {str(w): [summary["bytes_sent"]] * 2
+                                                 for w in range(2)}
