@@ -187,6 +187,21 @@ def record_syncs(fns, calls: list | None = None) -> list[SyncCall]:
   return calls
 
 
+@pytest.fixture(scope="session")
+def ray_cluster():
+  """One local Ray per test process, as a run starts one (cluster.connect, 2 CPUs), shared
+  by every module that runs Ray in-process and shut down once at the end. With a Ray per
+  module, a test process that ran both modules started Ray a second time after
+  `ray.shutdown()`; CI at a678ecb lost a test process mid-test that way (the likely
+  cause, not proven), and one start per process leaves nothing to restart."""
+  ray = pytest.importorskip("ray")
+  from lowcomm_jax.runtimes.ray import cluster
+  assert cluster.connect(load_config("smoke", runtime="ray", num_workers=2,
+                                     **{"mesh.replica": 1, "ray.num_cpus": 2}))
+  yield
+  ray.shutdown()
+
+
 def ray_checkpoint(config, workdir) -> tuple[dict, dict, dict]:
   """The newest checkpoint of the Ray run in `workdir`: (each server's state by name, the
   driver's meta, each worker's state)."""

@@ -24,12 +24,9 @@ def _config(**overrides):
   return load_config("smoke", **{**base, **overrides})
 
 
-@pytest.fixture(scope="module")
-def cluster():
-  from lowcomm_jax.runtimes.ray import cluster as ray_cluster
-  assert ray_cluster.connect(_config(**{"ray.num_cpus": 2}))
-  yield
-  ray.shutdown()
+@pytest.fixture
+def cluster(ray_cluster):
+  """The process's local Ray (conftest.ray_cluster: started once, as a run starts one)."""
 
 
 @pytest.mark.parametrize("algorithm,form,round_form", [

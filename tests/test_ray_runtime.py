@@ -1,4 +1,4 @@
-"""The Ray runtime on a local Ray (one cluster for the module): pushes, membership changes,
+"""The Ray runtime on a local Ray (one cluster for the test process: conftest.ray_cluster): pushes, membership changes,
 a server that dies and restarts, and its server rule against the simulator's."""
 
 import json
@@ -23,13 +23,9 @@ def _config(**overrides):
   return load_config("smoke", **{**base, **overrides})
 
 
-@pytest.fixture(scope="module")
-def cluster():
-  """A local Ray as a run starts one (cluster.connect), on 2 CPUs."""
-  from lowcomm_jax.runtimes.ray import cluster as ray_cluster
-  assert ray_cluster.connect(_config(**{"ray.num_cpus": 2}))
-  yield
-  ray.shutdown()
+@pytest.fixture
+def cluster(ray_cluster):
+  """The process's local Ray (conftest.ray_cluster: started once, as a run starts one)."""
 
 
 def test_a_ray_the_run_starts_runs_its_actors_at_the_drivers_priority(cluster):
