@@ -55,6 +55,7 @@ class RigReplica:
     self.delta = np.random.default_rng(seed * 1000 + worker).standard_normal(n).astype(np.float32)
     self.params = np.zeros(n, np.float32)
     self.staged = None
+    self.applied = None  # the last apply's (wall, this thread's CPU) seconds
 
   def shards(self, version: int, members: int) -> list[np.ndarray]:
     del version  # (the same Δ every round)
@@ -110,7 +111,7 @@ class RigMember:
     out = self.forms.take_part(self.worker, message, self.mailbox, transport,
                                lambda ex: form.member(self.replica, ex, message),
                                lambda: None)
-    return {**out, "applied": getattr(self.replica, "applied", None)}
+    return {**out, "applied": self.replica.applied}
 
   def deliver(self, tag, sender, box) -> None:
     self.mailbox.put(tuple(tag), sender, box)
@@ -233,6 +234,7 @@ def report(out: pathlib.Path) -> str:
                  f"{statistics.mean(exchange):.3f} ({min(exchange):.3f}–{max(exchange):.3f}) | "
                  f"{cpu:.4f} | {moved[0] / 1e6:.2f}, {moved[1] / 1e6:.2f} | "
                  + _against_simulator(w, rs[0]["n"], rs[0]["mbps"], syncs))
+  lines += _tails(rows)
   for (link, form, transport, queue), points in fits.items():
     if len(points) > 2:
       ws, cpus = zip(*points)
@@ -242,6 +244,24 @@ def report(out: pathlib.Path) -> str:
                    f"{intercept:.4f} + {slope:.5f}·W s (a quadratic fit's W² term: "
                    f"{quad[0]:.2e} s)")
   return "\n".join(lines)
+
+
+def _tails(rows: list[dict]) -> list[str]:
+  """Per W, what follows the exchange (rows that recorded it): the round's longest member
+  tail (its all-gather's end to its staged θ') and a member's apply CPU seconds."""
+  by_w = {}
+  for r in rows:
+    if "tails_s" in r:
+      by_w.setdefault(r["workers"], []).append(r)
+  if not by_w:
+    return []
+  out = ["", "| W | a member's tail, the round's longest (min–max) s | a member's apply CPU s "
+         "(mean) |", "|---|---|---|"]
+  for w, rs in sorted(by_w.items()):
+    longest = [max(r["tails_s"]) for r in rs]
+    cpu = statistics.mean(cpu for r in rs for _, cpu in r["applied"])
+    out.append(f"| {w} | {min(longest):.3f}–{max(longest):.3f} | {cpu:.3f} |")
+  return out
 
 
 def _against_simulator(workers: int, n: int, mbps: float, syncs: list[float]) -> str:

@@ -123,4 +123,3 @@ def transport_for(message: dict, postbox: Postbox | None, ray):
   if "addresses" in message:
     return SocketTransport(postbox, message["addresses"])
   return RayTransport(ray, message["handles"])
-
