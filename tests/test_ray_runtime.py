@@ -374,7 +374,9 @@ def test_the_ray_server_applies_pushes_as_the_simulator_does(cluster, tmp_path):
      "aggregate.signal": "cosine", "aggregate.warmup_rounds": 0},
     # the values through Ray's object store (the direct form: 'auto' takes no ring there)
     {"num_workers": 3, "ray.transport": "objects"},
-], ids=["mean", "median+attack+int8", "clip+cosine", "mean-objects"])
+    # a codec's payloads reduce-scattered: each shard's owner re-encodes its mean once
+    {"num_workers": 4, "compress.codec": "int8", "compress.reduce": "scatter"},
+], ids=["mean", "median+attack+int8", "clip+cosine", "mean-objects", "int8-scatter"])
 def test_diloco_in_full_quorum_rounds_trains_as_the_runner_does(cluster, tmp_path, overrides):
   """Every live worker in every round (min_quorum 0, no failures): the rounds are DiLoCo's,
   through the same Sync (codec, attack, robust rule, outer rule) as the lockstep runner's.
@@ -415,10 +417,11 @@ def test_diloco_in_full_quorum_rounds_trains_as_the_runner_does(cluster, tmp_pat
   # reduce-scatter and all-gather: 2·(W−1)/W of the payload each way, and a robust rule's
   # shards the same, with the rows' statistics, 3W + 1 floats, and the distances, W floats
   # per further clipping iteration, to and from each member; a codec's payloads
-  # all-gathered: its own to W−1 members, theirs from each)
+  # all-gathered: its own to W−1 members, theirs from each; reduce-scattered: as the dense
+  # mean, 2·(W−1)/W of the payload)
   assert summary["round_form"] == "peers" and summary["server_bytes_sent"] == 0
   per_round = summary["bytes_sent"] * workers // 3 // workers  # one worker's payload
-  gathered = "compress.codec" in overrides
+  gathered = "compress.codec" in overrides and overrides.get("compress.reduce") != "scatter"
   factor = (workers - 1) if gathered else 2 * (workers - 1) / workers
   small = (4 * (workers - 1) * (3 * workers + 1 + workers * (config.aggregate.clip_iters - 1))
            if "aggregate.rule" in overrides and not gathered else 0)

@@ -4,7 +4,8 @@ import ml_collections
 
 from lowcomm_jax.aggregate.attack import make_attack
 from lowcomm_jax.aggregate.compressed import (CompressedMeanState, compressed_gather,
-                                              compressed_mean, sender_keys)
+                                              compressed_mean, compressed_scatter_mean,
+                                              sender_keys)
 from lowcomm_jax.aggregate.mean import replica_mean
 from lowcomm_jax.aggregate.nested import nested_mean
 from lowcomm_jax.aggregate.robust import (RULES, CombinedState, RobustRule, RobustState,

@@ -1,4 +1,5 @@
-"""Compressed mean: encode locally, all-gather the payloads, decode and average.
+"""Compressed mean: encode locally, all-gather the payloads, decode and average; or, for a
+sharded quantizer (compress.reduce='scatter'), reduce-scatter them (`compressed_scatter_mean`).
 
 The codec (compress/) is passed in, not imported: aggregators only need its interface
 (`init`, `encode`, `average`, `decode_sum`). The payload arrays are all that crosses the
@@ -49,6 +50,43 @@ def compressed_mean(codec, axis_name: str = "replica", seed: int = 0
     else:
       total = codec.weighted_sum(payloads, updates, sender_keys, sender_weights)
       mean = jax.tree.map(lambda n, d: n / jnp.where(d > 0, d, 1.0), total, weight_totals)
+    return mean, CompressedMeanState(state.count + 1, codec_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def compressed_scatter_mean(codec, axis_name: str = "replica", seed: int = 0
+                            ) -> optax.GradientTransformationExtraArgs:
+  """The compressed mean as a quantized reduce-scatter (compress.reduce='scatter'; the
+  codec is compress/sharded.py's): each worker encodes its update in R shards and sends
+  shard k to worker k (all-to-all); worker k decodes its shard of every sender, averages
+  them (weighted after decoding, as `compressed_mean`), re-encodes that once and
+  all-gathers it; every worker decodes the R reduced shards. Per link 2·(R−1)/R payloads
+  where `compressed_mean` moves R−1. The senders' keys and error buffers are
+  `compressed_mean`'s."""
+  sharded = codec.sharded
+
+  def init_fn(params):
+    return CompressedMeanState(jnp.zeros((), jnp.int32), codec.init(params))
+
+  def update_fn(updates, state, params=None, *, sender_weights=None, weight_totals=None,
+                round_index=None, **extra_args):
+    del params, weight_totals, extra_args
+    round_ = state.count if round_index is None else round_index
+    size, me = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    if size != sharded.shards:
+      raise ValueError(f"a reduce-scatter cut for {sharded.shards} workers runs over {size}")
+    keys = sender_keys(seed, round_, jnp.arange(size))
+    payload, codec_state = codec.encode(updates, state.codec_state, keys[me])
+    mine = collectives.all_to_all(payload, axis_name)  # my shard of every sender's payload
+    weights = None
+    if sender_weights is not None:  # [R, S, L] -> every sender's weights of my shard
+      weights = jax.lax.dynamic_index_in_dim(sharded.shard_weights(sender_weights, updates),
+                                             me, axis=1, keepdims=False)
+    reduced = sharded.reduce_shard(mine, updates, keys, me, weights)
+    reduced = sharded.encode_reduced(reduced, updates, sharded.reduced_key(seed, round_, me))
+    mean = sharded.decode_reduced(collectives.all_gather(reduced, axis_name), updates, seed,
+                                  round_)
     return mean, CompressedMeanState(state.count + 1, codec_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

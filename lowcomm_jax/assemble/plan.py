@@ -31,13 +31,17 @@ def make_plan(c: ml_collections.ConfigDict, r: Run) -> Plan:
       exchange_efficiency=n.exchange_efficiency, exchange_member_s=n.exchange_member_s)
   params = r.model.layout.abstract
   wire = r.sync.payload_bytes
+  # A codec's reduce-scatter is the direct form's (each shard's owner re-encodes it once), not
+  # a ring's, which would re-encode at every hop.
+  scatters = r.sync.codec is not None and r.sync.codec.sharded is not None
   first = r.segments(c.inner_steps)[0]
   return Plan(inner_steps=inner, rounds=c.rounds,
               total_steps=c.num_workers * c.rounds * c.inner_steps, speeds=speeds,
               network=network,
               delta_bytes=wire(params),
-              param_bytes=ledger.tree_bytes(params), compressed=r.sync.codec is not None,
-              collective=c.collective_form, exchange_rule=r.algorithm.exchange_rule(c),
+              param_bytes=ledger.tree_bytes(params),
+              gathers=r.sync.codec is not None and not scatters,
+              collective="direct" if scatters and c.collective_form == "auto" else c.collective_form, exchange_rule=r.algorithm.exchange_rule(c),
               fragment_bytes=tuple(wire(r.model.layout.fragment(p).abstract)
                                    for p in range(r.model.layout.num_fragments)),
               overlap_steps=first.mix_at)

@@ -20,6 +20,10 @@ REGISTRY: dict[str, CodecSpec] = {s.name: s for s in (
     sparse.TOPK, sparse.RANDOMK, sparse.SPARSELOCO,
     dct.DEMO)}
 NONE = "none"  # no codec: the plain mean's all-reduce
+# How the workers' payloads meet (compress.reduce): all-gathered whole, every worker
+# decoding every payload, or reduce-scattered (compress/sharded.py: each shard's owner
+# decodes, averages and re-encodes it once, then the reduced shards are all-gathered).
+REDUCE = ("gather", "scatter")
 
 
 def names() -> tuple[str, ...]:
@@ -45,11 +49,13 @@ def declared(name: str) -> CodecSpec | None:
   return REGISTRY.get(name)
 
 
-def make_codec(cfg: ml_collections.ConfigDict, *, lr: float = 1.0) -> Codec | None:
+def make_codec(cfg: ml_collections.ConfigDict, *, lr: float = 1.0,
+               shards: int | None = None) -> Codec | None:
   """The codec for config section `compress` (None for 'none'). `lr` scales a momentum
-  buffer's input (DeMo: the run's learning rate)."""
+  buffer's input (DeMo: the run's learning rate); `shards`, the workers a reduce-scatter
+  (compress.reduce='scatter') cuts each update among."""
   made = spec(cfg.codec)
-  return None if made is None else made.build(cfg, lr=lr)
+  return None if made is None else made.build(cfg, lr=lr, shards=shards)
 
 
 def problems(c: ml_collections.ConfigDict) -> list[str]:
@@ -65,6 +71,7 @@ def problems(c: ml_collections.ConfigDict) -> list[str]:
   check(0.0 < z.density <= 1.0, "compress.density", "must be in (0, 1]")
   check(z.chunk >= 0, "compress.chunk", "use 0 (per tensor, topk only) or a positive side")
   check(z.k >= 0, "compress.k", "entries per chunk: >= 1, or 0 for the codec's default")
+  check(z.reduce in REDUCE, "compress.reduce", f"use one of {REDUCE}")
   tiered = c.aggregate.weighting == "tokens" or any(float(h.tier) < 1.0 for h in c.hosts)
   if z.mean_over_senders:
     check(not tiered, "compress.mean_over_senders",
@@ -78,6 +85,11 @@ def problems(c: ml_collections.ConfigDict) -> list[str]:
   if codec.always_error_feedback:
     check(z.error_feedback, "compress.error_feedback",
           f"{z.codec} always keeps its error buffer; leave it True (or pick another codec)")
+  if z.reduce == "scatter":
+    scatters = [s.name for s in REGISTRY.values() if s.scatters]
+    check(codec.scatters, "compress.reduce",
+          f"{z.codec} keeps its paper's all-gather (a mean of sparse rows is not sparse); "
+          f"'scatter' is for {', '.join(scatters)}: use 'gather'")
   if codec.reads_k and z.chunk > 0 and z.k > 0:
     # Codecs cap k at half a chunk silently (beyond that the indices cost more than the
     # dense chunk): a larger k would not send what it says.
@@ -118,5 +130,6 @@ def config_defaults() -> ml_collections.ConfigDict:
   s.chunk = 64  # topk/sparseloco/demo: chunk side (chunk x chunk blocks); topk 0 = per tensor
   s.k = 0  # topk/sparseloco/demo: entries sent per chunk; 0: the codec's (64 of 4096; DeMo 32)
   s.value_bits = 32  # topk: 32 or 2; demo: 32 or 1 (sign only); sparseloco is always 2
+  s.reduce = "gather"  # gather | scatter (int8/int4/fp8/muloco: a quantized reduce-scatter, docs/compression.md)
   s.mean_over_senders = False  # demo: average each coefficient over the workers that sent it
   return s

@@ -66,6 +66,7 @@ class Codec:
       average / decode_sum / weighted_sum (payloads[R], like, keys[R], ...) -> tree
   """
   name = ""
+  sharded = None  # compress/sharded.py's codec, where the sync reduce-scatters payloads
 
   def roundtrip(self, tree, state, key):
     """decode(encode(tree)) without a collective (simulator, asynchronous updates)."""

@@ -21,6 +21,11 @@ class ErrorFeedback(Codec):
     self.codec, self.beta, self.scale = codec, beta, scale
     self.name = codec.name
 
+  @property
+  def sharded(self):
+    """The wrapped codec's shards, where it is sharded (compress/sharded.py)."""
+    return self.codec.sharded
+
   def init(self, like):
     """Per worker: the buffer, zeros."""
     return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), like)

@@ -178,13 +178,13 @@ def _uniform(bits: int):
 
 
 INT8 = CodecSpec("int8", "uniform int8, one fp32 scale per row (or per quant_block entries)",
-                 _uniform(8), stochastic_rounding=True)
+                 _uniform(8), stochastic_rounding=True, scatters=True)
 INT4 = CodecSpec("int4", "uniform 4-bit (levels -7..7), two per byte, row/block scaled",
-                 _uniform(4), stochastic_rounding=True)
+                 _uniform(4), stochastic_rounding=True, scatters=True)
 FP8 = CodecSpec("fp8", "float8 e4m3, row/block scaled",
-                lambda z, k: lambda shape: Fp8(shape, z.quant_block))
+                lambda z, k: lambda shape: Fp8(shape, z.quant_block), scatters=True)
 # MuLoCo's 2-bit recipe: the statistical quantizer per row, on a decayed error buffer (β 0.9).
 MULOCO = CodecSpec("muloco", "MuLoCo's 2-bit: 4 levels 1.5σ apart around each row's mean "
                    "(or quant_block's), each decoded as its members' mean; error buffer β 0.9",
                    lambda z, k: lambda shape: Statistical(shape, 2, z.quant_block),
-                   default_beta=0.9, always_error_feedback=True)
+                   default_beta=0.9, always_error_feedback=True, scatters=True)

@@ -8,6 +8,7 @@ import ml_collections
 
 from lowcomm_jax.compress.codec import Codec, LeafCodec, TreeCodec
 from lowcomm_jax.compress.error_feedback import error_feedback
+from lowcomm_jax.compress.sharded import DEFAULT_BLOCK, Sharded
 
 MakeLeaf = Callable[[tuple], LeafCodec]
 
@@ -30,6 +31,10 @@ class CodecSpec:
   reads_k: bool = False  # sends compress.k entries per chunk, capped at half a chunk
   value_bits: tuple[int, ...] = ()  # the compress.value_bits it accepts (empty: not read)
   stochastic_rounding: bool = False  # supports compress.stochastic_rounding
+  # Its payloads can be reduce-scattered (compress.reduce='scatter': compress/sharded.py):
+  # a quantizer, whose shard of the mean an owner can re-encode. Sparse codecs keep their
+  # papers' all-gather: a mean of k-sparse rows is not k-sparse.
+  scatters: bool = False
   # A per-step optimizer rather than a wire format: its decoded mean is stepped by its
   # sign (DeMo/DisTrO). Only DDP's rounds are steps; no robust rule combines it.
   sign_descent: bool = False
@@ -41,10 +46,20 @@ class CodecSpec:
     k = z.k if z.k > 0 else self.default_k
     return beta, k
 
-  def build(self, z: ml_collections.ConfigDict, *, lr: float = 1.0) -> Codec:
-    """The codec for the `compress` section `z`; `lr` scales a momentum buffer's input."""
+  def build(self, z: ml_collections.ConfigDict, *, lr: float = 1.0,
+            shards: int | None = None) -> Codec:
+    """The codec for the `compress` section `z`; `lr` scales a momentum buffer's input;
+    `shards`: the workers a scatter (compress.reduce) cuts the update among."""
     beta, k = self.resolved(z)
-    codec = TreeCodec(self.name, self.leaf(z, k))
+    if z.get("reduce", "gather") == "scatter":  # (a section built by hand may lack it)
+      if not self.scatters or not shards:
+        raise ValueError(f"compress.reduce='scatter' needs a quantizing codec and the worker "
+                         f"count (codec {self.name!r}, shards {shards})")
+      block = z.quant_block or DEFAULT_BLOCK  # (rows do not survive the flat cut)
+      codec = Sharded(self.name, self.leaf(ml_collections.ConfigDict(
+          {**z.to_dict(), "quant_block": block}), k), shards, block)
+    else:
+      codec = TreeCodec(self.name, self.leaf(z, k))
     if self.always_error_feedback or z.error_feedback:
       codec = error_feedback(codec, beta=beta, scale=lr if self.scale_by_lr else 1.0)
     return codec

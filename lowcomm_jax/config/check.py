@@ -13,6 +13,7 @@ from lowcomm_jax import algorithms, compress, runtimes
 from lowcomm_jax.config import defaults
 from lowcomm_jax.assemble import hosts
 from lowcomm_jax.programs import optimizers
+from lowcomm_jax.programs.sync import scatter_problems
 from lowcomm_jax.run import identity
 from lowcomm_jax.errors import ConfigError, Problems  # noqa: F401 - ConfigError re-exported
 from lowcomm_jax.data.tokenizers import TOKENIZER_VOCAB, is_tokenizer_file
@@ -349,6 +350,8 @@ def _check_robust(c: ml_collections.ConfigDict, problems: Problems, where: Where
 
 def _check_codecs(c: ml_collections.ConfigDict, problems: Problems, where: Where) -> None:
   problems.extend(compress.problems(c))
+  if c.algorithm in ALGORITHMS:
+    problems.extend(scatter_problems(c, algorithms.get(c.algorithm)))
 
 
 def _check_checkpoints(c: ml_collections.ConfigDict, problems: Problems, where: Where) -> None:

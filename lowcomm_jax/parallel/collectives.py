@@ -44,6 +44,26 @@ def all_gather(tree, axis_name: str | tuple[str, ...] = "replica"):
   return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[k:]), tree)
 
 
+def all_to_all(tree, axis_name: str | tuple[str, ...] = "replica"):
+  """Each worker's [R, ...] leaves cut along the first axis, row k to worker k: what
+  arrives is stacked [R, ...], row i from worker i (a reduce-scatter's first half). Over
+  several axes (`PER_DEVICE`) rows are exchanged across devices first, then among each
+  device's workers, so that row k still reaches the worker `axis_index` numbers k."""
+  ledger.record("all_to_all", tree, jax.lax.axis_size(axis_name))
+  if isinstance(axis_name, str):
+    return jax.tree.map(lambda x: jax.lax.all_to_all(x, axis_name, 0, 0), tree)
+  major, minor = axis_name
+  outer, inner = jax.lax.axis_size(major), jax.lax.axis_size(minor)
+
+  def exchange(x):
+    x = x.reshape((outer, inner) + x.shape[1:])  # [to device, to worker, ...]
+    x = jax.lax.all_to_all(x, major, 0, 0)  # [from device, to worker, ...]
+    x = jax.lax.all_to_all(x, minor, 1, 1)  # [from device, from worker, ...]
+    return x.reshape((outer * inner,) + x.shape[2:])
+
+  return jax.tree.map(exchange, tree)
+
+
 def sum(tree, axis_name: str = "replica"):  # noqa: A001 - mirrors lax.psum
   """Sum of `tree` over all workers on `axis_name` (an all-reduce)."""
   ledger.record("all_reduce", tree, jax.lax.axis_size(axis_name))

@@ -8,7 +8,9 @@ the count is per worker by construction.
 Accounting convention (the logical payload, independent of the collective's algorithm):
   * all-reduce (mean): a worker sends its payload once and receives the reduced payload once;
   * all-gather: a worker sends its payload once and receives the other R-1 payloads;
-  * permute: a worker sends its payload to one peer and receives one peer's.
+  * permute: a worker sends its payload to one peer and receives one peer's;
+  * all-to-all: a worker's R rows go one to each worker: it sends and receives R-1 rows
+    (its own stays).
 A ring all-reduce moves 2(R-1)/R times the payload per worker on the wire; that transport
 factor is a property of the fabric, reported separately where it matters.
 """
@@ -51,6 +53,9 @@ def record(kind: str, payload, group_size: int) -> None:
     log.append(CommBytes(sent=n, received=n))
   elif kind == "all_gather":
     log.append(CommBytes(sent=n, received=n * (group_size - 1)))
+  elif kind == "all_to_all":  # [R, ...] rows, one to each worker
+    row = n // group_size
+    log.append(CommBytes(sent=row * (group_size - 1), received=row * (group_size - 1)))
   elif kind == "permute":  # to one peer, from one peer (gossip)
     log.append(CommBytes(sent=n, received=n))
   else:

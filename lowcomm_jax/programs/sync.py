@@ -8,7 +8,8 @@ Today's choice, from the config:
   all-gather the updates (with a codec: its payloads, decoded per sender) and combine them
   ahead of the outer rule (`outer`); the combination's state lives with the rule's;
 - else with a codec (`compress.codec`) the compressed mean (encode, all-gather payloads,
-  decode), tier- or token-weighted where `nested`;
+  decode), tier- or token-weighted where `nested`; with compress.reduce='scatter' a
+  quantized reduce-scatter instead (aggregate/compressed.py, compress/sharded.py);
 - else the nested (tier-masked, weighted) mean where some worker trains a narrower FFN or
   workers are weighted by tokens, and the plain all-reduce mean otherwise.
 Attacks (`attack.*`, tests and benchmarks) replace what the listed workers send first.
@@ -23,6 +24,7 @@ import ml_collections
 import optax
 
 from lowcomm_jax import aggregate, compress
+from lowcomm_jax.errors import Problems
 from lowcomm_jax.parallel import ledger, workers
 from lowcomm_jax.parallel.flat import ParamLayout, tree_view
 
@@ -39,6 +41,21 @@ def robust_combination(config: ml_collections.ConfigDict) -> bool:
   (aggregate/robust.py) instead of the plain mean's all-reduce."""
   a = config.aggregate
   return a.rule != "mean" or a.signal != "none" or a.bucket > 1
+
+
+def scatter_problems(config: ml_collections.ConfigDict, algorithm) -> list[str]:
+  """What stops compress.reduce='scatter' for `algorithm`: a reduce-scatter's owners are
+  the sync's workers, and each reads only its shard of every payload."""
+  out = Problems(config)
+  if config.compress.reduce != "scatter":
+    return out
+  out.check(algorithm.synchronous and config.collab.target_batch_size == 0, "compress.reduce",
+            f"{config.algorithm}'s pushes or a collaborative epoch's gradients meet at a "
+            "server, with nothing to scatter: use 'gather'")
+  out.check(not robust_combination(config), "compress.reduce",
+            "robust rules and signal weights read every worker's whole row, which a "
+            "reduce-scatter never gathers: use 'gather'")
+  return out
 
 
 class Sync:
@@ -67,7 +84,7 @@ class Sync:
   def __init__(self, config: ml_collections.ConfigDict, hosts, d_ff: int):
     c = config
     self.config = c
-    self.codec = compress.make_codec(c.compress, lr=c.optimizer.lr)
+    self.codec = compress.make_codec(c.compress, lr=c.optimizer.lr, shards=c.num_workers)
     self.nested = needs_nested_mean(c, hosts, d_ff)
     # A collaborative epoch weighs each worker's mean gradient by its samples (the signals'
     # token counts), as token weighting does.
@@ -87,6 +104,8 @@ class Sync:
         return tree_view(aggregate.compressed_gather(self.codec, axes, seed=seed), layout,
                          stacked=True)
       return aggregate.gather_all(axes)
+    if self.codec is not None and self.codec.sharded is not None:  # compress.reduce
+      return tree_view(aggregate.compressed_scatter_mean(self.codec, axes, seed=seed), layout)
     if self.codec is not None:
       return tree_view(aggregate.compressed_mean(self.codec, axes, seed=seed), layout)
     if self.nested:

@@ -42,7 +42,7 @@ def make_sync(aggregator: optax.GradientTransformationExtraArgs,
   the norms two more passes over θ.
   """
   part = layout.fragment(fragment)
-  coordinate_weights = _coordinate_weights(part)
+  coordinate_weights = coordinate_weights_of(part)
   rule = optax.with_extra_args_support(rule)
   if map_workers is None:
     def map_workers(fn, in_axes, out_axes):
@@ -113,7 +113,7 @@ def _attacked(attack, state: TrainState, deltas, fragment: int):
   return deltas if attack is None else attack(deltas, _attack_key(state, fragment))
 
 
-def _coordinate_weights(part):
+def coordinate_weights_of(part):
   """`weights(hidden, weight) -> tree`: a worker's weight per coordinate of fragment
   `part`, its tier mask (its first `hidden` FFN units) times its weight (tokens or 1)."""
   def coordinate_weights(hidden, weight):
@@ -333,7 +333,7 @@ def peer_reduces(sync) -> bool:
 def _row_weights(sync, part):
   """`weights(signals) -> a[S, N_p]`: each row's weight per coordinate, as the nested mean's
   (tier mask × tokens or 1), zero for absent rows (tokens 0)."""
-  tree_weights = _coordinate_weights(part)
+  tree_weights = coordinate_weights_of(part)
 
   def coordinate_weights(hidden, weight):
     return part.ravel(jax.tree.map(lambda w, x: jnp.broadcast_to(w, x.shape),

@@ -71,7 +71,9 @@ class Plan:
   network: Network
   delta_bytes: int  # one worker's contribution on the wire (the codec's payload)
   param_bytes: int  # a dense model (pulls, LPS↔GPS)
-  compressed: bool  # synchronous aggregation all-gathers payloads instead of all-reducing
+  # synchronous aggregation all-gathers payloads (a codec's, compress.reduce='gather')
+  # instead of all-reducing (a dense mean, or a codec's quantized reduce-scatter)
+  gathers: bool
   collective: str = "auto"  # synchronous rounds: ring | hierarchical | direct | auto
   # (sim/collectives.py)
   # regional servers' exchange with the global one (algorithms/base.ExchangeRule: HALoS's

@@ -13,15 +13,16 @@ from lowcomm_jax.sim.schedules import GLOBAL, Backend, Job, Plan, Schedule
 
 def collective_seconds(plan: Plan, nbytes: float) -> tuple[float, str]:
   """(seconds, the collective used) of one synchronous aggregation of `nbytes` per worker:
-  a dense mean is all-reduced, compressed payloads are all-gathered."""
-  op = "allgather" if plan.compressed else "allreduce"
+  a dense mean is all-reduced, a codec's payloads all-gathered, or reduce-scattered and
+  all-gathered as a dense mean is (compress.reduce='scatter': 2·(W−1)/W payloads a link)."""
+  op = "allgather" if plan.gathers else "allreduce"
   return collectives.seconds(plan.network, op, range(plan.num_workers), nbytes,
                              plan.collective)
 
 
 class SyncRounds(Schedule):
   """Synchronous DiLoCo: every worker starts a round from the same global version; the
-  round ends when the slowest finishes plus one all-reduce (all-gather if compressed).
+  round ends when the slowest finishes plus one all-reduce (all-gather where a codec's payloads are gathered whole).
   With `collective='server'` the round is the Ray runtime's instead: each worker pulls θ
   from the parameter server, computes, and sends its contribution back; the round ends at
   the last arrival (`_server_round_seconds`)."""

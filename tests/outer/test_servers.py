@@ -40,7 +40,7 @@ def _backend(algorithm, workers=2, regions=(0, 0), **overrides):
               network=Network.build(num_workers=workers, regions=max(regions) + 1,
                                     worker_regions=regions, intra_gbps=1.0,
                                     intra_latency_s=0.0, inter_gbps=1.0, inter_latency_s=0.0),
-              delta_bytes=12, param_bytes=12, compressed=False)
+              delta_bytes=12, param_bytes=12, gathers=False)
   # The simulator's layout: its virtual workers vmapped on one device.
   topology = types.SimpleNamespace(local_mesh=mesh_lib.make_mesh(1))
   algo = algorithms.get(algorithm)

@@ -65,7 +65,7 @@ def _plan(speeds, *, regions=1, inner=2, total=None, rounds=2, inter_seconds_per
                                     worker_regions=worker_regions, intra_latency_s=0.0,
                                     inter_gbps=8e-9 / inter_seconds_per_byte,
                                     inter_latency_s=0.0, server_region=server_region),
-              delta_bytes=1, param_bytes=1, compressed=False, **kw)
+              delta_bytes=1, param_bytes=1, gathers=False, **kw)
 
 
 def _run(algorithm, plan):

@@ -9,6 +9,8 @@ the collective form's (forms/: direct.py, hierarchical.py, pairs.py); here are t
   apply_reduced:      the outer rule on the whole mean, staged (`make_reduced_apply`)
   robust_statistics, robust_shard, robust_clip, apply_robust (robust_shards.py): a robust
                       rule shard by shard, from the rows' statistics added over the members
+  scatter.pieces, scatter.reduce, scatter.apply (scatter_shards.py): a codec's payloads
+                      reduce-scattered, each owner re-encoding its shard once
   sum_shard, divide_piece: a dense mean by region (a region's sums, the leaders' mean)
   apply_gathered:     the parameter server's own program over every member's row, staged
   swap_payload, apply_swap: a pair swap (`Sync.partners`: NoLoCo)
@@ -30,10 +32,11 @@ import numpy as np
 
 from lowcomm_jax.programs import state_average
 from lowcomm_jax.programs import steps
-from lowcomm_jax.programs import sync_program
+from lowcomm_jax.programs import scatter_program, sync_program
 from lowcomm_jax.runtimes.ray.actors import (initial_rule_state, round_inputs, round_signals,
                                              round_syncs)
 from lowcomm_jax.runtimes.ray.robust_shards import RobustShards
+from lowcomm_jax.runtimes.ray.scatter_shards import ScatterShards
 from lowcomm_jax.sim import GLOBAL
 
 
@@ -136,6 +139,9 @@ class Replica(RobustShards):
         last=k == len(segments) - 1), static_argnames="full")
         for k, s in enumerate(segments)] if self.reduces else None
     self._init_robust(r, segments)
+    # a codec's payloads reduce-scattered (compress.reduce='scatter'): its steps, or None
+    self.scatter = (ScatterShards(self, r, segments) if scatter_program.scatters(r.sync)
+                    else None)
     self._lock = threading.Lock()  # a share (a checkpoint, a heal) reads while rounds run
     self._moved = threading.Condition(self._lock)  # the version moved (`wait_for`)
     params = jnp.asarray(params0)

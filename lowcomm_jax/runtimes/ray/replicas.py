@@ -29,7 +29,7 @@ import collections
 import logging
 import time
 
-from lowcomm_jax.programs import sync_program
+from lowcomm_jax.programs import scatter_program, sync_program
 from lowcomm_jax.runtimes.ray import forms
 from lowcomm_jax.runtimes.ray.attempts import Attempt, Attempts, timeout_covers_bytes
 from lowcomm_jax.runtimes.ray.forms.base import signals_of
@@ -62,7 +62,8 @@ class Replicas:
     # the round whose collective runs meanwhile: (version, {worker: (meta, sent)}, its
     # members, their staged references, when it began)
     self.pending = None
-    logging.info("ray: %s", timeout_covers_bytes(d.c, d.plan, self.reduces))
+    logging.info("ray: %s", timeout_covers_bytes(
+        d.c, d.plan, self.reduces or scatter_program.scatters(r.sync)))
 
   # --- what the driver asks of the global state -------------------------------------------
 

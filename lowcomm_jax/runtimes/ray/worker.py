@@ -183,7 +183,7 @@ class WorkerProcess:
     meta["finished_at"] = time.time()
     if self.replica is not None:  # kept for the round's collective (and a retry of it)
       self.replica.keep(int(version), sent, meta)
-      if self.replica.reduces:  # its shards go to the members, not the whole of it
+      if self.replica.reduces or self.replica.scatter:  # its shards go to the members
         sent = None
     return meta, sent
 
@@ -320,6 +320,6 @@ class WorkerProcess:
                 compute_seconds=epoch.seconds, data=self.streams.get_state())
     if self.replica is not None:  # kept for the epoch's collective (and a retry of it)
       self.replica.keep(int(version), sent, meta)
-      if self.replica.reduces:
+      if self.replica.reduces or self.replica.scatter:
         sent = None
     return meta, sent

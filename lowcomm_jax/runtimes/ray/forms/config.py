@@ -57,6 +57,12 @@ def config_problems(c: ml_collections.ConfigDict, check, algorithm) -> None:
   check(form != "hierarchical" or regions > 1, "collective_form",
         "'hierarchical' reduces inside each region, then across them, and the network has "
         "one region: use 'direct', or give sim.network.regions > 1")
+  if c.compress.reduce == "scatter":  # (a reduce-scatter's owners are the round's members)
+    check(form not in (SERVER, "hierarchical", "ring") and not why, "compress.reduce",
+          "a reduce-scatter runs among the round's members (the direct form): use "
+          "collective_form 'auto' or 'direct', or compress.reduce='gather'")
+    check(not list(c.attack.workers), "compress.reduce",
+          "on Ray an attack's rows are all-gathered whole: use 'gather'")
   if algorithm is not None and form in ("hierarchical", "ring") and not why:
     flat = no_dense_mean(c, algorithm)
     check(not flat, "collective_form",

@@ -14,6 +14,14 @@
     (`apply_robust`)
     per link: the dense mean's bytes and (M−1)·(3S + 1) floats each way (S more for each
     further clipping iteration)
+  a codec's payloads reduce-scattered (compress.reduce='scatter', `scatter_program.scatters`),
+  S worker slots, each payload cut into S shards when it was encoded:
+    member i's pieces to each owner (shard k's owner: member k mod M)   (all-to-all)
+    the owner: its shards of every member's payload decoded, averaged, encoded once more
+    (`Replica.scatter`), to every member; every member: the S reduced shards
+    decoded, the outer step
+    per link: 2·(M−1)/M payloads at M = S (an owner of more shards, more), where the
+    all-gather of whole payloads is M−1
   anything else (a codec's payloads, an attack, a probe-loss signal: it reads whole rows):
     every member's row to every member, the parameter server's program over them
     (`apply_gathered`)
@@ -28,7 +36,7 @@ import time
 import jax
 import numpy as np
 
-from lowcomm_jax.programs import sync_program
+from lowcomm_jax.programs import scatter_program, sync_program
 from lowcomm_jax.runtimes.ray.forms.base import Form, signals_of
 from lowcomm_jax.runtimes.ray.replica import gathered_bytes, mean_rows, shard_bounds
 
@@ -42,9 +50,12 @@ class Direct(Form):
   def messages(self, rounds, v: int, members: list[int], metas: dict) -> dict[int, dict]:
     sync = rounds.d.r.sync
     kind = ("robust" if sync_program.robust_shards(sync) else
-            "mean" if sync_program.peer_reduces(sync) else "rows")
+            "mean" if sync_program.peer_reduces(sync) else
+            "scatter" if scatter_program.scatters(sync) else "rows")
     tokens, losses = signals_of(metas, members)
     common = {"kind": kind, "tokens": tokens, "losses": losses}
+    if kind == "scatter":  # (the senders' keys, which the owners decode with)
+      common["keys"] = [metas[w]["codec_key"] for w in members]
     if kind == "rows":  # (what the server's program reads of each row's meta)
       common["metas"] = {w: {k: metas[w][k] for k in ("tokens", "loss", "codec_key")
                              if k in metas[w]} for w in members}
@@ -84,6 +95,24 @@ def _robust(replica, ex, m: dict) -> dict:
           "moments": {"scattered": scattered, "reduced": reduced_at}}
 
 
+def _scatter(replica, ex, m: dict) -> dict:
+  v, members, j = m["version"], ex.members, ex.index
+  steps = replica.scatter
+  pieces = steps.pieces(m["own"], len(members))
+  mine = ex.all_to_all("shards", pieces)
+  scattered = time.time()
+  own = steps.reduce(v, j, members, m["tokens"], m["keys"], mine)
+  reduced = ex.all_gather("mean", own)
+  reduced_at = time.time()
+  digest = steps.apply(v, members, m["tokens"], m["losses"], reduced)
+  size = lambda tree: sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
+  others = [k for k in range(len(members)) if k != j]
+  sent = sum(size(pieces[k]) for k in others) + size(own) * len(others)
+  received = sum(size(mine[k]) + size(reduced[k]) for k in others)
+  return {"hash": digest, "sent": int(sent), "received": int(received),
+          "moments": {"scattered": scattered, "reduced": reduced_at}}
+
+
 def _rows(replica, ex, m: dict) -> dict:
   members = ex.members
   rows = ex.all_gather("rows", replica.kept[m["own"]][0])
@@ -96,7 +125,7 @@ def _rows(replica, ex, m: dict) -> dict:
           "received": int(sum(sizes) - mine)}
 
 
-_STEPS = {"mean": _mean, "robust": _robust, "rows": _rows}
+_STEPS = {"mean": _mean, "robust": _robust, "scatter": _scatter, "rows": _rows}
 
 
 def mean_of(ex, vector: np.ndarray) -> tuple[np.ndarray, dict]:
