@@ -7,6 +7,7 @@
   python bench/codecs.py --muloco           # DiLoCo with Muon inside, dense and compressed
   python bench/codecs.py --muloco --seeds 3 --only ddp_lr5e-3 diloco_muon
                                             # each method on 3 seeds, paired against DDP
+  python bench/codecs.py --requant --seeds 3  # int8/int4 reduce-scattered vs all-gathered
 
 Methods: DDP, DiLoCo (H=20), DiLoCo + int8 / 4-bit / SparseLoCo, DDP + DeMo, DDP + DeMo 1-bit,
 all 2,457,600 tokens. Prints a table of final eval loss, bytes sent per worker and the ratio
@@ -100,6 +101,18 @@ MULOCO = {
 }
 
 
+# --requant (issue 71): the quantized reduce-scatter's second quantization (each shard's
+# owner re-encodes the mean; compress.reduce='scatter') against the all-gather, paired by
+# seed. DiLoCo H = 50 on the table's tokens (6 rounds), the sweep's best outer rule at H = 20
+# (lr 1.0, Nesterov 0.5; not tuned again at H = 50, the same for both arms), scales per 256
+# entries on both sides, so that the re-quantization is all that differs.
+REQUANT = {f"diloco_h50_{codec}_{reduce}": ("diloco_hetero", {
+    "hosts": [], "rounds": 6, "inner_steps": 50, "eval_every": 3, "checkpoint_every": 3,
+    "outer.lr": 1.0, "outer.momentum": 0.5, "compress.codec": codec,
+    "compress.reduce": reduce, "compress.quant_block": 256})
+    for codec in ("int8", "int4") for reduce in ("gather", "scatter")}
+
+
 def _config(file: str, overrides: dict):
   config = runpy.run_path(str(REPO / "configs" / f"{file}.py"))["get_config"]()
   config.update_from_flattened_dict(overrides)  # dotted keys, e.g. "compress.codec"
@@ -186,14 +199,17 @@ def main():
                  help="run the LONG methods (4x tokens) instead; default workdir codecs_long")
   p.add_argument("--muloco", action="store_true",
                  help="run the MULOCO methods instead; default workdir codecs (shared runs)")
+  p.add_argument("--requant", action="store_true",
+                 help="run the REQUANT methods instead (each scatter paired with its gather)")
   args = p.parse_args()
-  if args.long + args.sweep + args.muloco > 1:
+  if args.long + args.sweep + args.muloco + args.requant > 1:
     p.error("--long, --sweep and --muloco are separate tables; run them one at a time")
   if args.workdir is None:
-    args.workdir = REPO / "bench/results" / ("codecs_long" if args.long else "codecs")
+    args.workdir = REPO / "bench/results" / ("codecs_long" if args.long else
+                                             "codecs_requant" if args.requant else "codecs")
   result = {"speed_ms_per_10M": {k: v * 1e3 for k, v in codec_speed().items()}}
   if not args.speed_only:
-    methods = (LONG if args.long else MULOCO if args.muloco
+    methods = (LONG if args.long else MULOCO if args.muloco else REQUANT if args.requant
                else {**METHODS, **(SWEEP if args.sweep else {})})
     methods = {k: v for k, v in methods.items() if not args.only or k in args.only}
     rows = {name: [_run(file, {**overrides, **({"seed": k} if args.seeds > 1 else {})},
@@ -202,7 +218,12 @@ def main():
             for name, (file, overrides) in methods.items()}
     result["runs"] = rows
     _print_table(rows, args.reference)
-    if args.seeds > 1 and args.reference in rows:
+    if args.seeds > 1 and args.requant:  # each scatter against its own codec's gather
+      result["paired_vs_reference"] = {
+          name: _print_paired({name: rows[name], gather: rows[gather]}, gather)[name]
+          for name in rows if name.endswith("_scatter")
+          for gather in [name.replace("_scatter", "_gather")] if gather in rows}
+    elif args.seeds > 1 and args.reference in rows:
       result["paired_vs_reference"] = _print_paired(rows, args.reference)
   args.workdir.mkdir(parents=True, exist_ok=True)
   (args.workdir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
