@@ -242,6 +242,19 @@ class Links:
     return [tuple(sent(device, where) for device, where in self._shaped(i))
             for i in range(self.nodes)]
 
+  def veth_bytes(self) -> list[tuple[int, int]]:
+    """Per node, (bytes sent, bytes received) so far by the bridge side of its veth pair
+    (/sys counters: a file read, cheap enough to sample while a run goes, where
+    `link_bytes` starts two `tc` processes a node). Links of one region only."""
+    if self.modem or self.regions is not None:
+      raise ValueError("veth_bytes reads the bridge's veths: links of one region only")
+    out = []
+    for i in range(self.nodes):
+      stats = pathlib.Path("/sys/class/net") / self._host_veth(i) / "statistics"
+      # the bridge side receives what the node sends, and sends what it receives
+      out.append((int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())))
+    return out
+
   def run(self, i: int, command: list[str], **kwargs) -> subprocess.Popen:
     """`command` started in node i's namespace."""
     return subprocess.Popen(["ip", "netns", "exec", self.namespace(i), *command], **kwargs)

@@ -33,12 +33,15 @@ with the simulator's model of that form:
 """
 
 import argparse
+import bisect
+import contextlib
 import json
 import os
 import pathlib
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import real_links
@@ -176,7 +179,8 @@ def run_scaling(case: str, workers: list[int], seeds: list[int], out: pathlib.Pa
           if (workdir / "result.json").exists():
             continue
           started, before = time.time(), links.link_bytes()
-          summary = real_run(links, env, case, seed, workdir, w, overrides)
+          with sampled(links, flat=config.sim.network.regions == 1 and not modem) as samples:
+            summary = real_run(links, env, case, seed, workdir, w, overrides)
           # each node's link, as the kernel counted it (node 0: the driver's, and the
           # server's in the server form; node w+1: worker w's)
           link_bytes = [[a - c, b - d] for (a, b), (c, d) in zip(links.link_bytes(), before)]
@@ -189,13 +193,73 @@ def run_scaling(case: str, workers: list[int], seeds: list[int], out: pathlib.Pa
                     "predicted_marks_s": predicted, **compare(real, predicted),
                     "eval_loss": summary["eval_loss"],
                     "wire_bytes_per_worker": summary.get("wire_bytes_per_worker", {}),
-                    "link_bytes_per_node": link_bytes,
+                    "link_bytes_per_node": link_bytes, "link_samples": samples,
                     "run_seconds": time.time() - started}
           if summary.get("job_moments"):
             result["phases"] = phases(summary["job_moments"])
           (workdir / "result.json").write_text(json.dumps(result, indent=1))
           print(json.dumps({k: result[k] for k in ("case", "workers", "form", "seed")}),
                 round(result["run_ratio"], 3), flush=True)
+
+
+@contextlib.contextmanager
+def sampled(links: real_links.Links, flat: bool, period_s: float = 0.1):
+  """[(time, each node's (sent, received) so far)] every `period_s` while the block runs
+  (`Links.veth_bytes`; none where the links are not of one region)."""
+  samples, stop = [], threading.Event()
+
+  def loop():
+    while not stop.is_set():
+      samples.append((time.time(), links.veth_bytes()))
+      stop.wait(period_s)
+
+  thread = threading.Thread(target=loop, daemon=True)
+  if flat:
+    thread.start()
+  try:
+    yield samples
+  finally:
+    stop.set()
+    if flat:
+      thread.join()
+
+
+def collective_bytes_report(out: pathlib.Path) -> str:
+  """Issue 71: each worker's link in its rounds' collectives, as the kernel counted it (the
+  veth counters sampled at 0.1 s, from the last sample before a collective began to the
+  first after it committed, rounds after the first), against the ledger's count
+  (`wire_bytes_per_worker` a round) and 2·(W−1)/W·P (P: a member's payload, from the
+  ledger), and the collective's seconds (the driver's first message to the last commit)."""
+  from lowcomm_jax import report
+  results = [json.loads(p.read_text()) for p in sorted(out.glob("scaling/*/seed*/result.json"))]
+  rows = ["| case | W | seeds | collective s | kernel MB a worker's link a round (out, in) | "
+          "ledger's | 2·(W−1)/W·P | kernel / ledger (out, in) |", "|---|---|---|---|---|---|---|---|"]
+  keys = sorted({(r["case"], r["workers"], r["form"]) for r in results
+                 if r["form"] != "server" and r.get("link_samples")})
+  for case, w, form in keys:
+    runs = [r for r in results if (r["case"], r["workers"], r["form"]) == (case, w, form)]
+    seconds, kernel, ledger, ideal = [], [], [], []
+    for r in runs:
+      summary = report.read_summary(out / "scaling" / _folder(case, w, form) / f"seed{r['seed']}")
+      times = [t for t, _ in r["link_samples"]]
+      rounds = [c for c in summary["collective_moments"] if c[0] >= 1]
+      for c in rounds:
+        a = max(bisect.bisect_right(times, c[2]) - 1, 0)
+        b = min(bisect.bisect_left(times, c[6]), len(times) - 1)
+        before, after = r["link_samples"][a][1], r["link_samples"][b][1]
+        for node in range(1, w + 1):
+          kernel.append([after[node][k] - before[node][k] for k in (0, 1)])
+        seconds.append(c[6] - c[2])
+      count = len(summary["collective_moments"])
+      ledger += [[x / count for x in v] for v in summary["wire_bytes_per_worker"].values()]
+      ideal.append(2 * (w - 1) / w * summary["bytes_sent"] * w / summary["pushes"])
+    mean = lambda xs, k: statistics.mean(x[k] for x in xs) / 1e6
+    rows.append(f"| {case} | {w} | {len(runs)} | {statistics.mean(seconds):.2f} ± "
+                f"{_sd(seconds):.2f} | {mean(kernel, 0):.3f}, {mean(kernel, 1):.3f} | "
+                f"{mean(ledger, 0):.3f}, {mean(ledger, 1):.3f} | "
+                f"{statistics.mean(ideal) / 1e6:.3f} | {mean(kernel, 0) / mean(ledger, 0):.3f}, "
+                f"{mean(kernel, 1) / mean(ledger, 1):.3f} |")
+  return "\n".join(rows)
 
 
 def scaling_report(out: pathlib.Path) -> str:
@@ -510,6 +574,7 @@ def main() -> None:
       print(time_to_loss_report(a.report, form))
     print(scaling_report(a.report))
     print(split_report(a.report))
+    print(collective_bytes_report(a.report))
     return
   try:
     real_links.preflight()
@@ -527,6 +592,7 @@ def main() -> None:
     print(time_to_loss_report(a.out.resolve(), form))
   print(scaling_report(a.out.resolve()))
   print(split_report(a.out.resolve()))
+  print(collective_bytes_report(a.out.resolve()))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ the sync matter; synchronous rounds among the workers, or through a parameter se
   --config.runtime=simulator           the simulator, on the links as sim.network gives them
 
 ARG is 'METHOD,H,MBPS[,PLACE]':
-  METHOD  diloco | async_dn | int8 (DiLoCo, int8 payloads) | sparseloco (DiLoCo + SparseLoCo)
+  METHOD  diloco | async_dn | int8 (DiLoCo, int8 payloads all-gathered) | int8s (int8
+          payloads reduce-scattered: compress.reduce='scatter') | sparseloco (DiLoCo + SparseLoCo)
           | ddp (a gradient per step) | median (DiLoCo, the coordinate-wise median of the
           workers' Δ) | streaming (2 fragments, each applied τ = H/2 − 1 steps after it is
           sent and mixed with α = 0.5)
@@ -29,7 +30,7 @@ import runpy
 
 _base = runpy.run_path(str(pathlib.Path(__file__).with_name("base.py")))
 
-METHODS = ("diloco", "async_dn", "int8", "sparseloco", "ddp", "median", "streaming")
+METHODS = ("diloco", "async_dn", "int8", "int8s", "sparseloco", "ddp", "median", "streaming")
 PLACES = ("flat", "own", "colocated")
 
 
@@ -60,8 +61,9 @@ def get_config(arg: str = "diloco,10,20"):
     c.streaming.fragments, c.streaming.overlap_steps, c.streaming.mix = 2, h // 2 - 1, 0.5
   if method == "ddp":
     c.inner_steps = 1
-  if method == "int8":
+  if method in ("int8", "int8s"):
     c.compress.codec = "int8"
+    c.compress.reduce = "scatter" if method == "int8s" else "gather"
   if method == "median":
     c.aggregate.rule = "median"
   if method == "sparseloco":
