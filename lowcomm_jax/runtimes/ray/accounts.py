@@ -128,6 +128,7 @@ class Timeline:
     self.start: float | None = None  # time.time() at the first dispatch
     self.points: list = []  # [seconds, applied inner steps]
     self.step_seconds: dict = {}  # worker -> [compute seconds per inner step of each job]
+    self.losses: dict = {}  # worker -> [each job's mean train loss]
     self.jobs: list = []
     self.collectives: list = []
 
@@ -144,6 +145,7 @@ class Timeline:
       return
     self.step_seconds.setdefault(str(meta["worker"]), []).append(
         round(meta["compute_seconds"] / meta["steps"], 6))
+    self.losses.setdefault(str(meta["worker"]), []).append(round(meta["loss"], 5))
     moments = (job.dispatched_at, meta.get("started_at"), meta.get("finished_at"), time.time())
     self.jobs.append([meta["worker"], meta["steps"]] + [
         None if t is None else round(t - self.start, 4) for t in moments])
@@ -163,4 +165,5 @@ class Timeline:
 
   def figures(self) -> dict:
     return {"timeline": self.points, "step_seconds_by_job": self.step_seconds,
+            "loss_by_job": self.losses,
             "job_moments": self.jobs, "collective_moments": self.collectives}

@@ -7,8 +7,7 @@ holds θ for the others, and no link carries every worker's payload.
 
 What differs from the server form:
 - every worker holds a replica of θ and the outer rules' state, and a job starts from its
-  own; a worker behind the open round (one that joined, one whose job outlived a round)
-  first adopts a live member's replica (torchft's healing, peer to peer);
+  own; a worker behind the open round first adopts a live member's (heals.py);
 - a round closes with a collective among its members, in the form `forms.for_round` picks
   (forms/: around a ring, direct, by region, pair swaps). The driver sends each member one
   message (the version, the attempt, the members, their handles and where each receives,
@@ -19,8 +18,8 @@ What differs from the server form:
 - a member that dies, or that the others wait for in vain past `ray.collective_timeout_s`,
   is lost: the others are told to stop waiting (`abort`), and the collective is tried again
   among them from the contributions they kept: nothing is applied twice (a commit is by
-  version), and no replica moves without the others. At the start the driver says in one
-  line that the timeout covers a round's bytes over sim.network's links, or refuses it;
+  version), and no replica moves without the others (the start checks the timeout covers
+  a round's bytes over sim.network's links);
 - evaluation, parameter norms and checkpoints read a live member's replica; a checkpoint's
   global state is a replica's, in the server's layout, and a resumed run's workers adopt it.
 """
@@ -32,6 +31,7 @@ import time
 from lowcomm_jax.programs import scatter_program, sync_program
 from lowcomm_jax.runtimes.ray import forms
 from lowcomm_jax.runtimes.ray.attempts import Attempt, Attempts, timeout_covers_bytes
+from lowcomm_jax.runtimes.ray.heals import Heals
 from lowcomm_jax.runtimes.ray.forms.base import signals_of
 from lowcomm_jax.sim import GLOBAL
 
@@ -49,6 +49,7 @@ class Replicas:
     self.held: dict[int, int | None] = {}  # worker -> the version its replica holds
     self.rows: dict[int, tuple[dict, object]] = {}  # the open round: worker -> (meta, sent)
     self.adopting: dict[int, object] = {}  # worker -> its adopt's reference, in flight
+    self.heals = Heals(d)  # whom an adopt takes from, and a fresh worker's own state
     self.restored = None  # a resumed run's global state (object ref), for the workers
     self.reduces = sync_program.peer_reduces(r.sync)
     self.attempts = Attempts(d)
@@ -59,8 +60,7 @@ class Replicas:
     # next segment's first τ steps compute (`Programs.local_halves`: they read nothing of θ)
     halves = r.programs.local_halves
     self.streams = segments > 1 and bool(halves) and all(p is not None for p in halves[0])
-    # the round whose collective runs meanwhile: (version, {worker: (meta, sent)}, its
-    # members, their staged references, when it began)
+    # a round whose collective runs beside the next jobs: (v, rows, members, staged, began)
     self.pending = None
     logging.info("ray: %s", timeout_covers_bytes(
         d.c, d.plan, self.reduces or scatter_program.scatters(r.sync)))
@@ -88,18 +88,18 @@ class Replicas:
     del worker
     return self.restored
 
-  def _current(self, besides: int | None = None) -> int | None:
-    """A live worker whose replica is at the open round's version (the lowest id)."""
-    return next((w for w in sorted(self.d.pool.actors)
-                 if w != besides and self.held.get(w) == self.version
-                 and w not in self.adopting and w not in self.d.pool.joining), None)
+  def _currents(self, besides: int | None = None) -> list[int]:
+    """The live workers whose replicas are at the open round's version, by id."""
+    return [w for w in sorted(self.d.pool.actors)
+            if w != besides and self.held.get(w) == self.version
+            and w not in self.adopting and w not in self.d.pool.joining]
 
   def global_call(self, method: str):
     """`method` (evaluate, param_norm) of a current replica."""
     self._settle()
     errors = self.d.ray.exceptions.RayActorError
     while True:
-      w = self._current()
+      w = next(iter(self._currents()), None)
       if w is None:
         raise RuntimeError(f"no live worker holds θ of version {self.version}")
       try:
@@ -132,13 +132,13 @@ class Replicas:
     if self.held.get(worker) == self.version:
       return self.version
     self._settle()  # (a peer's replica is copied whole: with the round in flight applied)
-    source = self._current(besides=worker)
+    fresh = worker not in self.held  # (a new process: no state of its own)
+    source = self.heals.source(self._currents(besides=worker), worker, fresh)
     if source is None:
       raise RuntimeError(f"worker {worker} is behind (version {self.held.get(worker)}) and "
                          f"no live worker holds θ of version {self.version}; resume the run "
                          "from its last checkpoint")
-    pool = self.d.pool
-    self.adopting[worker] = pool.actors[worker].adopt.remote(pool.actors[source].share.remote())
+    self.adopting[worker] = self.heals.adopt(worker, source, fresh, self.version)
     self.held[worker] = self.version
     return self.adopting[worker]
 
@@ -396,3 +396,4 @@ class Replicas:
         d.pool.lose(w, f"{type(e).__name__} committing a round")
     for w, o in outcome.items():
       d.counts.wire(w, o)
+

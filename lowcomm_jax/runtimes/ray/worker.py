@@ -76,7 +76,7 @@ class WorkerProcess:
     # The job running (or last run) and what the worker held before it: a checkpoint taken
     # while that job is unpushed keeps these, and the resumed run runs the job again. The
     # lock: a checkpoint (the actor's second thread) reads them while a job runs.
-    self.running, self.before = None, None
+    self.running, self.before, self.before_version = None, None, None
     self._lock = threading.Lock()
     # A collaborative epoch (micro/collect): its θ's version, the sums of the micro-batches
     # done at that θ, and the last epoch collected (a micro-batch of it that finishes later
@@ -139,7 +139,7 @@ class WorkerProcess:
     start, started_at = time.perf_counter(), time.time()  # (θ is here: Ray fetched it)
     with self._lock:
       self.before = (self.state, self.sender.codec_state, self.streams.get_state())
-      self.running = order
+      self.running, self.before_version = order, version
     round_, segment = divmod(version, len(self.segments))
     halves = None
     if params is None:  # the peer form: from its own replica, which is at that version
@@ -192,8 +192,21 @@ class WorkerProcess:
   def share(self) -> dict:
     return self.replica.share()
 
-  def adopt(self, state: dict) -> int:
+  def adopt(self, state: dict, heal: dict | None = None) -> int:
+    """Takes a peer's replica; with `heal` (a joiner's: `heal_state`) also what its
+    algorithm keeps per worker across rounds, the peer's local model and inner optimizer."""
+    if heal is not None:
+      with self._lock:
+        self.state = jax.tree.map(jnp.asarray, heal["state"])
     return self.replica.adopt(state)
+
+  def heal_state(self, version: int) -> dict:
+    """Its local model and inner optimizer as they were when its job of `version` started
+    (as they are, if it started none): what a worker that joins at that version takes,
+    as torchft's heal copies a live replica's model and optimizer."""
+    with self._lock:
+      state = self.before[0] if self.before_version == version else self.state
+    return {"state": jax.device_get(state)}
 
   def advance(self, round_version: int, members: list[int], tokens, losses) -> str:
     return self.replica.advance(round_version, members, tokens, losses)
