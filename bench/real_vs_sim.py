@@ -179,7 +179,7 @@ def run_scaling(case: str, workers: list[int], seeds: list[int], out: pathlib.Pa
           if (workdir / "result.json").exists():
             continue
           started, before = time.time(), links.link_bytes()
-          with sampled(links, flat=config.sim.network.regions == 1 and not modem) as samples:
+          with sampled(links, flat=config.sim.network.regions == 1) as samples:
             summary = real_run(links, env, case, seed, workdir, w, overrides)
           # each node's link, as the kernel counted it (node 0: the driver's, and the
           # server's in the server form; node w+1: worker w's)
