@@ -241,7 +241,8 @@ def collective_bytes_report(out: pathlib.Path) -> str:
     seconds, kernel, ledger, ideal = [], [], [], []
     for r in runs:
       summary = report.read_summary(out / "scaling" / _folder(case, w, form) / f"seed{r['seed']}")
-      times = [t for t, _ in r["link_samples"]]
+      # (the moments count from the timeline's start, the samples from the epoch)
+      times = [t - summary["timeline_started_at"] for t, _ in r["link_samples"]]
       rounds = [c for c in summary["collective_moments"] if c[0] >= 1]
       for c in rounds:
         a = max(bisect.bisect_right(times, c[2]) - 1, 0)

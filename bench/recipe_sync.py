@@ -10,6 +10,9 @@ collective's time over H. `--step_ms` is the step it is compared with (38 ms: gp
 batch 16 × 1024 on an H200, BENCHMARKS.md issue 28).
 
   python bench/recipe_sync.py [--workers 4] [--gbps 1] [--step_ms 38]
+  python bench/recipe_sync.py --by_workers 2 8 16 64 [--gbps 1]
+      # each codec's sync against W (issue 71): all-gathered, and for the quantizers
+      # reduce-scattered (compress.reduce='scatter'), by the same model's direct exchange
 """
 
 import argparse
@@ -55,12 +58,46 @@ def rows(workers: int, gbps: float, step_s: float) -> list[dict]:
   return out
 
 
+def by_workers(workers: list[int], gbps: float) -> list[dict]:
+  """Each codec's one sync of gpt2_124m at each W, as the simulator times it (direct, one
+  region, no latency): its payloads all-gathered, and for a quantizer (`scatters`) also
+  reduce-scattered with `compress.reduce='scatter'` (the sharded codec's own bytes)."""
+  from lowcomm_jax import compress
+  like = gpt2_shapes()
+  base = runpy.run_path(str(REPO / "configs" / "base.py"))["get_config"]()
+  out = []
+  for name, spec in compress.REGISTRY.items():
+    for reduce in ("gather", "scatter") if spec.scatters else ("gather",):
+      for w in workers:
+        z = base.compress.copy_and_resolve_references()
+        z.update(codec=name, reduce=reduce)
+        nbytes = make_codec(z, shards=w).payload_bytes(like)
+        net = Network.build(num_workers=w, regions=1, intra_gbps=gbps, intra_latency_s=0.0,
+                            inter_gbps=gbps, inter_latency_s=0.0)
+        op = "allgather" if reduce == "gather" else "allreduce"
+        seconds, _ = collectives.seconds(net, op, range(w), nbytes, "direct")
+        out.append({"codec": name, "reduce": reduce, "W": w, "payload_mb": nbytes / 1e6,
+                    "sync_s": seconds})
+  return out
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--workers", type=int, default=4)
   p.add_argument("--gbps", type=float, default=1.0)
   p.add_argument("--step_ms", type=float, default=38.0)
+  p.add_argument("--by_workers", type=int, nargs="+", help="each codec's sync against W")
   a = p.parse_args()
+  if a.by_workers:
+    table = by_workers(a.by_workers, a.gbps)
+    print(f"one sync of gpt2_124m, {a.gbps:g} Gb/s NICs, direct, seconds at W =")
+    print("| codec | reduce | payload MB | " + " | ".join(map(str, a.by_workers)) + " |")
+    print("|---|---|---|" + "---|" * len(a.by_workers))
+    for k in range(0, len(table), len(a.by_workers)):
+      row = table[k:k + len(a.by_workers)]
+      print(f"| {row[0]['codec']} | {row[0]['reduce']} | {row[-1]['payload_mb']:.1f} | "
+            + " | ".join(f"{r['sync_s']:.2f}" for r in row) + " |")
+    return
   print(f"{a.workers} workers, {a.gbps:g} Gb/s NICs, against a {a.step_ms:g} ms step")
   print("| recipe | codec | H | payload MB | collective | one sync s | per step | × the step |")
   print("|---|---|---|---|---|---|---|---|")

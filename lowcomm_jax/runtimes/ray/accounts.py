@@ -164,6 +164,7 @@ class Timeline:
         None if t is None else round(t - self.start, 4) for t in moments])
 
   def figures(self) -> dict:
-    return {"timeline": self.points, "step_seconds_by_job": self.step_seconds,
+    return {"timeline": self.points, "timeline_started_at": self.start,
+            "step_seconds_by_job": self.step_seconds,
             "loss_by_job": self.losses,
             "job_moments": self.jobs, "collective_moments": self.collectives}
