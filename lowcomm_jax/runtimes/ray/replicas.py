@@ -31,8 +31,8 @@ import time
 from lowcomm_jax.programs import scatter_program, sync_program
 from lowcomm_jax.runtimes.ray import forms
 from lowcomm_jax.runtimes.ray.attempts import Attempt, Attempts, timeout_covers_bytes
-from lowcomm_jax.runtimes.ray.heals import Heals
 from lowcomm_jax.runtimes.ray.forms.base import signals_of
+from lowcomm_jax.runtimes.ray.heals import Heals
 from lowcomm_jax.sim import GLOBAL
 
 
@@ -396,4 +396,3 @@ class Replicas:
         d.pool.lose(w, f"{type(e).__name__} committing a round")
     for w, o in outcome.items():
       d.counts.wire(w, o)
-
