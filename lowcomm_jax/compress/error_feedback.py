@@ -15,7 +15,8 @@ from lowcomm_jax.compress.codec import Codec, TreeCodec
 
 
 class ErrorFeedback(Codec):
-  """`codec` (a stateless `TreeCodec`) sending the buffered a instead of x."""
+  """`codec` (a stateless `TreeCodec`, or compress/sharded.py's `Sharded`) sending the
+  buffered a instead of x."""
 
   def __init__(self, codec: TreeCodec, *, beta: float = 1.0, scale: float = 1.0):
     self.codec, self.beta, self.scale = codec, beta, scale

@@ -41,7 +41,8 @@ class Sharded(Codec):
   def shard_size(self, like) -> int:
     """L: coordinates per shard (a multiple of the scale block)."""
     n = sum(math.prod(x.shape) for x in jax.tree.leaves(like))
-    return -(-(-(-n // self.shards)) // self.block) * self.block
+    per_shard = math.ceil(n / self.shards)
+    return math.ceil(per_shard / self.block) * self.block
 
   def leaf(self, like):
     return self.make_leaf((self.shard_size(like),))
@@ -86,17 +87,8 @@ class Sharded(Codec):
   def decode(self, payload, like, key):
     return self.join(jax.vmap(self.leaf(like).decode)(payload, self._keys(key)), like)
 
-  def decode_sum(self, payloads_R, like, keys_R):
-    return jax.tree.map(lambda x: x.sum(0), jax.vmap(
-        lambda p, k: self.decode(p, like, k))(payloads_R, keys_R))
-
-  def average(self, payloads_R, like, keys_R):
-    return jax.tree.map(lambda x: x / keys_R.shape[0], self.decode_sum(payloads_R, like, keys_R))
-
-  def weighted_sum(self, payloads_R, like, keys_R, weights_R):
-    decoded = jax.vmap(lambda p, k: self.decode(p, like, k))(payloads_R, keys_R)
-    return jax.tree.map(lambda d, w: (d * w.reshape(
-        w.shape[:1] + (1,) * (d.ndim - w.ndim) + w.shape[1:])).sum(0), decoded, weights_R)
+  # (No average / decode_sum / weighted_sum over whole payloads: nothing that combines
+  # gathered payloads runs a scatter; the config refuses those paths.)
 
   # --- the reduce-scatter's steps (aggregate/compressed.py, the Ray runtime's members) ----
 

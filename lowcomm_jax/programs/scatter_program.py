@@ -4,6 +4,7 @@ runtimes/ray/scatter_shards.py), from the run's `Sync` as the lockstep aggregato
 (compress/sharded.py), so that a full round equals the lockstep sync up to float rounding."""
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from lowcomm_jax.parallel.flat import ParamLayout
@@ -28,7 +29,7 @@ def make_shard_reduce(sync, *, layout: ParamLayout, fragment: int):
   def reduce(payloads_M, keys_M, hidden_M, tokens_M, shard, round_index):
     weights = None
     if sync.nested:
-      weight_M = tokens_M if sync.weigh_tokens else jax.numpy.ones_like(tokens_M)
+      weight_M = tokens_M if sync.weigh_tokens else jnp.ones_like(tokens_M)
       weights = jax.lax.dynamic_index_in_dim(sharded.shard_weights(
           jax.vmap(coordinate_weights)(hidden_M, weight_M), part.abstract), shard, axis=1,
           keepdims=False)

@@ -105,10 +105,9 @@ def _scatter(replica, ex, m: dict) -> dict:
   reduced = ex.all_gather("mean", own)
   reduced_at = time.time()
   digest = steps.apply(v, members, m["tokens"], m["losses"], reduced)
-  size = lambda tree: sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
   others = [k for k in range(len(members)) if k != j]
-  sent = sum(size(pieces[k]) for k in others) + size(own) * len(others)
-  received = sum(size(mine[k]) + size(reduced[k]) for k in others)
+  sent = sum(_nbytes(pieces[k]) for k in others) + _nbytes(own) * len(others)
+  received = sum(_nbytes(mine[k]) + _nbytes(reduced[k]) for k in others)
   return {"hash": digest, "sent": int(sent), "received": int(received),
           "moments": {"scattered": scattered, "reduced": reduced_at}}
 
@@ -118,11 +117,14 @@ def _rows(replica, ex, m: dict) -> dict:
   rows = ex.all_gather("rows", replica.kept[m["own"]][0])
   digest = replica.apply_gathered(m["version"], {w: (row, m["metas"][w])
                                                  for w, row in zip(members, rows)})
-  size = lambda tree: sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
-  sizes = [size(row) for row in rows]
+  sizes = [_nbytes(row) for row in rows]
   mine = sizes[ex.index]
   return {"hash": digest, "sent": int(mine * (len(members) - 1)),
           "received": int(sum(sizes) - mine)}
+
+
+def _nbytes(tree) -> int:
+  return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
 
 
 _STEPS = {"mean": _mean, "robust": _robust, "scatter": _scatter, "rows": _rows}
