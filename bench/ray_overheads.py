@@ -14,6 +14,10 @@ overhead: one worker, `small`, H = 10: a job through Ray (pull, the worker's job
   program with its host transfers).
 recovery: 4 workers, `small`, a chaos schedule (a worker killed and rejoining, one added,
   the server killed): seconds to recover and work lost, from summary.json.
+checkpoints: --workers (8) of `small`, DiLoCo, 2 rounds of H = 2, each checkpointed, in the
+  peer form and through the server: per checkpoint, what the driver's ray.get calls
+  returned while it saved (pickled bytes: `count_saves`), what it wrote itself (the orbax
+  step: the meta), what the actors wrote (their parts), and the save's seconds.
 A JSON row per measurement is appended to --out as it is made.
 """
 
@@ -144,17 +148,77 @@ def recovery(args, ray) -> None:
                   "eval_loss": s["eval_loss"], "wall_seconds": s["wall_seconds"]})
 
 
+def count_saves(setattr_) -> list[dict]:
+  """Makes every RayDriver count, per checkpoint it saves, the pickled bytes its ray.get
+  calls return meanwhile and the save's seconds (`setattr_`: setattr, or a test's
+  monkeypatch.setattr). Returns the list it appends one {"received", "seconds"} to."""
+  import pickle
+  from lowcomm_jax.runtimes.ray.driver import RayDriver
+  saves, save = [], RayDriver.save
+
+  class Counting:  # the driver's `ray`, its gets counted
+    def __init__(self, ray):
+      self._ray, self.received = ray, 0
+
+    def __getattr__(self, name):
+      return getattr(self._ray, name)
+
+    def get(self, refs, *args, **kwargs):
+      out = self._ray.get(refs, *args, **kwargs)
+      self.received += len(pickle.dumps(out))
+      return out
+
+  def counting_save(driver, *args, **kwargs):
+    real, t0 = driver.ray, time.perf_counter()
+    driver.ray = counting = Counting(real)
+    try:
+      return save(driver, *args, **kwargs)
+    finally:
+      driver.ray = real
+      saves.append({"received": counting.received, "seconds": time.perf_counter() - t0})
+  setattr_(RayDriver, "save", counting_save)
+  return saves
+
+
+def _bytes_under(path: pathlib.Path) -> int:
+  return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def checkpoints(args, ray) -> None:
+  from lowcomm_jax.runtimes.ray import driver
+  saves = count_saves(setattr)
+  for form in ("auto", "server"):
+    c = config(algorithm="diloco", num_workers=args.workers, rounds=2, inner_steps=2,
+               collective_form=form)
+    del saves[:]
+    with tempfile.TemporaryDirectory() as workdir:
+      s = driver.run(c, workdir)
+      root = pathlib.Path(workdir) / "checkpoints"
+      steps = sorted(int(d.name) for d in root.iterdir() if d.name.isdigit())
+      driver_written = [_bytes_under(root / str(k)) for k in steps]
+      parts = {d.name: _bytes_under(d) // max(1, len(list(d.iterdir())))
+               for d in root.iterdir() if d.is_dir() and not d.name.isdigit()
+               and d.name != "damaged" and any(d.iterdir())}
+    emit(args.out, {"part": "checkpoints", "model": "small", "workers": args.workers,
+                    "round_form": s["round_form"], "saves": saves[:],
+                    "driver_written_bytes": driver_written,
+                    "part_bytes_per_round": parts, "theta_bytes": 4 * s["params"],
+                    "eval_loss": s["eval_loss"]})
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--parts", default="throughput,overhead,recovery")
   p.add_argument("--pushes", type=int, default=20)
+  p.add_argument("--workers", type=int, default=8, help="checkpoints: the run's workers")
   p.add_argument("--out", default="ray_overheads.jsonl")
   args = p.parse_args()
   import ray
   ray.init(num_cpus=os.cpu_count(), include_dashboard=False, configure_logging=False,
            log_to_driver=False)
   for part in args.parts.split(","):
-    {"throughput": throughput, "overhead": overhead, "recovery": recovery}[part](args, ray)
+    {"throughput": throughput, "overhead": overhead, "recovery": recovery,
+     "checkpoints": checkpoints}[part](args, ray)
   ray.shutdown()
 
 

@@ -202,16 +202,22 @@ def ray_cluster():
   ray.shutdown()
 
 
+def driver_gets_at_saves(monkeypatch) -> list[dict]:
+  """Makes every Ray driver of this test count what its `ray.get`s return while it saves a
+  checkpoint (bench/ray_overheads.py `count_saves`): {"received": pickled bytes, "seconds"}
+  per checkpoint, in the list returned."""
+  return bench_module("ray_overheads").count_saves(monkeypatch.setattr)
+
+
 def ray_checkpoint(config, workdir) -> tuple[dict, dict, dict]:
   """The newest checkpoint of the Ray run in `workdir`: (each server's state by name, the
   driver's meta, each worker's state)."""
-  from lowcomm_jax.runtimes.ray.driver import RayDriver
+  from lowcomm_jax.runtimes.ray import checkpoints
   from lowcomm_jax.run.files import RunFiles
   files = RunFiles(config, workdir)
-  driver = RayDriver(config)  # (no actor: its checkpoint reading only)
-  driver.files = files
   try:
-    return driver._restore(files.open_checkpoints())
+    mark = files.open_checkpoints()
+    return checkpoints.restore(files.ckpt, checkpoints.run_of(config), mark)
   finally:
     files.close()
 

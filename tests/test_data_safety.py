@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, load_config, xla_flags
-from lowcomm_jax.run import checkpoint
+from lowcomm_jax.run import checkpoint, checkpoint_parts
 from lowcomm_jax.runtimes.spmd import train
 from lowcomm_jax.run.checkpoint import Checkpointer, CheckpointMismatch, abstract_with_shardings
 
@@ -228,14 +228,14 @@ def test_disk_full_during_a_save_is_one_line_and_the_previous_checkpoint_resumes
   if part == "process part":  # the per-process arrays, written on the training thread
     def savez(*args, **kwargs):
       raise full
-    monkeypatch.setattr(checkpoint.np, "savez", savez)
+    monkeypatch.setattr(checkpoint_parts.np, "savez", savez)
   else:  # the last file of orbax's save, written in orbax's thread
-    write = checkpoint._write_manifest
+    write = checkpoint_parts.write_manifest
     def write_manifest(root, name):
       if name == checkpoint._GLOBAL_MANIFEST:
         raise full
       write(root, name)
-    monkeypatch.setattr(checkpoint, "_write_manifest", write_manifest)
+    monkeypatch.setattr(checkpoint_parts, "write_manifest", write_manifest)
   with pytest.raises(WorkdirError) as e:
     train.run(_config(), workdir)  # resumes at round 2, fails saving round 3
   monkeypatch.undo()

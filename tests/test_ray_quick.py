@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import load_config, ray_checkpoint
+from conftest import driver_gets_at_saves, load_config, ray_checkpoint
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.quick
@@ -35,10 +35,11 @@ def cluster(ray_cluster):
     ("noloco", "auto", "peers"),      # each member swaps θ_i with its round's peer
 ])
 def test_a_ray_round_in_each_form_moves_theta_and_counts_its_bytes(cluster, tmp_path,
-                                                                   algorithm, form,
-                                                                   round_form):
+                                                                   monkeypatch, algorithm,
+                                                                   form, round_form):
   from lowcomm_jax.runtimes.ray import driver
   config = _config(algorithm=algorithm, collective_form=form)
+  received = driver_gets_at_saves(monkeypatch)
   summary = driver.run(config, tmp_path)
   rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r for r in rows if "event" in r] == []  # nobody lost, joined or restarted
@@ -52,6 +53,13 @@ def test_a_ray_round_in_each_form_moves_theta_and_counts_its_bytes(cluster, tmp_
   servers, _, _ = ray_checkpoint(config, tmp_path)  # (the newest: the last round's)
   moved = np.abs(np.asarray(servers["global"]["params"]) - theta0)
   assert (moved > 0).mean() > 0.5, (moved > 0).mean()
+  # Each checkpoint written where its state is: the driver got back no tensor (each
+  # part's crc32 and a version), though every worker's inner state is larger than θ. Pair
+  # swaps gather every member's rows of the outer state through the driver still.
+  assert len(received) == 2, received
+  if algorithm != "noloco":
+    most = max(save["received"] for save in received)
+    assert most < 2_000 < theta0.nbytes, (received, theta0.nbytes)
   if round_form == "server":
     assert summary["server_bytes_sent"] > 0 and summary["wire_bytes_per_worker"] == {}
   else:  # each link carried the ledger's bytes both ways, through no server

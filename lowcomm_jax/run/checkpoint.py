@@ -1,8 +1,9 @@
 """Checkpoints through orbax (the only module that imports it).
 
 A checkpoint of round r has a global part, written by all processes together through
-orbax, and a part per process, written by each process alone (its hosts' tiers have their
-own shapes):
+orbax, and parts that one process writes alone (run/checkpoint_parts.py: numpy + JSON, a
+manifest, renamed into place). The lockstep runtime writes a part per process (its hosts'
+tiers have their own shapes):
 
   <dir>/<r>/state, meta          orbax: TrainState (θ_global, outer optimizer state, round,
                                  base RNG key) with shardings; JSON run metadata
@@ -10,40 +11,41 @@ own shapes):
                                  where the algorithm keeps them, inner optimizer states, steps)
                                  and its data streams' iterator states (data.json)
 
-The per-process part is plain numpy + JSON, written to a temporary directory and renamed
-into place (atomic): orbax 0.12's managers restricted to one process (`active_processes`)
-commit the step but write item contents only on process 0 (BUILD_NOTES.md). In a
-multi-process run <dir> must be storage every process can reach (a shared file system).
-Global saves are asynchronous; `wait()` blocks until the last one is durable.
+orbax 0.12's managers restricted to one process (`active_processes`) commit the step but
+write item contents only on process 0 (BUILD_NOTES.md), hence the parts. A Ray run
+(`commit`) has no global arrays: each actor writes the part it holds (runtimes/ray/
+checkpoints.py), and the driver's orbax step holds the meta alone, listing those parts and
+their manifests' crc32. In a run of several processes or machines <dir> must be storage
+every process can reach (a shared file system). Global saves are asynchronous; `wait()`
+blocks until the last one is durable.
 
 Damage vs mismatch. Each part carries a manifest of its files (size and crc32):
-process_<p>/<r>/manifest.json, written with the part before it is renamed into place, and
+<part>/<r>/manifest.json, written with the part before it is renamed into place, and
 <r>/lowcomm_manifest.json, written by process 0 from orbax's post-finalization callback,
 after every process's files are written and before orbax commits the step. `recover()`
-checks the newest rounds against them: a round whose files differ from what was written is
-damaged, is moved to <dir>/damaged/<r>-<time>/ (never deleted) with a warning, and the
-round before it is tried. A round that verifies is intact, so any failure to restore it
-means it does not fit the config: CheckpointMismatch. Rounds written before manifests
-existed (neither part has one) are trusted as before.
+checks the newest rounds against them (and a listed part's manifest against the crc32 its
+commit recorded): a round whose files differ from what was written is damaged, is moved to
+<dir>/damaged/<r>-<time>/ with its parts (never deleted) with a warning, and the round
+before it is tried. A round that verifies is intact, so any failure to restore it means it
+does not fit the config: CheckpointMismatch. Rounds written before manifests existed
+(neither part has one) are trusted as before.
 """
 
-import json
 import logging
 import os
 import pathlib
 import shutil
 import time
-import zlib
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from lowcomm_jax.run import checkpoint_parts
 from lowcomm_jax.run.workdir import WorkdirError, storage_reason
 
 _GLOBAL_MANIFEST = "lowcomm_manifest.json"  # in orbax's step directory
-_LOCAL_MANIFEST = "manifest.json"  # in each process's part
 
 
 class _StorageFailuresInOneLine(logging.Filter):
@@ -64,106 +66,13 @@ class CheckpointMismatch(RuntimeError):
   """The checkpoint in a workdir was written by an incompatible config."""
 
 
-def _crc32(path: pathlib.Path) -> int:
-  crc = 0
-  with open(path, "rb") as f:
-    while chunk := f.read(1 << 24):
-      crc = zlib.crc32(chunk, crc)
-  return crc
-
-
-# orbax rewrites this one when it commits a step (the commit time), after the manifest.
-_UNSEALED = ("_CHECKPOINT_METADATA",)
-
-
-def _write_manifest(root: pathlib.Path, name: str) -> None:
-  """Records the size and crc32 of every file under `root` in `root/name` (atomically)."""
-  files = {p.relative_to(root).as_posix(): [p.stat().st_size, _crc32(p)]
-           for p in sorted(root.rglob("*"))
-           if p.is_file() and p.name != name and p.relative_to(root).as_posix() not in _UNSEALED}
-  tmp = root / f"{name}.tmp"
-  with open(tmp, "w") as f:
-    json.dump({"files": files}, f)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, root / name)
-
-
-def _verify(root: pathlib.Path, name: str) -> str | None:
-  """None if every file in the manifest `root/name` has its recorded size and crc32; else
-  which file is not as written."""
-  try:
-    files = json.loads((root / name).read_text())["files"]
-    expected = [(root / rel, int(size), int(crc)) for rel, (size, crc) in files.items()]
-  except FileNotFoundError:
-    return f"{root / name} is missing"
-  except (OSError, ValueError, KeyError, TypeError, AttributeError):
-    return f"{root / name} is unreadable"
-  for path, size, crc in expected:
-    try:
-      actual = path.stat().st_size
-    except OSError:
-      return f"{path} is missing"
-    if actual != size:
-      return f"{path} has {actual} bytes, {size} were written"
-    if _crc32(path) != crc:
-      return f"{path} does not hold the bytes written (crc32 differs)"
-  return None
-
-
-class _ProcessStore:
-  """One process's own rounds: <dir>/<r>/{workers.npz, data.json}, renamed into place."""
-
-  def __init__(self, directory: pathlib.Path, max_to_keep: int, read_only: bool = False):
-    self.directory = directory
-    self.max_to_keep = max_to_keep
-    self.read_only = read_only
-    if not read_only:
-      directory.mkdir(parents=True, exist_ok=True)
-
-  def steps(self) -> list[int]:
-    if not self.directory.is_dir():
-      return []
-    if not self.read_only:  # a reader may look at a live run: its save in flight stays
-      for stale in self.directory.glob("*.tmp-*"):  # left by a process killed mid-save
-        shutil.rmtree(stale, ignore_errors=True)
-    return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit())
-
-  def save(self, step: int, workers, data: dict) -> None:
-    tmp = self.directory / f"{step}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-      tmp.mkdir()
-      leaves = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(workers))]
-      np.savez(tmp / "workers.npz", *leaves)
-      (tmp / "data.json").write_text(json.dumps(data))
-      _write_manifest(tmp, _LOCAL_MANIFEST)
-    except BaseException:
-      shutil.rmtree(tmp, ignore_errors=True)  # frees the space; never renamed into place
-      raise
-    final = self.directory / str(step)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    for old in self.steps()[:-self.max_to_keep]:
-      shutil.rmtree(self.directory / str(old), ignore_errors=True)
-
-  def restore(self, step: int, abstract_workers):
-    leaves_abstract, treedef = jax.tree.flatten(abstract_workers)
-    with np.load(self.directory / str(step) / "workers.npz") as npz:
-      leaves = [npz[f"arr_{i}"] for i in range(len(npz.files))]
-    if [(x.shape, x.dtype) for x in leaves] != [(a.shape, a.dtype) for a in leaves_abstract]:
-      raise ValueError("worker states have other shapes than this config's")
-    workers = jax.tree.unflatten(treedef, [jax.device_put(x, a.sharding)
-                                           for x, a in zip(leaves, leaves_abstract)])
-    return workers, json.loads((self.directory / str(step) / "data.json").read_text())
-
-
 class Checkpointer:
 
   def __init__(self, directory: pathlib.Path, *, max_to_keep: int, read_only: bool = False):
     """`read_only`: only restores (an export of a run that may still be training): nothing
     is created, and no save in flight is mistaken for a stale one and removed."""
     self.directory = pathlib.Path(directory).absolute()
+    self.max_to_keep = max_to_keep
     self._sealing = None  # the round whose orbax save is in flight
     self._closed = False
     self._global = ocp.CheckpointManager(
@@ -173,8 +82,8 @@ class Checkpointer:
             cleanup_tmp_directories=not read_only,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._seal)),
         item_names=("state", "meta"))
-    self._local = _ProcessStore(self.directory / f"process_{jax.process_index()}", max_to_keep,
-                                read_only=read_only)
+    self._local = checkpoint_parts.PartStore(
+        self.directory / f"process_{jax.process_index()}", max_to_keep, read_only=read_only)
 
   def latest_round(self) -> int | None:
     """The newest round whose global part and every process's own part were all written.
@@ -182,8 +91,8 @@ class Checkpointer:
     A process killed mid-save leaves its part of the last round missing; all processes
     must then agree on the round before it, or they would resume differently.
     """
-    common = set(self._global.all_steps()) & set(self._local.steps())
-    mine = max(common) if common else -1
+    whole = self._whole()
+    mine = whole[0] if whole else -1
     if jax.process_count() > 1:
       mine = int(np.min(multihost_utils.process_allgather(np.asarray(mine, np.int64))))
     return mine if mine >= 0 else None
@@ -193,9 +102,8 @@ class Checkpointer:
     newer damaged rounds aside (see the module docstring). Process 0 checks the global
     part, every process its own part; all take the oldest round any of them verified."""
     me = jax.process_index()
-    complete = sorted(set(self._global.all_steps()) & set(self._local.steps()), reverse=True)
     mine = -1
-    for step in complete:
+    for step in self._whole():
       problem = self._damage(step)
       if problem is None:
         mine = step
@@ -212,10 +120,39 @@ class Checkpointer:
       # No round is whole: what is left are parts of saves cut short (or parts whose
       # partner is gone). Set them aside, never delete: orbax would decline to save round 1
       # beside them.
-      for step in sorted(set(self._global.all_steps()) | set(self._local.steps())):
+      cut_short = set(self._global.all_steps()) | set(self._local.steps())
+      for store in self._other_parts():
+        cut_short |= set(store.steps())
+      for step in sorted(cut_short):
         self._move_aside(step, "incomplete (a save cut short)", with_global=me == 0)
     self._global.reload()  # steps moved aside are gone from orbax's view
     return agreed if agreed >= 0 else None
+
+  def _whole(self) -> list[int]:
+    """The rounds, newest first, whose orbax step is committed and whose parts are all
+    there: this process's own, or (a Ray run's) the parts its meta lists."""
+    own = set(self._local.steps())
+    return [step for step in sorted(self._global.all_steps(), reverse=True)
+            if step in own or (self._listed(step) and all(
+                (self.directory / name / str(step)).is_dir() for name in self._listed(step)))]
+
+  def _listed(self, step: int) -> dict[str, int]:
+    """The parts other processes wrote that round `step`'s meta lists (`commit`): name ->
+    its manifest's crc32. {} for a round of this process's own part (or no readable meta)."""
+    try:
+      return dict(self.restore_meta(step).get("parts", {}))
+    except Exception:  # noqa: BLE001 - a meta orbax cannot read: not a round to resume
+      return {}
+
+  def _other_parts(self) -> list[checkpoint_parts.PartStore]:
+    """The stores of parts other processes write (a Ray run's workers and servers), not
+    the lockstep processes' own (each moves and drops its own)."""
+    if not self.directory.is_dir():
+      return []
+    return [checkpoint_parts.PartStore(d, 0, read_only=True)
+            for d in sorted(self.directory.iterdir())
+            if d.is_dir() and not (d.name.isdigit() or d.name == "damaged"
+                                   or d.name.startswith("process_") or "." in d.name)]
 
   @property
   def _damaged(self) -> pathlib.Path:
@@ -224,13 +161,22 @@ class Checkpointer:
   def _damage(self, step: int) -> str | None:
     """What is damaged in round `step` as this process sees it, or None if it verifies."""
     global_dir, local_dir = self.directory / str(step), self._local.directory / str(step)
-    if not ((global_dir / _GLOBAL_MANIFEST).exists() or (local_dir / _LOCAL_MANIFEST).exists()):
+    if not ((global_dir / _GLOBAL_MANIFEST).exists()
+            or (local_dir / checkpoint_parts.MANIFEST).exists()):
       return None  # written before manifests existed: trusted, as it always was
     if jax.process_index() == 0:
-      problem = _verify(global_dir, _GLOBAL_MANIFEST)
+      problem = checkpoint_parts.verify(global_dir, _GLOBAL_MANIFEST)
       if problem:
         return problem
-    return _verify(local_dir, _LOCAL_MANIFEST)
+    listed = self._listed(step)
+    for name, crc in listed.items():  # each as written, and the one this round committed
+      part = self.directory / name / str(step)
+      problem = checkpoint_parts.verify(part, checkpoint_parts.MANIFEST)
+      if problem is None and checkpoint_parts.crc32(part / checkpoint_parts.MANIFEST) != crc:
+        problem = f"{part} is not the part round {step} committed (its manifest differs)"
+      if problem:
+        return problem
+    return None if listed else checkpoint_parts.verify(local_dir, checkpoint_parts.MANIFEST)
 
   def _move_aside(self, step: int, problem: str, *, with_global: bool) -> None:
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
@@ -247,6 +193,8 @@ class Checkpointer:
     parts = [(self._local.directory / str(step), dest / f"process_{me}")]
     if with_global:
       parts.append((self.directory / str(step), dest / "global"))
+      parts += [(store.directory / str(step), dest / store.directory.name)
+                for store in self._other_parts()]
     for src, dst in parts:
       if src.exists():
         os.rename(src, dst)
@@ -260,21 +208,33 @@ class Checkpointer:
     for step in self._global.all_steps():
       if step > round_:
         self._global.delete(step)
-    for step in self._local.steps():
-      if step > round_:
-        shutil.rmtree(self._local.directory / str(step), ignore_errors=True)
+    for store in [self._local, *self._other_parts()]:
+      for step in store.steps():
+        if step > round_:
+          shutil.rmtree(store.directory / str(step), ignore_errors=True)
 
   def save(self, round_: int, state, meta: dict, workers, data: dict) -> None:
     """Saves round `round_`; a failure to write storage raises WorkdirError, and leaves no
     part a resume would trust (a part is only trusted once complete)."""
+    self._save(round_, ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                          meta=ocp.args.JsonSave(meta)),
+               lambda: self._local.save(round_, workers, data))
+
+  def commit(self, round_: int, meta: dict, parts: dict[str, int]) -> None:
+    """Commits round `round_` whose arrays other processes wrote where they hold them
+    (`parts`: name -> its manifest's crc32, what checkpoint_parts.PartStore.save returned;
+    each under <dir>/<name>/<round_>/): the meta alone through orbax, listing them. orbax's
+    commit of the step is the round's: a part is read only once it is listed, and only as
+    the commit recorded it."""
+    self._save(round_, ocp.args.Composite(meta=ocp.args.JsonSave({**meta, "parts": parts})))
+
+  def _save(self, round_: int, args, then=lambda: None) -> None:
     try:
       self._global.wait_until_finished()  # orbax would too; the callback seals that one
       self._sealing = round_
-      saved = self._global.save(round_, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
-      if not saved:
+      if not self._global.save(round_, args=args):
         raise RuntimeError(f"orbax declined to save round {round_} in {self.directory}")
-      self._local.save(round_, workers, data)
+      then()
     except Exception as e:
       self._raise_if_storage(e, round_)
       raise
@@ -285,7 +245,8 @@ class Checkpointer:
     the manifest is committed with it."""
     tmp = sorted(self.directory.glob(f"{self._sealing}.orbax-checkpoint-tmp*"),
                  key=lambda p: p.stat().st_mtime)
-    _write_manifest(tmp[-1] if tmp else self.directory / str(self._sealing), _GLOBAL_MANIFEST)
+    checkpoint_parts.write_manifest(tmp[-1] if tmp else self.directory / str(self._sealing),
+                                    _GLOBAL_MANIFEST)
 
   def _raise_if_storage(self, e: Exception, round_: int | None) -> None:
     reason = storage_reason(e)

@@ -1,76 +1,146 @@
-"""A Ray run's checkpoint: what it holds, and reading it back.
+"""A Ray run's checkpoint, written where its state is, and reading it back.
 
-The state tree is the global server's (θ, its rule's state, and the models that jobs in
-flight pulled: `snapshots`), with HALoS's regional servers under "regions" (each also keeps
-its model after the last merge and at its last push: `reference`, `at_push`). Beside it,
-each live worker's state (inner optimizer, codec error buffer) and its data position. The
-meta holds what the driver counts, every server's version, and the jobs in flight, which a
-resumed run starts again from the models they pulled.
+Each actor writes the part it holds (run/checkpoint_parts.py: arrays, a JSON document and
+a manifest, renamed into place) in the run's checkpoints folder, then the driver commits
+the round (run/checkpoint.py `Checkpointer.commit`: its meta alone through orbax, listing
+the parts with their manifests' crc32):
+
+  worker_<w>/<r>/    worker w's state as it was before its unpushed job (inner optimizer,
+                     θ_w where the algorithm keeps it, its codec's error buffer); data.json:
+                     its data stream's position. Written by the worker.
+  server_<name>/<r>/ server `name`'s state: θ, its rule's state, for HALoS's regional
+                     servers also `reference` and `at_push`, and the models jobs in flight
+                     pulled (`snapshots`); data.json: its version and those snapshots'.
+                     Written by the server actor; in the peer form by one current member
+                     from its replica (NoLoCo's pair swaps: by the driver, which gathers
+                     every member's rows of the outer state: PairReplicas).
+  <r>/meta           the driver's counts, the jobs in flight, the servers' versions and
+                     the parts listed (orbax's commit of this step is the round's).
+
+What reaches the driver is each part's crc32 and a server's version: no tensor. A resume
+hands each actor where its part lies (`at`), and the actor reads it there; so every
+process must reach the folder (one machine, or a shared file system).
 """
+
+import pathlib
 
 import jax
 
-from lowcomm_jax.parallel import mesh as mesh_lib
-from lowcomm_jax.runtimes.ray.actors import initial_rule_state, server_rules, server_view
+from lowcomm_jax.run import checkpoint_parts
+from lowcomm_jax.runtimes.ray.actors import initial_rule_state, server_view
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.sim import GLOBAL
 
-# Of the meta; a checkpoint of another format is refused, not misread. 2: a synchronous
-# run's server holds its outer rules' states as a tuple per fragment.
-FORMAT = 2
+# Of the meta; a checkpoint of another format is refused, not misread. 3: the state in
+# parts written by the actors that hold it.
+FORMAT = 3
 
 
 def written_here(meta: dict) -> bool:
   return meta.get("format") == FORMAT and meta.get("runtime") == "ray"
 
 
-def abstract(r, region_names, meta: dict):
-  """Shapes (with this process's shardings) of the checkpoint that `meta` describes: the
-  servers' tree, and the live workers' states. `r`: the run built with a row per worker id
-  (chaos.with_worker_slots), so every live worker finds its host."""
-  rep = mesh_lib.replicated(r.topology.mesh)
-  placed = lambda tree: jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), tree)
-  params = r.state_spec.abstract.params
+def at(ckpt, round_: int) -> dict:
+  """Where round `round_`'s parts lie, as the driver hands it to an actor (plain JSON)."""
+  return {"directory": str(ckpt.directory), "round": round_, "keep": ckpt.max_to_keep}
 
-  def one_server(name):
-    out = {"params": params,
-           "opt_state": jax.eval_shape(lambda p: initial_rule_state(r, name, p), params)}
-    if name != GLOBAL:
-      out.update(reference=params, at_push=params)
-    pulled = [j for j in meta["in_flight"]
-              if j.get("server", GLOBAL) == name and not j.get("own")]
-    if pulled:
-      out["snapshots"] = {str(j["version"]): params for j in pulled}
-    return out
-  servers = one_server(GLOBAL)
-  if region_names:
-    servers["regions"] = {name: one_server(name) for name in region_names}
+
+def worker_part(worker: int) -> str:
+  return f"worker_{worker}"
+
+
+def server_part(name: str) -> str:
+  return f"server_{name}"
+
+
+def _store(where: dict, part: str, *, read_only: bool = False):
+  return checkpoint_parts.PartStore(
+      pathlib.Path(where["directory"]) / part, where["keep"],
+      read_only=read_only)
+
+
+def _shapes(tree):
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+# --- a worker's part (written and read in its process) -------------------------------------
+
+def worker_abstract(r, worker: int) -> dict:
+  """The shapes of worker `worker`'s part: its host's row of the worker states (a tier's
+  inner optimizer state has its own shapes) and, with a codec, an error buffer per
+  fragment (worker.py). `r`: a run built with a row per worker id (chaos.with_worker_slots)."""
+  host = next(h.index for h in r.topology.hosts if worker in h.worker_ids)
   one_row = lambda tree: jax.tree.map(
       lambda a: jax.ShapeDtypeStruct((1,) + a.shape[1:], a.dtype), tree)
-  per_host = r.abstract_workers()  # a tier's inner optimizer state has its own shapes
-
-  def worker(w: int) -> dict:
-    host = next(h.index for h in r.topology.hosts if w in h.worker_ids)
-    out = {"state": one_row(per_host[host])}
-    if r.sync.codec is not None:  # an error buffer per fragment (worker.py)
-      layout = r.model.layout
-      out["codec"] = jax.eval_shape(lambda: tuple(
-          jax.tree.map(lambda x: x[None], r.sync.codec.init(layout.fragment(p).abstract))
-          for p in range(layout.num_fragments)))
-    return out
-  return placed(servers), placed({str(w): worker(int(w)) for w in meta["live"]})
+  out = {"state": one_row(r.abstract_workers()[host])}
+  if r.sync.codec is not None:
+    layout = r.model.layout
+    out["codec"] = _shapes(jax.eval_shape(lambda: tuple(
+        jax.tree.map(lambda x: x[None], r.sync.codec.init(layout.fragment(p).abstract))
+        for p in range(layout.num_fragments))))
+  return out
 
 
-def restore(ckpt, r, region_names, mark: int) -> tuple[dict, dict, dict]:
-  """(each server's state with its version, by name; the meta; each live worker's state
-  with its data position) of checkpoint `mark`."""
-  meta = ckpt.restore_meta(mark)
-  servers, workers = abstract(r, region_names, meta)
-  tree, meta, workers, data = ckpt.restore(mark, servers, workers)
-  workers = {int(w): {**jax.device_get(s), "data": data["streams"][w]}
-             for w, s in workers.items()}
-  return _by_name(jax.device_get(tree), meta), meta, workers
+def write_worker(where: dict, worker: int, state: dict) -> int:
+  """Worker `worker`'s part of round where["round"]; `state`: its `checkpoint_state`.
+  Returns the part's manifest crc32 (what the commit lists)."""
+  tree = {k: v for k, v in state.items() if k != "data" and jax.tree.leaves(v)}
+  return _store(where, worker_part(worker)).save(where["round"], tree,
+                                                 {"stream": state["data"]})
+
+
+def read_worker(where: dict, r, worker: int) -> dict:
+  """{"state", "codec", "data"} of worker `worker`'s part (host arrays)."""
+  tree, data = _store(where, worker_part(worker), read_only=True).restore(
+      where["round"], worker_abstract(r, worker))
+  return {**tree, "data": data["stream"]}
+
+
+# --- a server's part (written by whoever holds that state) ---------------------------------
+
+def server_abstract(r, name: str, snapshots: list[int]) -> dict:
+  """The shapes of server `name`'s part holding the models pulled at `snapshots`."""
+  params = _shapes(r.state_spec.abstract.params)
+  out = {"params": params,
+         "opt_state": _shapes(jax.eval_shape(lambda p: initial_rule_state(r, name, p), params))}
+  if name != GLOBAL:
+    out.update(reference=params, at_push=params)
+  if snapshots:
+    out["snapshots"] = {str(v): params for v in snapshots}
+  return out
+
+
+def write_server(where: dict, name: str, state: dict) -> dict:
+  """Server `name`'s part of round where["round"]; `state`: a `ServerProcess.state()` (or
+  a replica's `share()`). Returns what the commit lists: {"crc", "version"}."""
+  tree = {k: state[k] for k in ("params", "opt_state", "reference", "at_push") if k in state}
+  snapshots = sorted(int(v) for v in state.get("snapshots", {}))
+  if snapshots:
+    tree["snapshots"] = state["snapshots"]
+  crc = _store(where, server_part(name)).save(
+      where["round"], tree, {"version": int(state["version"]), "snapshots": snapshots})
+  return {"crc": crc, "version": int(state["version"])}
+
+
+def read_server(where: dict, r, name: str) -> dict:
+  """Server `name`'s state in its part, with its version (host arrays). `r`: any run of
+  the config (the shapes of θ and the outer states are no mesh's)."""
+  store = _store(where, server_part(name), read_only=True)
+  doc = store.data(where["round"])
+  tree, _ = store.restore(where["round"], server_abstract(r, name, doc["snapshots"]))
+  return {**tree, "snapshots": tree.get("snapshots", {}), "version": doc["version"]}
+
+
+# --- the driver's side ----------------------------------------------------------------------
+
+def commit(ckpt, round_: int, servers: dict, workers: dict, meta: dict) -> None:
+  """Commits round `round_` whose parts are written: `servers`, {name: write_server's
+  record}; `workers`, {id: write_worker's crc}; `meta`, the driver's fields."""
+  parts = {server_part(name): rec["crc"] for name, rec in servers.items()}
+  parts.update({worker_part(w): crc for w, crc in workers.items()})
+  ckpt.commit(round_, {"format": FORMAT, "runtime": "ray", "version": servers[GLOBAL]["version"],
+                       "versions": {name: rec["version"] for name, rec in servers.items()},
+                       "live": [str(w) for w in sorted(workers)], **meta}, parts)
 
 
 def run_of(config):
@@ -81,45 +151,17 @@ def run_of(config):
   return build(server_view(with_worker_slots(one_device(config))), check_memory=False)
 
 
+def restore(ckpt, r, mark: int) -> tuple[dict, dict, dict]:
+  """(each server's state by name, the meta, each live worker's state) of checkpoint
+  `mark`, every part read in this process (a run's actors read their own instead; this is
+  for inspecting one). `r`: `run_of` the run's config."""
+  meta = ckpt.restore_meta(mark)
+  where = at(ckpt, mark)
+  servers = {name: read_server(where, r, name) for name in meta["versions"]}
+  return servers, meta, {int(w): read_worker(where, r, int(w)) for w in meta["live"]}
+
+
 def global_params(ckpt, r, mark: int):
   """θ of the global server in checkpoint `mark` (flat; what `export` writes). `r`:
   `run_of` the run's config."""
-  regions = tuple(name for name in server_rules(r) if name != GLOBAL)
-  return restore_servers(ckpt, r, regions, mark)[GLOBAL]["params"]
-
-
-def restore_servers(ckpt, r, region_names, mark: int) -> dict:
-  """Only the servers' states of checkpoint `mark` (a dead server's successor: the
-  workers' states are not read)."""
-  meta = ckpt.restore_meta(mark)
-  servers, _ = abstract(r, region_names, meta)
-  return _by_name(jax.device_get(ckpt.restore_state(mark, servers)), meta)
-
-
-def _by_name(tree: dict, meta: dict) -> dict:
-  versions = meta.get("versions", {GLOBAL: meta["version"]})
-  by_name = {GLOBAL: {k: v for k, v in tree.items() if k != "regions"}}
-  by_name.update(tree.get("regions", {}))
-  return {name: {**state, "version": versions[name]} for name, state in by_name.items()}
-
-
-def save(ckpt, step: int, states: dict, workers: dict, meta: dict) -> None:
-  """Writes checkpoint `step`: `states`, each server's `ServerProcess.state()` by name;
-  `workers`, each live worker's `checkpoint_state`; `meta`, the driver's fields (the
-  versions and the format are added here)."""
-  def tree_of(state):
-    out = {k: state[k] for k in ("params", "opt_state", "reference", "at_push") if k in state}
-    if state["snapshots"]:
-      out["snapshots"] = state["snapshots"]
-    return out
-  tree = tree_of(states[GLOBAL])
-  regions = {name: tree_of(s) for name, s in states.items() if name != GLOBAL}
-  if regions:
-    tree["regions"] = regions
-  meta = {"format": FORMAT, "runtime": "ray", "version": states[GLOBAL]["version"],
-          "versions": {name: s["version"] for name, s in states.items()},
-          "live": [str(w) for w in workers], **meta}
-  ckpt.save(step, tree, meta,
-            {str(w): {k: v for k, v in s.items() if k != "data" and jax.tree.leaves(v)}
-             for w, s in workers.items()},
-            {"streams": {str(w): s["data"] for w, s in workers.items()}})
+  return read_server(at(ckpt, mark), r, GLOBAL)["params"]

@@ -161,20 +161,21 @@ class RayDriver:
   def _region_names(self) -> tuple:
     return self.regions.names if self.regions is not None else ()
 
-  def _restore(self, mark: int) -> tuple[dict, dict, dict]:
-    """(each server's restored state by name, the meta, each live worker's state)."""
-    return checkpoints.restore(self.files.ckpt, self.server_run, self._region_names(), mark)
+  def _parts(self, mark: int, meta: dict) -> tuple[dict, dict]:
+    """Where checkpoint `mark`'s parts lie, as its actors are handed them (each reads its
+    own): ({server name: {"part", "version"}}, {live worker: {"part"}})."""
+    where = checkpoints.at(self.files.ckpt, mark)
+    return ({name: {"part": where, "version": v} for name, v in meta["versions"].items()},
+            {int(w): {"part": where} for w in meta["live"]})
 
   def _restore_latest(self, server: str = GLOBAL) -> tuple[dict | None, int | None]:
-    """Server `server`'s state in the newest checkpoint, and its mark."""
+    """Where server `server`'s state in the newest checkpoint lies, and its mark."""
     ckpt = self.files.ckpt
     ckpt.wait()
     latest = ckpt.latest_round()
     if latest is None:
       return None, None
-    servers = checkpoints.restore_servers(ckpt, self.server_run, self._region_names(),
-                                           latest)
-    return servers[server], latest
+    return self._parts(latest, ckpt.restore_meta(latest))[0][server], latest
 
   def open(self, files: RunFiles, latest: int | None) -> dict | None:
     self.files, ckpt, pool = files, files.ckpt, self.pool
@@ -192,7 +193,7 @@ class RayDriver:
               f"{summary['rounds']} rounds and cannot be extended; pass another --workdir"])
         return summary
       ckpt.discard_after(latest)
-      servers, meta, workers = self._restore(latest)
+      servers, workers = self._parts(latest, meta)
       self._resume_from(meta)
       in_flight = meta["in_flight"]  # started again as they were
     self.started_ray = cluster.connect(self.c)
@@ -222,14 +223,20 @@ class RayDriver:
     """The server (θ, its rule's state, the models jobs in flight pulled), every live
     worker's state as it was before its unfinished job (inner optimizer, codec buffer, data
     stream), and those jobs: a resumed run starts them again and repeats this one. (A
-    quorum run saves as a round closes: no contribution is pending.)"""
+    quorum run saves as a round closes: no contribution is pending.) Each part is written
+    by the actor that holds it (checkpoints.py); the driver commits the round once every
+    part is written."""
     pool = self.pool
+    step = mark + 1 if last and self.finished else mark
+    where = checkpoints.at(ckpt, step)
+    writing = {w: actor.save_part.remote(where, None if job is None or job.micro
+                                         else job.order)
+               for w, actor in sorted(pool.actors.items())
+               for job in [pool.jobs.get(w)]}
     workers = {}
-    for w, actor in sorted(pool.actors.items()):
-      job = pool.jobs.get(w)
+    for w, ref in writing.items():
       try:
-        workers[w] = self.ray.get(actor.checkpoint_state.remote(
-            None if job is None or job.micro else job.order))
+        workers[w] = self.ray.get(ref)
       except self.ray.exceptions.RayActorError as e:  # it died: not in this checkpoint
         pool.lose(w, f"{type(e).__name__} at a checkpoint")
     while True:
@@ -237,14 +244,14 @@ class RayDriver:
         jobs = self.progress.jobs_to_resume()
         in_flight = [j.record(v)
                      for j, v in zip(jobs, self.ray.get([j.version for j in jobs]))]
-        states = self.progress.global_states(in_flight)
+        servers = self.progress.global_parts(where, in_flight)
         break
       except self.ray.exceptions.RayActorError as e:  # a server died: recover it, again
         for name in list(pool.servers):
           if not pool.server_alive(name):
             pool.recover_server(f"save failed: {type(e).__name__}", name)
-    checkpoints.save(ckpt, mark + 1 if last and self.finished else mark, states, workers,
-                     {**self._meta(wall, last), "in_flight": in_flight})
+    checkpoints.commit(ckpt, step, servers, workers,
+                       {**self._meta(wall, last), "in_flight": in_flight})
     pool.checkpointed()
 
   def _meta(self, wall: float, last: bool) -> dict:

@@ -5,6 +5,7 @@ are given where the sync swaps with a peer (driver.py)."""
 import jax
 import numpy as np
 
+from lowcomm_jax.runtimes.ray import checkpoints
 from lowcomm_jax.runtimes.ray.actors import initial_rule_state
 from lowcomm_jax.runtimes.ray.replicas import Replicas
 from lowcomm_jax.runtimes.ray.replica import own_rows
@@ -29,8 +30,10 @@ class PairReplicas(Replicas):
     self.consensus_bytes = 0
 
   def restore_global(self, state: dict | None) -> None:
-    """A checkpoint's θ and every slot's rows: each worker adopts θ and its own rows."""
+    """A checkpoint's θ and every slot's rows (read here: the driver hands each worker its
+    own rows): each worker adopts θ and its own rows."""
     if state is not None:
+      state = checkpoints.read_server(state["part"], self.d.server_run, GLOBAL)
       self.version = int(state["version"])
       self.restored, self.slots = state["params"], state["opt_state"]
 
@@ -55,9 +58,10 @@ class PairReplicas(Replicas):
     self._consensus()
     return super().global_call(method)
 
-  def global_states(self, in_flight) -> dict:
-    """The checkpoint's global state in the server's layout: θ (the consensus) and every
-    slot's rows, from each live worker's replica (a lost worker's: the last checkpoint's)."""
+  def global_parts(self, where: dict, in_flight) -> dict:
+    """The checkpoint's global state in the server's layout, written by the driver: θ (the
+    consensus) and every slot's rows, gathered from each live worker's replica (a lost
+    worker's: the last checkpoint's)."""
     del in_flight
     d = self.d
     self._consensus()
@@ -76,8 +80,8 @@ class PairReplicas(Replicas):
             for w in range(d.c.num_workers)]
     self.slots = first["opt_state"]._replace(per_worker=jax.tree.map(
         lambda *xs: np.concatenate(xs), *rows))
-    return {GLOBAL: {"params": first["params"], "opt_state": self.slots,
-                     "version": self.version, "snapshots": {}}}
+    return {GLOBAL: checkpoints.write_server(where, GLOBAL, {
+        "params": first["params"], "opt_state": self.slots, "version": self.version})}
 
   def summary(self) -> dict:
     return {**super().summary(), "consensus_bytes": self.consensus_bytes}

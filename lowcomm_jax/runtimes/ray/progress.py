@@ -17,7 +17,7 @@ every mode can run through them) or `replicas.Replicas` (each worker holds a rep
 round closes with a collective among its members: quorum rounds and epochs, where
 `forms.among_workers` says so; `pair_rounds.PairReplicas` for pair swaps). A form answers:
 
-  restore_global(state), opened(), global_call(method), global_states(in_flight),
+  restore_global(state), opened(), global_call(method), global_parts(where, in_flight),
   resume_job(job), on_lose(worker), summary()   what the driver asks of the global state
   dispatch(worker, lr_step, steps)             a job from the open round's θ
   contribute(worker, meta, sent, segments)     a contribution kept for the round's close:
@@ -78,9 +78,10 @@ class Progress:
     """`method` of the global state's holder (evaluate, param_norm)."""
     return self.form.global_call(method)
 
-  def global_states(self, in_flight: list[dict]) -> dict:
-    """What a checkpoint keeps of the global state, by server name."""
-    return self.form.global_states(in_flight)
+  def global_parts(self, where: dict, in_flight: list[dict]) -> dict:
+    """The global state's parts of checkpoint `where`, written where the state is: each
+    server's record (checkpoints.write_server), by name."""
+    return self.form.global_parts(where, in_flight)
 
   def resume_job(self, job: dict) -> None:
     """A checkpoint's job in flight, started again."""

@@ -50,7 +50,7 @@ class Replicas:
     self.rows: dict[int, tuple[dict, object]] = {}  # the open round: worker -> (meta, sent)
     self.adopting: dict[int, object] = {}  # worker -> its adopt's reference, in flight
     self.heals = Heals(d)  # whom an adopt takes from, and a fresh worker's own state
-    self.restored = None  # a resumed run's global state (object ref), for the workers
+    self.restored = None  # a resumed run's global state: where its part lies, for the workers
     self.reduces = sync_program.peer_reduces(r.sync)
     self.attempts = Attempts(d)
     self.tallies = collections.Counter()  # rounds closed by form, where the form counts
@@ -68,17 +68,18 @@ class Replicas:
   # --- what the driver asks of the global state -------------------------------------------
 
   def restore_global(self, state: dict | None) -> None:
-    """A checkpoint's global state (None: a fresh run, each replica starts at θ₀)."""
+    """A checkpoint's global state, {"part": where, "version"}: each worker reads the
+    replica there (None: a fresh run, each replica starts at θ₀)."""
     if state is not None:
       self.version = int(state["version"])
-      self.restored = self.d.ray.put({k: state[k] for k in ("params", "opt_state", "version")})
+      self.restored = state
 
   def opened(self) -> None:
     pool = self.d.pool
     for w in pool.actors:
       if self.restored is None:
         self.held[w] = 0
-      else:  # one copy from the driver to each worker, at a resume only
+      else:  # each reads the checkpoint's replica where it lies
         self.adopting[w] = pool.actors[w].adopt.remote(self._restored_for(w))
         self.held[w] = self.version
     self._settle_adopts(list(self.adopting))
@@ -94,8 +95,8 @@ class Replicas:
             if w != besides and self.held.get(w) == self.version
             and w not in self.adopting and w not in self.d.pool.joining]
 
-  def global_call(self, method: str):
-    """`method` (evaluate, param_norm) of a current replica."""
+  def global_call(self, method: str, *args):
+    """`method` (evaluate, param_norm, save_replica) of a current replica."""
     self._settle()
     errors = self.d.ray.exceptions.RayActorError
     while True:
@@ -103,16 +104,15 @@ class Replicas:
       if w is None:
         raise RuntimeError(f"no live worker holds θ of version {self.version}")
       try:
-        return self.d.ray.get(getattr(self.d.pool.actors[w], method).remote())
+        return self.d.ray.get(getattr(self.d.pool.actors[w], method).remote(*args))
       except errors as e:
         self.d.pool.lose(w, f"{type(e).__name__} answering {method}")
 
-  def global_states(self, in_flight) -> dict:
-    """The checkpoint's global state: a current replica's, in the server's layout (no
-    snapshots: jobs in flight start from a replica's θ)."""
+  def global_parts(self, where: dict, in_flight) -> dict:
+    """The checkpoint's global state: a current replica's, written by its worker in the
+    server's layout (no snapshots: jobs in flight start from a replica's θ)."""
     del in_flight
-    state = self.global_call("share")
-    return {GLOBAL: {**state, "snapshots": {}}}
+    return {GLOBAL: self.global_call("save_replica", where)}
 
   def resume_job(self, job: dict) -> None:
     """A checkpoint's job in flight, started again (from the restored θ: a job that had

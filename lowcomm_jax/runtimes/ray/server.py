@@ -12,6 +12,7 @@ from lowcomm_jax.programs import steps
 from lowcomm_jax.runtimes.ray.actors import (built, initial_rule_state, initial_state,
                                              round_inputs, round_syncs, server_rules,
                                              server_view)
+from lowcomm_jax.runtimes.ray import checkpoints
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.sim import GLOBAL
 
@@ -59,8 +60,11 @@ class ServerProcess:
       self.load(restored, name)
 
   def load(self, restored: dict | None, name: str = GLOBAL) -> int:
-    """Becomes server `name`: its state from `restored`, or fresh. Returns its version."""
+    """Becomes server `name`: its state from `restored` (or from a checkpoint's part,
+    {"part": where}: read here), or fresh. Returns its version."""
     self.name = name
+    if restored is not None and "part" in restored:
+      restored = checkpoints.read_server(restored["part"], self.r, name)
     rule = server_rules(self.r)[name]
     self._apply = jax.jit(servers.make_apply(rule))
     self.snapshots = {}  # version -> [params, jobs out that pulled it]
@@ -262,6 +266,10 @@ class ServerProcess:
     out.update({k: np.asarray(self.arrays[k]) for k in ("reference", "at_push")
                 if k in self.arrays})
     return out
+
+  def save_part(self, where: dict, versions=()) -> dict:
+    """Writes its part of checkpoint `where` (`state`), where it is; returns its record."""
+    return checkpoints.write_server(where, self.name, self.state(versions))
 
   def evaluate(self) -> list[float]:
     """The eval loss at each of the run's eval widths (full width first)."""

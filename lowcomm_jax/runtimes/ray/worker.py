@@ -15,12 +15,13 @@ import numpy as np
 from lowcomm_jax.programs import optimizers
 from lowcomm_jax.programs import steps
 from lowcomm_jax.programs.epochs import PeerEpoch
-from lowcomm_jax.runtimes.ray import forms
+from lowcomm_jax.runtimes.ray import checkpoints, forms
 from lowcomm_jax.runtimes.ray import replica as replica_lib
 from lowcomm_jax.runtimes.ray.actors import built, initial_params
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.runtimes.ray.cluster import import_ray
 from lowcomm_jax.runtimes.ray.sender import Sender
+from lowcomm_jax.sim import GLOBAL
 
 
 class WorkerProcess:
@@ -30,14 +31,16 @@ class WorkerProcess:
   def __init__(self, config: ml_collections.ConfigDict, worker: int,
                restored: dict | None = None, step_sleep_s: float = 0.0,
                params0: np.ndarray | None = None):
-    """`restored`: {"data": its stream's state} (a worker that rejoins), and from a
-    checkpoint {"state", "codec"} too. `params0`: the run's θ₀ (the driver's, sent once
-    through the object store), so that a starting worker does not make it again: its
-    initial state (a fresh row) starts from it."""
+    """`restored`: {"data": its stream's state} (a worker that rejoins), or from a
+    checkpoint {"part": where its part lies} (checkpoints.at), which it reads itself.
+    `params0`: the run's θ₀ (the driver's, sent once through the object store), so that a
+    starting worker does not make it again: its initial state (a fresh row) starts from it."""
     from lowcomm_jax.parallel import mesh as mesh_lib
     restored = restored or {}
     self.worker, self.step_sleep_s, self.delay_s = worker, step_sleep_s, 0.0
     self.r, programs = r, programs = built(with_worker_slots(config), f"worker {worker}")
+    if "part" in restored:
+      restored = checkpoints.read_worker(restored["part"], r, worker)
     self.rng = jnp.asarray(steps.run_key(r.config.seed))
     # Its host-table row: its tier, batch and H (every host is local to a one-device run).
     self.host = next(h.index for h in r.topology.hosts if worker in h.worker_ids)
@@ -132,6 +135,16 @@ class WorkerProcess:
                                     self.streams.get_state())
     return {"state": jax.device_get(state), "codec": jax.device_get(codec_state), "data": data}
 
+  def save_part(self, where: dict, unpushed_job: int | None) -> int:
+    """Writes its part of the checkpoint `where` names (`checkpoint_state`), where it is:
+    only the part's crc32 goes back to the driver."""
+    return checkpoints.write_worker(where, self.worker, self.checkpoint_state(unpushed_job))
+
+  def save_replica(self, where: dict) -> dict:
+    """Writes its replica as the global server's part of checkpoint `where` (the peer
+    form: one current member's)."""
+    return checkpoints.write_server(where, GLOBAL, self.replica.share())
+
   def job(self, version: int, params: np.ndarray, outer, lr_step: int, steps_: int,
           order: int) -> tuple[dict, object]:
     """`steps_` local steps from θ of `version` (segment version % segments of round
@@ -194,7 +207,10 @@ class WorkerProcess:
 
   def adopt(self, state: dict, heal: dict | None = None) -> int:
     """Takes a peer's replica; with `heal` (a joiner's: `heal_state`) also what its
-    algorithm keeps per worker across rounds, the peer's local model and inner optimizer."""
+    algorithm keeps per worker across rounds, the peer's local model and inner optimizer.
+    `state` {"part": where}: a checkpoint's replica, read here."""
+    if "part" in state:
+      state = checkpoints.read_server(state["part"], self.r, GLOBAL)
     if heal is not None:
       with self._lock:
         self.state = jax.tree.map(jnp.asarray, heal["state"])

@@ -21,7 +21,8 @@ class ServerForm:
   # --- what the driver asks of the global state -------------------------------------------
 
   def restore_global(self, state: dict | None) -> None:
-    """A checkpoint's global server state (None: fresh) as the run opens: the servers."""
+    """A checkpoint's global server state ({"part": where}: the server reads it; None:
+    fresh) as the run opens: the servers."""
     self.d.pool.start_server(state)
 
   def opened(self) -> None:
@@ -30,12 +31,13 @@ class ServerForm:
   def global_call(self, method: str):
     return self.d.pool.call(method)
 
-  def global_states(self, in_flight: list[dict]) -> dict:
-    """Each server's state, with the models the jobs in flight pulled."""
+  def global_parts(self, where: dict, in_flight: list[dict]) -> dict:
+    """Each server writes its part (with the models the jobs in flight pulled)."""
     ray, pool = self.d.ray, self.d.pool
-    return {name: ray.get(actor.state.remote(
-                [j["version"] for j in in_flight if j["server"] == name]))
-            for name, actor in pool.servers.items()}
+    written = {name: actor.save_part.remote(
+                   where, [j["version"] for j in in_flight if j["server"] == name])
+               for name, actor in pool.servers.items()}
+    return {name: ray.get(ref) for name, ref in written.items()}
 
   def resume_job(self, job: dict) -> None:
     """A checkpoint's job in flight, started again as it was (from the model it pulled)."""
