@@ -3,9 +3,12 @@
 Ray is an extra (`pip install -e ".[ray]"`): it is imported only here (`import_ray`, which
 pool.py and driver.py call), so every other runtime works without it."""
 
+import hashlib
 import logging
 import os
+import pathlib
 import socket
+import uuid
 import warnings
 
 import ml_collections
@@ -34,15 +37,30 @@ def import_ray():
   return ray
 
 
-def connect(c: ml_collections.ConfigDict) -> bool:
-  """Connects this process to Ray: a running cluster at `ray.address`, or a new one inside
-  this process. Returns whether this process started it (and so shuts it down)."""
+def detached(c: ml_collections.ConfigDict) -> bool:
+  """Whether the run's actors outlive its driver: on a cluster started apart from it
+  (`ray.address`), each is one of Ray's detached actors, named, in the run's namespace
+  (`namespace`), so that the same command run again finds them (driver.py). A Ray this
+  process starts ends with it, and its actors with it."""
+  return bool(c.ray.address)
+
+
+def namespace(workdir: str | pathlib.Path) -> str:
+  """The run's Ray namespace: one per workdir (a workdir holds one run)."""
+  path = str(pathlib.Path(workdir).absolute())
+  return "lowcomm_" + hashlib.sha1(path.encode()).hexdigest()[:16]
+
+
+def connect(c: ml_collections.ConfigDict, workdir: str | pathlib.Path = "") -> bool:
+  """Connects this process to Ray, in the namespace of the run in `workdir`: a running
+  cluster at `ray.address`, or a new one inside this process. Returns whether this process
+  started it (and so shuts it down)."""
   ray = import_ray()
   if ray.is_initialized():
     return False
   y = c.ray
   kwargs = dict(include_dashboard=False, configure_logging=False, log_to_driver=True,
-                namespace="lowcomm_jax")
+                namespace=namespace(workdir) if workdir else "lowcomm_jax")
   if y.address:
     _answers(y.address)
     ray.init(address=y.address, **kwargs)
@@ -135,7 +153,8 @@ def actor_options(c: ml_collections.ConfigDict, *, worker: bool,
   driver's forced host device count is not theirs: a worker of several devices on CPUs
   gets its own count, everyone else runs on one device. `ray.worker_nodes` and
   `ray.server_node` pin actors to nodes by a custom resource (a sliver of it, so a node's
-  standby server and a restarted worker still fit)."""
+  standby server and a restarted worker still fit). On a cluster started apart from the
+  driver the actors are detached and named (`detached`)."""
   env = {k: v for k, v in os.environ.items()
          if k.startswith(("JAX_", "LOWCOMM_", "TIKTOKEN_"))}
   env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
@@ -146,6 +165,9 @@ def actor_options(c: ml_collections.ConfigDict, *, worker: bool,
     flags.append(f"--xla_force_host_platform_device_count={devices}")
   env["XLA_FLAGS"] = " ".join(flags)
   options = {"num_cpus": 0, "max_restarts": 0, "runtime_env": {"env_vars": env}}
+  if detached(c):  # found by a driver run again (names unique: a rejoin's is a new one)
+    kind = "worker" if worker else "server"
+    options.update(lifetime="detached", name=f"{kind}_{uuid.uuid4().hex[:12]}")
   if worker and c.ray.gpus_per_worker:
     options["num_gpus"] = c.ray.gpus_per_worker
     env.pop("JAX_PLATFORMS", None)  # the driver's (a CPU-only head's 'cpu') is not theirs

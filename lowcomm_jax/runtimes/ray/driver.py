@@ -30,7 +30,7 @@ from lowcomm_jax.errors import ConfigError
 from lowcomm_jax.run import loop
 from lowcomm_jax.assemble.build import build
 from lowcomm_jax.run.checkpoint import CheckpointMismatch
-from lowcomm_jax.runtimes.ray import checkpoints, cluster
+from lowcomm_jax.runtimes.ray import checkpoints, cluster, records
 from lowcomm_jax.runtimes.ray.accounts import Counts, Timeline
 from lowcomm_jax.runtimes.ray.actors import initial_params, server_rules, server_view
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
@@ -98,6 +98,8 @@ class RayDriver:
     self.unit = self.progress.unit
     self.pool.on_join = self.progress.start_next
     self.pool.on_lose = self.progress.on_lose
+    self.journals = records.journals(self)  # a record of each round to the workers
+    self.taken_up_at = None  # when this driver took up a dead one's live workers
 
   def _note(self, event: str, **fields) -> None:
     """A membership or recovery event: a metrics.jsonl row and a log line."""
@@ -179,7 +181,7 @@ class RayDriver:
 
   def open(self, files: RunFiles, latest: int | None) -> dict | None:
     self.files, ckpt, pool = files, files.ckpt, self.pool
-    servers, meta, workers, in_flight = {}, None, {}, []
+    servers, meta, workers = {}, None, {}
     if latest is not None:
       meta = ckpt.restore_meta(latest)
       if not checkpoints.written_here(meta):
@@ -194,10 +196,19 @@ class RayDriver:
         return summary
       ckpt.discard_after(latest)
       servers, workers = self._parts(latest, meta)
+    self.started_ray = cluster.connect(self.c, files.workdir)
+    t0, self.opened_at = time.perf_counter(), time.time()
+    # A driver run again: the live workers of the one that died go on from its newest
+    # record of a closed round, if they hold one at or past the checkpoint (records.py).
+    taken = records.take_up(self, latest)
+    if taken is not None:
+      meta, found = taken
+    if meta is not None:
       self._resume_from(meta)
-      in_flight = meta["in_flight"]  # started again as they were
-    self.started_ray = cluster.connect(self.c)
-    t0 = time.perf_counter()
+    if taken is not None:
+      servers = {GLOBAL: {"version": meta["version"],
+                          "held": records.step_back(self, meta, found)}}
+      self.taken_up_at = t0
     # θ₀ made once here, not by each process that starts (a rejoining worker's start-up).
     pool.theta0 = self.ray.put(initial_params(self.r))
     self.progress.restore_global(servers.get(GLOBAL))
@@ -206,14 +217,17 @@ class RayDriver:
     live = (sorted(int(w) for w in meta["live"]) if meta is not None
             else list(range(self.c.num_workers)))
     for w in live:
-      pool.start_worker(w, workers.get(w))
+      if taken is None:
+        pool.start_worker(w, workers.get(w))
+    live = [w for w in live if w in pool.actors]
     self.ray.get([pool.actors[w].ping.remote() for w in live])
     pool.start_standby()
     logging.info("ray: %d servers and %d workers up in %.1fs (%s)", len(pool.servers),
-                 len(live), time.perf_counter() - t0, "resumed" if meta else "fresh")
+                 len(live), time.perf_counter() - t0,
+                 "taken up" if taken else "resumed" if meta else "fresh")
     self.progress.opened()
     self.timeline.open(self.counts.applied_steps)
-    for j in sorted(in_flight, key=lambda j: j["order"]):
+    for j in sorted(meta["in_flight"] if meta else [], key=lambda j: j["order"]):
       self.progress.resume_job(j)
     self.idle_start()
     self.mark = self.progress.mark()
@@ -241,9 +255,7 @@ class RayDriver:
         pool.lose(w, f"{type(e).__name__} at a checkpoint")
     while True:
       try:
-        jobs = self.progress.jobs_to_resume()
-        in_flight = [j.record(v)
-                     for j, v in zip(jobs, self.ray.get([j.version for j in jobs]))]
+        in_flight = self._in_flight()
         servers = self.progress.global_parts(where, in_flight)
         break
       except self.ray.exceptions.RayActorError as e:  # a server died: recover it, again
@@ -253,6 +265,20 @@ class RayDriver:
     checkpoints.commit(ckpt, step, servers, workers,
                        {**self._meta(wall, last), "in_flight": in_flight})
     pool.checkpointed()
+
+  def _in_flight(self) -> list[dict]:
+    """The jobs a resumed run starts again, as a checkpoint keeps them."""
+    jobs = self.progress.jobs_to_resume()
+    return [j.record(v) for j, v in zip(jobs, self.ray.get([j.version for j in jobs]))]
+
+  def record(self) -> dict:
+    """The driver's record of the round just closed, which the workers keep (records.py):
+    a checkpoint's meta, the replicas' version and the next job's order."""
+    version = self.progress.form.version
+    return {**self._meta(self._wall_before + time.time() - self.opened_at, last=False),
+            "in_flight": self._in_flight(), "version": version, "versions": {GLOBAL: version},
+            "mark": self.progress.mark(), "next_order": self.counts.next_order,
+            "live": [str(w) for w in sorted(self.pool.actors)]}
 
   def _meta(self, wall: float, last: bool) -> dict:
     """What the driver keeps in a checkpoint's meta, besides the servers' versions and the

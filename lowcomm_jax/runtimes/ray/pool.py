@@ -111,6 +111,11 @@ class Pool:
     if worker in self.delays:
       self.actors[worker].delay.remote(self.delays[worker])
 
+  def take_up(self, worker: int, actor) -> None:
+    """`worker`'s live process, an earlier driver's (records.py), as one started here."""
+    self.actors[worker] = actor
+    self.jobs_done[worker] = 1  # (compiled already)
+
   def _config_of(self, worker: int) -> ml_collections.ConfigDict:
     """The run's config as `worker` builds it: with its own batch size (ray.batch_sizes)."""
     sizes = list(self.c.ray.batch_sizes)

@@ -16,6 +16,7 @@ the server's sync (forms/server.py), or a collective among the segment's members
 import logging
 import time
 
+from lowcomm_jax.runtimes.ray import records
 from lowcomm_jax.runtimes.ray.accounts import Counts
 from lowcomm_jax.runtimes.ray.progress import Progress
 
@@ -99,6 +100,8 @@ class QuorumRounds(Progress):
     self.segment = (self.segment + 1) % self.segments
     n.rounds += self.segment == 0
     self.round.open()
+    if self.segment == 0 and d.journals:  # before any next job starts
+      records.send(d)
     d.idle_start()  # every worker that contributed starts the next segment from the new θ
     self.form.after_start()
     return self.segment == 0

@@ -155,6 +155,9 @@ class Replica(RobustShards):
     # (its version, its members, θ and the outer state before it)
     self.pending = None
     self.staged = None  # (round version, TrainState) of the round being closed
+    # Where the driver keeps records (records.py): the version, θ and outer state before
+    # the last commit, until the record of that commit is in
+    self.keeps_previous, self.previous = False, None
     self.moments = {}  # when this member finished each step of the open round's collective
 
   def _set(self, version: int, params, opt_state) -> None:
@@ -352,9 +355,21 @@ class Replica(RobustShards):
       raise RuntimeError(f"commit of round {round_version}, but round {version} is staged")
     with self._lock:
       params, self.pending = (self.params if pending else state.params), None
+      if self.keeps_previous:
+        self.previous = (self.version, self.params, self.opt_state)
     self._set(round_version + 1, params, state.outer.per_fragment)
     self.staged = None
     self.kept = {v: kept for v, kept in self.kept.items() if v > round_version}
+    return self.version
+
+  def roll_back(self, version: int) -> int:
+    """Back to `version` (a driver run again from its record of it): θ and the outer state
+    before the last commit where that commit was of `version`'s round; a round in flight
+    and contributions to rounds not before it are dropped. Returns the version held."""
+    if self.version == version + 1 and self.previous and self.previous[0] == version:
+      self._set(*self.previous)
+    self.previous = self.staged = self.pending = None
+    self.kept = {v: kept for v, kept in self.kept.items() if v < version}
     return self.version
 
   def skip(self, round_version: int) -> int:

@@ -69,16 +69,17 @@ class Replicas:
 
   def restore_global(self, state: dict | None) -> None:
     """A checkpoint's global state, {"part": where, "version"}: each worker reads the
-    replica there (None: a fresh run, each replica starts at θ₀)."""
+    replica there; the live workers' own, {"held": their versions, "version"} (a driver run
+    again: records.py); None: a fresh run, each replica starts at θ₀."""
     if state is not None:
-      self.version = int(state["version"])
-      self.restored = state
+      self.version, self.held = int(state["version"]), dict(state.get("held", {}))
+      self.restored = state if "part" in state else None
 
   def opened(self) -> None:
     pool = self.d.pool
     for w in pool.actors:
       if self.restored is None:
-        self.held[w] = 0
+        self.held.setdefault(w, 0)
       else:  # each reads the checkpoint's replica where it lies
         self.adopting[w] = pool.actors[w].adopt.remote(self._restored_for(w))
         self.held[w] = self.version

@@ -15,7 +15,7 @@ import numpy as np
 from lowcomm_jax.programs import optimizers
 from lowcomm_jax.programs import steps
 from lowcomm_jax.programs.epochs import PeerEpoch
-from lowcomm_jax.runtimes.ray import checkpoints, forms
+from lowcomm_jax.runtimes.ray import checkpoints, forms, records
 from lowcomm_jax.runtimes.ray import replica as replica_lib
 from lowcomm_jax.runtimes.ray.actors import built, initial_params
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
@@ -81,6 +81,8 @@ class WorkerProcess:
     # lock: a checkpoint (the actor's second thread) reads them while a job runs.
     self.running, self.before, self.before_version = None, None, None
     self._lock = threading.Lock()
+    self._job_lock = threading.Lock()  # held by a job: a driver run again waits it out
+    self.record = None  # the driver's record of the newest closed round (records.py)
     # A collaborative epoch (micro/collect): its θ's version, the sums of the micro-batches
     # done at that θ, and the last epoch collected (a micro-batch of it that finishes later
     # is not counted).
@@ -149,6 +151,10 @@ class WorkerProcess:
           order: int) -> tuple[dict, object]:
     """`steps_` local steps from θ of `version` (segment version % segments of round
     version // segments), its lr schedule at `lr_step`: (meta, what it sends)."""
+    with self._job_lock:
+      return self._job(version, params, outer, lr_step, steps_, order)
+
+  def _job(self, version, params, outer, lr_step, steps_, order):
     start, started_at = time.perf_counter(), time.time()  # (θ is here: Ray fetched it)
     with self._lock:
       self.before = (self.state, self.sender.codec_state, self.streams.get_state())
@@ -223,6 +229,28 @@ class WorkerProcess:
     with self._lock:
       state = self.before[0] if self.before_version == version else self.state
     return {"state": jax.device_get(state)}
+
+  # --- a driver that died, run again (records.py) --------------------------------------
+
+  def keep_record(self, record: dict) -> None:
+    """The driver's record of the round just closed: where a driver run again goes on."""
+    self.record = record
+    if self.replica is not None:  # (the round before is no longer one to step back to)
+      self.replica.previous, self.replica.keeps_previous = None, True
+
+  def resume_point(self) -> dict:
+    return {"worker": self.worker, "record": self.record}
+
+  def resume_at(self, record: dict) -> int:
+    """Back to where `record`'s round left it (a job of the dead driver's ends first): its
+    state as before any job begun since, its replica at the record's version where it
+    committed one round more (replica.roll_back). Returns its replica's version."""
+    with self._job_lock, self._lock:
+      if records.began_since(record, self.worker, self.running):
+        self.state, self.sender.codec_state, data = self.before
+        self.streams.set_state(data)
+      self.running, self.record = None, record
+    return self.replica.roll_back(record["version"])
 
   def advance(self, round_version: int, members: list[int], tokens, losses) -> str:
     return self.replica.advance(round_version, members, tokens, losses)
