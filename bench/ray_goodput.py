@@ -5,6 +5,7 @@ failures.
 
   python bench/ray_goodput.py [--parts ray_free,ray_chaos,spmd_free,spmd_chaos]
       [--rounds 40] [--seed 0] [--standby_server] [--out ray_goodput.jsonl]
+  python bench/ray_goodput.py --parts peer_free,peer_chaos ...   # the peer form (issue 71)
 
 Both run DiLoCo (H = 10, `small` model on bytes, batch 8 × 64) for the same budget of
 `rounds` rounds of 8 workers; on Ray in quorum rounds of every live worker that is up
@@ -12,6 +13,13 @@ Both run DiLoCo (H = 10, `small` model on bytes, batch 8 × 64) for the same bud
 (Ray: after push 8·(3 + 4k) + 1) and comes back 2 rounds later (Ray: `rejoin_worker`
 16 pushes later; lockstep: the launcher restarts every process at once, at its cost); the
 server is killed in round 18 (lockstep: process 0). Checkpoints every 4 rounds.
+
+`peer_*` (issue 71): the Ray runtime's rounds among the workers (`collective_form=auto`,
+no server) on a Ray cluster this script starts apart from the driver (`ray start --head
+--block`, `ray.address`), with the same worker kills and rejoins, and instead of the
+server the driver killed (SIGKILL) once in round 18 and the same command run again at
+once: it takes the run up from its live workers' newest record (records.py). Its wall
+time is both commands' and the gap between them.
 
 Two definitions of goodput, both reported:
 - this project's (the "goodput" column): useful compute / total compute, where the compute
@@ -110,23 +118,29 @@ class Rows:
     return max(steps, default=0) // H
 
 
-def launch(cmd: list[str], workdir: pathlib.Path, kills=(), env=None):
+def launch(cmd: list[str], workdir: pathlib.Path, kills=(), env=None,
+           driver_killed_in: int | None = None):
   """Runs `cmd`, killing launcher process k (SIGKILL) when round r is first reached, for
-  each (r, k) in `kills`. (seconds, rows, the output's tail)."""
+  each (r, k) in `kills`; with `driver_killed_in`, the command itself is killed (SIGKILL)
+  when that round is first reached and run again at once. (seconds, rows, the output's
+  tail)."""
   start = time.time()
-  proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
-  rows = Rows(workdir, start)
-  pids, tail = {}, []
+  rows, pids, tail = Rows(workdir, start), {}, []
 
-  def read():
-    for line in proc.stdout:
-      tail.append(line)
-      del tail[:-40]
-      if m := re.match(r"\[launcher\] process (\d+): pid (\d+)", line):
-        pids[int(m.group(1))] = int(m.group(2))
-  reader = threading.Thread(target=read, daemon=True)
-  reader.start()
+  def started():
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def read():
+      for line in proc.stdout:
+        tail.append(line)
+        del tail[:-40]
+        if m := re.match(r"\[launcher\] process (\d+): pid (\d+)", line):
+          pids[int(m.group(1))] = int(m.group(2))
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return proc, reader
+  proc, reader = started()
   pending = list(kills)
   while proc.poll() is None:
     if pending and rows.round() >= pending[0][0] and pending[0][1] in pids:
@@ -136,6 +150,13 @@ def launch(cmd: list[str], workdir: pathlib.Path, kills=(), env=None):
         os.kill(pids.pop(k), signal.SIGKILL)
       except ProcessLookupError:
         pass
+    if driver_killed_in is not None and rows.round() >= driver_killed_in:
+      print(f"  killing the driver in round {rows.round()}, then running it again", flush=True)
+      proc.kill()
+      proc.wait()
+      reader.join(timeout=10)
+      driver_killed_in = None
+      proc, reader = started()
     time.sleep(0.2)
   reader.join(timeout=10)
   seconds = time.time() - start
@@ -196,6 +217,10 @@ def report(path: str) -> None:
       if ups or servers:
         print(f"    start-up of {len(ups)} rejoined workers: mean "
               f"{sum(ups) / max(len(ups), 1):.1f} s; server recovery {servers} s")
+      drivers = [round(r["seconds"], 2) for r in chaos.get("recoveries", [])
+                 if r["what"] == "driver"]
+      if drivers:
+        print(f"    driver taken up, its first committed round after {drivers} s")
       if runtime != "spmd" and (seed, "spmd", "chaos") in runs:
         t = min(chaos["seconds"], runs[(seed, "spmd", "chaos")]["seconds"])
         print(f"    at {t:.0f} s (the first chaos run's end): eval loss {runtime} "
@@ -209,6 +234,24 @@ def report(path: str) -> None:
       paired = [g - goodputs["spmd"][s] for s, g in by_seed.items() if s in goodputs["spmd"]]
       if paired:
         print(f"  {runtime} − spmd, paired: {_mean_sd(paired)}")
+
+
+def ray_head():
+  """A Ray cluster of this machine started apart from any driver (its own process group,
+  token authentication off, the actors at normal priority): (its process, its address)."""
+  import socket
+  with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+  env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_worker_niceness="0")
+  head = subprocess.Popen(
+      [str(pathlib.Path(sys.executable).with_name("ray")), "start", "--head", f"--port={port}",
+       "--node-ip-address=127.0.0.1", f"--num-cpus={os.cpu_count()}",
+       "--include-dashboard=false", "--disable-usage-stats",
+       f"--temp-dir={tempfile.mkdtemp(prefix='rg', dir='/tmp')}", "--block"],
+      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+  time.sleep(10)  # its GCS and raylet up
+  return head, f"127.0.0.1:{port}"
 
 
 def main() -> None:
@@ -227,49 +270,69 @@ def main() -> None:
   env.setdefault("LOWCOMM_DATA_DIR", str(REPO.parent / "shared" / "data"))
   env.pop("XLA_FLAGS", None)
   parts = args.parts.split(",")
-  warm = [f"{p}_warmup" for p in ("ray_free", "spmd_free") if p in parts or
+  warm = [f"{p}_warmup" for p in ("ray_free", "peer_free", "spmd_free") if p in parts or
           p.replace("free", "chaos") in parts]
-  for part in warm + parts:
-    workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"goodput_{part}_"))
-    flags = run_args(2 if part.endswith("warmup") else args.rounds, workdir, args.seed)
-    kills = ()
-    if part.startswith("ray"):
-      flags += ["--config.runtime=ray", "--config.mesh.replica=1",
-                "--config.ray.apply_order=arrival", "--config.ray.min_quorum=0",
-                f"--config.ray.standby_server={args.standby_server}",
-                # issue 29's measurement: rounds through a server, which its chaos kills
-                "--config.collective_form=server"]
-      if part == "ray_chaos":
-        flags.append("--config.ray.chaos=" + repr(tuple(ray_chaos(args.rounds))))
-      cmd = [sys.executable, "-m", "lowcomm_jax.main", *flags]
-    else:
-      restarts = len(spmd_kills()) if part == "spmd_chaos" else 0
-      kills = spmd_kills() if part == "spmd_chaos" else ()
-      cmd = [sys.executable, "launch/local.py", "--num_processes", str(WORKERS),
-             "--restarts", str(restarts), "--", *flags]
-    print(f"{part}: {' '.join(cmd[:4])} ...", flush=True)
-    code, seconds, rows, tail = launch(cmd, workdir, kills, env)
-    summary = read_summary(workdir) if has_summary(workdir) else {}
-    first = min((r["_t"] for r in rows if "step" in r and "event" not in r), default=None)
-    out = {"part": part, "seed": args.seed, "rounds": args.rounds, "returncode": code,
-           "standby_server": part.startswith("ray") and args.standby_server,
-           "seconds": seconds, "first_row_s": first, "eval_loss": summary.get("eval_loss"),
-           "evals": evals(rows),
-           "events": [{k: v for k, v in r.items() if k in ("event", "worker", "seconds", "_t",
-                                                          "round", "replayed")}
-                      for r in rows if "event" in r]}
-    for key in ("workers_lost", "workers_joined", "pushes_dropped", "server_restarts",
-                "pushes_replayed", "recoveries", "late_contributions", "mean_staleness",
-                "rounds_closed", "total_inner_steps", "tokens", "compute_seconds_per_worker"):
-      if key in summary:
-        out[key] = summary[key]
-    if code != 0:
-      out["tail"] = tail[-3000:]
-    print(json.dumps({k: v for k, v in out.items() if k not in ("evals", "tail")}), flush=True)
-    if part.endswith("warmup"):
-      continue
-    with open(args.out, "a") as f:
-      f.write(json.dumps(out) + "\n")
+  head, address = ray_head() if any(p.startswith("peer") for p in parts) else (None, "")
+  env["RAY_AUTH_MODE"] = "disabled"
+  try:
+    for part in warm + parts:
+      one_part(part, args, env, address)
+  finally:
+    if head is not None:
+      os.killpg(head.pid, signal.SIGKILL)  # the head and every Ray process it started
+
+
+def one_part(part: str, args, env: dict, address: str) -> None:
+  """Runs `part` (its warm-up: 2 rounds, not recorded) and appends its row to --out."""
+  workdir = pathlib.Path(tempfile.mkdtemp(prefix=f"goodput_{part}_"))
+  flags = run_args(2 if part.endswith("warmup") else args.rounds, workdir, args.seed)
+  kills, driver_killed_in = (), None
+  if part.startswith("peer"):
+    flags += ["--config.runtime=ray", "--config.mesh.replica=1",
+              "--config.ray.apply_order=arrival", "--config.ray.min_quorum=0",
+              "--config.collective_form=auto", f"--config.ray.address={address}"]
+    if part == "peer_chaos":
+      flags.append("--config.ray.chaos=" + repr(tuple(
+          e for e in ray_chaos(args.rounds) if not e.startswith("kill_server"))))
+      driver_killed_in = 18
+    cmd = [sys.executable, "-m", "lowcomm_jax.main", *flags]
+  elif part.startswith("ray"):
+    flags += ["--config.runtime=ray", "--config.mesh.replica=1",
+              "--config.ray.apply_order=arrival", "--config.ray.min_quorum=0",
+              f"--config.ray.standby_server={args.standby_server}",
+              # issue 29's measurement: rounds through a server, which its chaos kills
+              "--config.collective_form=server"]
+    if part == "ray_chaos":
+      flags.append("--config.ray.chaos=" + repr(tuple(ray_chaos(args.rounds))))
+    cmd = [sys.executable, "-m", "lowcomm_jax.main", *flags]
+  else:
+    restarts = len(spmd_kills()) if part == "spmd_chaos" else 0
+    kills = spmd_kills() if part == "spmd_chaos" else ()
+    cmd = [sys.executable, "launch/local.py", "--num_processes", str(WORKERS),
+           "--restarts", str(restarts), "--", *flags]
+  print(f"{part}: {' '.join(cmd[:4])} ...", flush=True)
+  code, seconds, rows, tail = launch(cmd, workdir, kills, env, driver_killed_in)
+  summary = read_summary(workdir) if has_summary(workdir) else {}
+  first = min((r["_t"] for r in rows if "step" in r and "event" not in r), default=None)
+  out = {"part": part, "seed": args.seed, "rounds": args.rounds, "returncode": code,
+         "standby_server": part.startswith("ray") and args.standby_server,
+         "seconds": seconds, "first_row_s": first, "eval_loss": summary.get("eval_loss"),
+         "evals": evals(rows),
+         "events": [{k: v for k, v in r.items() if k in ("event", "worker", "seconds", "_t",
+                                                        "round", "replayed")}
+                    for r in rows if "event" in r]}
+  for key in ("workers_lost", "workers_joined", "pushes_dropped", "server_restarts",
+              "pushes_replayed", "recoveries", "late_contributions", "mean_staleness",
+              "rounds_closed", "total_inner_steps", "tokens", "compute_seconds_per_worker"):
+    if key in summary:
+      out[key] = summary[key]
+  if code != 0:
+    out["tail"] = tail[-3000:]
+  print(json.dumps({k: v for k, v in out.items() if k not in ("evals", "tail")}), flush=True)
+  if part.endswith("warmup"):
+    return
+  with open(args.out, "a") as f:
+    f.write(json.dumps(out) + "\n")
 
 
 if __name__ == "__main__":
