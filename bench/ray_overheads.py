@@ -149,33 +149,28 @@ def recovery(args, ray) -> None:
 
 
 def count_saves(setattr_) -> list[dict]:
-  """Makes every RayDriver count, per checkpoint it saves, the pickled bytes its ray.get
-  calls return meanwhile and the save's seconds (`setattr_`: setattr, or a test's
-  monkeypatch.setattr). Returns the list it appends one {"received", "seconds"} to."""
+  """Makes every RayDriver count, per checkpoint it saves, the pickled bytes that ray.get
+  calls return in its process meanwhile (Ray's module function, whoever calls it) and the
+  save's seconds (`setattr_`: setattr, or a test's monkeypatch.setattr). Returns the list
+  it appends one {"received", "seconds"} to."""
   import pickle
   from lowcomm_jax.runtimes.ray.driver import RayDriver
   saves, save = [], RayDriver.save
 
-  class Counting:  # the driver's `ray`, its gets counted
-    def __init__(self, ray):
-      self._ray, self.received = ray, 0
-
-    def __getattr__(self, name):
-      return getattr(self._ray, name)
-
-    def get(self, refs, *args, **kwargs):
-      out = self._ray.get(refs, *args, **kwargs)
-      self.received += len(pickle.dumps(out))
-      return out
-
   def counting_save(driver, *args, **kwargs):
-    real, t0 = driver.ray, time.perf_counter()
-    driver.ray = counting = Counting(real)
+    ray, get, t0 = driver.ray, driver.ray.get, time.perf_counter()
+    received = []
+
+    def counted(refs, *a, **k):  # every ray.get of the driver's process meanwhile
+      out = get(refs, *a, **k)
+      received.append(len(pickle.dumps(out)))
+      return out
+    ray.get = counted
     try:
       return save(driver, *args, **kwargs)
     finally:
-      driver.ray = real
-      saves.append({"received": counting.received, "seconds": time.perf_counter() - t0})
+      ray.get = get
+      saves.append({"received": sum(received), "seconds": time.perf_counter() - t0})
   setattr_(RayDriver, "save", counting_save)
   return saves
 

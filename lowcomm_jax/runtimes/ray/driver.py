@@ -216,10 +216,10 @@ class RayDriver:
       pool.start_server(servers.get(name), name)
     live = (sorted(int(w) for w in meta["live"]) if meta is not None
             else list(range(self.c.num_workers)))
-    for w in live:
-      if taken is None:
+    if taken is None:
+      for w in live:
         pool.start_worker(w, workers.get(w))
-    live = [w for w in live if w in pool.actors]
+    live = [w for w in live if w in pool.actors]  # (a worker taken up that died since: lost)
     self.ray.get([pool.actors[w].ping.remote() for w in live])
     pool.start_standby()
     logging.info("ray: %d servers and %d workers up in %.1fs (%s)", len(pool.servers),
@@ -243,16 +243,10 @@ class RayDriver:
     pool = self.pool
     step = mark + 1 if last and self.finished else mark
     where = checkpoints.at(ckpt, step)
-    writing = {w: actor.save_part.remote(where, None if job is None or job.micro
-                                         else job.order)
-               for w, actor in sorted(pool.actors.items())
-               for job in [pool.jobs.get(w)]}
-    workers = {}
-    for w, ref in writing.items():
-      try:
-        workers[w] = self.ray.get(ref)
-      except self.ray.exceptions.RayActorError as e:  # it died: not in this checkpoint
-        pool.lose(w, f"{type(e).__name__} at a checkpoint")
+    workers = pool.answers({  # (one that dies is not in this checkpoint)
+        w: actor.save_part.remote(where, None if job is None or job.micro else job.order)
+        for w, actor in sorted(pool.actors.items()) for job in [pool.jobs.get(w)]},
+        "at a checkpoint")
     while True:
       try:
         in_flight = self._in_flight()

@@ -111,10 +111,16 @@ class Pool:
     if worker in self.delays:
       self.actors[worker].delay.remote(self.delays[worker])
 
-  def take_up(self, worker: int, actor) -> None:
-    """`worker`'s live process, an earlier driver's (records.py), as one started here."""
-    self.actors[worker] = actor
-    self.jobs_done[worker] = 1  # (compiled already)
+  def answers(self, refs: dict, doing: str) -> dict:
+    """{worker: its answer} of the calls `refs` ({worker: reference}); a worker that dies
+    answering is lost (`doing`: what it was doing, for the event)."""
+    out = {}
+    for w, ref in refs.items():
+      try:
+        out[w] = self.ray.get(ref)
+      except self.ray.exceptions.RayActorError as e:
+        self.lose(w, f"{type(e).__name__} {doing}")
+    return out
 
   def _config_of(self, worker: int) -> ml_collections.ConfigDict:
     """The run's config as `worker` builds it: with its own batch size (ray.batch_sizes)."""

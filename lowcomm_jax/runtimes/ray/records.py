@@ -45,12 +45,8 @@ def send(d) -> None:
   acknowledged before the next jobs start (a worker that dies meanwhile is lost)."""
   pool = d.pool
   record = d.record()
-  refs = {w: pool.actors[w].keep_record.remote(record) for w in pool.up()}
-  for w, ref in refs.items():
-    try:
-      d.ray.get(ref)
-    except d.ray.exceptions.RayActorError as e:
-      pool.lose(w, f"{type(e).__name__} taking the round's record")
+  pool.answers({w: pool.actors[w].keep_record.remote(record) for w in pool.up()},
+               "taking the round's record")
   if d.taken_up_at is not None:  # the first round committed since a driver ran again
     seconds = time.perf_counter() - d.taken_up_at
     d.counts.recoveries.append({"what": "driver", "seconds": seconds,
@@ -80,9 +76,11 @@ def found(d) -> tuple[dict, list]:
 
 def take_up(d, latest: int | None) -> tuple[dict, dict] | None:
   """(the newest record the run's live workers hold, {worker id: its actor} of the workers
-  it counts), if the record is at or past the checkpoint `latest` and this run keeps
-  records (`step_back` then takes them up). Otherwise None, and nothing of an earlier
-  driver is left running."""
+  it counts that hold a record themselves), if the record is at or past the checkpoint
+  `latest` and this run keeps records (`step_back` then takes them up). Otherwise None,
+  and nothing of an earlier driver is left running. A worker holding no record (one that
+  was starting, or adopting a peer's replica, when its driver died) is stopped: calls of
+  the dead driver may still be queued in it."""
   if not cluster.detached(d.c):
     return None
   workers, others = found(d)
@@ -96,29 +94,29 @@ def take_up(d, latest: int | None) -> tuple[dict, dict] | None:
                    len(workers) + len(others),
                    "the last checkpoint" if latest is not None else "the start")
     return None
-  counted = {int(w) for w in newest["live"]}
+  counted = {int(w) for w, (_, rec) in workers.items()
+             if str(w) in newest["live"] and rec is not None}
   _stop(d, others + [actor for w, (actor, _) in workers.items() if w not in counted])
   return newest, {w: actor for w, (actor, _) in workers.items() if w in counted}
 
 
 def step_back(d, record: dict, workers: dict) -> dict:
   """The driver's pool takes up `workers` ({id: actor}), each stepped back to `record`;
-  a worker the record counts that is gone is lost. {worker: the version its replica
-  holds}."""
+  a worker the record counts that is gone is lost, and its job in flight with it (taken
+  out of the record's). {worker: the version its replica holds}."""
   pool = d.pool
-  for w, actor in sorted(workers.items()):
-    pool.take_up(w, actor)
-  steps = {w: pool.actors[w].resume_at.remote(record) for w in list(pool.actors)}
-  held = {}
-  for w, ref in steps.items():
-    try:
-      held[w] = d.ray.get(ref)
-    except d.ray.exceptions.RayActorError as e:
-      pool.lose(w, f"{type(e).__name__} stepping back to round {record['mark']}")
+  for w, actor in sorted(workers.items()):  # each as a process started here
+    pool.actors[w], pool.jobs_done[w] = actor, 1  # (its programs compiled already)
+  held = pool.answers({w: pool.actors[w].resume_at.remote(record) for w in list(pool.actors)},
+                      f"stepping back to round {record['mark']}")
   for w in sorted({int(w) for w in record["live"]} - set(held)):  # gone with the driver
     pool.lost.append(w)
     d.counts.workers_lost += 1
     d.note("worker_lost", worker=w, why="not alive when the driver ran again")
+  for job in [j for j in record["in_flight"] if j["worker"] not in held]:
+    record["in_flight"].remove(job)
+    d.counts.pushes_dropped += 1
+    d.counts.dispatched_steps -= job["steps"]
   logging.info("ray: took up round %d from the live workers %s (replicas at %s)",
                record["mark"], sorted(held), sorted(set(held.values())))
   return held

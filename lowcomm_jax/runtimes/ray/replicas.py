@@ -241,12 +241,7 @@ class Replicas:
     tokens, losses = signals_of({w: self.rows[w][0] for w in members}, members)
     refs = {w: pool.actors[w].advance.remote(v, members, tokens, losses) for w in members}
     d.counts.collective_calls += len(members)
-    hashes = {}
-    for w, ref in refs.items():
-      try:
-        hashes[w] = d.ray.get(ref)
-      except d.ray.exceptions.RayActorError as e:
-        pool.lose(w, f"{type(e).__name__} taking round {v}'s θ'")
+    hashes = pool.answers(refs, f"taking round {v}'s θ'")
     if len(set(hashes.values())) > 1:
       raise RuntimeError(f"round {v}: the members' θ' differ ({hashes}); the replicas have "
                          "diverged")
@@ -389,11 +384,7 @@ class Replicas:
                          f"({hashes}); the replicas have diverged")
     refs = {w: d.pool.actors[w].commit.remote(v) for w in members}
     d.counts.collective_calls += len(members)
-    for w, ref in refs.items():
-      try:
-        d.ray.get(ref)
-        self.held[w] = v + 1
-      except d.ray.exceptions.RayActorError as e:  # the others have the round: it is lost
-        d.pool.lose(w, f"{type(e).__name__} committing a round")
+    for w in d.pool.answers(refs, "committing a round"):  # (one lost: the others have it)
+      self.held[w] = v + 1
     for w, o in outcome.items():
       d.counts.wire(w, o)

@@ -82,6 +82,8 @@ class WorkerProcess:
     self.running, self.before, self.before_version = None, None, None
     self._lock = threading.Lock()
     self._job_lock = threading.Lock()  # held by a job: a driver run again waits it out
+    self._parts = threading.Condition()  # ... and its collectives' parts: how many run
+    self._parts_running = 0
     self.record = None  # the driver's record of the newest closed round (records.py)
     # A collaborative epoch (micro/collect): its θ's version, the sums of the micro-batches
     # done at that θ, and the last epoch collected (a micro-batch of it that finishes later
@@ -245,6 +247,9 @@ class WorkerProcess:
     """Back to where `record`'s round left it (a job of the dead driver's ends first): its
     state as before any job begun since, its replica at the record's version where it
     committed one round more (replica.roll_back). Returns its replica's version."""
+    with self._parts:  # (one could stage over the round redone)
+      self._parts.wait_for(lambda: self._parts_running == 0,
+                           timeout=self.r.config.ray.collective_timeout_s)
     with self._job_lock, self._lock:
       if records.began_since(record, self.worker, self.running):
         self.state, self.sender.codec_state, data = self.before
@@ -303,8 +308,15 @@ class WorkerProcess:
 
   def _take_part(self, message: dict, steps) -> dict:
     transport = forms.transport_for(message, self.postbox, import_ray())
-    return forms.take_part(self.worker, message, self.mailbox, transport, steps,
-                           replica_lib.crash_here)
+    with self._parts:
+      self._parts_running += 1
+    try:
+      return forms.take_part(self.worker, message, self.mailbox, transport, steps,
+                             replica_lib.crash_here)
+    finally:
+      with self._parts:
+        self._parts_running -= 1
+        self._parts.notify_all()
 
   def commit(self, round_version: int) -> int:
     return self.replica.commit(round_version)
