@@ -91,22 +91,23 @@ class _Lines:
     return max(done, default=0)
 
 
-def _named_actors(address: str, workdir) -> list[str]:
-  """The run's actors still on the cluster (asked from a process of its own)."""
+def _named_actors(address: str, workdir, kill_one: bool = False) -> list[str]:
+  """The run's actors still on the cluster (asked from a process of its own); with
+  `kill_one`, the first of them killed first."""
   from lowcomm_jax.runtimes.ray.cluster import namespace
   probe = ("import ray, sys; ray.init(address=sys.argv[1], namespace=sys.argv[2], "
-           "log_to_driver=False); print(ray.util.list_named_actors())")
-  out = subprocess.run([sys.executable, "-c", probe, address, namespace(workdir)],
+           "log_to_driver=False); names = sorted(ray.util.list_named_actors()); "
+           "sys.argv[3] == 'kill' and ray.kill(ray.get_actor(names.pop(0))); print(names)")
+  out = subprocess.run([sys.executable, "-c", probe, address, namespace(workdir),
+                        "kill" if kill_one else "-"],
                        env=_env(), capture_output=True, text=True, timeout=120, check=True)
   return eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 - a list of names
 
 
-def test_a_driver_killed_mid_round_is_taken_up_by_the_same_command_run_again(
-    cluster, ray_cluster, tmp_path):
-  workdir = tmp_path / "killed"
-  command, env = _command(cluster, workdir), _env()
-  first = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.PIPE, text=True)
+def _killed_at_round_4(address: str, workdir) -> None:
+  """The command started, then killed (SIGKILL) inside round 4."""
+  first = subprocess.Popen(_command(address, workdir), cwd=REPO, env=_env(),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
   log, deadline = _Lines(first), time.time() + 300
   while log.rounds() < 3 and time.time() < deadline and first.poll() is None:
     time.sleep(0.05)
@@ -114,6 +115,31 @@ def test_a_driver_killed_mid_round_is_taken_up_by_the_same_command_run_again(
   time.sleep(0.5)  # inside round 4's jobs (each sleeps 1 s)
   first.send_signal(signal.SIGKILL)
   first.wait()
+
+
+def test_a_worker_that_dies_while_no_driver_runs_is_lost_and_the_run_goes_on(
+    cluster, tmp_path):
+  """The take-up's other path: a worker its record counts is gone (killed while the
+  driver was dead), so it is lost with its job in flight, and the others go on."""
+  workdir = tmp_path / "killed"
+  _killed_at_round_4(cluster, workdir)
+  assert len(_named_actors(cluster, workdir, kill_one=True)) == 1
+  again = subprocess.run(_command(cluster, workdir), cwd=REPO, env=_env(),
+                         capture_output=True, text=True, timeout=600)
+  assert again.returncode == 0, again.stderr[-3000:]
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert [r["round"] for r in summary["recoveries"] if r["what"] == "driver"] == [4]
+  assert summary["workers_lost"] == 1 and summary["rounds_closed"] == FIELDS["rounds"]
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert any(r.get("event") == "worker_lost" for r in rows)
+  assert _named_actors(cluster, workdir) == []
+
+
+def test_a_driver_killed_mid_round_is_taken_up_by_the_same_command_run_again(
+    cluster, ray_cluster, tmp_path):
+  workdir = tmp_path / "killed"
+  command, env = _command(cluster, workdir), _env()
+  _killed_at_round_4(cluster, workdir)
   assert len(_named_actors(cluster, workdir)) == 2  # the workers outlived their driver
   assert not (workdir / "summary.json").exists()
 

@@ -131,10 +131,13 @@ class Checkpointer:
   def _whole(self) -> list[int]:
     """The rounds, newest first, whose orbax step is committed and whose parts are all
     there: this process's own, or (a Ray run's) the parts its meta lists."""
-    own = set(self._local.steps())
-    return [step for step in sorted(self._global.all_steps(), reverse=True)
-            if step in own or (self._listed(step) and all(
-                (self.directory / name / str(step)).is_dir() for name in self._listed(step)))]
+    own, whole = set(self._local.steps()), []
+    for step in sorted(self._global.all_steps(), reverse=True):
+      listed = {} if step in own else self._listed(step)
+      if step in own or (listed and all((self.directory / name / str(step)).is_dir()
+                                        for name in listed)):
+        whole.append(step)
+    return whole
 
   def _listed(self, step: int) -> dict[str, int]:
     """The parts other processes wrote that round `step`'s meta lists (`commit`): name ->

@@ -100,13 +100,21 @@ class RayDriver:
     self.pool.on_lose = self.progress.on_lose
     self.journals = records.journals(self)  # a record of each round to the workers
     self.taken_up_at = None  # when this driver took up a dead one's live workers
+    self._notes = []  # event rows not yet written (`_note`)
 
   def _note(self, event: str, **fields) -> None:
-    """A membership or recovery event: a metrics.jsonl row and a log line."""
-    step = self.progress.step_count()
+    """A membership or recovery event: a metrics.jsonl row and a log line (rows of events
+    before the metrics files are open, as a run is taken up, wait for them)."""
     logging.info("ray: %s %s", event, fields)
-    if self.files is not None and self.files.logger is not None:
-      self.files.logger.note(step, {"event": event, "pushes": self.counts.pushes, **fields})
+    self._notes.append((self.progress.step_count(),
+                        {"event": event, "pushes": self.counts.pushes, **fields}))
+    self._write_notes()
+
+  def _write_notes(self) -> None:
+    if self._notes and self.files is not None and self.files.logger is not None:
+      for step, row in self._notes:
+        self.files.logger.note(step, row)
+      self._notes = []
 
   # --- jobs (what a finished one does: the progress policy's) -----------------------------
 
@@ -120,6 +128,7 @@ class RayDriver:
   # --- the run loop's driver --------------------------------------------------------------
 
   def advance(self, due) -> loop.Mark | None:
+    self._write_notes()  # (those of the opening: a run taken up)
     if self.finished:
       return None
     self.finished = self.progress.work_to_mark()

@@ -112,7 +112,7 @@ def step_back(d, record: dict, workers: dict) -> dict:
   for w in sorted({int(w) for w in record["live"]} - set(held)):  # gone with the driver
     pool.lost.append(w)
     d.counts.workers_lost += 1
-    d.note("worker_lost", worker=w, why="not alive when the driver ran again")
+    pool.note("worker_lost", worker=w, why="not alive when the driver ran again")
   for job in [j for j in record["in_flight"] if j["worker"] not in held]:
     record["in_flight"].remove(job)
     d.counts.pushes_dropped += 1
