@@ -109,7 +109,9 @@ def step_back(d, record: dict, workers: dict) -> dict:
     pool.actors[w], pool.jobs_done[w] = actor, 1  # (its programs compiled already)
   held = pool.answers({w: pool.actors[w].resume_at.remote(record) for w in list(pool.actors)},
                       f"stepping back to round {record['mark']}")
-  for w in sorted({int(w) for w in record["live"]} - set(held)):  # gone with the driver
+  # The record's workers not taken up are lost here (one taken up that died stepping back
+  # was lost by `answers`).
+  for w in sorted({int(w) for w in record["live"]} - set(workers)):
     pool.lost.append(w)
     d.counts.workers_lost += 1
     pool.note("worker_lost", worker=w, why="not alive when the driver ran again")
