@@ -36,7 +36,7 @@ def journals(d) -> bool:
   form = d.progress.form
   return (cluster.detached(d.c) and d.r.algorithm.progress(d.c) == "rounds"
           and isinstance(form, Replicas) and d.r.sync.partners is None
-          and not (form.overlaps or form.streams)
+          and not form.overlaps  # (one segment: no Streaming fragments, no τ beside them)
           and len(d.r.algorithm.segments(d.c, d.c.inner_steps)) == 1)
 
 
@@ -58,14 +58,14 @@ def found(d) -> tuple[dict, list]:
   """The run's actors alive on the cluster (an earlier driver's): ({worker id: (its actor,
   its newest record or None)}, every other actor of the run: servers, and workers that do
   not answer)."""
-  ray, workers, others = d.ray, {}, []
-  for name in ray.util.list_named_actors():
-    actor = ray.get_actor(name)
-    if not name.startswith("worker_"):
-      others.append(actor)
-      continue
+  ray, workers = d.ray, {}
+  actors = {name: ray.get_actor(name) for name in ray.util.list_named_actors()}
+  others = [a for name, a in actors.items() if not name.startswith("worker_")]
+  asked = [(a, a.resume_point.remote()) for name, a in actors.items()  # (all at once)
+           if name.startswith("worker_")]
+  for actor, ref in asked:
     try:
-      point = ray.get(actor.resume_point.remote(), timeout=d.c.ray.recover_timeout_s)
+      point = ray.get(ref, timeout=d.c.ray.recover_timeout_s)
       workers[point["worker"]] = (actor, point["record"])
     except (ray.exceptions.RayError, KeyError) as e:
       logging.warning("ray: a worker of an earlier driver does not answer (%s)",
