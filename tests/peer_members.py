@@ -65,7 +65,8 @@ def run_members(members, version, steps, *, attempt=1, timeout_s=60.0, crash=Non
 
 def rounds_of(r):
   """What a form's driver side reads of the driver (`Replicas`: its run, config, plan)."""
-  return types.SimpleNamespace(d=types.SimpleNamespace(c=r.config, r=r, plan=make_plan(r.config, r)))
+  return types.SimpleNamespace(d=types.SimpleNamespace(c=r.config, r=r, server_run=r,
+                                                       plan=make_plan(r.config, r)))
 
 
 def form_round(replicas, version, rows, *, form=None, extra=None, timeout_s=60.0):

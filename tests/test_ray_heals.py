@@ -71,3 +71,62 @@ def test_streaming_workers_that_rejoin_or_join_train_from_a_peers_local_model(cl
     assert peer[0] - trained > 1.0  # (the peer did train by then)
     first = _first_loss_after(summary, events, worker)
     assert first - trained < 0.3, (worker, first, trained)
+
+
+@pytest.mark.slow  # (~30 s: ten rounds paced by sleeps)
+def test_a_straggler_one_round_behind_runs_that_round_from_its_inputs(cluster, tmp_path):
+  """A quorum of two of three, worker 2 slower (0.45 s a step against 0.25): its job spans
+  a round's close, so it contributes to the round after the one it started from, and its
+  replica is one round behind. It takes that round's inputs from a member (the mean and
+  the signals: catch_up.py), not the whole replica, and runs the round's outer step itself.
+  The next round's members, worker 2 among them, must stage the same θ before any commits
+  (the driver compares their hashes), so a catch-up that misses the members' state stops the
+  run. Without the catch-up (`serve` always handing the whole replica) `rounds_caught_up` is
+  0 and `replicas_adopted` takes its place (checked)."""
+  from lowcomm_jax.runtimes.ray import driver
+  config = load_config("smoke", **{
+      "runtime": "ray", "algorithm": "diloco", "num_workers": 3, "rounds": 10,
+      "inner_steps": 2, "eval_every": 10, "checkpoint_every": 10, "log_every": 1,
+      "mesh.replica": 1, "ray.apply_order": "arrival", "ray.min_quorum": 2,
+      "ray.step_sleep_s": (0.25, 0.25, 0.45)})
+  summary = driver.run(config, tmp_path)
+  assert summary["round_form"] == "peers" and summary["rounds_closed"] == 10
+  assert summary["late_contributions"] >= 1
+  assert summary["rounds_caught_up"] >= 1, summary
+  # what each carried: the round's mean and its signals, about θ's bytes (a whole replica
+  # is θ and the outer momentum, twice that)
+  per_heal = summary["rounds_caught_up_bytes"] / summary["rounds_caught_up"]
+  assert 4 * summary["params"] <= per_heal < 1.1 * 4 * summary["params"], per_heal
+  if summary["replicas_adopted"]:  # (one that spanned two closes, on a loaded machine)
+    assert summary["replicas_adopted_bytes"] >= 2 * 4 * summary["params"]
+
+
+def test_a_noloco_worker_that_joins_takes_a_live_peers_row(cluster, tmp_path):
+  """NoLoCo in the peer form: each worker keeps its own outer weights and momentum (φ_i,
+  δ_i) and averages with one peer a round (Kolehmainen et al. 2025, "NoLoCo"), so a worker
+  that joins needs a row of its own. It takes its source's replica whole, θ and the
+  source's row, as torchft's heal loads a live replica's state (the server form, whose
+  server has only θ₀ for a new slot, still refuses the join). Two workers, two more join:
+  each joiner's first job starts from a trained φ, its loss near its peers' of the jobs
+  just before and far under θ₀'s. Without the row (a joiner keeping θ₀'s) the first losses
+  are θ₀'s (checked)."""
+  from lowcomm_jax.runtimes.ray import driver
+  config = load_config("smoke", **{
+      "runtime": "ray", "algorithm": "noloco", "num_workers": 2, "rounds": 10,
+      "inner_steps": 2, "eval_every": 10, "checkpoint_every": 5, "log_every": 1,
+      "mesh.replica": 1, "ray.apply_order": "dispatch",
+      "ray.chaos": ("add_worker@8", "add_worker@10")})
+  summary = driver.run(config, tmp_path)
+  events = [row for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+            if "event" in row]
+  assert summary["round_form"] == "peers" and summary["workers_joined"] == 2
+  assert summary["rounds_closed"] == 10
+  peer = summary["loss_by_job"]["0"]
+  order = [m[0] for m in summary["job_moments"]]
+  for worker in (2, 3):
+    joined = max(e["pushes"] for e in events
+                 if e["event"] == "worker_joined" and e["worker"] == worker)
+    before = order[:joined].count(0)
+    first = _first_loss_after(summary, events, worker)
+    assert first < peer[0] - 0.4, (worker, first, peer[0])  # not θ₀'s
+    assert first - statistics.mean(peer[before - 2:before]) < 0.3, (worker, first, peer)

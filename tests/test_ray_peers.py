@@ -553,3 +553,66 @@ def test_a_rays_round_path_is_the_lockstep_sync(overrides):
   assert np.abs(np.asarray(theirs.params) - initial_params(r)).max() > 1e-5  # θ moved
   if clean is not None:
     assert np.abs(np.asarray(theirs.params) - np.asarray(clean.params)).max() > 1e-4
+
+
+def _encoded_rows(r, members, seed=0):
+  """`_rows`, each Δ encoded by the run's codec with its sender key (a scatter's rows)."""
+  from lowcomm_jax import aggregate
+  from lowcomm_jax.programs import servers
+  codec, layout = r.sync.codec, r.model.layout
+  encode = jax.jit(servers.make_encode(codec, layout))
+  keys = aggregate.sender_keys(r.config.seed, 0, jnp.asarray(members))
+  out = {}
+  for k, (w, (delta, meta)) in enumerate(_rows(r, members, seed).items()):
+    sent, _ = encode(jnp.asarray(delta), codec.init(layout.abstract), keys[k])
+    out[w] = (jax.device_get(sent),
+              {**meta, "codec_key": np.asarray(jax.random.key_data(keys[k]))})
+  return out
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"aggregate.rule": "trimmed_mean"},
+    {"algorithm": "streaming", "inner_steps": 4, "streaming.fragments": 2},
+    {"compress.codec": "int8", "compress.reduce": "scatter"}, {"algorithm": "one_step_delay"},
+], ids=["mean", "trimmed-mean", "streaming-fragment", "int8-scatter", "one-step-delay"])
+def test_a_replica_one_round_behind_takes_the_rounds_inputs_and_reaches_its_members_state(
+    overrides):
+  """Round 0 among workers 0–2; worker 3 contributed late and is still at version 0. A
+  member serves it round 0's inputs (catch_up.serve), not its replica, and worker 3 runs the
+  round's last step itself: θ and the outer state bit-equal to the members', its own late
+  contribution still kept, for fewer bytes than the whole replica (θ plus the outer state).
+  A member asked for another round hands its whole replica; inputs that do not reach the
+  members' θ are refused."""
+  from lowcomm_jax.runtimes.ray import catch_up
+  r = _run(num_workers=4, **overrides)
+  members = [0, 1, 2]
+  rows = (_encoded_rows if "compress.codec" in overrides else _rows)(r, members)
+  n = r.model.layout.fragment(r.algorithm.segments(r.config, r.config.inner_steps)[0].sync).size
+  if r.algorithm.name == "streaming":  # (round 0 syncs fragment 0 alone: its coordinates)
+    assert n < r.model.layout.size
+    rows = {w: (delta[:n], meta) for w, (delta, meta) in rows.items()}
+  replicas = {w: replica_lib.Replica(r, initial_params(r), w) for w in range(4)}
+  for w in members:
+    replicas[w].keep(0, *rows[w])
+  late, meta = _rows(r, [3], seed=1)[3]
+  replicas[3].keep(0, late[:n], meta)
+  if r.algorithm.delayed_sync:  # θ' first, as the runtime's overlapped rounds take it
+    tokens, losses = [rows[w][1]["tokens"] for w in members], [2.0 + w for w in members]
+    for w in members:
+      replicas[w].advance(0, members, tokens, losses)
+  form_round(replicas, 0, rows)
+  for w in members:
+    assert replicas[w].commit(0) == 1
+  served = catch_up.serve(replicas[1], 0)
+  assert set(served) == {"round"}
+  whole = replicas[1].share()
+  assert catch_up.nbytes(served) < 0.6 * catch_up.nbytes(whole)
+  assert replicas[3].adopt(served) == 1
+  for a, b in zip(jax.tree.leaves(replicas[3].share()), jax.tree.leaves(whole)):
+    np.testing.assert_array_equal(a, b)
+  assert 0 in replicas[3].kept  # its late contribution goes into the open round
+  assert "round" not in catch_up.serve(replicas[1], 1)  # not the round it holds: whole
+  stray = replica_lib.Replica(r, initial_params(r), 3)
+  record = dict(served["round"], hash="0" * 32)
+  with pytest.raises(RuntimeError, match="did not reach its members"):
+    stray.adopt({"round": record})

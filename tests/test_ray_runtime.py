@@ -94,10 +94,16 @@ def test_config_problems_name_their_field():
   for name in ("diloco", "streaming", "one_step_delay", "eager", "overlap", "pier", "desloc",
                "noloco"):
     assert _problems(runtime="ray", algorithm=name, rounds=40, **{"mesh.replica": 1}) == [], name
-  # NoLoCo's joiner would start its row from θ₀: refused (a rejoin keeps its row)
+  # NoLoCo's joiner: in the peer form it takes a live peer's row; a server would start it
+  # from θ₀, refused (a rejoin keeps its row); every slot is paired, a joiner's too
+  join = {"mesh.replica": 1, "ray.chaos": ("add_worker@3", "add_worker@5")}
+  assert _problems(runtime="ray", algorithm="noloco", num_workers=4, **join) == []
   joins = _problems(runtime="ray", algorithm="noloco", num_workers=4,
-                    **{"mesh.replica": 1, "ray.chaos": ("add_worker@3",)})
+                    collective_form="server", **join)
   assert len(joins) == 1 and joins[0].startswith("ray.chaos=") and "rejoin_worker" in joins[0]
+  odd = _problems(runtime="ray", algorithm="noloco", num_workers=4,
+                  **{"mesh.replica": 1, "ray.chaos": ("add_worker@3",)})
+  assert len(odd) == 1 and "5 worker slots" in odd[0] and "even" in odd[0], odd
   # several fragments a round: a round closes only with every live worker
   quorum = _problems(runtime="ray", algorithm="streaming", inner_steps=4,
                      **{"mesh.replica": 1, "ray.min_quorum": 1, "ray.apply_order": "arrival"})
@@ -538,10 +544,12 @@ def test_a_hierarchical_round_reduces_by_region_and_ends_where_the_flat_one_does
 
 def test_a_joining_worker_takes_theta_from_a_peer(cluster, tmp_path):
   """The peer form: a worker that joins mid-run adopts a live peer's replica (θ and the outer
-  state) before its first job, contributes, and ends with the others' θ (the rounds it was
-  in compared every member's hash); nothing went through a server. (Dispatch order: the
-  driver waits for the joiner's first job, which is late, its round closed without it: the
-  joiner adopts again, a peer's θ of the open round, and is in that round's collective.)"""
+  state) and its inner optimizer state before its first job, contributes, and ends with the
+  others' θ (the rounds it was in compared every member's hash); nothing went through a
+  server. (Dispatch order: the driver waits for the joiner's first job, which is late, its
+  round closed without it: the joiner, one round behind, runs that round from its inputs
+  (catch_up.py) and is in the open round's collective.) Without the inner optimizer's heal
+  the first adopt carries 2 P floats, without the catch-up a second whole replica (checked)."""
   config = _config(algorithm="diloco", rounds=4, **{"ray.chaos": ("add_worker@2",)})
   summary, events = _run(config, tmp_path)
   assert summary["round_form"] == "peers" and summary["workers_joined"] == 1
@@ -550,6 +558,12 @@ def test_a_joining_worker_takes_theta_from_a_peer(cluster, tmp_path):
   assert summary["late_contributions"] >= 1
   assert "2" in summary["wire_bytes_per_worker"]  # ... in a round's collective
   assert [e["event"] for e in events][:1] == ["worker_joined"]
+  # its first adopt: θ, the outer momentum and the peer's inner AdamW moments (heals.py),
+  # 4 P floats; its second, one round behind, that round's mean and signals alone
+  theta = 4 * summary["params"]
+  assert summary["replicas_adopted"] == 1 and summary["replicas_adopted_bytes"] >= 4 * theta
+  assert summary["rounds_caught_up"] == 1
+  assert theta <= summary["rounds_caught_up_bytes"] < 1.1 * theta
 
 
 def test_a_robust_quorum_survives_a_join_and_its_server_restarting(cluster, tmp_path):

@@ -116,12 +116,20 @@ def _check_chaos(c, out: Problems, algorithm) -> None:
       check(not (peers and y.standby_server), "ray.standby_server",
             "this run's rounds have no server (the quorum's workers reduce among "
             "themselves); set it False, or collective_form='server'")
-    rule = algorithm.worker_rule(c) if algorithm is not None else None
-    joins = any(e.action == "add_worker" for e in events)
-    check(not (joins and rule is not None and rule.reads_sync_state), "ray.chaos",
-          f"{c.algorithm}'s workers keep their own row of the sync's state, and a row for a "
-          "worker that joins mid-run would start from θ₀: use kill_worker/rejoin_worker "
-          "(a rejoining worker keeps its row)")
+      # In the peer form a joiner takes its row from a live peer with its replica (heals.py);
+      # a server would have only θ₀ for it.
+      rule = algorithm.worker_rule(c)
+      joins = any(e.action == "add_worker" for e in events)
+      check(not (joins and rule is not None and rule.reads_sync_state and not peers),
+            "ray.chaos", f"{c.algorithm}'s workers keep their own row of the sync's state, "
+            "and the server's row for a worker that joins mid-run would start from θ₀: use "
+            "kill_worker/rejoin_worker (a rejoining worker keeps its row), or the peer form "
+            "(collective_form other than 'server'), where a joiner takes a live peer's row")
+      if joins:  # the algorithm's own limits on the worker count hold for every slot
+        slots = chaos.with_worker_slots(c)
+        for problem in algorithm.problems(slots):
+          check(not problem.startswith("num_workers="), "ray.chaos",
+                f"its joiners make {slots.num_workers} worker slots, and {problem}")
 
 
 def config_defaults() -> ml_collections.ConfigDict:

@@ -1,10 +1,12 @@
 """Where a worker that is behind, or new, takes the run's state from (the peer form):
 torchft's heal, peer to peer. It adopts a current peer's replica (θ, the outer state, the
-version); a worker whose process starts fresh also takes what its algorithm keeps per
-worker across rounds, the peer's local model and inner optimizer (`WorkerProcess.heal_state`),
-where θ_w outlives a round (`Algorithm.keeps_worker_params`: Streaming, eager; NoLoCo's own
-rows are its sync's, which its replica holds). Sources are spread by load: the current peer
-that served the fewest adopts."""
+version; NoLoCo's replica holds the peer's own row of the sync's state, φ and δ, which the
+joiner takes as its own); a worker whose process starts fresh also takes what its algorithm
+keeps per worker across rounds (`WorkerProcess.heal_state`): the peer's inner optimizer
+state, every algorithm with local steps, and its local model where θ_w outlives a round
+(`Algorithm.keeps_worker_params`: Streaming, eager), from a peer of its width. A worker one
+round behind takes that round's inputs instead and runs its last step itself (catch_up.py).
+Sources are spread by load: the current peer that served the fewest adopts."""
 
 import collections
 
@@ -23,8 +25,9 @@ class Heals:
 
   def __init__(self, d):
     self.d = d
-    self.enabled = d.r.algorithm.keeps_worker_params(d.c) and d.r.sync.partners is None
+    self.enabled = d.r.algorithm.local_steps  # (DDP's workers keep nothing)
     self.served = collections.Counter()  # worker -> the adopts it was the source of
+    self.taken = collections.Counter()  # what the adopts carried (told in the jobs' metas)
 
   def _hidden(self, worker: int) -> int:
     return self.d.pool.rows.host_of[worker].hidden  # (a joiner's row too)
@@ -33,11 +36,25 @@ class Heals:
     return heal_source(currents, self.served, self._hidden,
                        worker if fresh and self.enabled else None)
 
-  def adopt(self, worker: int, source: int, fresh: bool, version: int):
+  def adopt(self, worker: int, source: int, fresh: bool, version: int, behind: int | None):
     """`worker`'s adopt of `source`'s replica at `version` (the reference): with the
-    source's per-worker state where `worker` starts fresh and has its width."""
+    source's per-worker state where `worker` starts fresh and has its width; from version
+    `behind`, one round back, that round's inputs where the source has them."""
     actors = self.d.pool.actors
     heal = (actors[source].heal_state.remote(version) if fresh and self.enabled
             and self._hidden(source) == self._hidden(worker) else None)
     self.served[source] += 1
-    return actors[worker].adopt.remote(actors[source].share.remote(), heal)
+    share = actors[source].share.remote(None if fresh or behind != version - 1 else behind)
+    return actors[worker].adopt.remote(share, heal)
+
+  def count(self, meta: dict) -> None:
+    """A contribution's meta: the adopt its worker took before it, if any."""
+    healed = meta.get("healed")
+    if healed:
+      how = "rounds_caught_up" if healed["how"] == "round" else "replicas_adopted"
+      self.taken[how] += 1
+      self.taken[f"{how}_bytes"] += healed["bytes"]
+
+  def summary(self) -> dict:
+    return {k: self.taken[k] for how in ("rounds_caught_up", "replicas_adopted")
+            for k in (how, f"{how}_bytes")}

@@ -25,8 +25,10 @@ class PairReplicas(Replicas):
   def __init__(self, d):
     super().__init__(d)
     self.consensus_at = None  # the version whose θ the live replicas hold
-    # every worker slot's rows as a checkpoint last saw them (θ₀'s, until one)
-    self.slots = initial_rule_state(d.r, GLOBAL, d.r.state_spec.initial_params())
+    # every worker slot's rows (a joiner's too) as a checkpoint last saw them (θ₀'s, until
+    # one)
+    slots = d.server_run
+    self.slots = initial_rule_state(slots, GLOBAL, slots.state_spec.initial_params())
     self.consensus_bytes = 0
 
   def restore_global(self, state: dict | None) -> None:
@@ -77,7 +79,7 @@ class PairReplicas(Replicas):
     first = next(iter(shares.values()))
     rows = [shares[w]["opt_state"].per_worker if w in shares else
             jax.tree.map(lambda x: x[w:w + 1], self.slots.per_worker)
-            for w in range(d.c.num_workers)]
+            for w in range(d.server_run.config.num_workers)]
     self.slots = first["opt_state"]._replace(per_worker=jax.tree.map(
         lambda *xs: np.concatenate(xs), *rows))
     return {GLOBAL: checkpoints.write_server(where, GLOBAL, {

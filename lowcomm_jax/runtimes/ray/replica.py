@@ -33,6 +33,7 @@ import numpy as np
 from lowcomm_jax.programs import state_average
 from lowcomm_jax.programs import steps
 from lowcomm_jax.programs import scatter_program, sync_program
+from lowcomm_jax.runtimes.ray import catch_up
 from lowcomm_jax.runtimes.ray.actors import (initial_rule_state, round_inputs, round_signals,
                                              round_syncs)
 from lowcomm_jax.runtimes.ray.robust_shards import RobustShards
@@ -158,6 +159,7 @@ class Replica(RobustShards):
     # Where the driver keeps records (records.py): the version, θ and outer state before
     # the last commit, until the record of that commit is in
     self.keeps_previous, self.previous = False, None
+    self.last = catch_up.LastRound()  # its last round's inputs, for a replica one behind
     self.moments = {}  # when this member finished each step of the open round's collective
 
   def _set(self, version: int, params, opt_state) -> None:
@@ -186,7 +188,11 @@ class Replica(RobustShards):
               "version": self.version}
 
   def adopt(self, state: dict) -> int:
-    """Takes a peer's (or a checkpoint's) replica; what it contributed is kept."""
+    """Takes a peer's (or a checkpoint's) replica, or runs the round it is behind by from
+    that round's inputs ({"round": ...}: catch_up.py); what it contributed is kept."""
+    if "round" in state:
+      return catch_up.apply(self, state["round"])
+    self.last.clear()
     self._set(int(state["version"]), jnp.asarray(state["params"]),
               jax.tree.map(jnp.asarray, state["opt_state"]))
     self.staged = self.pending = None
@@ -327,7 +333,8 @@ class Replica(RobustShards):
         and params_hash(state.params) != params_hash(self.params)):
       raise RuntimeError(f"round {round_version}: θ' moved with the round's own mean, which "
                          f"{self.r.config.algorithm}'s delayed sync says it does not")
-    return self._stage(round_version, state)
+    return self.last.note(round_version, "apply_reduced", (members, tokens, losses, reduced),
+                          self._stage(round_version, state))
 
   def apply_gathered(self, round_version: int, rows: dict) -> str:
     """Stages the parameter server's program over every member's row ({worker: (what it
@@ -358,6 +365,7 @@ class Replica(RobustShards):
       if self.keeps_previous:
         self.previous = (self.version, self.params, self.opt_state)
     self._set(round_version + 1, params, state.outer.per_fragment)
+    self.last.committed(round_version, params_hash(params) if pending else None)
     self.staged = None
     self.kept = {v: kept for v, kept in self.kept.items() if v > round_version}
     return self.version
@@ -369,6 +377,7 @@ class Replica(RobustShards):
     if self.version == version + 1 and self.previous and self.previous[0] == version:
       self._set(*self.previous)
     self.previous = self.staged = self.pending = None
+    self.last.clear()
     self.kept = {v: kept for v, kept in self.kept.items() if v < version}
     return self.version
 
@@ -376,6 +385,7 @@ class Replica(RobustShards):
     """A round closed with no contribution: θ stays, the version moves on."""
     if self.version == round_version:
       self._set(round_version + 1, self.params, self.opt_state)
+      self.last.clear()
     return self.version
 
 

@@ -123,7 +123,7 @@ class Replicas:
 
   def summary(self) -> dict:
     tallies = {f.tally: self.tallies[f.tally] for f in forms.FORMS.values() if f.tally}
-    return {"round_form": "peers", "server_bytes_sent": 0, **tallies}
+    return {"round_form": "peers", "server_bytes_sent": 0, **tallies, **self.heals.summary()}
 
   def _bring_up(self, worker: int):
     """`worker`'s replica at the open round's version: the version (an int), or the
@@ -139,7 +139,8 @@ class Replicas:
       raise RuntimeError(f"worker {worker} is behind (version {self.held.get(worker)}) and "
                          f"no live worker holds θ of version {self.version}; resume the run "
                          "from its last checkpoint")
-    self.adopting[worker] = self.heals.adopt(worker, source, fresh, self.version)
+    self.adopting[worker] = self.heals.adopt(worker, source, fresh, self.version,
+                                             self.held.get(worker))
     self.held[worker] = self.version
     return self.adopting[worker]
 
@@ -173,6 +174,7 @@ class Replicas:
     """Keeps the contribution's reference in the open round (the bytes stay with its
     worker); a late one's replica is brought to the open round's θ before it closes."""
     self.adopting.pop(worker, None)  # (its job waited for its adopt)
+    self.heals.count(meta)
     staleness = self.version - meta["version"]
     if staleness % segments:  # another segment's fragment: no round of it is open
       return None
@@ -286,6 +288,7 @@ class Replicas:
   def contribute_epoch(self, worker: int, meta: dict, sent) -> int:
     """Its mean gradient stays with it (the replica kept it) until the epoch's collective."""
     self.adopting.pop(worker, None)  # (its micro-batches waited for its adopt)
+    self.heals.count(meta)
     self.rows[worker] = (meta, sent)
     return 0
 

@@ -90,7 +90,9 @@ class RobustShards:
         jnp.asarray(added(statistics)), self._signals(members, tokens, losses),
         full=self._full(members))
     self.combining = {}
-    return self._stage(round_version, state)
+    return self.last.note(round_version, "apply_robust",
+                          (members, tokens, losses, statistics, combined),
+                          self._stage(round_version, state))
 
   def _rule_state(self, round_version: int):
     """The outer state (CombinedState) of the fragment round `round_version` syncs."""

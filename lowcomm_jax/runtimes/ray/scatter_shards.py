@@ -69,7 +69,8 @@ class ScatterShards:
     state = self._scatter_applies[round_version % self.segments](
         replica._state(round_version), stacked, replica._signals(members, tokens, losses),
         full=replica._full(members))
-    return replica._stage(round_version, state)
+    return replica.last.note(round_version, "scatter", (members, tokens, losses, reduced),
+                             replica._stage(round_version, state))
 
   def _round_index(self, round_version: int) -> int:
     """The sync's global index, round · segments + its fragment (the senders' and the

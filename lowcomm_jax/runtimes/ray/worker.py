@@ -15,7 +15,7 @@ import numpy as np
 from lowcomm_jax.programs import optimizers
 from lowcomm_jax.programs import steps
 from lowcomm_jax.programs.epochs import PeerEpoch
-from lowcomm_jax.runtimes.ray import checkpoints, forms, records
+from lowcomm_jax.runtimes.ray import catch_up, checkpoints, forms, records
 from lowcomm_jax.runtimes.ray import replica as replica_lib
 from lowcomm_jax.runtimes.ray.actors import built, initial_params
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
@@ -55,9 +55,8 @@ class WorkerProcess:
       params0 = initial_params(r)
     self.replica = replica_lib.Replica(r, params0, worker) if peers else None
     self.mailbox = forms.Mailbox()  # what peers sent it in a collective (forms/exchange.py)
-    # ... and where they send it (ray.transport='sockets': forms/sockets.py)
     self.postbox = (forms.Postbox(self.mailbox, import_ray().util.get_node_ip_address())
-                    if peers and config.ray.transport == "sockets" else None)
+                    if peers and config.ray.transport == "sockets" else None)  # peers send to
     # Per segment, where the segment mixes the last sync's fragment in after some steps, the
     # program in two parts (the peer form: the first runs while that sync's collective does)
     self._halves = (programs.local_halves[self.host] if peers and programs.local_halves
@@ -82,9 +81,9 @@ class WorkerProcess:
     self.running, self.before, self.before_version = None, None, None
     self._lock = threading.Lock()
     self._job_lock = threading.Lock()  # held by a job: a driver run again waits it out
-    self._parts = threading.Condition()  # ... and its collectives' parts: how many run
-    self._parts_running = 0
+    self._parts, self._parts_running = threading.Condition(), 0  # its collectives' parts
     self.record = None  # the driver's record of the newest closed round (records.py)
+    self.healed = None  # its last adopt of a peer's, told in its next contribution's meta
     # A collaborative epoch (micro/collect): its θ's version, the sums of the micro-batches
     # done at that θ, and the last epoch collected (a micro-batch of it that finishes later
     # is not counted).
@@ -202,6 +201,7 @@ class WorkerProcess:
     time.sleep(self.step_sleep_s * steps_ + self.delay_s)
     meta["job_seconds"] = time.perf_counter() - start - waited
     meta["finished_at"] = time.time()
+    meta["healed"], self.healed = self.healed, None
     if self.replica is not None:  # kept for the round's collective (and a retry of it)
       self.replica.keep(int(version), sent, meta)
       if self.replica.reduces or self.replica.scatter:  # its shards go to the members
@@ -210,8 +210,8 @@ class WorkerProcess:
 
   # --- the peer form of quorum rounds (replica.py: what each step computes) ---------------
 
-  def share(self) -> dict:
-    return self.replica.share()
+  def share(self, behind: int | None = None) -> dict:  # (one round behind: its inputs)
+    return catch_up.serve(self.replica, behind)
 
   def adopt(self, state: dict, heal: dict | None = None) -> int:
     """Takes a peer's replica; with `heal` (a joiner's: `heal_state`) also what its
@@ -219,6 +219,9 @@ class WorkerProcess:
     `state` {"part": where}: a checkpoint's replica, read here."""
     if "part" in state:
       state = checkpoints.read_server(state["part"], self.r, GLOBAL)
+    else:
+      self.healed = {"how": "round" if "round" in state else "replica",
+                     "bytes": catch_up.nbytes((state, heal))}
     if heal is not None:
       with self._lock:
         self.state = jax.tree.map(jnp.asarray, heal["state"])
@@ -386,7 +389,8 @@ class WorkerProcess:
     meta.update(samples=epoch.samples, tokens=epoch.samples * self.r.config.data.seq_len,
                 loss=float(epoch.loss_sums[0]) / epoch.samples, micro=epoch.micro,
                 batch_size=self.r.topology.hosts[self.host].batch_size,
-                compute_seconds=epoch.seconds, data=self.streams.get_state())
+                compute_seconds=epoch.seconds, data=self.streams.get_state(), healed=self.healed)
+    self.healed = None
     if self.replica is not None:  # kept for the epoch's collective (and a retry of it)
       self.replica.keep(int(version), sent, meta)
       if self.replica.reduces or self.replica.scatter:

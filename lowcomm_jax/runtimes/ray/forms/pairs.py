@@ -15,7 +15,7 @@ class Pairs(Form):
     return rounds.d.r.sync.partners is not None
 
   def messages(self, rounds, v: int, members: list[int], metas: dict) -> dict[int, dict]:
-    peer = rounds.d.r.sync.partners(v)
+    peer = rounds.d.server_run.sync.partners(v)  # (every worker slot's, a joiner's too)
     return {w: {"own": metas[w]["version"], "peer": peer[w] if peer[w] in members else None}
             for w in members}
 
