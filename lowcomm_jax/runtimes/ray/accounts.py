@@ -154,12 +154,15 @@ class Timeline:
                  committed: float) -> None:
     """A round's collective among its members (the peer form): [version, members, began
     (the driver asked for the shards), scattered, reduced, staged (the last member's end of
-    each phase), committed], times on the same clock."""
+    each phase), committed, entered (the first member's start of its part), the last
+    member's start], times on the same clock."""
     if self.start is None:
       return
-    last = lambda key: max((o["moments"][key] for o in outcome.values()
-                            if key in o.get("moments", {})), default=None)
-    moments = (began, last("scattered"), last("reduced"), last("staged"), committed)
+    times = lambda key: [o["moments"][key] for o in outcome.values()
+                         if key in o.get("moments", {})]
+    last = lambda key: max(times(key), default=None)
+    moments = (began, last("scattered"), last("reduced"), last("staged"), committed,
+               min(times("began"), default=None), last("began"))
     self.collectives.append([version, len(members)] + [
         None if t is None else round(t - self.start, 4) for t in moments])
 
