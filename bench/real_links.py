@@ -120,7 +120,7 @@ class Links:
 
   def __init__(self, nodes: int, mbps, *, tag: str | None = None, subnet: str | None = None,
                regions=None, region_mbps=None, queue_ms: float = 200.0, modem: bool = False,
-               acks_first: bool = False):
+               acks_first: bool = False, idle_restart: bool = True):
     """`mbps`: every node's NIC, each way (a number, or one per node). `regions`: each
     node's region (None: every node on the one bridge); `region_mbps`: each region's uplink
     and downlink, shared by every transfer between it and the other regions. `queue_ms`:
@@ -137,6 +137,9 @@ class Links:
     self.regions = list(regions) if regions is not None else None
     self.region_mbps = list(region_mbps) if region_mbps is not None else []
     self.queue_ms, self.modem, self.acks_first = queue_ms, modem, acks_first
+    # False: the nodes' TCP keeps its window across idle spells (the kernel's
+    # tcp_slow_start_after_idle=0, per namespace): a diagnosis of a round's fixed cost
+    self.idle_restart = idle_restart
     if self.regions is not None and (
         len(self.regions) != nodes or min(self.regions) < 0
         or max(self.regions) >= len(self.region_mbps) or min(self.region_mbps) <= 0):
@@ -212,6 +215,9 @@ class Links:
       _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
       _run("ip", "-n", ns, "link", "set", "eth0", "up")
       _run("ip", "-n", ns, "link", "set", "lo", "up")
+      if not self.idle_restart:
+        _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+             "net.ipv4.tcp_slow_start_after_idle=0")
       if switch:
         _run("ip", "link", "set", veth, "netns", switch)
       _run(*on_switch, "link", "set", veth, "master", "sw" if switch else self.bridge)

@@ -49,13 +49,14 @@ import real_links
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def links_for(config, modem: bool = False) -> real_links.Links:
+def links_for(config, modem: bool = False, idle_restart: bool = True) -> real_links.Links:
   """The links `config.sim.network` describes, node 0 the server's and node w+1 worker
   w's: every NIC at intra_gbps; with several regions (or the server in one of its own),
   each region behind an uplink of region_gbps (0: inter_gbps). Refused in one line where the
   links cannot be what the simulator models: a delay (no netem here), per-pair rates (they
   need HTB), or an uplink faster than the link between regions. `modem`: each node's link
-  shaped in a box beside it, ACKs first (real_links.Links)."""
+  shaped in a box beside it, ACKs first (real_links.Links). `idle_restart` False: TCP keeps
+  its window across idle spells on every node (a diagnosis)."""
   n, workers = config.sim.network, config.num_workers
   if n.intra_latency_s or n.inter_latency_s or n.inter_latency_matrix:
     raise ValueError("sim.network latencies must be 0 for real links: this kernel has no netem "
@@ -73,7 +74,8 @@ def links_for(config, modem: bool = False) -> real_links.Links:
   regions = n.regions + (n.server_region < 0)
   nic = n.intra_gbps * 1000
   if regions == 1:
-    return real_links.Links(workers + 1, nic, modem=modem, acks_first=modem)
+    return real_links.Links(workers + 1, nic, modem=modem, acks_first=modem,
+                            idle_restart=idle_restart)
   uplink = (n.region_gbps or n.inter_gbps) * 1000
   return real_links.Links(workers + 1, nic, regions=[server] + placed,
                           region_mbps=[uplink] * regions)
@@ -159,7 +161,8 @@ FORMS = {"server": "server", "direct": "direct", "ring": "ring",
 
 
 def run_scaling(case: str, workers: list[int], seeds: list[int], out: pathlib.Path,
-                forms=("server", "direct"), modem: bool = False) -> None:
+                forms=("server", "direct"), modem: bool = False,
+                idle_restart: bool = True) -> None:
   """`case` at each worker count in each of `forms` (FORMS): the real runs over links built
   for W workers, each replayed with its form's model; result.json per run, written as it
   goes (a finished one is skipped)."""
@@ -172,7 +175,7 @@ def run_scaling(case: str, workers: list[int], seeds: list[int], out: pathlib.Pa
       config.num_workers, config.collective_form = w, form
       folder = out / "scaling" / _folder(case, w, form)
       folder.mkdir(parents=True, exist_ok=True)
-      with links_for(config, modem) as links:
+      with links_for(config, modem, idle_restart) as links:
         env = dict(real_links.ray_env(), RAY_ADDRESS=links.start_ray())
         for seed in seeds:
           workdir = folder / f"seed{seed}"
@@ -561,6 +564,9 @@ def main() -> None:
                  help="--scaling: the forms to run ('hierarchical' needs a PLACE of regions)")
   p.add_argument("--modem", action="store_true", help="--scaling over links shaped in a box "
                  "beside each node, ACKs first (real_links.Links), not at the node's NIC")
+  p.add_argument("--no_idle_restart", action="store_true", help="--scaling with every node's "
+                 "TCP keeping its window across idle spells (net.ipv4.tcp_slow_start_after_idle"
+                 "=0 in each node's namespace): where a round's fixed cost comes from")
   p.add_argument("--report", type=pathlib.Path, help="print the tables of a finished --out")
   p.add_argument("--replay", type=pathlib.Path,
                  help="replay every real run of a finished --out again, then print the tables")
@@ -585,7 +591,8 @@ def main() -> None:
   for case in a.cases:
     run_case(case, a.seeds, a.out.resolve())
   if a.scaling:
-    run_scaling(a.scaling, a.workers, a.seeds, a.out.resolve(), a.forms, a.modem)
+    run_scaling(a.scaling, a.workers, a.seeds, a.out.resolve(), a.forms, a.modem,
+                not a.no_idle_restart)
   if a.time_to_loss:
     run_time_to_loss(a.seeds, a.out.resolve(), a.form)
   print(report(a.out.resolve()))
