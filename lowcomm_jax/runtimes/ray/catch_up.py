@@ -7,7 +7,7 @@ the same θ and outer state. A replica still at the round's version reaches the 
 state by running that step itself on what they applied: the mean (P floats), the robust
 rule's result and statistics, or the codec's encoded reduced shards, with the round's
 members, tokens and losses. A whole replica is θ and the outer state: 2P for DiLoCo's
-Nesterov momentum, 3P for an Adam outer rule. Where the source did not commit that round
+Nesterov momentum, 3P with a trimmed mean's state. Where the source did not commit that round
 itself (it adopted since, or its round was a parameter server's program over every row, or
 a pair swap), it hands over its whole replica instead. The straggler checks the θ it reaches
 against the hash of the source's: a catch-up that misses fails its adopt, and the driver

@@ -56,7 +56,7 @@ class WorkerProcess:
     self.replica = replica_lib.Replica(r, params0, worker) if peers else None
     self.mailbox = forms.Mailbox()  # what peers sent it in a collective (forms/exchange.py)
     self.postbox = (forms.Postbox(self.mailbox, import_ray().util.get_node_ip_address())
-                    if peers and config.ray.transport == "sockets" else None)  # peers send to
+                    if peers and config.ray.transport == "sockets" else None)  # where peers reach it
     # Per segment, where the segment mixes the last sync's fragment in after some steps, the
     # program in two parts (the peer form: the first runs while that sync's collective does)
     self._halves = (programs.local_halves[self.host] if peers and programs.local_halves
