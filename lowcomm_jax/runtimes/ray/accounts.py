@@ -155,7 +155,8 @@ class Timeline:
     """A round's collective among its members (the peer form): [version, members, began
     (the driver asked for the shards), scattered, reduced, staged (the last member's end of
     each phase), committed, entered (the first member's start of its part), the last
-    member's start], times on the same clock."""
+    member's start, {each moment a member told: [the first member's, the last's]}], times
+    on the same clock, from the run's start."""
     if self.start is None:
       return
     times = lambda key: [o["moments"][key] for o in outcome.values()
@@ -163,8 +164,11 @@ class Timeline:
     last = lambda key: max(times(key), default=None)
     moments = (began, last("scattered"), last("reduced"), last("staged"), committed,
                min(times("began"), default=None), last("began"))
+    keys = sorted({k for o in outcome.values() for k in o.get("moments", {})})
+    spans = {k: [round(min(times(k)) - self.start, 4), round(max(times(k)) - self.start, 4)]
+             for k in keys}
     self.collectives.append([version, len(members)] + [
-        None if t is None else round(t - self.start, 4) for t in moments])
+        None if t is None else round(t - self.start, 4) for t in moments] + [spans])
 
   def figures(self) -> dict:
     return {"timeline": self.points, "timeline_started_at": self.start,

@@ -99,6 +99,7 @@ def _scatter(replica, ex, m: dict) -> dict:
   v, members, j = m["version"], ex.members, ex.index
   steps = replica.scatter
   pieces = steps.pieces(m["own"], len(members))
+  packed = time.time()
   mine = ex.all_to_all("shards", pieces)
   scattered = time.time()
   own = steps.reduce(v, j, members, m["tokens"], m["keys"], mine)
@@ -109,7 +110,8 @@ def _scatter(replica, ex, m: dict) -> dict:
   sent = sum(_nbytes(pieces[k]) for k in others) + _nbytes(own) * len(others)
   received = sum(_nbytes(mine[k]) + _nbytes(reduced[k]) for k in others)
   return {"hash": digest, "sent": int(sent), "received": int(received),
-          "moments": {"scattered": scattered, "reduced": reduced_at}}
+          "moments": {"packed": packed, "queued": ex.queued_at, **ex.arrived("shards"),
+                      "scattered": scattered, "reduced": reduced_at}}
 
 
 def _rows(replica, ex, m: dict) -> dict:

@@ -40,11 +40,14 @@ class Mailbox:
     self._items: dict = {}  # ((version, attempt, phase), sender) -> box
     self._off: set = set()  # (version, attempt) called off
     self._arrived = threading.Condition()
+    self.arrivals: dict = {}  # (version, attempt, phase) -> [first, last] arrival (time.time)
 
   def put(self, tag: tuple, sender: int, box) -> None:
     with self._arrived:
       if tag[:2] not in self._off:
         self._items[(tag, sender)] = box
+        now = time.time()
+        self.arrivals[tag] = [self.arrivals.get(tag, [now])[0], now]
         self._arrived.notify_all()
 
   def abort(self, version: int, attempt: int) -> None:
@@ -57,6 +60,7 @@ class Mailbox:
     with self._arrived:
       old = lambda key: key[:2] < (version, attempt)
       self._items = {k: box for k, box in self._items.items() if not old(k[0])}
+      self.arrivals = {k: t for k, t in self.arrivals.items() if not old(k)}
       self._off = {k for k in self._off if not old(k)}
 
   def take(self, tag: tuple, senders: list[int], deadline: float) -> list:
@@ -156,4 +160,10 @@ class Exchange:
     among = self.members if among is None else among
     for w, piece in zip(among, pieces):
       self.send([w], phase, piece)
+    self.queued_at = time.time()  # (its moments: where a phase's time goes)
     return self.gather(phase, among, own=pieces[among.index(self.me)])
+
+  def arrived(self, phase: str) -> dict:
+    """When the first and the last of the others' values of `phase` came in."""
+    first, last = self.mailbox.arrivals.get(self._tag(phase), [None, None])
+    return {} if first is None else {f"{phase}_first_in": first, f"{phase}_last_in": last}
