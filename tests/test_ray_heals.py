@@ -101,6 +101,7 @@ def test_a_straggler_one_round_behind_runs_that_round_from_its_inputs(cluster, t
     assert summary["replicas_adopted_bytes"] >= 2 * 4 * summary["params"]
 
 
+@pytest.mark.slow  # (~35 s: ten rounds, two joiners starting)
 def test_a_noloco_worker_that_joins_takes_a_live_peers_row(cluster, tmp_path):
   """NoLoCo in the peer form: each worker keeps its own outer weights and momentum (φ_i,
   δ_i) and averages with one peer a round (Kolehmainen et al. 2025, "NoLoCo"), so a worker
