@@ -152,22 +152,16 @@ class Exchange:
   def all_gather(self, phase: str, value, among: list[int] | None = None) -> list:
     """Every member's `value` (of `among`, by default every member), in their order."""
     among = self.members if among is None else among
-    return self.all_to_all(phase, [value] * len(among), among)
+    self.send(among, phase, value)
+    return self.gather(phase, among, own=value)
 
   def all_to_all(self, phase: str, pieces: list, among: list[int] | None = None) -> list:
-    """Piece k of `pieces` to the k-th of `among`: what each of them sent this member. A
-    pairwise exchange: in step s each member sends to the one s places after it and takes
-    from the one s places before, so every link carries one value each way at a time (all
-    at once, each shaped downlink took every sender's flow into one queue, and a collective
-    ran 0.4 s over its bytes: BENCHMARKS, issue 71)."""
+    """Piece k of `pieces` to the k-th of `among`: what each of them sent this member."""
     among = self.members if among is None else among
-    me = among.index(self.me)
-    got = {self.me: pieces[me]}
-    for step in range(1, len(among)):
-      to, frm = among[(me + step) % len(among)], among[(me - step) % len(among)]
-      self.send([to], phase, pieces[(me + step) % len(among)])
-      got[frm] = self.gather(phase, [frm])[0]
-    return [got[w] for w in among]
+    for w, piece in zip(among, pieces):
+      self.send([w], phase, piece)
+    self.queued_at = time.time()  # (its moments: where a phase's time goes)
+    return self.gather(phase, among, own=pieces[among.index(self.me)])
 
   def arrived(self, phase: str) -> dict:
     """When the first and the last of the others' values of `phase` came in."""
