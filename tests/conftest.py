@@ -321,8 +321,8 @@ def all_gathered_bytes(hlo: str) -> int:
 
 
 def pytest_collection_modifyitems(config, items):
-  """The `slow` marker on every test over slow_marker.SLOW_OVER_S seconds in the clean CI
-  run recorded in tests/durations.txt (a measured rule, not a judgement per test), but those
+  """The `slow` marker on every test over slow_marker.SLOW_OVER_S seconds in one of the clean
+  CI runs recorded in tests/durations.txt (a measured rule, not a judgement per test), but those
   marked `quick`: the quick set's real Ray rounds (test_ray_quick.py), kept in by intent."""
   import slow_marker
   slow = slow_marker.slow(slow_marker.read())

@@ -5,6 +5,7 @@ import ast
 import pathlib
 
 import conftest
+import pytest
 import slow_marker
 
 TESTS = pathlib.Path(__file__).parent
@@ -61,3 +62,21 @@ def test_a_ci_log_gives_each_tests_phases_added(tmp_path):
   slow_marker.write(measured, "abc1234", tmp_path / "d.txt")
   assert slow_marker.read(tmp_path / "d.txt") == measured
   assert slow_marker.slow(measured) == {"tests/test_a.py::test_x[p-1]"}
+
+
+def test_a_new_recording_keeps_each_tests_largest_and_names_every_run(tmp_path):
+  """One run moved tests across the line from recording to recording: the rule takes each
+  test's largest over the runs recorded, so a test slow in either stays slow."""
+  recorded = {"tests/test_a.py::test_x": 1.8, "tests/test_a.py::test_y": 0.6}
+  measured = {"tests/test_a.py::test_x": 0.9, "tests/test_a.py::test_y": 1.7,
+              "tests/test_b.py::test_z": 0.7}
+  both = slow_marker.merged(recorded, measured)
+  assert both == {"tests/test_a.py::test_x": 1.8, "tests/test_a.py::test_y": 1.7,
+                  "tests/test_b.py::test_z": 0.7}
+  assert slow_marker.slow(both) == {"tests/test_a.py::test_x", "tests/test_a.py::test_y"}
+  path = tmp_path / "durations.txt"
+  path.write_text("# Per-test seconds (setup + call + teardown) of one clean CI run at 84f9f4b\n")
+  assert slow_marker.runs(path) == ["84f9f4b"]  # (the one-run header before this rule)
+  slow_marker.write(both, ["84f9f4b", "1a130e9"], path)
+  assert slow_marker.runs(path) == ["84f9f4b", "1a130e9"]
+  assert slow_marker.read(path) == pytest.approx(both, abs=0.005)
