@@ -154,16 +154,14 @@ class Timeline:
                  committed: float) -> None:
     """A round's collective among its members (the peer form): [version, members, began
     (the driver asked for the shards), scattered, reduced, staged (the last member's end of
-    each phase), committed, entered (the first member's start of its part), the last
-    member's start, {each moment a member told: [the first member's, the last's]}], times
-    on the same clock, from the run's start."""
+    each phase), committed, {each moment a member told ("began": its part's start, ...):
+    [the first member's, the last's]}], times on the same clock, from the run's start."""
     if self.start is None:
       return
     times = lambda key: [o["moments"][key] for o in outcome.values()
                          if key in o.get("moments", {})]
     last = lambda key: max(times(key), default=None)
-    moments = (began, last("scattered"), last("reduced"), last("staged"), committed,
-               min(times("began"), default=None), last("began"))
+    moments = (began, last("scattered"), last("reduced"), last("staged"), committed)
     keys = sorted({k for o in outcome.values() for k in o.get("moments", {})})
     spans = {k: [round(min(times(k)) - self.start, 4), round(max(times(k)) - self.start, 4)]
              for k in keys}

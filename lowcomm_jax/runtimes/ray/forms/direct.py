@@ -110,7 +110,7 @@ def _scatter(replica, ex, m: dict) -> dict:
   sent = sum(_nbytes(pieces[k]) for k in others) + _nbytes(own) * len(others)
   received = sum(_nbytes(mine[k]) + _nbytes(reduced[k]) for k in others)
   return {"hash": digest, "sent": int(sent), "received": int(received),
-          "moments": {"packed": packed, "queued": ex.queued_at, **ex.arrived("shards"),
+          "moments": {"packed": packed, **ex.arrived("shards"),
                       "scattered": scattered, "reduced": reduced_at}}
 
 

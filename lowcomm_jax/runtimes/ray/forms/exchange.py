@@ -160,7 +160,6 @@ class Exchange:
     among = self.members if among is None else among
     for w, piece in zip(among, pieces):
       self.send([w], phase, piece)
-    self.queued_at = time.time()  # (its moments: where a phase's time goes)
     return self.gather(phase, among, own=pieces[among.index(self.me)])
 
   def arrived(self, phase: str) -> dict:
