@@ -5,6 +5,8 @@
 # The runner row reads TinyShakespeare and GPT-2's tiktoken files from $LOWCOMM_DATA_DIR
 # (default ../shared/data); without them it says why and the bare rows stand.
 #   bash bench/gpu_goals.sh [OUT_DIR]   # default bench/results: mfu_b16.json/.log, mfu_b64.*
+#   GOALS_BATCHES=16 bash bench/gpu_goals.sh OUT   # batch 16 only (the batch-64 table did
+#                                                   # not finish in either H200 session)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:-bench/results}"
@@ -27,7 +29,7 @@ print(f"main job, {sys.argv[2]}: startup {s['startup_seconds']:.1f} s, "
 PY
 done | tee "$OUT_DIR/startup.txt"
 
-for batch in 16 64; do  # a failure at one batch still leaves the other measured
+for batch in ${GOALS_BATCHES:-16 64}; do  # a failure at one batch still leaves the other measured
   python bench/mfu.py --model gpt2_124m --dtype bfloat16 --batch "$batch" \
     --json "$OUT_DIR/mfu_b$batch.json" 2>&1 | tee "$OUT_DIR/mfu_b$batch.log" || status=1
 done

@@ -3,9 +3,10 @@
 # the GPU tests, the speed goals (bench/gpu_goals.sh) and README's test command, each under its
 # own time limit so that one slow step still leaves the others' logs.
 #   bash bench/gpu_session.sh OUT_DIR [gpu,goals,suite] [suite seconds]
-# On the H200 (2026-12-04) the GPU tests took 36 s, the goals over 260 s and the suite (14
-# processes) over 275 s, more than one 600 s call holds: run `gpu,goals` in one call and
-# `suite` in a second at once, while the machine is warm (BENCHMARKS.md, "GPU checks").
+# On the H200 (2026-12-04) the GPU tests took 36-40 s, the goals over 260 s and the suite (14
+# processes) about 460 s, more than one 600 s call holds: run `gpu,suite 480` in one call and
+# `GOALS_BATCHES=16 bash bench/gpu_session.sh OUT goals` in a second at once, while the
+# machine is warm (BENCHMARKS.md, "GPU checks").
 # Runs from the repo root on the GPU host, with what the image lacks carried in the checkout:
 #   .whl/*.whl          wheels (grain, array-record, portpicker, ml-collections, clu, pyzmq,
 #                       gguf, jsonschema and its needs), installed with --no-deps into /tmp/site;

@@ -220,9 +220,12 @@ def test_bad_ray_input_is_refused_in_one_line_before_work(monkeypatch):
 
 def test_gpus_that_ray_does_not_see_are_refused(cluster):
   from lowcomm_jax.runtimes.ray import cluster as ray_cluster
-  with pytest.raises(ray_cluster.RayUnavailable,
-                     match=r"ray.gpus_per_worker=1: 2 workers need 2 GPUs and Ray sees 0"):
-    ray_cluster._enough_gpus(_config(**{"ray.gpus_per_worker": 1.0}), ray)
+  seen = ray.cluster_resources().get("GPU", 0)  # 0 here, 1 on a GPU host
+  per_worker = seen + 1
+  with pytest.raises(ray_cluster.RayUnavailable, match=(
+      rf"ray.gpus_per_worker={per_worker:g}: 2 workers need {2 * per_worker:g} GPUs and Ray "
+      rf"sees {seen:g}")):
+    ray_cluster._enough_gpus(_config(**{"ray.gpus_per_worker": per_worker}), ray)
 
 
 def test_a_joining_workers_tier_must_be_one_of_the_runs():
