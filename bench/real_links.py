@@ -248,6 +248,28 @@ class Links:
     return [tuple(sent(device, where) for device, where in self._shaped(i))
             for i in range(self.nodes)]
 
+  def losses(self) -> list[dict]:
+    """Per node, so far: the packets its shaped links dropped (`tbf`'s queue full: up, down)
+    and its TCP's retransmitted segments and retransmission timeouts (the node's namespace's
+    /proc/net/snmp and netstat): where a phase's time beyond its bytes is lost packets."""
+    def dropped(device: str, namespace: str | None) -> int:
+      where = ["-n", namespace] if namespace else []
+      text = subprocess.run(["tc", *where, "-s", "qdisc", "show", "dev", device],
+                            capture_output=True, text=True, check=True).stdout
+      return sum(int(n) for n in re.findall(r"dropped (\d+)", text))
+
+    def tcp(i: int) -> dict:
+      text = subprocess.run(["ip", "netns", "exec", self.namespace(i), "cat",
+                             "/proc/net/snmp", "/proc/net/netstat"],
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+      fields = {}
+      for names, values in zip(text[::2], text[1::2]):  # "Tcp: a b ..." then its values
+        fields.update(zip(names.split()[1:], values.split()[1:]))
+      return {"retrans_segs": int(fields.get("RetransSegs", 0)),
+              "timeouts": int(fields.get("TCPTimeouts", 0))}
+    return [{"dropped": [dropped(device, where) for device, where in self._shaped(i)], **tcp(i)}
+            for i in range(self.nodes)]
+
   def veth_bytes(self) -> list[tuple[int, int]]:
     """Per node, (bytes sent, bytes received) so far by the bridge side of its veth pair
     (/sys counters: a file read, cheap enough to sample while a run goes, where

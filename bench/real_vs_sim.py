@@ -181,12 +181,15 @@ def run_scaling(case: str, workers: list[int], seeds: list[int], out: pathlib.Pa
           workdir = folder / f"seed{seed}"
           if (workdir / "result.json").exists():
             continue
-          started, before = time.time(), links.link_bytes()
+          started, before, lost_before = time.time(), links.link_bytes(), links.losses()
           with sampled(links, flat=config.sim.network.regions == 1) as samples:
             summary = real_run(links, env, case, seed, workdir, w, overrides)
           # each node's link, as the kernel counted it (node 0: the driver's, and the
           # server's in the server form; node w+1: worker w's)
           link_bytes = [[a - c, b - d] for (a, b), (c, d) in zip(links.link_bytes(), before)]
+          losses = [{"dropped": [a - b for a, b in zip(x["dropped"], y["dropped"])],
+                     **{k: x[k] - y[k] for k in ("retrans_segs", "timeouts")}}
+                    for x, y in zip(links.losses(), lost_before)]
           steps = measured_speeds(summary["step_seconds_by_job"], w)
           per_mark = w * config.inner_steps
           real = at_marks(summary["timeline"], per_mark, config.rounds)
@@ -196,7 +199,8 @@ def run_scaling(case: str, workers: list[int], seeds: list[int], out: pathlib.Pa
                     "predicted_marks_s": predicted, **compare(real, predicted),
                     "eval_loss": summary["eval_loss"],
                     "wire_bytes_per_worker": summary.get("wire_bytes_per_worker", {}),
-                    "link_bytes_per_node": link_bytes, "link_samples": samples,
+                    "link_bytes_per_node": link_bytes, "losses_per_node": losses,
+                    "link_samples": samples,
                     "run_seconds": time.time() - started}
           if summary.get("job_moments"):
             result["phases"] = phases(summary["job_moments"])

@@ -1,6 +1,6 @@
-"""Heals in the Ray runtime's peer form (runtimes/ray/heals.py): a worker that joins or
-rejoins takes, from a live peer, the replica (θ, the outer state) and what its algorithm
-keeps per worker across rounds, as torchft's heal does (a recovering replica loads a live
+"""Heals in the Ray runtime (runtimes/ray/heals.py): a worker that joins or rejoins takes,
+from a live peer, the replica (θ, the outer state; in the server form θ comes from the
+server) and what its algorithm keeps per worker across rounds, as torchft's heal does (a recovering replica loads a live
 peer's model and optimizer state before it trains again). Streaming DiLoCo keeps each
 worker's local model θ_w across rounds and mixes in only the fragment that lands
 (Douillard et al. 2025, "Streaming DiLoCo", alg. 1): a worker whose θ_w were θ₀ would
@@ -43,24 +43,32 @@ def _first_loss_after(summary, events, worker: int) -> float:
   return summary["loss_by_job"][str(worker)][order[:first].count(worker)]
 
 
+@pytest.mark.parametrize("form", ["direct", "server"])
 def test_streaming_workers_that_rejoin_or_join_train_from_a_peers_local_model(cluster,
-                                                                           tmp_path):
+                                                                           tmp_path, form):
   """Streaming with one fragment mixed in at α = 0.5 (θ_w ← ½θ + ½θ_w when θ lands: the
   local model outlives every round). Worker 1 is killed and comes back, and worker 2
   joins: each one's first job after it (re)joined starts from a live peer's local model
   and inner optimizer, so its loss is its peer's of the jobs just before (within 0.3),
-  where a θ_w of θ₀ would have mixed half of θ₀ into θ. Without the heal (Heals.enabled
-  False) both fail: +0.52 and +0.83 over the peer's, against −0.10 and +0.09 (checked)."""
+  where a θ_w of θ₀ would have mixed half of θ₀ into θ. In the peer form the joiner adopts
+  the peer's replica with them; in the server form θ comes from the server and only the
+  peer's state from the peer (Heals.state_for). Without the heal (Heals.enabled False)
+  both fail: peer form +0.52 and +0.83 over the peer's, against −0.10 and +0.09; server
+  form (`state_for` returning None) worker 1 +0.52 (checked)."""
   from lowcomm_jax.runtimes.ray import driver
   config = load_config("smoke", **{
       "runtime": "ray", "algorithm": "streaming", "num_workers": 2, "rounds": 16,
       "inner_steps": 2, "streaming.fragments": 1, "streaming.mix": 0.5, "eval_every": 8,
       "checkpoint_every": 4, "log_every": 1, "mesh.replica": 1, "ray.apply_order": "dispatch",
+      "collective_form": form,
       "ray.chaos": ("kill_worker=1@12", "rejoin_worker=1@14", "add_worker@18")})
   summary = driver.run(config, tmp_path)
   events = [row for row in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
             if "event" in row]
-  assert summary["round_form"] == "peers" and summary["workers_joined"] == 2
+  assert summary["round_form"] == ("server" if form == "server" else "peers")
+  assert summary["workers_joined"] == 2
+  healed = "joiners_healed" if form == "server" else "replicas_adopted"
+  assert summary[healed] == 2, summary  # the rejoiner and the joiner, each once
   peer = summary["loss_by_job"]["0"]
   order = [m[0] for m in summary["job_moments"]]
   for worker in (1, 2):

@@ -1,12 +1,14 @@
-"""Where a worker that is behind, or new, takes the run's state from (the peer form):
-torchft's heal, peer to peer. It adopts a current peer's replica (θ, the outer state, the
+"""Where a worker that is behind, or new, takes the run's state from: torchft's heal, peer
+to peer. It adopts a current peer's replica (θ, the outer state, the
 version; NoLoCo's replica holds the peer's own row of the sync's state, φ and δ, which the
 joiner takes as its own); a worker whose process starts fresh also takes what its algorithm
 keeps per worker across rounds (`WorkerProcess.heal_state`): the peer's inner optimizer
 state, every algorithm with local steps, and its local model where θ_w outlives a round
 (`Algorithm.keeps_worker_params`: Streaming, eager), from a peer of its width. A worker one
 round behind takes that round's inputs instead and runs its last step itself (catch_up.py).
-Sources are spread by load: the current peer that served the fewest adopts."""
+Sources are spread by load: the current peer that served the fewest adopts. In the server
+form a joiner takes θ from the server and only its per-worker state from a peer
+(`Heals.state_for`)."""
 
 import collections
 
@@ -47,14 +49,34 @@ class Heals:
     share = actors[source].share.remote(None if fresh or behind != version - 1 else behind)
     return actors[worker].adopt.remote(share, heal)
 
+  def state_for(self, worker: int):
+    """A worker that joins in the server form, where no replica comes with it: the state
+    (`heal_state`, a reference) of the live peer of its width that `source` picks, as it
+    was before the peer's job in flight, the one whose push the driver has not taken (so
+    the same run joins the same state, however far that job got); or None (nothing kept
+    per worker, or no peer of its width up)."""
+    pool = self.d.pool
+    source = self.source([w for w in pool.up() if w != worker], worker, fresh=True)
+    if not self.enabled or source is None or self._hidden(source) != self._hidden(worker):
+      return None
+    self.served[source] += 1
+    in_flight = pool.jobs.get(source)
+    return pool.actors[source].heal_state.remote(
+        order=in_flight.order if in_flight is not None else -1)
+
   def count(self, meta: dict) -> None:
-    """A contribution's meta: the adopt its worker took before it, if any."""
+    """A contribution's meta: the adopt or heal its worker took before it, if any."""
     healed = meta.get("healed")
     if healed:
-      how = "rounds_caught_up" if healed["how"] == "round" else "replicas_adopted"
+      how = HOW[healed["how"]]
       self.taken[how] += 1
       self.taken[f"{how}_bytes"] += healed["bytes"]
 
   def summary(self) -> dict:
-    return {k: self.taken[k] for how in ("rounds_caught_up", "replicas_adopted")
-            for k in (how, f"{how}_bytes")}
+    return {k: self.taken[k] for how in HOW.values() for k in (how, f"{how}_bytes")}
+
+
+# What a worker took, as its contribution's meta names it -> the summary's count of it: a
+# round's inputs (catch_up.py), a whole replica (with its state where it starts fresh), a
+# peer's state alone (a joiner of the server form, which takes θ from the server).
+HOW = {"round": "rounds_caught_up", "replica": "replicas_adopted", "state": "joiners_healed"}

@@ -53,6 +53,7 @@ class Pool:
     # (server, method, args): a restored server is fed its own again.
     self.since_checkpoint: list[tuple[str, str, tuple]] = []
     self.on_join: Callable[[int], None] = lambda worker: None
+    self.heal_for: Callable[[int], object] = lambda worker: None  # a joiner's state (forms)
     self.on_lose: Callable[[int], None] = lambda worker: None
     self.jobs_done: dict[int, int] = {}  # per live worker process
     # Workers started mid-run and not up yet (worker -> when it was started): their first
@@ -94,9 +95,9 @@ class Pool:
     if self.c.ray.standby_server and self.standby is None:
       self.standby = self._server_remote().remote(self.c, standby=True, params0=self.theta0)
 
-  def start_worker(self, worker: int, restored: dict | None = None) -> None:
+  def start_worker(self, worker: int, restored: dict | None = None, heal=None) -> None:
     """Starts `worker`'s process: from `restored` (a checkpoint's), else where its data
-    stream was (a worker that rejoins), else fresh."""
+    stream was (a worker that rejoins), else fresh; its state a peer's `heal` (a reference)."""
     sleeps = list(self.c.ray.step_sleep_s)
     sleep = sleeps[worker] if worker < len(sleeps) else 0.0
     if restored is None and str(worker) in self.data:
@@ -106,7 +107,7 @@ class Pool:
                              **cluster.actor_options(self.c, worker=True, index=worker))(
                                  WorkerProcess)
     self.actors[worker] = remote.remote(self._config_of(worker), worker, restored, sleep,
-                                        params0=self.theta0)
+                                        params0=self.theta0, heal=heal)
     self.jobs_done[worker] = 0  # of this process (its first compiles)
     if worker in self.delays:
       self.actors[worker].delay.remote(self.delays[worker])
@@ -139,7 +140,7 @@ class Pool:
     if worker in self.actors:
       logging.warning("ray: worker %d is live; it does not join again", worker)
       return
-    self.start_worker(worker)
+    self.start_worker(worker, heal=self.heal_for(worker))
     self.joining[worker] = time.perf_counter()
     if worker in self.lost:
       self.lost.remove(worker)

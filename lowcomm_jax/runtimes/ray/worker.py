@@ -30,17 +30,20 @@ class WorkerProcess:
 
   def __init__(self, config: ml_collections.ConfigDict, worker: int,
                restored: dict | None = None, step_sleep_s: float = 0.0,
-               params0: np.ndarray | None = None):
+               params0: np.ndarray | None = None, heal: dict | None = None):
     """`restored`: {"data": its stream's state} (a worker that rejoins), or from a
     checkpoint {"part": where its part lies} (checkpoints.at), which it reads itself.
     `params0`: the run's θ₀ (the driver's, sent once through the object store), so that a
-    starting worker does not make it again: its initial state (a fresh row) starts from it."""
+    starting worker does not make it again: its initial state (a fresh row) starts from it.
+    `heal`: a live peer's `heal_state`, its state from then on (a joiner of the server form)."""
     from lowcomm_jax.parallel import mesh as mesh_lib
     restored = restored or {}
     self.worker, self.step_sleep_s, self.delay_s = worker, step_sleep_s, 0.0
     self.r, programs = r, programs = built(with_worker_slots(config), f"worker {worker}")
     if "part" in restored:
       restored = checkpoints.read_worker(restored["part"], r, worker)
+    if heal is not None:
+      restored = {**restored, "state": heal["state"]}
     self.rng = jnp.asarray(steps.run_key(r.config.seed))
     # Its host-table row: its tier, batch and H (every host is local to a one-device run).
     self.host = next(h.index for h in r.topology.hosts if worker in h.worker_ids)
@@ -83,7 +86,8 @@ class WorkerProcess:
     self._job_lock = threading.Lock()  # held by a job: a driver run again waits it out
     self._parts, self._parts_running = threading.Condition(), 0  # its collectives' parts
     self.record = None  # the driver's record of the newest closed round (records.py)
-    self.healed = None  # its last adopt of a peer's, told in its next contribution's meta
+    # its last adopt or heal from a peer's, told in its next contribution's meta
+    self.healed = heal and {"how": "state", "bytes": catch_up.nbytes(heal)}
     # A collaborative epoch (micro/collect): its θ's version, the sums of the micro-batches
     # done at that θ, and the last epoch collected (a micro-batch of it that finishes later
     # is not counted).
@@ -107,19 +111,17 @@ class WorkerProcess:
   def _view(self, round_: int, params: np.ndarray, outer=None) -> steps.TrainState:
     """What the local programs read of the global state of round `round_` (`outer`: where
     the workers' rule reads it, (its own rows of the sync's state, the outer rules'))."""
-    outer = (steps.OuterState(*jax.tree.map(jnp.asarray, outer)) if outer is not None
-             else ())
+    outer = steps.OuterState(*jax.tree.map(jnp.asarray, outer)) if outer is not None else ()
     return self.r.local_input(steps.TrainState(
         jnp.asarray(round_, jnp.int32), self.rng, jnp.asarray(params), outer))
 
   # --- a state average (Algorithm.state_sync: DES-LOC's moments), between rounds ---------
 
   def state_parts(self, parts: tuple[str, ...]) -> tuple[dict, object]:
-    """({"bytes": what it sends}, the `parts` of its optimizer state) for the server's
-    average."""
+    """({"bytes": what it sends}, its optimizer state's `parts`) for the server's average."""
     with self._lock:
       sent = jax.device_get(self.r.worker_state_sync.take(self.state.opt_state, parts))
-    return {"bytes": sum(np.asarray(x).nbytes for x in jax.tree.leaves(sent))}, sent
+    return {"bytes": catch_up.nbytes(sent)}, sent
 
   def set_state_parts(self, parts: tuple[str, ...], values) -> None:
     """Its optimizer state with `parts` replaced by the average the server sent back."""
@@ -139,8 +141,7 @@ class WorkerProcess:
     return {"state": jax.device_get(state), "codec": jax.device_get(codec_state), "data": data}
 
   def save_part(self, where: dict, unpushed_job: int | None) -> int:
-    """Writes its part of the checkpoint `where` names (`checkpoint_state`), where it is:
-    only the part's crc32 goes back to the driver."""
+    """Writes its part of checkpoint `where` (`checkpoint_state`) here; returns its crc32."""
     return checkpoints.write_worker(where, self.worker, self.checkpoint_state(unpushed_job))
 
   def save_replica(self, where: dict) -> dict:
@@ -227,12 +228,12 @@ class WorkerProcess:
         self.state = jax.tree.map(jnp.asarray, heal["state"])
     return self.replica.adopt(state)
 
-  def heal_state(self, version: int) -> dict:
-    """Its local model and inner optimizer as they were when its job of `version` started
-    (as they are, if it started none): what a worker that joins at that version takes,
-    as torchft's heal copies a live replica's model and optimizer."""
+  def heal_state(self, version: int | None = None, order: int | None = None) -> dict:
+    """Its local model and inner optimizer when its job of `version` (or dispatch `order`)
+    started, or as they are if it started none: what a joiner takes, as torchft's heal does."""
     with self._lock:
-      state = self.before[0] if self.before_version == version else self.state
+      began = self.before_version == version if order is None else self.running == order
+      state = self.before[0] if began and self.before is not None else self.state
     return {"state": jax.device_get(state)}
 
   # --- a driver that died, run again (records.py) --------------------------------------

@@ -7,6 +7,7 @@ closes. Its member side is the server actor's own rule (programs/servers.py), so
 `base.Form` beside the collective forms: it is the driver's side alone, the `form` a
 progress policy (progress.py) is given."""
 
+from lowcomm_jax.runtimes.ray.heals import Heals
 from lowcomm_jax.runtimes.ray.server import average_parts
 
 
@@ -15,6 +16,8 @@ class ServerForm:
 
   def __init__(self, d):
     self.d = d
+    self.heals = Heals(d)  # a joiner's per-worker state, from a live peer (heals.py)
+    d.pool.heal_for = self.heals.state_for
     self._average = (d.ray.remote(num_cpus=0)(average_parts)  # (DES-LOC's moments)
                      if d.r.worker_state_sync is not None else None)
 
@@ -48,7 +51,7 @@ class ServerForm:
     pass
 
   def summary(self) -> dict:
-    return {"round_form": "server"}
+    return {"round_form": "server", **self.heals.summary()}
 
   # --- a round -----------------------------------------------------------------------------
 
@@ -60,6 +63,7 @@ class ServerForm:
     """The contribution into the open round (the server's row of its worker); its
     staleness in syncs, or None where no round of its segment is open."""
     del worker, segments
+    self.heals.count(meta)
     info = self.d.pool.call("contribute", meta, sent, changes=True)
     return None if info.get("dropped") else info["staleness"]
 
