@@ -120,8 +120,60 @@ def test_reduced_shards_move_every_replica_as_the_server_moves_theta(overrides, 
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
   first = replicas[members[0]]
   assert np.abs(np.asarray(first.params) - initial_params(r)).max() > 1e-5  # θ moved
-  if overrides.get("hosts") and 0 not in members:  # units only worker 0 trains stay
-    assert (np.asarray(first.params) == initial_params(r)).any()
+
+
+def _outside_tier(r, worker: int) -> np.ndarray:
+  """The coordinates (of the flat θ) that `worker`'s tier does not train: FFN units past
+  its width."""
+  from lowcomm_jax.model.matformer import tier_mask
+  layout = r.model.layout
+  hidden = r.topology.hosts[next(h.index for h in r.topology.hosts
+                                 if worker in h.worker_ids)].hidden
+  full = jax.tree.map(lambda m, a: jnp.broadcast_to(m, a.shape),
+                      tier_mask(layout.abstract, hidden), layout.abstract)
+  return np.asarray(layout.ravel(full)) == 0
+
+
+def test_a_partial_quorum_of_unequal_tiers_keeps_the_servers_momentum_over_rounds():
+  """A full-width worker and two half-width ones, outer Nesterov momentum 0.9: round 0 with
+  all three, then two rounds of the two narrow workers alone. Every round each member's
+  replica is the server's θ and outer state for the same rows. On the units only the
+  full-width worker trains, the partial rounds do what sync_program defines ("units no
+  present worker trained keep their values"): θ stays where round 0 moved it, and the
+  outer rule took a zero Δ there, so its momentum decays by β (m ← β·m). The old check
+  (one coordinate equal to θ₀ after a single round at zero momentum) could not tell."""
+  r = _run(hosts=[host(1.0), host(0.5), host(0.5)])
+  assert r.config.outer.momentum == 0.9 and r.config.outer.nesterov
+  outside = _outside_tier(r, 1)
+  assert outside.any() and not _outside_tier(r, 0).any()
+  replicas = {w: replica_lib.Replica(r, initial_params(r), w) for w in (0, 1, 2)}
+  server, state = _server(r)
+  momentum = lambda tree: np.asarray(jax.tree.leaves(tree)[0])
+  for version, members in enumerate([(0, 1, 2), (1, 2), (1, 2)]):
+    rows = {}
+    for w, (delta, meta) in _rows(r, list(members), seed=version).items():
+      delta = np.where(_outside_tier(r, w), 0.0, delta).astype(np.float32)  # (as it trains)
+      rows[w] = (delta, {**meta, "version": version})
+      replicas[w].keep(version, *rows[w])
+    form_round({w: replicas[w] for w in members}, version, rows)
+    for w in members:
+      assert replicas[w].commit(version) == version + 1
+    before = state
+    received, keys, signals = round_inputs(r, rows, steps.run_key(r.config.seed))
+    state = server(state, received, keys, signals, full=len(rows) == 3)
+    for w in members:
+      np.testing.assert_allclose(replicas[w].params, state.params, rtol=0, atol=1e-6)
+      for a, b in zip(jax.tree.leaves(replicas[w].opt_state),
+                      jax.tree.leaves(state.outer.per_fragment)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    if version:  # no member trains `outside`: θ stays, its momentum decays
+      old, new = momentum(before.outer.per_fragment), momentum(state.outer.per_fragment)
+      np.testing.assert_allclose(new[outside], 0.9 * old[outside], rtol=1e-6, atol=0)
+      assert np.abs(old[outside]).min() > 0
+      np.testing.assert_array_equal(np.asarray(state.params)[outside],
+                                    np.asarray(before.params)[outside])
+    else:  # the full round moved every unit
+      assert (np.asarray(state.params) != np.asarray(before.params)).all()
 
 
 @pytest.mark.parametrize("n,m", [(10, 3), (7, 7), (5, 1), (142848, 8)])

@@ -1,7 +1,8 @@
 """A real Ray round in each form, in the quick set (`-m "not slow"`: marked `quick`, so the
-slow marker's rule leaves them in): a local Ray, a driver, 2 worker actors of the tiny
+slow marker's rule leaves them in): a local Ray, a driver, 2 or 3 worker actors of the tiny
 model, their jobs, and each round closed through the server, by a collective among the
-members (the ring over sockets) or by NoLoCo's pair swaps; every member commits only once
+members (the direct form's reduce-scatter over sockets, 3 members: its bytes are not an
+all-gather's) or by NoLoCo's pair swaps; every member commits only once
 their hashes agree. The equality with lockstep, failures and chaos are in
 tests/test_ray_runtime.py (slow)."""
 
@@ -29,22 +30,22 @@ def cluster(ray_cluster):
   """The process's local Ray (conftest.ray_cluster: started once, as a run starts one)."""
 
 
-@pytest.mark.parametrize("algorithm,form,round_form", [
-    ("diloco", "server", "server"),   # θ on the server actor; the workers pull and push
-    ("diloco", "auto", "peers"),      # the members' ring over sockets (2 members: the ring)
-    ("noloco", "auto", "peers"),      # each member swaps θ_i with its round's peer
+@pytest.mark.parametrize("algorithm,form,round_form,workers", [
+    ("diloco", "server", "server", 2),  # θ on the server actor; the workers pull and push
+    ("diloco", "direct", "peers", 3),   # a reduce-scatter and all-gather among 3, over sockets
+    ("noloco", "auto", "peers", 2),     # each member swaps θ_i with its round's peer
 ])
 def test_a_ray_round_in_each_form_moves_theta_and_counts_its_bytes(cluster, tmp_path,
                                                                    monkeypatch, algorithm,
-                                                                   form, round_form):
+                                                                   form, round_form, workers):
   from lowcomm_jax.runtimes.ray import driver
-  config = _config(algorithm=algorithm, collective_form=form)
+  config = _config(algorithm=algorithm, collective_form=form, num_workers=workers)
   received = driver_gets_at_saves(monkeypatch)
   summary = driver.run(config, tmp_path)
   rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r for r in rows if "event" in r] == []  # nobody lost, joined or restarted
   assert summary["rounds_closed"] == 2 and summary["round_form"] == round_form
-  assert summary["pushes"] == 4 and summary["total_inner_steps"] == 8
+  assert summary["pushes"] == 2 * workers and summary["total_inner_steps"] == 4 * workers
   assert np.isfinite(summary["eval_loss"])
   # θ moved from θ₀, the same in every coordinate a worker trains
   from lowcomm_jax.runtimes.ray.actors import initial_params
@@ -56,7 +57,7 @@ def test_a_ray_round_in_each_form_moves_theta_and_counts_its_bytes(cluster, tmp_
   # Each checkpoint written where its state is: the driver got back no tensor (each
   # part's crc32 and a version), though every worker's inner state is larger than θ. Pair
   # swaps gather every member's rows of the outer state through the driver still.
-  assert len(received) == 2, received
+  assert len(received) == 2, received  # (a checkpoint a round)
   if algorithm != "noloco":
     most = max(save["received"] for save in received)
     assert most < 2_000 < theta0.nbytes, (received, theta0.nbytes)
@@ -68,7 +69,18 @@ def test_a_ray_round_in_each_form_moves_theta_and_counts_its_bytes(cluster, tmp_
     # here): one call more each
     reads = 2 if algorithm == "noloco" else 0
     assert summary["server_bytes_sent"] == 0
-    assert summary["collective_calls"] == 2 * 2 * 2 + 2 * reads
+    assert summary["collective_calls"] == 2 * 2 * workers + workers * reads
     assert (summary.get("consensus_bytes", 0) > 0) == (algorithm == "noloco")
-    assert summary["wire_bytes_per_worker"] == {str(w): [summary["bytes_sent"]] * 2
-                                                 for w in range(2)}
+    wire = summary["wire_bytes_per_worker"]
+    assert sorted(wire) == [str(w) for w in range(workers)]
+    if algorithm == "diloco":  # the dense mean reduce-scattered and all-gathered: each link
+      # carries 2·(W−1)/W of Δ each way a round (shards differ by a coordinate at most), at
+      # W = 3 a third less than an all-gather's (W−1)·Δ; the ledger's bytes_sent is each
+      # worker's payload, Δ a round
+      assert summary["bytes_sent"] == 2 * theta0.nbytes
+      per_round = 2 * (workers - 1) / workers * theta0.nbytes
+      for sent, received in wire.values():
+        for nbytes in (sent, received):
+          assert abs(nbytes - 2 * per_round) <= 2 * 4 * 2 * workers, (nbytes, per_round)
+    else:  # a pair swap: each member's payload to its peer and back, the ledger's bytes
+      assert wire == {str(w): [summary["bytes_sent"]] * 2 for w in range(workers)}

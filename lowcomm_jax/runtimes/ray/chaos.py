@@ -12,13 +12,19 @@ counted):
   delay_worker=K:S@N  from then on, worker K's pushes wait S seconds before they are sent
   crash_in_sync=K@N   worker K's process dies in the middle of the next round's collective
                       (the peer form: it has taken its peers' shards and not answered)
+  flip_bit=K@N        one bit of the next θ worker K stages flips (the peer form: silent
+                      data corruption, as a bad memory cell makes): the members' hashes
+                      differ, and the run must stop before any of them commits
 """
 
 import dataclasses
 import re
 
+import numpy as np
+
 ACTIONS = ("kill_worker", "rejoin_worker", "add_worker", "kill_server", "delay_worker",
-           "crash_in_sync")
+           "crash_in_sync", "flip_bit")
+IN_SYNC = ("crash_in_sync", "flip_bit")  # events inside the peer form's collectives
 _FORM = re.compile(r"^(?P<action>[a-z_]+)(=(tier:(?P<tier>[0-9.]+)|(?P<worker>\d+)"
                    r"(:(?P<seconds>[0-9.]+))?))?@(?P<after>\d+)$")
 
@@ -43,7 +49,7 @@ def parse(events) -> list[ChaosEvent]:
   for text in events:
     m = _FORM.match(str(text).strip())
     action = m and m["action"]
-    needs_worker = action in ("kill_worker", "rejoin_worker", "delay_worker", "crash_in_sync")
+    needs_worker = action in ("kill_worker", "rejoin_worker", "delay_worker", *IN_SYNC)
     ok = (m is not None and action in ACTIONS and int(m["after"]) >= 1
           and needs_worker == (m["worker"] is not None)
           and (action == "delay_worker") == (m["seconds"] is not None)
@@ -52,7 +58,7 @@ def parse(events) -> list[ChaosEvent]:
       raise ValueError(f"{text!r} is not a chaos event; use one of 'kill_worker=K@N', "
                        "'rejoin_worker=K@N', 'add_worker@N', 'add_worker=tier:T@N' "
                        "(0 < T <= 1), 'kill_server@N', 'delay_worker=K:S@N', "
-                       "'crash_in_sync=K@N' (N >= 1 applied pushes)")
+                       "'crash_in_sync=K@N', 'flip_bit=K@N' (N >= 1 applied pushes)")
     out.append(ChaosEvent(action, int(m["after"]), int(m["worker"] or -1) if needs_worker
                           else -1, float(m["seconds"] or 0.0), float(m["tier"] or 1.0)))
   return sorted(out, key=lambda e: e.after)
@@ -71,4 +77,11 @@ def with_worker_slots(config):
   out.num_workers = config.num_workers + len(added)
   if list(config.hosts):
     out.hosts = list(out.hosts) + [host(e.tier) for e in added]
+  return out
+
+
+def flip_one_bit(params) -> np.ndarray:
+  """`params` (float32) with one bit of its middle coordinate's mantissa flipped."""
+  out = np.array(params, dtype=np.float32)
+  out.view(np.uint32)[out.size // 2] ^= np.uint32(1 << 22)
   return out

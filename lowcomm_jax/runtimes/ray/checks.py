@@ -92,7 +92,7 @@ def _check_chaos(c, out: Problems, algorithm) -> None:
         check(e.tier in tiers, "ray.chaos",
               f"{e}: a joining worker trains one of the run's tiers {tiers} (the host "
               "table's), so its programs and evaluation widths exist; use one of them")
-      if e.action in ("kill_worker", "delay_worker", "crash_in_sync"):
+      if e.action in ("kill_worker", "delay_worker", *chaos.IN_SYNC):
         check(0 <= e.worker < c.num_workers, "ray.chaos",
               f"{e} names worker {e.worker}; workers are 0..{c.num_workers - 1}")
       if e.action == "kill_worker":
@@ -110,9 +110,11 @@ def _check_chaos(c, out: Problems, algorithm) -> None:
       check(not (peers and any(e.action == "kill_server" for e in events)), "ray.chaos",
             "kill_server: this run's rounds have no server (the quorum's workers reduce "
             "among themselves); set collective_form='server' to test the server's")
-      check(peers or not any(e.action == "crash_in_sync" for e in events), "ray.chaos",
-            "crash_in_sync: this run has no collective among workers (its rounds go "
-            "through the server); use kill_worker")
+      for action in chaos.IN_SYNC:
+        check(peers or not any(e.action == action for e in events), "ray.chaos",
+              f"{action}: this run has no collective among workers (its rounds go "
+              "through the server); it is the peer form's: collective_form other than "
+              "'server', or kill_worker here")
       check(not (peers and y.standby_server), "ray.standby_server",
             "this run's rounds have no server (the quorum's workers reduce among "
             "themselves); set it False, or collective_form='server'")
@@ -169,5 +171,6 @@ def config_defaults() -> ml_collections.ConfigDict:
   # | 'kill_worker=K@N', 'add_worker@N' (the next free id joins), 'rejoin_worker=K@N' (a
   # | killed worker back where its data stream was), 'kill_server@N' (once: it restarts from
   # | the last checkpoint, the pushes since replayed), 'delay_worker=K:S@N' (S s per push),
-  # | 'crash_in_sync=K@N' (the peer form: K dies in the middle of the next collective)
+  # | 'crash_in_sync=K@N' (the peer form: K dies in the middle of the next collective),
+  # | 'flip_bit=K@N' (the peer form: a bit of the next θ K stages flips; the run must stop)
   return s

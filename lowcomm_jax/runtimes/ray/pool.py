@@ -155,8 +155,7 @@ class Pool:
     return sorted(w for w in self.actors if w not in self.joining)
 
   def _came_up(self, worker: int, meta: dict) -> None:
-    """A joining worker's first result: the seconds from its start to its first job's
-    start are its recovery time."""
+    """A joiner's first result: from its start to its first job's is its recovery time."""
     started = self.joining.pop(worker, None)
     if started is None:
       return
@@ -386,6 +385,8 @@ class Pool:
         self.lose(e.worker, "chaos: killed")
       elif e.action == "crash_in_sync":
         self.crash_in_sync = e.worker
+      elif e.action == "flip_bit" and e.worker in self.actors:
+        self.actors[e.worker].flip_bit.remote()
       elif e.action == "kill_server":
         self.ray.kill(self.server, no_restart=True)
       elif e.action == "delay_worker":

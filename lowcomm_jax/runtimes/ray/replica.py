@@ -34,6 +34,7 @@ from lowcomm_jax.programs import state_average
 from lowcomm_jax.programs import steps
 from lowcomm_jax.programs import scatter_program, sync_program
 from lowcomm_jax.runtimes.ray import catch_up
+from lowcomm_jax.runtimes.ray.chaos import flip_one_bit
 from lowcomm_jax.runtimes.ray.actors import (initial_rule_state, round_inputs, round_signals,
                                              round_syncs)
 from lowcomm_jax.runtimes.ray.robust_shards import RobustShards
@@ -161,6 +162,7 @@ class Replica(RobustShards):
     self.keeps_previous, self.previous = False, None
     self.last = catch_up.LastRound()  # its last round's inputs, for a replica one behind
     self.moments = {}  # when this member finished each step of the open round's collective
+    self.flip_next = False  # chaos flip_bit (WorkerProcess.flip_bit)
 
   def _set(self, version: int, params, opt_state) -> None:
     with self._lock:
@@ -347,6 +349,8 @@ class Replica(RobustShards):
   def _stage(self, round_version: int, state: steps.TrainState) -> str:
     """Keeps the round's new state until its commit; the hash of what must agree across
     members (θ), or of its own new row where each member's differs (a pair swap)."""
+    if self.flip_next:  # chaos flip_bit: silent data corruption of what it stages
+      self.flip_next, state = False, state._replace(params=jnp.asarray(flip_one_bit(state.params)))
     self.staged = (round_version, state)
     return params_hash(state.outer.per_fragment.per_worker if self.pairs else state.params)
 

@@ -108,6 +108,9 @@ class WorkerProcess:
     """From now on each push waits `seconds` before it is sent (chaos)."""
     self.delay_s = seconds
 
+  def flip_bit(self) -> None:  # chaos: a bit of the next θ its replica stages flips
+    self.replica.flip_next = True
+
   def _view(self, round_: int, params: np.ndarray, outer=None) -> steps.TrainState:
     """What the local programs read of the global state of round `round_` (`outer`: where
     the workers' rule reads it, (its own rows of the sync's state, the outer rules'))."""
@@ -130,8 +133,7 @@ class WorkerProcess:
           self.state.opt_state, parts, jax.tree.map(jnp.asarray, values)))
 
   def checkpoint_state(self, unpushed_job: int | None) -> dict:
-    """Its state for a checkpoint: as it was before job `unpushed_job` (started or not) if
-    that job's push is not applied yet, else as it is."""
+    """Its state for a checkpoint: as before job `unpushed_job` if that is unpushed, else now."""
     with self._lock:
       if unpushed_job is not None and self.running == unpushed_job:
         state, codec_state, data = self.before
@@ -273,8 +275,7 @@ class WorkerProcess:
     return self._take_part(message, lambda ex: form.member(self.replica, ex, message))
 
   def mean_state(self, message: dict) -> dict:
-    """Its `parts` of the optimizer state (a state average: DES-LOC's moments) replaced by
-    their mean among the members; its link's bytes and the parts' own."""
+    """Its optimizer state's `parts` replaced by the members' mean (DES-LOC's moments)."""
     parts = tuple(message["parts"])
 
     def steps(ex):
@@ -302,8 +303,7 @@ class WorkerProcess:
     return None if self.postbox is None else self.postbox.address
 
   def deliver(self, tag: tuple, sender: int, box) -> None:
-    """A peer's value in a collective (`forms.exchange`, ray.transport='objects'), kept until
-    its phase is gathered."""
+    """A peer's value in a collective (ray.transport='objects'), kept until it is gathered."""
     self.mailbox.put(tuple(tag), sender, box)
 
   def abort(self, version: int, attempt: int) -> None:

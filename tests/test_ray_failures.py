@@ -1,0 +1,60 @@
+"""The peer form's failure paths on Ray (issue 72): what must stop a run, or be survived,
+when the members of a round's collective misbehave. Each test names the mutation it was
+seen to fail under."""
+
+import numpy as np
+import pytest
+
+from conftest import load_config, ray_checkpoint
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture
+def cluster(ray_cluster):
+  """The process's local Ray (conftest.ray_cluster)."""
+
+
+def _config(**overrides):
+  """3 workers of the smoke model in the peer form, 4 rounds of H = 2, every round
+  checkpointed, pushes taken in dispatch order (the same run every time)."""
+  return load_config("smoke", **{
+      "runtime": "ray", "algorithm": "diloco", "num_workers": 3, "rounds": 4,
+      "inner_steps": 2, "eval_every": 0, "checkpoint_every": 1, "log_every": 1,
+      "mesh.replica": 1, "ray.apply_order": "dispatch", "collective_form": "direct",
+      **overrides})
+
+
+@pytest.mark.slow  # (~20 s: two Ray runs of 3 workers)
+def test_replicas_that_diverge_stop_the_run_before_any_member_commits(cluster, tmp_path):
+  """flip_bit=1@4: one bit of the next θ worker 1 stages flips (silent data corruption).
+  The members' hashes then differ, and the driver must stop the run before any member
+  commits that round, naming the hashes; the newest checkpoint is the last round all
+  members agreed on, bit-equal to the same round of a run without the flip. With the
+  driver's comparison removed (`_commit` not checking) the run ends normally (checked)."""
+  from lowcomm_jax.runtimes.ray import driver
+  config = _config(**{"ray.chaos": ("flip_bit=1@4",)})
+  with pytest.raises(RuntimeError, match=r"round (\d+): the members' θ differ .* the "
+                                         r"replicas have diverged") as caught:
+    driver.run(config, tmp_path / "flipped")
+  hashes = str(caught.value).split("(", 1)[1]
+  assert hashes.count(":") == 3  # every member's hash, named by worker
+  bad_round = int(str(caught.value).split(":")[0].split()[-1])
+  assert bad_round >= 1  # (the flag is set after round 0's pushes)
+  flipped = ray_checkpoint(config, tmp_path / "flipped")
+  assert flipped[1]["counts"]["rounds"] == bad_round  # nothing of the bad round was kept
+
+  clean = _config(rounds=bad_round)
+  driver.run(clean, tmp_path / "clean")
+  reference = ray_checkpoint(clean, tmp_path / "clean")
+  np.testing.assert_array_equal(np.asarray(flipped[0]["global"]["params"]),
+                                np.asarray(reference[0]["global"]["params"]))
+
+
+def test_a_bit_flip_is_refused_where_no_replicas_are_compared():
+  from lowcomm_jax.config import check
+  config = _config(collective_form="server", **{"ray.chaos": ("flip_bit=1@4",)})
+  with pytest.raises(check.ConfigError) as refused:
+    check.validate(config, num_devices=8)
+  assert any(p.startswith("ray.chaos=") and "flip_bit: this run has no collective among "
+             "workers" in p for p in refused.value.problems), refused.value.problems
