@@ -2,6 +2,8 @@
 when the members of a round's collective misbehave. Each test names the mutation it was
 seen to fail under."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -49,6 +51,37 @@ def test_replicas_that_diverge_stop_the_run_before_any_member_commits(cluster, t
   reference = ray_checkpoint(clean, tmp_path / "clean")
   np.testing.assert_array_equal(np.asarray(flipped[0]["global"]["params"]),
                                 np.asarray(reference[0]["global"]["params"]))
+
+
+def _checkpointed_params(config, workdir) -> np.ndarray:
+  return np.asarray(ray_checkpoint(config, workdir)[0]["global"]["params"])
+
+
+@pytest.mark.slow  # (~30 s: two Ray runs of 3 workers, one waiting out a 5 s timeout)
+def test_a_member_slow_inside_a_collective_is_left_behind_and_the_round_goes_on(cluster,
+                                                                               tmp_path):
+  """stall_in_sync=1:8@4: worker 1, alive, waits 8 s inside round 1's collective before
+  its part, past ray.collective_timeout_s = 5. Its peers stop waiting for its pieces, the
+  driver loses it as "waited for in vain" and tries the round again among workers 0 and 2
+  from the contributions they kept: the run ends bit-equal to one whose worker 1 was
+  killed after contributing to round 1 and before it closed. With the members' wait not
+  bounded by the timeout (a 60 s deadline in the message) the round waits for worker 1
+  instead, nobody is lost, and the test fails (checked)."""
+  from lowcomm_jax.runtimes.ray import driver
+  stalled = _config(**{"ray.collective_timeout_s": 5.0,
+                       "ray.chaos": ("stall_in_sync=1:8@4",)})
+  killed = _config(**{"ray.collective_timeout_s": 5.0, "ray.chaos": ("kill_worker=1@6",)})
+  summary = driver.run(stalled, tmp_path / "stalled")
+  replay = driver.run(killed, tmp_path / "killed")
+  events = [row for row in map(json.loads, (tmp_path / "stalled" / "metrics.jsonl")
+                               .read_text().splitlines()) if "event" in row]
+  assert [(e["event"], e["worker"]) for e in events] == [("worker_lost", 1)]
+  assert "was waited for in vain in a round's collective" in events[0]["why"]
+  assert summary["collective_retries"] == 1 and replay["collective_retries"] == 0
+  assert summary["rounds_closed"] == replay["rounds_closed"] == 4
+  assert summary["pushes_per_worker"] == replay["pushes_per_worker"]
+  np.testing.assert_array_equal(_checkpointed_params(stalled, tmp_path / "stalled"),
+                                _checkpointed_params(killed, tmp_path / "killed"))
 
 
 def test_a_bit_flip_is_refused_where_no_replicas_are_compared():

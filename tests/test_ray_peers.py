@@ -505,7 +505,6 @@ def test_a_state_average_is_the_runners_program_on_every_runtime():
   DES-LOC's MomentSync, and the Ray server's task (`average_parts`) on the parts the workers
   send give the same moments bit for bit: one program averages them everywhere."""
   from lowcomm_jax.algorithms.desloc import MomentSync
-  from lowcomm_jax.programs import steps
   from lowcomm_jax.runtimes.ray.server import average_parts
   import optax
   rng = np.random.default_rng(0)

@@ -30,15 +30,16 @@ class Attempts:
     self.failures = ({}, [])  # the last failed attempt's outcomes, and who never answered
 
   def start(self, v: int, members: list[int], method: str, messages: dict,
-            form: forms.Form | None = None, crash: int | None = None) -> Attempt:
+            form: forms.Form | None = None, chaos: dict | None = None) -> Attempt:
     """An attempt of a collective among `members`: each member's `method` called once with
     its message and what every member is told (the version, the attempt, the members and
-    their handles, the timeout; `crash`: the member chaos kills in it)."""
+    their handles, the timeout; `chaos`: {"crash": the member it kills} or {"stall": [the
+    member it holds back, seconds]})."""
     pool = self.d.pool
     self.count += 1
     common = {"version": v, "attempt": self.count, "members": list(members),
               "handles": {w: pool.actors[w] for w in members},
-              "timeout_s": self.d.c.ray.collective_timeout_s, "crash": crash}
+              "timeout_s": self.d.c.ray.collective_timeout_s, **(chaos or {})}
     if form is not None:
       common["form"] = form.name
     if self.d.c.ray.transport == "sockets":

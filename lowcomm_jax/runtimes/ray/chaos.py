@@ -12,6 +12,9 @@ counted):
   delay_worker=K:S@N  from then on, worker K's pushes wait S seconds before they are sent
   crash_in_sync=K@N   worker K's process dies in the middle of the next round's collective
                       (the peer form: it has taken its peers' shards and not answered)
+  stall_in_sync=K:S@N worker K, alive, waits S seconds inside the next round's collective
+                      before its part (the peer form: past ray.collective_timeout_s its
+                      peers stop waiting, and the round goes on without it)
   flip_bit=K@N        one bit of the next θ worker K stages flips (the peer form: silent
                       data corruption, as a bad memory cell makes): the members' hashes
                       differ, and the run must stop before any of them commits
@@ -23,8 +26,9 @@ import re
 import numpy as np
 
 ACTIONS = ("kill_worker", "rejoin_worker", "add_worker", "kill_server", "delay_worker",
-           "crash_in_sync", "flip_bit")
-IN_SYNC = ("crash_in_sync", "flip_bit")  # events inside the peer form's collectives
+           "crash_in_sync", "stall_in_sync", "flip_bit")
+IN_SYNC = ("crash_in_sync", "stall_in_sync", "flip_bit")  # inside the peer form's collectives
+WAITS = ("delay_worker", "stall_in_sync")  # events of a worker and seconds (K:S)
 _FORM = re.compile(r"^(?P<action>[a-z_]+)(=(tier:(?P<tier>[0-9.]+)|(?P<worker>\d+)"
                    r"(:(?P<seconds>[0-9.]+))?))?@(?P<after>\d+)$")
 
@@ -52,13 +56,14 @@ def parse(events) -> list[ChaosEvent]:
     needs_worker = action in ("kill_worker", "rejoin_worker", "delay_worker", *IN_SYNC)
     ok = (m is not None and action in ACTIONS and int(m["after"]) >= 1
           and needs_worker == (m["worker"] is not None)
-          and (action == "delay_worker") == (m["seconds"] is not None)
+          and (action in WAITS) == (m["seconds"] is not None)
           and (m["tier"] is None or (action == "add_worker" and 0 < float(m["tier"]) <= 1)))
     if not ok:
       raise ValueError(f"{text!r} is not a chaos event; use one of 'kill_worker=K@N', "
                        "'rejoin_worker=K@N', 'add_worker@N', 'add_worker=tier:T@N' "
                        "(0 < T <= 1), 'kill_server@N', 'delay_worker=K:S@N', "
-                       "'crash_in_sync=K@N', 'flip_bit=K@N' (N >= 1 applied pushes)")
+                       "'crash_in_sync=K@N', 'stall_in_sync=K:S@N', 'flip_bit=K@N' (N >= 1 "
+                       "applied pushes)")
     out.append(ChaosEvent(action, int(m["after"]), int(m["worker"] or -1) if needs_worker
                           else -1, float(m["seconds"] or 0.0), float(m["tier"] or 1.0)))
   return sorted(out, key=lambda e: e.after)

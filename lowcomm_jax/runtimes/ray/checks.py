@@ -92,7 +92,7 @@ def _check_chaos(c, out: Problems, algorithm) -> None:
         check(e.tier in tiers, "ray.chaos",
               f"{e}: a joining worker trains one of the run's tiers {tiers} (the host "
               "table's), so its programs and evaluation widths exist; use one of them")
-      if e.action in ("kill_worker", "delay_worker", *chaos.IN_SYNC):
+      if e.action in ("kill_worker", *chaos.WAITS, *chaos.IN_SYNC):
         check(0 <= e.worker < c.num_workers, "ray.chaos",
               f"{e} names worker {e.worker}; workers are 0..{c.num_workers - 1}")
       if e.action == "kill_worker":
@@ -172,5 +172,6 @@ def config_defaults() -> ml_collections.ConfigDict:
   # | killed worker back where its data stream was), 'kill_server@N' (once: it restarts from
   # | the last checkpoint, the pushes since replayed), 'delay_worker=K:S@N' (S s per push),
   # | 'crash_in_sync=K@N' (the peer form: K dies in the middle of the next collective),
+  # | 'stall_in_sync=K:S@N' (the peer form: K waits S s inside the next collective),
   # | 'flip_bit=K@N' (the peer form: a bit of the next θ K stages flips; the run must stop)
   return s

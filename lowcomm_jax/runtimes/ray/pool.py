@@ -59,7 +59,7 @@ class Pool:
     # Workers started mid-run and not up yet (worker -> when it was started): their first
     # job waits in the actor's queue; nobody waits for them (a quorum does not count them).
     self.joining: dict[int, float] = {}
-    self.crash_in_sync: int | None = None  # chaos: the worker to die in the next collective
+    self.in_sync: dict = {}  # chaos in the next collective: {"crash": K} or {"stall": [K, S]}
 
   # --- actors -----------------------------------------------------------------------------
 
@@ -113,8 +113,7 @@ class Pool:
       self.actors[worker].delay.remote(self.delays[worker])
 
   def answers(self, refs: dict, doing: str) -> dict:
-    """{worker: its answer} of the calls `refs` ({worker: reference}); a worker that dies
-    answering is lost (`doing`: what it was doing, for the event)."""
+    """{worker: its answer} of the calls `refs`; one that dies `doing` it is lost."""
     out = {}
     for w, ref in refs.items():
       try:
@@ -383,8 +382,9 @@ class Pool:
       logging.info("ray: chaos %s", e)
       if e.action == "kill_worker" and e.worker in self.actors:
         self.lose(e.worker, "chaos: killed")
-      elif e.action == "crash_in_sync":
-        self.crash_in_sync = e.worker
+      elif e.action in ("crash_in_sync", "stall_in_sync"):
+        self.in_sync = ({"crash": e.worker} if e.action == "crash_in_sync"
+                        else {"stall": [e.worker, e.seconds]})
       elif e.action == "flip_bit" and e.worker in self.actors:
         self.actors[e.worker].flip_bit.remote()
       elif e.action == "kill_server":

@@ -367,9 +367,9 @@ class Replicas:
     if form.tally:
       self.tallies[form.tally] += 1
     metas = {w: rows[w][0] for w in members}
-    crash, self.d.pool.crash_in_sync = self.d.pool.crash_in_sync, None
+    chaos, self.d.pool.in_sync = self.d.pool.in_sync, {}
     return self.attempts.start(v, members, "exchange", form.messages(self, v, members, metas),
-                               form, crash)
+                               form, chaos)
 
   def _rows_of(self, v: int) -> dict:
     """The contributions of round `v` (the one in flight, or the open one)."""

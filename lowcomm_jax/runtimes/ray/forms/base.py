@@ -36,7 +36,7 @@ class Form:
     """The driver's side: {member: what it is told} for round `v` among `members`
     (`rounds`: the driver's `Replicas`, for the run and the network; `metas`: each
     member's contribution's meta). The common fields (version, attempt, members, handles,
-    crash) are added by the caller."""
+    chaos) are added by the caller."""
     raise NotImplementedError
 
   def member(self, replica, ex: Exchange, message: dict) -> dict:
@@ -55,11 +55,14 @@ def signals_of(metas: dict, members: list[int]) -> tuple[list[float], list[float
 def take_part(me: int, message: dict, mailbox, transport, steps, crash) -> dict:
   """Member `me`'s part of the attempt `message` names: `steps(exchange)` -> its outcome,
   with its moments; {"failed": why, "missing": [members]} where the attempt ended without
-  it staging (`crash()` first where chaos names it to die in this collective)."""
+  it staging (`crash()` first where chaos names it to die in this collective; a sleep
+  first where chaos holds it back: "stall")."""
   ex = Exchange(me, message["members"], message["version"], message["attempt"], mailbox,
                 transport, message["timeout_s"])
   if message.get("crash") == me:
     crash()
+  if (message.get("stall") or [None])[0] == me:
+    time.sleep(message["stall"][1])
   began = time.time()
   try:
     out = steps(ex)
