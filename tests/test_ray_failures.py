@@ -84,6 +84,31 @@ def test_a_member_slow_inside_a_collective_is_left_behind_and_the_round_goes_on(
                                 _checkpointed_params(killed, tmp_path / "killed"))
 
 
+@pytest.mark.slow  # (~30 s: two Ray runs of 3 workers)
+def test_a_member_dying_after_the_round_was_staged_is_retried_from_what_was_kept(cluster,
+                                                                                tmp_path):
+  """crash_after_staging=1@4: worker 1 dies in round 1's collective once it has staged the
+  round, so its peers have its shards and stage the round with its contribution too. Nobody
+  has committed: the driver loses worker 1 and tries the round again among workers 0 and 2,
+  whose replicas must stage anew from the contributions they kept, not commit what the
+  failed attempt staged. The run ends bit-equal to one whose worker 1 was killed after
+  contributing to round 1 and before it closed. With a replica keeping the first state it
+  staged for a round (`_stage` not replacing it) the θ differ (checked)."""
+  from lowcomm_jax.runtimes.ray import driver
+  crashed = _config(**{"ray.chaos": ("crash_after_staging=1@4",)})
+  killed = _config(**{"ray.chaos": ("kill_worker=1@6",)})
+  summary = driver.run(crashed, tmp_path / "crashed")
+  replay = driver.run(killed, tmp_path / "killed")
+  events = [row for row in map(json.loads, (tmp_path / "crashed" / "metrics.jsonl")
+                               .read_text().splitlines()) if "event" in row]
+  assert [(e["event"], e["worker"]) for e in events] == [("worker_lost", 1)]
+  assert "died in a round's collective" in events[0]["why"]
+  assert summary["collective_retries"] == 1 and replay["collective_retries"] == 0
+  assert summary["rounds_closed"] == replay["rounds_closed"] == 4
+  np.testing.assert_array_equal(_checkpointed_params(crashed, tmp_path / "crashed"),
+                                _checkpointed_params(killed, tmp_path / "killed"))
+
+
 def test_a_bit_flip_is_refused_where_no_replicas_are_compared():
   from lowcomm_jax.config import check
   config = _config(collective_form="server", **{"ray.chaos": ("flip_bit=1@4",)})

@@ -33,8 +33,8 @@ class Attempts:
             form: forms.Form | None = None, chaos: dict | None = None) -> Attempt:
     """An attempt of a collective among `members`: each member's `method` called once with
     its message and what every member is told (the version, the attempt, the members and
-    their handles, the timeout; `chaos`: {"crash": the member it kills} or {"stall": [the
-    member it holds back, seconds]})."""
+    their handles, the timeout; `chaos`: {"crash": the member it kills}, the same once it
+    staged ("crash_staged"), or {"stall": [the member it holds back, seconds]})."""
     pool = self.d.pool
     self.count += 1
     common = {"version": v, "attempt": self.count, "members": list(members),

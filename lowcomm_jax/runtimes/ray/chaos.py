@@ -12,6 +12,8 @@ counted):
   delay_worker=K:S@N  from then on, worker K's pushes wait S seconds before they are sent
   crash_in_sync=K@N   worker K's process dies in the middle of the next round's collective
                       (the peer form: it has taken its peers' shards and not answered)
+  crash_after_staging=K@N  worker K's process dies in the next round's collective once it
+                      has staged the round (its peers have its shards, and stage it too)
   stall_in_sync=K:S@N worker K, alive, waits S seconds inside the next round's collective
                       before its part (the peer form: past ray.collective_timeout_s its
                       peers stop waiting, and the round goes on without it)
@@ -26,8 +28,10 @@ import re
 import numpy as np
 
 ACTIONS = ("kill_worker", "rejoin_worker", "add_worker", "kill_server", "delay_worker",
-           "crash_in_sync", "stall_in_sync", "flip_bit")
-IN_SYNC = ("crash_in_sync", "stall_in_sync", "flip_bit")  # inside the peer form's collectives
+           "crash_in_sync", "crash_after_staging", "stall_in_sync", "flip_bit")
+# inside the peer form's collectives: told in the next one's message (`in_sync`), or not
+MESSAGED = ("crash_in_sync", "crash_after_staging", "stall_in_sync")
+IN_SYNC = (*MESSAGED, "flip_bit")
 WAITS = ("delay_worker", "stall_in_sync")  # events of a worker and seconds (K:S)
 _FORM = re.compile(r"^(?P<action>[a-z_]+)(=(tier:(?P<tier>[0-9.]+)|(?P<worker>\d+)"
                    r"(:(?P<seconds>[0-9.]+))?))?@(?P<after>\d+)$")
@@ -62,8 +66,8 @@ def parse(events) -> list[ChaosEvent]:
       raise ValueError(f"{text!r} is not a chaos event; use one of 'kill_worker=K@N', "
                        "'rejoin_worker=K@N', 'add_worker@N', 'add_worker=tier:T@N' "
                        "(0 < T <= 1), 'kill_server@N', 'delay_worker=K:S@N', "
-                       "'crash_in_sync=K@N', 'stall_in_sync=K:S@N', 'flip_bit=K@N' (N >= 1 "
-                       "applied pushes)")
+                       "'crash_in_sync=K@N', 'crash_after_staging=K@N', "
+                       "'stall_in_sync=K:S@N', 'flip_bit=K@N' (N >= 1 applied pushes)")
     out.append(ChaosEvent(action, int(m["after"]), int(m["worker"] or -1) if needs_worker
                           else -1, float(m["seconds"] or 0.0), float(m["tier"] or 1.0)))
   return sorted(out, key=lambda e: e.after)
@@ -83,6 +87,13 @@ def with_worker_slots(config):
   if list(config.hosts):
     out.hosts = list(out.hosts) + [host(e.tier) for e in added]
   return out
+
+
+def in_sync(e: ChaosEvent) -> dict:
+  """What the next collective's message carries for event `e` (forms/base.take_part)."""
+  if e.action == "stall_in_sync":
+    return {"stall": [e.worker, e.seconds]}
+  return {"crash" if e.action == "crash_in_sync" else "crash_staged": e.worker}
 
 
 def flip_one_bit(params) -> np.ndarray:

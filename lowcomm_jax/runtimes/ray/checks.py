@@ -172,6 +172,7 @@ def config_defaults() -> ml_collections.ConfigDict:
   # | killed worker back where its data stream was), 'kill_server@N' (once: it restarts from
   # | the last checkpoint, the pushes since replayed), 'delay_worker=K:S@N' (S s per push),
   # | 'crash_in_sync=K@N' (the peer form: K dies in the middle of the next collective),
+  # | 'crash_after_staging=K@N' (the same, once K has staged the round),
   # | 'stall_in_sync=K:S@N' (the peer form: K waits S s inside the next collective),
   # | 'flip_bit=K@N' (the peer form: a bit of the next θ K stages flips; the run must stop)
   return s

@@ -59,7 +59,7 @@ class Pool:
     # Workers started mid-run and not up yet (worker -> when it was started): their first
     # job waits in the actor's queue; nobody waits for them (a quorum does not count them).
     self.joining: dict[int, float] = {}
-    self.in_sync: dict = {}  # chaos in the next collective: {"crash": K} or {"stall": [K, S]}
+    self.in_sync: dict = {}  # chaos told in the next collective's message (chaos.in_sync)
 
   # --- actors -----------------------------------------------------------------------------
 
@@ -382,9 +382,8 @@ class Pool:
       logging.info("ray: chaos %s", e)
       if e.action == "kill_worker" and e.worker in self.actors:
         self.lose(e.worker, "chaos: killed")
-      elif e.action in ("crash_in_sync", "stall_in_sync"):
-        self.in_sync = ({"crash": e.worker} if e.action == "crash_in_sync"
-                        else {"stall": [e.worker, e.seconds]})
+      elif e.action in chaos_lib.MESSAGED:
+        self.in_sync = chaos_lib.in_sync(e)
       elif e.action == "flip_bit" and e.worker in self.actors:
         self.actors[e.worker].flip_bit.remote()
       elif e.action == "kill_server":

@@ -55,8 +55,8 @@ def signals_of(metas: dict, members: list[int]) -> tuple[list[float], list[float
 def take_part(me: int, message: dict, mailbox, transport, steps, crash) -> dict:
   """Member `me`'s part of the attempt `message` names: `steps(exchange)` -> its outcome,
   with its moments; {"failed": why, "missing": [members]} where the attempt ended without
-  it staging (`crash()` first where chaos names it to die in this collective; a sleep
-  first where chaos holds it back: "stall")."""
+  it staging (`crash()` first where chaos names it to die in this collective, or once it
+  staged: "crash_staged"; a sleep first where chaos holds it back: "stall")."""
   ex = Exchange(me, message["members"], message["version"], message["attempt"], mailbox,
                 transport, message["timeout_s"])
   if message.get("crash") == me:
@@ -69,4 +69,6 @@ def take_part(me: int, message: dict, mailbox, transport, steps, crash) -> dict:
   except Failed as e:
     return {"failed": str(e), "missing": e.missing,
             **({} if e.waited_at is None else {"waited_at": e.waited_at})}
+  if message.get("crash_staged") == me:
+    crash()
   return {**out, "moments": {"began": began, **out.get("moments", {}), "staged": time.time()}}
