@@ -43,6 +43,7 @@ def _first_loss_after(summary, events, worker: int) -> float:
   return summary["loss_by_job"][str(worker)][order[:first].count(worker)]
 
 
+@pytest.mark.slow  # (~30 s a form: sixteen rounds, a kill, a rejoin and a join)
 @pytest.mark.parametrize("form", ["direct", "server"])
 def test_streaming_workers_that_rejoin_or_join_train_from_a_peers_local_model(cluster,
                                                                            tmp_path, form):
