@@ -4,13 +4,18 @@ tests/durations.txt, which keeps each test's largest. One run moved tests across
 from recording to recording (39 of them at 2 s); the largest of several holds. A test with
 no recorded duration is quick until the next recording (a new test is small unless its
 author marks it `slow`, as the Ray runs over 30 s are). `python -m pytest -q -m "not
-slow"` leaves the slow ones out.
+slow"` leaves the slow ones out. A run of the quick set alone is recorded too: there a quick
+test pays the compiles that, in the whole suite, a slow test ahead of it left in the
+persistent compile cache, so its time in the whole suite understates it.
 
 To record one more run (BUILD_NOTES.md, "The slow marker"), run CI with every duration
 printed and add its log:
 
   PYTEST_ADDOPTS="--durations=0 --durations-min=0.5" bash .ci/run > ci.log 2>&1
   python tests/slow_marker.py --from ci.log --commit $(git rev-parse --short HEAD)
+
+and the quick set alone the same way (PYTEST_ADDOPTS as above, `python -m pytest -q -m "not
+slow"`), with `--commit "$(git rev-parse --short HEAD) (quick set alone)"`.
 """
 
 import argparse
@@ -49,8 +54,8 @@ def slow(durations: dict[str, float], over_s: float = SLOW_OVER_S) -> set[str]:
 def runs(path: pathlib.Path = DURATIONS) -> list[str]:
   """The commits of the CI runs the file records (its first line names them)."""
   first = path.read_text().splitlines()[0] if path.exists() else ""
-  m = re.search(r"runs? at ([0-9a-f, ]+)$", first)
-  return [c.strip() for c in m.group(1).split(",")] if m else []
+  m = re.search(r"runs? at (.+)$", first)
+  return [c.strip() for c in m.group(1).split(", ")] if m else []
 
 
 def merged(recorded: dict[str, float], measured: dict[str, float]) -> dict[str, float]:
@@ -61,10 +66,11 @@ def merged(recorded: dict[str, float], measured: dict[str, float]) -> dict[str, 
 
 def write(durations: dict[str, float], commits: list[str],
           path: pathlib.Path = DURATIONS) -> None:
-  header = (f"# Per-test seconds (setup + call + teardown), the largest of the clean CI runs "
+  header = (f"# Per-test seconds (setup + call + teardown), the largest of the recorded runs "
             f"at {', '.join(commits)}\n"
-            "# (bash .ci/run, 2 cores, pytest-xdist's 2 workers; tests under 0.5 s not\n"
-            f"# listed). Tests over {SLOW_OVER_S:g} s are marked slow (tests/slow_marker.py).\n")
+            "# (clean CI runs, bash .ci/run, and the quick set alone, -m 'not slow'; 2 cores,\n"
+            "# pytest-xdist's 2 workers; tests under 0.5 s not listed). Tests over "
+            f"{SLOW_OVER_S:g} s are\n# marked slow (tests/slow_marker.py).\n")
   rows = sorted(durations.items(), key=lambda kv: (-kv[1], kv[0]))
   path.write_text(header + "".join(f"{s:.2f} {node}\n" for node, s in rows))
 
@@ -72,7 +78,8 @@ def write(durations: dict[str, float], commits: list[str],
 if __name__ == "__main__":
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--from", dest="log", required=True, help="a CI log with durations")
-  parser.add_argument("--commit", required=True, help="the commit that CI run tested")
+  parser.add_argument("--commit", required=True, help="the commit that run tested (with "
+                      "' (quick set alone)' after it for a run of -m 'not slow')")
   args = parser.parse_args()
   measured = from_log(pathlib.Path(args.log).read_text())
   if not measured:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import driver_gets_at_saves, load_config, ray_checkpoint
+from lowcomm_jax.run import summary as summary_lib
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.quick
@@ -45,6 +46,7 @@ def test_a_ray_round_in_each_form_moves_theta_and_counts_its_bytes(cluster, tmp_
   rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [r for r in rows if "event" in r] == []  # nobody lost, joined or restarted
   assert summary["rounds_closed"] == 2 and summary["round_form"] == round_form
+  assert summary_lib.problems(summary) == [] and summary["runtime"] == "ray"
   assert summary["pushes"] == 2 * workers and summary["total_inner_steps"] == 4 * workers
   assert np.isfinite(summary["eval_loss"])
   # θ moved from θ₀, the same in every coordinate a worker trains

@@ -79,4 +79,7 @@ def test_a_new_recording_keeps_each_tests_largest_and_names_every_run(tmp_path):
   assert slow_marker.runs(path) == ["84f9f4b"]  # (the one-run header before this rule)
   slow_marker.write(both, ["84f9f4b", "1a130e9"], path)
   assert slow_marker.runs(path) == ["84f9f4b", "1a130e9"]
+  quick = ["84f9f4b", "1a130e9", "3e26b0b (quick set alone)"]  # (a run of -m 'not slow')
+  slow_marker.write(both, quick, path)
+  assert slow_marker.runs(path) == quick
   assert slow_marker.read(path) == pytest.approx(both, abs=0.005)

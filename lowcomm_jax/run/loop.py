@@ -174,7 +174,8 @@ def run(driver: Driver, files: RunFiles, *, t_start: float,
   finally:  # also on errors: saves in flight complete, files are flushed
     driver.close()
     files.close()  # raises if a save in flight failed (WorkdirError)
-  summary = driver.summary(evals["eval_loss"], scalars, wall_seconds)
+  summary = {"runtime": files.config.runtime,  # (run/summary.py: the keys every one writes)
+             **driver.summary(evals["eval_loss"], scalars, wall_seconds)}
   if by_width := widths_of(evals):  # the last evaluation at every width (Run.evaluation)
     summary["eval_loss_by_width"] = by_width
   compiled, loaded, compiling = (now - before for now, before in zip(compile_cache.counts(),

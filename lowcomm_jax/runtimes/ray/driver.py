@@ -315,7 +315,7 @@ class RayDriver:
 
   def summary(self, eval_loss: float, scalars: dict, wall: float) -> dict:
     n, c, model = self.counts, self.c, self.r.model
-    out = {"algorithm": c.algorithm, "runtime": "ray", "num_workers": c.num_workers,
+    out = {"algorithm": c.algorithm, "num_workers": c.num_workers,
            "inner_steps": c.inner_steps, "rounds": c.rounds, "model": model.name,
            "params": model.param_count + model.frozen_count,
            "trainable_params": model.param_count, "codec": c.compress.codec,
