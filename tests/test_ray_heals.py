@@ -1,8 +1,9 @@
 """Heals in the Ray runtime (runtimes/ray/heals.py): a worker that joins or rejoins takes,
 from a live peer, the replica (θ, the outer state; in the server form θ comes from the
-server) and what its algorithm keeps per worker across rounds, as torchft's heal does (a recovering replica loads a live
-peer's model and optimizer state before it trains again). Streaming DiLoCo keeps each
-worker's local model θ_w across rounds and mixes in only the fragment that lands
+server) and what its algorithm keeps per worker across rounds, as torchft's heal does (a
+recovering replica loads a live peer's model and optimizer state before it trains again).
+Streaming DiLoCo keeps each worker's local model θ_w across rounds and mixes in only the
+fragment that lands
 (Douillard et al. 2025, "Streaming DiLoCo", alg. 1): a worker whose θ_w were θ₀ would
 train from θ₀ in every other fragment."""
 

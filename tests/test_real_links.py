@@ -192,7 +192,7 @@ def test_a_peer_round_moves_its_bytes_between_workers_not_through_the_drivers_no
   worker as it starts, the final checkpoint's replica (θ and momentum) and Ray's own
   reports (BENCHMARKS, issue 61: ~8 MB a node a minute), under a third of the 2·W payloads
   a round a parameter server's link carries. Each worker's link carried no more than its
-  collectives' bytes and those overheads: a value sent twice would exceed it."""
+  collectives' bytes and those overheads: a whole payload sent twice would exceed it."""
   rounds, workers = 8, 2
   with real_links.Links(workers + 1, 400) as links:
     env = dict(real_links.ray_env(), RAY_ADDRESS=links.start_ray())

@@ -121,6 +121,10 @@ def _check_chaos(c, out: Problems, algorithm) -> None:
       # In the peer form a joiner takes its row from a live peer with its replica (heals.py);
       # a server would have only θ₀ for it.
       rule = algorithm.worker_rule(c)
+      check(not (peers and rule is not None and rule.reads_sync_state
+                 and any(e.action == "flip_bit" for e in events)), "ray.chaos",
+            f"flip_bit: {c.algorithm}'s members each hold their own θ_i after a pair swap, "
+            "so no hashes are compared for it to fail; it tests a collective's (DiLoCo's)")
       joins = any(e.action == "add_worker" for e in events)
       check(not (joins and rule is not None and rule.reads_sync_state and not peers),
             "ray.chaos", f"{c.algorithm}'s workers keep their own row of the sync's state, "

@@ -61,8 +61,13 @@ class Heals:
       return None
     self.served[source] += 1
     in_flight = pool.jobs.get(source)
-    return pool.actors[source].heal_state.remote(
+    ref = pool.actors[source].heal_state.remote(
         order=in_flight.order if in_flight is not None else -1)
+    # Taken before the driver hands the source anything more (it waits here; the state goes
+    # from peer to joiner, not through the driver): then it is the state before the job in
+    # flight, whatever the order of the source's threads.
+    pool.ray.wait([ref], timeout=self.d.c.ray.recover_timeout_s, fetch_local=False)
+    return ref
 
   def count(self, meta: dict) -> None:
     """A contribution's meta: the adopt or heal its worker took before it, if any."""

@@ -383,7 +383,7 @@ class Pool:
       if e.action == "kill_worker" and e.worker in self.actors:
         self.lose(e.worker, "chaos: killed")
       elif e.action in chaos_lib.MESSAGED:
-        self.in_sync = chaos_lib.in_sync(e)
+        self.in_sync = {**self.in_sync, **chaos_lib.in_sync(e)}  # (two due at once: both)
       elif e.action == "flip_bit" and e.worker in self.actors:
         self.actors[e.worker].flip_bit.remote()
       elif e.action == "kill_server":

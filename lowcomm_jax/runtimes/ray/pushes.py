@@ -45,6 +45,7 @@ class Pushes(Progress):
       d.idle_start()  # a lost job's steps go to whoever is idle
       return False
     n = d.counts
+    self.form.heals.count(meta)  # (a joiner's first push tells what it took)
     info = d.pool.call("push", meta, job.sent, server=job.server, changes=True)
     n.applied_steps += job.steps
     d.timeline.applied(n.applied_steps)
@@ -74,4 +75,6 @@ class Pushes(Progress):
     return finished
 
   def summary(self) -> dict:  # (no rounds: the server form's round_form is not said)
-    return {"global_pushes": self.d.counts.global_pushes} if self.d.regions is not None else {}
+    regions = self.d.regions is not None
+    return {**self.form.heals.summary(),
+            **({"global_pushes": self.d.counts.global_pushes} if regions else {})}
