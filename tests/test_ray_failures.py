@@ -53,13 +53,30 @@ def test_replicas_that_diverge_stop_the_run_before_any_member_commits(cluster, t
                                 np.asarray(reference[0]["global"]["params"]))
 
 
+def _events(workdir) -> list[dict]:
+  """The membership and recovery events of the run in `workdir` (metrics.jsonl)."""
+  rows = map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())
+  return [row for row in rows if "event" in row]
+
+
 def _checkpointed_params(config, workdir) -> np.ndarray:
   return np.asarray(ray_checkpoint(config, workdir)[0]["global"]["params"])
 
 
-@pytest.mark.slow  # (~30 s: two Ray runs of 3 workers, one waiting out a 5 s timeout)
-def test_a_member_slow_inside_a_collective_is_left_behind_and_the_round_goes_on(cluster,
-                                                                               tmp_path):
+@pytest.fixture(scope="module")
+def killed_replay(ray_cluster, tmp_path_factory):
+  """The run whose worker 1 is killed after contributing to round 1 and before it closed
+  (pushes 4..6 are round 1's): (its summary, its final θ). The failures inside round 1's
+  collective below must end where it does; one run serves them all."""
+  from lowcomm_jax.runtimes.ray import driver
+  killed = _config(**{"ray.chaos": ("kill_worker=1@6",)})
+  workdir = tmp_path_factory.mktemp("killed")
+  return driver.run(killed, workdir), _checkpointed_params(killed, workdir)
+
+
+@pytest.mark.slow  # (~30 s: a Ray run of 3 workers waiting out a 5 s timeout, the replay)
+def test_a_member_slow_inside_a_collective_is_left_behind_and_the_round_goes_on(
+    cluster, tmp_path, killed_replay):
   """stall_in_sync=1:8@4: worker 1, alive, waits 8 s inside round 1's collective before
   its part, past ray.collective_timeout_s = 5. Its peers stop waiting for its pieces, the
   driver loses it as "waited for in vain" and tries the round again among workers 0 and 2
@@ -70,23 +87,20 @@ def test_a_member_slow_inside_a_collective_is_left_behind_and_the_round_goes_on(
   from lowcomm_jax.runtimes.ray import driver
   stalled = _config(**{"ray.collective_timeout_s": 5.0,
                        "ray.chaos": ("stall_in_sync=1:8@4",)})
-  killed = _config(**{"ray.collective_timeout_s": 5.0, "ray.chaos": ("kill_worker=1@6",)})
   summary = driver.run(stalled, tmp_path / "stalled")
-  replay = driver.run(killed, tmp_path / "killed")
-  events = [row for row in map(json.loads, (tmp_path / "stalled" / "metrics.jsonl")
-                               .read_text().splitlines()) if "event" in row]
+  replay, replayed = killed_replay
+  events = _events(tmp_path / "stalled")
   assert [(e["event"], e["worker"]) for e in events] == [("worker_lost", 1)]
   assert "was waited for in vain in a round's collective" in events[0]["why"]
   assert summary["collective_retries"] == 1 and replay["collective_retries"] == 0
   assert summary["rounds_closed"] == replay["rounds_closed"] == 4
   assert summary["pushes_per_worker"] == replay["pushes_per_worker"]
-  np.testing.assert_array_equal(_checkpointed_params(stalled, tmp_path / "stalled"),
-                                _checkpointed_params(killed, tmp_path / "killed"))
+  np.testing.assert_array_equal(_checkpointed_params(stalled, tmp_path / "stalled"), replayed)
 
 
-@pytest.mark.slow  # (~30 s: two Ray runs of 3 workers)
-def test_a_member_dying_after_the_round_was_staged_is_retried_from_what_was_kept(cluster,
-                                                                                tmp_path):
+@pytest.mark.slow  # (~30 s: a Ray run of 3 workers, the replay)
+def test_a_member_dying_after_the_round_was_staged_is_retried_from_what_was_kept(
+    cluster, tmp_path, killed_replay):
   """crash_after_staging=1@4: worker 1 dies in round 1's collective once it has staged the
   round, so its peers have its shards and stage the round with its contribution too. Nobody
   has committed: the driver loses worker 1 and tries the round again among workers 0 and 2,
@@ -96,17 +110,14 @@ def test_a_member_dying_after_the_round_was_staged_is_retried_from_what_was_kept
   staged for a round (`_stage` not replacing it) the θ differ (checked)."""
   from lowcomm_jax.runtimes.ray import driver
   crashed = _config(**{"ray.chaos": ("crash_after_staging=1@4",)})
-  killed = _config(**{"ray.chaos": ("kill_worker=1@6",)})
   summary = driver.run(crashed, tmp_path / "crashed")
-  replay = driver.run(killed, tmp_path / "killed")
-  events = [row for row in map(json.loads, (tmp_path / "crashed" / "metrics.jsonl")
-                               .read_text().splitlines()) if "event" in row]
+  replay, replayed = killed_replay
+  events = _events(tmp_path / "crashed")
   assert [(e["event"], e["worker"]) for e in events] == [("worker_lost", 1)]
   assert "died in a round's collective" in events[0]["why"]
   assert summary["collective_retries"] == 1 and replay["collective_retries"] == 0
   assert summary["rounds_closed"] == replay["rounds_closed"] == 4
-  np.testing.assert_array_equal(_checkpointed_params(crashed, tmp_path / "crashed"),
-                                _checkpointed_params(killed, tmp_path / "killed"))
+  np.testing.assert_array_equal(_checkpointed_params(crashed, tmp_path / "crashed"), replayed)
 
 
 def test_a_bit_flip_is_refused_where_no_replicas_are_compared():
