@@ -74,6 +74,19 @@ def killed_replay(ray_cluster, tmp_path_factory):
   return driver.run(killed, workdir), _checkpointed_params(killed, workdir)
 
 
+def _ends_where_the_replay_does(config, workdir, summary, killed_replay, why: str) -> None:
+  """Worker 1 lost once, for `why`, round 1 tried again once, and the run ends where the
+  killed-worker replay ends: the same rounds, pushes and final θ, bit for bit."""
+  replay, replayed = killed_replay
+  events = _events(workdir)
+  assert [(e["event"], e["worker"]) for e in events] == [("worker_lost", 1)]
+  assert why in events[0]["why"]
+  assert summary["collective_retries"] == 1 and replay["collective_retries"] == 0
+  assert summary["rounds_closed"] == replay["rounds_closed"] == 4
+  assert summary["pushes_per_worker"] == replay["pushes_per_worker"]
+  np.testing.assert_array_equal(_checkpointed_params(config, workdir), replayed)
+
+
 @pytest.mark.slow  # (~30 s: a Ray run of 3 workers waiting out a 5 s timeout, the replay)
 def test_a_member_slow_inside_a_collective_is_left_behind_and_the_round_goes_on(
     cluster, tmp_path, killed_replay):
@@ -88,14 +101,8 @@ def test_a_member_slow_inside_a_collective_is_left_behind_and_the_round_goes_on(
   stalled = _config(**{"ray.collective_timeout_s": 5.0,
                        "ray.chaos": ("stall_in_sync=1:8@4",)})
   summary = driver.run(stalled, tmp_path / "stalled")
-  replay, replayed = killed_replay
-  events = _events(tmp_path / "stalled")
-  assert [(e["event"], e["worker"]) for e in events] == [("worker_lost", 1)]
-  assert "was waited for in vain in a round's collective" in events[0]["why"]
-  assert summary["collective_retries"] == 1 and replay["collective_retries"] == 0
-  assert summary["rounds_closed"] == replay["rounds_closed"] == 4
-  assert summary["pushes_per_worker"] == replay["pushes_per_worker"]
-  np.testing.assert_array_equal(_checkpointed_params(stalled, tmp_path / "stalled"), replayed)
+  _ends_where_the_replay_does(stalled, tmp_path / "stalled", summary, killed_replay,
+                              "was waited for in vain in a round's collective")
 
 
 @pytest.mark.slow  # (~30 s: a Ray run of 3 workers, the replay)
@@ -111,13 +118,8 @@ def test_a_member_dying_after_the_round_was_staged_is_retried_from_what_was_kept
   from lowcomm_jax.runtimes.ray import driver
   crashed = _config(**{"ray.chaos": ("crash_after_staging=1@4",)})
   summary = driver.run(crashed, tmp_path / "crashed")
-  replay, replayed = killed_replay
-  events = _events(tmp_path / "crashed")
-  assert [(e["event"], e["worker"]) for e in events] == [("worker_lost", 1)]
-  assert "died in a round's collective" in events[0]["why"]
-  assert summary["collective_retries"] == 1 and replay["collective_retries"] == 0
-  assert summary["rounds_closed"] == replay["rounds_closed"] == 4
-  np.testing.assert_array_equal(_checkpointed_params(crashed, tmp_path / "crashed"), replayed)
+  _ends_where_the_replay_does(crashed, tmp_path / "crashed", summary, killed_replay,
+                              "died in a round's collective")
 
 
 def test_a_bit_flip_is_refused_where_no_replicas_are_compared():

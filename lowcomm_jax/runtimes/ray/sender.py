@@ -10,6 +10,7 @@ import numpy as np
 
 from lowcomm_jax import aggregate
 from lowcomm_jax.programs import servers
+from lowcomm_jax.runtimes.ray.catch_up import nbytes
 
 
 class Sender:
@@ -42,7 +43,7 @@ class Sender:
                           + self.codec_state[fragment + 1:])
       meta["codec_key"] = np.asarray(jax.random.key_data(keys[0]))
       sent = jax.device_get(jax.tree.map(lambda x: x[0], payload))
-    meta["bytes"] = sum(np.asarray(x).nbytes for x in jax.tree.leaves(sent))
+    meta["bytes"] = nbytes(sent)
     return sent
 
   def _codec_keys(self, view, segment: int) -> jax.Array:

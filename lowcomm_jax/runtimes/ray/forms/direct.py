@@ -33,10 +33,10 @@ NoLoCo's consensus θ): member j's mean of shard j (`replica.mean_rows`), all-ga
 
 import time
 
-import jax
 import numpy as np
 
 from lowcomm_jax.programs import scatter_program, sync_program
+from lowcomm_jax.runtimes.ray.catch_up import nbytes
 from lowcomm_jax.runtimes.ray.forms.base import Form, signals_of
 from lowcomm_jax.runtimes.ray.replica import gathered_bytes, mean_rows, shard_bounds
 
@@ -107,8 +107,8 @@ def _scatter(replica, ex, m: dict) -> dict:
   reduced_at = time.time()
   digest = steps.apply(v, members, m["tokens"], m["losses"], reduced)
   others = [k for k in range(len(members)) if k != j]
-  sent = sum(_nbytes(pieces[k]) for k in others) + _nbytes(own) * len(others)
-  received = sum(_nbytes(mine[k]) + _nbytes(reduced[k]) for k in others)
+  sent = sum(nbytes(pieces[k]) for k in others) + nbytes(own) * len(others)
+  received = sum(nbytes(mine[k]) + nbytes(reduced[k]) for k in others)
   return {"hash": digest, "sent": int(sent), "received": int(received),
           "moments": {"packed": packed, **ex.arrived("shards"),
                       "scattered": scattered, "reduced": reduced_at}}
@@ -119,14 +119,10 @@ def _rows(replica, ex, m: dict) -> dict:
   rows = ex.all_gather("rows", replica.kept[m["own"]][0])
   digest = replica.apply_gathered(m["version"], {w: (row, m["metas"][w])
                                                  for w, row in zip(members, rows)})
-  sizes = [_nbytes(row) for row in rows]
+  sizes = [nbytes(row) for row in rows]
   mine = sizes[ex.index]
   return {"hash": digest, "sent": int(mine * (len(members) - 1)),
           "received": int(sum(sizes) - mine)}
-
-
-def _nbytes(tree) -> int:
-  return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
 
 
 _STEPS = {"mean": _mean, "robust": _robust, "scatter": _scatter, "rows": _rows}
