@@ -9,7 +9,7 @@ the sync matter; synchronous rounds among the workers, or through a parameter se
                                       only describes them)
   --config.runtime=simulator           the simulator, on the links as sim.network gives them
 
-ARG is 'METHOD,H,MBPS[,PLACE]':
+ARG is 'METHOD,H,MBPS[,PLACE[,MODEL]]':
   METHOD  diloco | async_dn | int8 (DiLoCo, int8 payloads all-gathered) | int8s (int8
           payloads reduce-scattered: compress.reduce='scatter') | sparseloco (DiLoCo + SparseLoCo)
           | ddp (a gradient per step) | median (DiLoCo, the coordinate-wise median of the
@@ -20,6 +20,8 @@ ARG is 'METHOD,H,MBPS[,PLACE]':
   PLACE   flat (default: one region, the server a node beside the workers) | own (2 regions
           of 2 workers, each behind an uplink of MBPS/4, the server in a region of its own
           behind one too) | colocated (the same regions, the server in region 0)
+  MODEL   a preset of lowcomm_jax.model.presets (default `small`; `small12`, 3× its layers,
+          makes a payload 2.8× larger)
 
 The links add no delay (the machine has no netem), so every latency here is 0. Only an
 evaluation at the end, and one checkpoint: the timeline (summary.json) is rounds alone.
@@ -27,6 +29,8 @@ evaluation at the end, and one checkpoint: the timeline (summary.json) is rounds
 
 import pathlib
 import runpy
+
+from lowcomm_jax.model.presets import PRESETS
 
 _base = runpy.run_path(str(pathlib.Path(__file__).with_name("base.py")))
 
@@ -36,14 +40,16 @@ PLACES = ("flat", "own", "colocated")
 
 def get_config(arg: str = "diloco,10,20"):
   parts = arg.split(",")
-  if len(parts) not in (3, 4) or parts[0] not in METHODS or (
-      len(parts) == 4 and parts[3] not in PLACES):
-    raise ValueError(f"config argument {arg!r}: use METHOD,H,MBPS[,PLACE] with METHOD in "
-                     f"{METHODS} and PLACE in {PLACES}")
-  method, h, mbps, place = parts[0], int(parts[1]), float(parts[2]), (parts[3:] or ["flat"])[0]
+  if len(parts) not in (3, 4, 5) or parts[0] not in METHODS or (
+      len(parts) >= 4 and parts[3] not in PLACES) or (
+      len(parts) == 5 and parts[4] not in PRESETS):
+    raise ValueError(f"config argument {arg!r}: use METHOD,H,MBPS[,PLACE[,MODEL]] with METHOD "
+                     f"in {METHODS}, PLACE in {PLACES} and MODEL in {sorted(PRESETS)}")
+  method, h, mbps = parts[0], int(parts[1]), float(parts[2])
+  place, model = (parts[3:] + ["flat", "small"][len(parts) - 3:])[:2]
   c = _base["get_config"]()
   c.runtime = "ray"
-  c.model.name = "small"
+  c.model.name = model
   c.data.tokenizer = "byte"
   c.data.seq_len = 64
   c.data.batch_size = 8
