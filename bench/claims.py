@@ -3,8 +3,11 @@
 Every claim lives in one table, the appendix "Every claim" at the end of BENCHMARKS.md:
 topic, issue, section (a link to where its numbers are), claim, runs, verdict. This script
 writes the opening from it: per topic the claims that hold, then those not distinguishable,
-then those not met or reversed. Untested and superseded claims stay in the appendix only.
-The counts are computed here, so they cannot drift from the table.
+then those not met or reversed. Untested claims stay in the appendix only. A superseded
+claim moves to the archive (BENCHMARKS_ARCHIVE.md's table "Superseded claims", the same
+columns), with any section whose every claim is superseded; its links are checked there
+(to the archive's own headings, or to BENCHMARKS.md's as `BENCHMARKS.md#anchor`). The
+counts are computed here, so they cannot drift from the tables.
 
   python bench/claims.py --write    # regenerate the opening in place
   python bench/claims.py --check    # exit 1 if the opening, a verdict word or a link is off
@@ -19,6 +22,8 @@ import unicodedata
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PATH = REPO / "BENCHMARKS.md"
+ARCHIVE_PATH = REPO / "BENCHMARKS_ARCHIVE.md"
+ARCHIVE_TABLE = "## Superseded claims"
 BEGIN, END = "<!-- claims:begin (bench/claims.py --write) -->", "<!-- claims:end -->"
 APPENDIX = "## Appendix: every claim"
 COLUMNS = ["topic", "issue", "section", "claim", "runs", "verdict"]
@@ -87,9 +92,9 @@ def _cells(line: str) -> list[str]:
   return [c.strip() for c in line.strip().strip("|").split(" | ")]
 
 
-def table(text: str) -> list[Row]:
-  """The appendix's rows."""
-  start = text.index(APPENDIX)
+def table(text: str, heading: str = APPENDIX) -> list[Row]:
+  """The rows of the table under `heading` (BENCHMARKS.md's appendix, or the archive's)."""
+  start = text.index(heading)
   rows, header_seen = [], False
   for line in text[start:].splitlines()[1:]:
     if line.startswith("## "):
@@ -99,20 +104,26 @@ def table(text: str) -> list[Row]:
     cells = _cells(line)
     if not header_seen:
       if cells != COLUMNS:
-        raise ValueError(f"{APPENDIX}: the table's columns must be {COLUMNS}, not {cells}")
+        raise ValueError(f"{heading}: the table's columns must be {COLUMNS}, not {cells}")
       header_seen = True
       continue
     if set(line.replace("|", "").strip()) <= set("-: "):
       continue
     if len(cells) != len(COLUMNS):
-      raise ValueError(f"{APPENDIX}: a row has {len(cells)} cells, not {len(COLUMNS)}: "
+      raise ValueError(f"{heading}: a row has {len(cells)} cells, not {len(COLUMNS)}: "
                        f"{line[:80]}")
     rows.append(Row(*cells))
   return rows
 
 
-def problems(text: str, rows: list[Row]) -> list[str]:
-  """What is wrong with the table: unknown topics or verdict words, dead links."""
+def _superseded(r: Row) -> bool:
+  return r.verdict.lower().startswith("superseded")
+
+
+def problems(text: str, rows: list[Row], archived: bool = False) -> list[str]:
+  """What is wrong with a table (`text`'s; `archived`: the archive's): unknown topics or
+  verdict words, dead links, a superseded claim outside the archive or a current one in
+  it."""
   out, targets = [], anchors(text)
   for r in rows:
     where = f"issue {r.issue}, {r.claim[:50]!r}"
@@ -122,19 +133,24 @@ def problems(text: str, rows: list[Row]) -> list[str]:
       group_of(r.verdict)
     except ValueError as e:
       out.append(f"{where}: {e}")
+    if _superseded(r) != archived:
+      out.append(f"{where}: verdict {r.verdict!r} " + (
+          "is not superseded: the archive keeps only superseded claims" if archived else
+          f"belongs in {ARCHIVE_PATH.name}'s {ARCHIVE_TABLE[3:]!r}: move the row there"))
     link = re.fullmatch(r"\[[^\]]+\]\(([^)]+)\)", r.section)
     if not link:
       out.append(f"{where}: section {r.section!r} is not a [name](#anchor) link")
-    elif link.group(1).startswith("#"):
-      if link.group(1)[1:] not in targets:
-        out.append(f"{where}: no heading has the anchor {link.group(1)}")
-    elif not (REPO / link.group(1).partition("#")[0]).exists():
-      out.append(f"{where}: no file {link.group(1)}")
+      continue
+    file, _, anchor_ = link.group(1).partition("#")
+    if file and not (REPO / file).exists():
+      out.append(f"{where}: no file {file}")
+    elif anchor_ and anchor_ not in (anchors((REPO / file).read_text()) if file else targets):
+      out.append(f"{where}: no heading of {file or 'this file'} has the anchor #{anchor_}")
   return out
 
 
-def opening(rows: list[Row]) -> str:
-  """The generated opening, between the markers."""
+def opening(rows: list[Row], superseded: int) -> str:
+  """The generated opening, between the markers (`superseded`: the archive's rows)."""
   counts = collections.Counter(group_of(r.verdict) or r.verdict.split()[0].lower()
                                for r in rows)
   lines = [BEGIN, "", "## What holds today, by topic", "",
@@ -143,9 +159,10 @@ def opening(rows: list[Row]) -> str:
            f"this part matches it). Today: {counts['hold']} hold, "
            f"{counts['not distinguishable']} are not distinguishable, "
            f"{counts['not met or reversed']} are not met or reversed; "
-           f"{counts['untested']} untested and {counts['superseded']} superseded claims "
-           "are in the appendix only. The verdict words are defined there. Each section "
-           "link goes to the numbers and the command that produced them.", ""]
+           f"{counts['untested']} untested claims are in the appendix only, and "
+           f"{superseded} superseded ones in the [archive]({ARCHIVE_PATH.name}). The "
+           "verdict words are defined there. Each section link goes to the numbers and the "
+           "command that produced them.", ""]
   for topic in TOPICS:
     current = [r for r in rows if r.topic == topic and group_of(r.verdict)]
     if not current:
@@ -161,10 +178,11 @@ def opening(rows: list[Row]) -> str:
   return "\n".join(lines + [END])
 
 
-def rendered(text: str) -> str:
-  """`text` with its opening regenerated."""
+def rendered(text: str, archive: str) -> str:
+  """`text` with its opening regenerated (`archive`: the archive's text)."""
   start, end = text.index(BEGIN), text.index(END) + len(END)
-  return text[:start] + opening(table(text)) + text[end:]
+  return (text[:start] + opening(table(text), len(table(archive, ARCHIVE_TABLE)))
+          + text[end:])
 
 
 def main() -> None:
@@ -173,11 +191,11 @@ def main() -> None:
   mode.add_argument("--write", action="store_true")
   mode.add_argument("--check", action="store_true")
   a = p.parse_args()
-  text = PATH.read_text()
-  found = problems(text, table(text))
+  text, archive = PATH.read_text(), ARCHIVE_PATH.read_text()
+  found = problems(text, table(text)) + problems(archive, table(archive, ARCHIVE_TABLE), True)
   if found:
-    sys.exit("BENCHMARKS.md's table of claims:\n" + "\n".join(found))
-  new = rendered(text)
+    sys.exit("BENCHMARKS.md's and its archive's tables of claims:\n" + "\n".join(found))
+  new = rendered(text, archive)
   if a.write:
     PATH.write_text(new)
   elif new != text:

@@ -162,15 +162,17 @@ FORMS = {"server": "server", "direct": "direct", "ring": "ring",
 
 def run_scaling(case: str, workers: list[int], seeds: list[int], out: pathlib.Path,
                 forms=("server", "direct"), modem: bool = False,
-                idle_restart: bool = True) -> None:
+                idle_restart: bool = True, settings: tuple = ()) -> None:
   """`case` at each worker count in each of `forms` (FORMS): the real runs over links built
   for W workers, each replayed with its form's model; result.json per run, written as it
-  goes (a finished one is skipped)."""
+  goes (a finished one is skipped). `settings`: more 'FIELD=VALUE' for every run (give
+  each set of settings its own `out`: the folders are named by case alone)."""
   from lowcomm_jax.config.command_line import load_config
   for w in workers:
     for form in forms:
       model = FORMS[form]
-      overrides = (f"--config.num_workers={w}", f"--config.collective_form={form}")
+      overrides = (f"--config.num_workers={w}", f"--config.collective_form={form}",
+                   *(f"--config.{kv}" for kv in settings))
       config = load_config(str(ROOT / f"configs/real_links.py:{case}"))
       config.num_workers, config.collective_form = w, form
       folder = out / "scaling" / _folder(case, w, form)
@@ -195,6 +197,7 @@ def run_scaling(case: str, workers: list[int], seeds: list[int], out: pathlib.Pa
           real = at_marks(summary["timeline"], per_mark, config.rounds)
           predicted = at_marks(replay(workdir, steps, model), per_mark, config.rounds)
           result = {"case": case, "workers": w, "form": form, "model": model, "seed": seed,
+                    "settings": list(settings),
                     "step_seconds": steps, "real_marks_s": real,
                     "predicted_marks_s": predicted, **compare(real, predicted),
                     "eval_loss": summary["eval_loss"],
@@ -571,6 +574,9 @@ def main() -> None:
   p.add_argument("--no_idle_restart", action="store_true", help="--scaling with every node's "
                  "TCP keeping its window across idle spells (net.ipv4.tcp_slow_start_after_idle"
                  "=0 in each node's namespace): where a round's fixed cost comes from")
+  p.add_argument("--set", nargs="+", default=[], metavar="FIELD=VALUE",
+                 help="--scaling: config fields set in every run (e.g. ray.sends_in_flight=1); "
+                 "give each set its own --out")
   p.add_argument("--report", type=pathlib.Path, help="print the tables of a finished --out")
   p.add_argument("--replay", type=pathlib.Path,
                  help="replay every real run of a finished --out again, then print the tables")
@@ -596,7 +602,7 @@ def main() -> None:
     run_case(case, a.seeds, a.out.resolve())
   if a.scaling:
     run_scaling(a.scaling, a.workers, a.seeds, a.out.resolve(), a.forms, a.modem,
-                not a.no_idle_restart)
+                not a.no_idle_restart, tuple(a.set))
   if a.time_to_loss:
     run_time_to_loss(a.seeds, a.out.resolve(), a.form)
   print(report(a.out.resolve()))

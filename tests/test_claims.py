@@ -9,12 +9,39 @@ from conftest import REPO, bench_module
 claims = bench_module("claims")
 
 
+def _texts():
+  return (REPO / "BENCHMARKS.md").read_text(), (REPO / "BENCHMARKS_ARCHIVE.md").read_text()
+
+
 def test_the_opening_is_what_the_table_of_claims_makes():
-  text = (REPO / "BENCHMARKS.md").read_text()
+  text, archive = _texts()
   rows = claims.table(text)
   assert len(rows) > 200
   assert claims.problems(text, rows) == []
-  assert claims.rendered(text) == text, "run: python bench/claims.py --write"
+  assert claims.rendered(text, archive) == text, "run: python bench/claims.py --write"
+
+
+def test_superseded_claims_live_in_the_archive_and_still_resolve():
+  text, archive = _texts()
+  archived = claims.table(archive, claims.ARCHIVE_TABLE)
+  assert len(archived) >= 43 and all(r.verdict.startswith("superseded") for r in archived)
+  assert claims.problems(archive, archived, archived=True) == []
+  assert f"{len(archived)} superseded ones in the [archive](BENCHMARKS_ARCHIVE.md)" in text
+  # a row that links into BENCHMARKS.md is checked against BENCHMARKS.md's headings
+  assert any(r.section.startswith("[") and "(BENCHMARKS.md#" in r.section for r in archived)
+  bad = archived[0]._replace(section="[x](BENCHMARKS.md#no-such-heading)")
+  assert "no heading of BENCHMARKS.md has the anchor #no-such-heading" in \
+      claims.problems(archive, [bad], archived=True)[0]
+
+
+def test_a_superseded_claim_outside_the_archive_or_a_current_one_in_it_is_named():
+  text, archive = _texts()
+  current = claims.table(text)[0]
+  old = claims.table(archive, claims.ARCHIVE_TABLE)[0]
+  assert "move the row there" in claims.problems(text, [old._replace(
+      section=current.section)])[0]
+  assert "keeps only superseded claims" in claims.problems(archive, [current._replace(
+      section=old.section)], archived=True)[0]
 
 
 @pytest.mark.parametrize("verdict,group", [
@@ -35,7 +62,7 @@ def test_a_verdict_word_counts_only_whole():
 
 
 def test_a_bad_row_is_named():
-  text = (REPO / "BENCHMARKS.md").read_text()
+  text, _ = _texts()
   row = claims.table(text)[0]
   bad = [row._replace(verdict="probably"), row._replace(topic="Misc"),
          row._replace(section="[x](#no-such-heading)"), row._replace(section="plain words")]

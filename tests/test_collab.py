@@ -149,6 +149,19 @@ class _LateHostOne(collab.VirtualProgress):
     return 0 if self.total < self.target else None
 
 
+def test_an_epoch_is_full_once_its_counted_samples_reach_the_target():
+  """The one rule both runtimes close an epoch by (programs/epochs.EpochTally): a peer's
+  samples taken out (it died with them) make the epoch short again."""
+  from lowcomm_jax.programs.epochs import EpochTally
+  tally = EpochTally(16)
+  tally.add(0, 8)
+  tally.add(1, 4)
+  assert not tally.full and tally.total == 12
+  tally.add(1, 4)
+  assert tally.full and tally.by_peer == {0: 8, 1: 8}
+  assert tally.drop(1) == 8 and not tally.full and tally.drop(5) == 0
+
+
 def test_a_late_peer_joins_with_weight_zero(tmp_path):
   config = _config()
   _run(config, tmp_path, _LateHostOne)

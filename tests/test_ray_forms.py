@@ -124,11 +124,60 @@ def test_the_collective_timeout_is_held_against_a_rounds_bytes(gbps, covered):
       timeout_covers_bytes(r.config, plan, reduces=True)
 
 
-def test_sockets_carry_a_collective_between_members_and_drop_a_strangers_message():
+class _SlowTransport(forms.LocalTransport):
+  """Each value filed (and receipted) `delay` s after it is sent, as over a slow link;
+  `sent`: (time, sender, receiver) of each value a member handed over."""
+
+  def __init__(self, mailboxes, in_flight, delay):
+    super().__init__(mailboxes, in_flight)
+    self.delay, self.sent, self._lock = delay, [], threading.Lock()
+
+  def deliver(self, to, tag, sender, box):
+    with self._lock:
+      self.sent.append((time.monotonic(), sender, to))
+    threading.Timer(self.delay, super().deliver, (to, tag, sender, box)).start()
+
+
+@pytest.mark.parametrize("in_flight", [0, 1, 2])
+def test_a_member_keeps_at_most_its_sends_in_flight_and_sends_to_the_next_first(in_flight):
+  """ray.sends_in_flight (forms/exchange.py): each value out waits for the receipts of all
+  but in_flight − 1 sent before it, in turn from the member after the sender; all at once
+  with 0. Every member ends with the same mean either way."""
+  members, delay = [0, 1, 2, 3], 0.3
+  mailboxes = {w: forms.Mailbox() for w in members}
+  transport = _SlowTransport(mailboxes, in_flight, delay)
+  vectors = {w: np.arange(8, dtype=np.float32) * (w + 1) for w in members}
+  message = {"version": 1, "attempt": 1, "members": members, "timeout_s": 30.0}
+  steps = _mean_steps(vectors)
+  outcome = {}
+  threads = [threading.Thread(target=lambda w=w: outcome.__setitem__(w, forms.take_part(
+      w, message, mailboxes[w], transport, steps[w], None))) for w in members]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(60)
+  for w in members:
+    np.testing.assert_allclose(outcome[w]["mean"], np.arange(8) * 2.5)
+  first_phase = {w: [(t, to) for t, a, to in transport.sent if a == w][:3] for w in members}
+  for w, sends in first_phase.items():
+    if in_flight:  # in turn from the next member
+      assert [to for _, to in sends] == [(w + k) % 4 for k in (1, 2, 3)], sends
+    gaps = [b[0] - a[0] for a, b in zip(sends, sends[1:])]
+    if in_flight == 1:  # each after the one before it was filed
+      assert min(gaps) >= delay * 0.9, gaps
+    elif in_flight == 2:  # the second at once, the third after the first was filed
+      assert gaps[0] < delay / 2 and gaps[0] + gaps[1] >= delay * 0.9, gaps
+    else:
+      assert max(gaps) < delay / 2, gaps
+
+
+@pytest.mark.parametrize("in_flight", [0, 1])
+def test_sockets_carry_a_collective_between_members_and_drop_a_strangers_message(in_flight):
   """ray.transport='sockets' (forms/sockets.py): three members' postboxes on 127.0.0.1,
   each member's real part of a dense mean through them, every member ending with the same
-  mean; a message without the receiver's token is dropped unread, and a member that left
-  (not in the next message's addresses) has its socket closed."""
+  mean (with `in_flight` 1, each value sent only once the one before it was receipted
+  back through the postboxes); a message without the receiver's token is dropped unread,
+  and a member that left (not in the next message's addresses) has its socket closed."""
   import zmq
   members = [0, 1, 2]
   mailboxes = {w: forms.Mailbox() for w in members}
@@ -141,8 +190,8 @@ def test_sockets_carry_a_collective_between_members_and_drop_a_strangers_message
     steps = _mean_steps(vectors)
     outcome = {}
     threads = [threading.Thread(target=lambda w=w: outcome.__setitem__(w, forms.take_part(
-        w, message, mailboxes[w], forms.SocketTransport(boxes[w], addresses), steps[w],
-        None))) for w in members]
+        w, message, mailboxes[w], forms.SocketTransport(boxes[w], addresses, in_flight),
+        steps[w], None))) for w in members]
     for t in threads:
       t.start()
     for t in threads:
@@ -158,7 +207,10 @@ def test_sockets_carry_a_collective_between_members_and_drop_a_strangers_message
                              pickle.dumps(np.zeros(3))])
     stranger.close(linger=1000)
     time.sleep(0.5)
-    assert mailboxes[0]._items == {}
+    assert [tag for tag, _ in mailboxes[0]._items if tag[0] == 4] == []
+    # (what it holds of round 3: receipts of its last values, if it paced them)
+    assert all(tag[2].endswith("/receipt") for tag, _ in mailboxes[0]._items)
+    assert bool(mailboxes[0]._items) == bool(in_flight)
     boxes[1].send(addresses[0], (4, 1, "p"), 1, np.ones(3))
     assert mailboxes[0].take((4, 1, "p"), [1], time.monotonic() + 10)[0].sum() == 3.0
     # Member 2 left: the next transport closes the socket to it.

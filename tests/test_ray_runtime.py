@@ -192,6 +192,12 @@ def test_bad_ray_input_is_refused_in_one_line_before_work(monkeypatch):
   quorum = _problems(runtime="ray", algorithm="diloco", num_workers=2,
                      **{"mesh.replica": 1, "ray.min_quorum": 99})
   assert len(quorum) == 1 and quorum[0].startswith("ray.min_quorum=99: must be in 0..")
+  paced = _problems(runtime="ray", algorithm="diloco", num_workers=2,
+                    **{"mesh.replica": 1, "ray.sends_in_flight": 2, "ray.transport": "objects"})
+  assert len(paced) == 1 and paced[0].startswith("ray.sends_in_flight=2: paces sends over")
+  assert _problems(runtime="ray", algorithm="diloco", num_workers=2,
+                   **{"mesh.replica": 1, "ray.sends_in_flight": -1})[0].startswith(
+                       "ray.sends_in_flight=-1: must be >= 0")
   shares = _problems(runtime="ray", algorithm="diloco",
                      **{"mesh.replica": 1, "mesh.data": 2, "ray.gpus_per_worker": 1.0})
   assert len(shares) == 1 and shares[0].startswith("ray.gpus_per_worker=1.0: a worker runs on")
@@ -336,7 +342,8 @@ def test_the_ray_server_applies_pushes_as_the_simulator_does(cluster, tmp_path):
   from lowcomm_jax.runtimes.simulator import simulate
   from lowcomm_jax.runtimes.ray import cluster as cluster_lib
   from lowcomm_jax.runtimes.ray.server import ServerProcess
-  from lowcomm_jax.sim import GLOBAL, Job
+  from lowcomm_jax.parallel.server_names import GLOBAL
+  from lowcomm_jax.sim import Job
 
   config = _config(**{"outer.dn_buffer": 2})  # Δ as they are: no codec
   sim = simulate.Simulation(config)
@@ -897,8 +904,8 @@ def test_halos_servers_exchange_as_the_simulators_do():
   import jax
   from lowcomm_jax.runtimes.simulator import simulate
   from lowcomm_jax.runtimes.ray.server import ServerProcess
-  from lowcomm_jax.sim import GLOBAL, Job
-  from lowcomm_jax.sim.schedules import region_server
+  from lowcomm_jax.parallel.server_names import GLOBAL, region_server
+  from lowcomm_jax.sim import Job
 
   config = _halos_config(**{"outer.halos.merge_alpha": 0.5})
   backend = simulate.Simulation(config).backend

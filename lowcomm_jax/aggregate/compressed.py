@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lowcomm_jax.parallel import collectives
+from lowcomm_jax.parallel import collectives, weighted
 
 
 class CompressedMeanState(NamedTuple):
@@ -49,7 +49,7 @@ def compressed_mean(codec, axis_name: str = "replica", seed: int = 0
       mean = codec.average(payloads, updates, sender_keys)
     else:
       total = codec.weighted_sum(payloads, updates, sender_keys, sender_weights)
-      mean = jax.tree.map(lambda n, d: n / jnp.where(d > 0, d, 1.0), total, weight_totals)
+      mean = jax.tree.map(weighted.divide_by_weight, total, weight_totals)
     return mean, CompressedMeanState(state.count + 1, codec_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

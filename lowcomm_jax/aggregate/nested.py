@@ -15,10 +15,9 @@ elsewhere).
 """
 
 import jax
-import jax.numpy as jnp
 import optax
 
-from lowcomm_jax.parallel import collectives
+from lowcomm_jax.parallel import collectives, weighted
 
 
 def nested_mean(axis_name: str = "replica") -> optax.GradientTransformationExtraArgs:
@@ -32,9 +31,9 @@ def nested_mean(axis_name: str = "replica") -> optax.GradientTransformationExtra
   def update_fn(updates, state, params=None, *, coordinate_weights, weight_totals,
                 **extra_args):
     del params, extra_args
-    weighted = jax.tree.map(lambda a, u: a * u, coordinate_weights, updates)
-    numerator = collectives.sum(weighted, axis_name)
-    mean = jax.tree.map(lambda n, d: n / jnp.where(d > 0, d, 1.0), numerator, weight_totals)
+    weighted_updates = jax.tree.map(lambda a, u: a * u, coordinate_weights, updates)
+    numerator = collectives.sum(weighted_updates, axis_name)
+    mean = jax.tree.map(weighted.divide_by_weight, numerator, weight_totals)
     return mean, state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

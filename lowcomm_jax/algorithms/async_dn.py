@@ -24,7 +24,7 @@ class AsyncDelayedNesterov(AsyncLocalSGD):
     return super().problems(c) + dn_c_problems(c, c.outer.dn_buffer or c.num_workers)
 
   def server_rules(self, c, plan):
-    from lowcomm_jax.sim.schedules import GLOBAL
+    from lowcomm_jax.parallel.server_names import GLOBAL
     o = c.outer
     return {GLOBAL: outer.delayed_nesterov(o.lr, o.momentum, o.dn_buffer or plan.num_workers,
                                            o.dn_c)}

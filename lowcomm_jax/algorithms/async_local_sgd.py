@@ -19,7 +19,7 @@ class AsyncLocalSGD(DiLoCo):
     return AsyncWorkers(plan, backend)
 
   def server_rules(self, c, plan):
-    from lowcomm_jax.sim.schedules import GLOBAL
+    from lowcomm_jax.parallel.server_names import GLOBAL
     o = c.outer
     return {GLOBAL: outer.diloco_outer(o.lr / plan.num_workers, o.momentum, o.nesterov)}
 

@@ -14,7 +14,8 @@ from lowcomm_jax.algorithms.async_local_sgd import AsyncLocalSGD
 from lowcomm_jax.algorithms.base import ExchangeRule
 from lowcomm_jax.sim.async_schedules import AsyncWorkers
 from lowcomm_jax.sim.events import Event, EventLoop
-from lowcomm_jax.sim.schedules import GLOBAL, Backend, Job, Plan, region_server
+from lowcomm_jax.parallel.server_names import GLOBAL, region_server
+from lowcomm_jax.sim.schedules import Backend, Job, Plan
 
 
 def _regions(c) -> list[int]:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from lowcomm_jax.compress.codec import Codec
+from lowcomm_jax.parallel import weighted
 
 DEFAULT_BLOCK = 256  # scale block of a shard when compress.quant_block is 0 (per row)
 _REDUCED_TAG = 0x5CA7  # the owners' keys for the second quantization: apart from senders'
@@ -101,8 +102,7 @@ class Sharded(Codec):
     decoded = jax.vmap(leaf.decode)(payloads_M, keys)
     if weights_MxL is None:
       return decoded.sum(0) / decoded.shape[0]
-    total = weights_MxL.sum(0)
-    return (weights_MxL * decoded).sum(0) / jnp.where(total > 0, total, 1.0)
+    return weighted.weighted_mean(weights_MxL, decoded)
 
   def reduced_key(self, seed: int, round_index, shard):
     """The key of the owner's second quantization of `shard` in `round_index`: anyone can

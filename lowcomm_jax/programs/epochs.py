@@ -3,7 +3,8 @@
 local host (runtimes/spmd/collab.py), the Ray runtime one per peer actor (runtimes/ray/
 worker.py). Who takes the next micro-batch and when the epoch is full are the runtime's
 (a virtual clock, the coordination service's counter, the Ray driver's count); what a
-micro-batch adds and what the peer sends into the epoch's step are here, once."""
+micro-batch adds and what the peer sends into the epoch's step are here, once, and so is
+the epoch's count: when it is full (`EpochTally`) and the figures and summary it leaves."""
 
 import time
 
@@ -57,3 +58,47 @@ class PeerEpoch:
     if samples_G is None:
       samples_G = np.full(self.sums.shape[0], self.samples, np.float32)
     return _mean(self.sums, samples_G)
+
+
+class EpochTally:
+  """One epoch's samples toward the collaboration's target batch, by peer (a host of the
+  runner, a peer actor of the Ray runtime): the epoch is full once the samples counted reach
+  `target`. What counts is each runtime's (the runner's micro-batches in turn or through
+  the coordination service's counter, the Ray driver's finished micro-batches); the rule
+  is this one."""
+
+  def __init__(self, target: int):
+    self.target = target
+    self.by_peer: dict[int, int] = {}
+
+  def add(self, peer: int, samples: int) -> None:
+    self.by_peer[peer] = self.by_peer.get(peer, 0) + samples
+
+  def drop(self, peer: int) -> int:
+    """A peer's samples taken out of the count (it died with them); how many."""
+    return self.by_peer.pop(peer, 0)
+
+  @property
+  def total(self) -> int:
+    return sum(self.by_peer.values())
+
+  @property
+  def full(self) -> bool:
+    return reached(self.total, self.target)
+
+
+def reached(samples: int, target: int) -> bool:
+  """Whether `samples` counted fill an epoch of `target` (where the count is kept elsewhere:
+  the coordination service's counter)."""
+  return samples >= target
+
+
+def epoch_figures(samples: int, wall_s: float) -> dict:
+  """An epoch's figures as every runtime's metrics rows name them."""
+  return {"samples": samples, "epoch_seconds": wall_s,
+          "samples_per_s": samples / wall_s if wall_s else 0.0}
+
+
+def collab_summary(target: int, epochs: int, samples: int) -> dict:
+  """summary.json's "collab": the target batch, the epochs closed and the samples in them."""
+  return {"target_batch_size": target, "epochs": epochs, "samples": samples}

@@ -10,7 +10,7 @@ import optax
 from lowcomm_jax.aggregate.robust import CombinedState, clip_step, row_statistics
 from lowcomm_jax.aggregate.signal import effective_workers
 from lowcomm_jax.model.matformer import tier_mask
-from lowcomm_jax.parallel import workers
+from lowcomm_jax.parallel import weighted, workers
 from lowcomm_jax.parallel.flat import ParamLayout
 from lowcomm_jax.programs.steps import LossFn, OuterState, Signals, TrainState, round_key
 
@@ -178,7 +178,7 @@ def make_server_sync(sync, rule: optax.GradientTransformation, *, layout: ParamL
       else:
         a_SxN = weights(signals)
         total = a_SxN.sum(0)
-        combined = (a_SxN * deltas).sum(0) / jnp.where(total > 0, total, 1.0)
+        combined = weighted.divide_by_weight((a_SxN * deltas).sum(0), total)
     return apply(state, combined, signals, total, full, extra)
 
   return server_sync
@@ -196,8 +196,7 @@ def make_shard_mean(sync, *, layout: ParamLayout, fragment: int):
     a_MxN = jax.lax.dynamic_slice_in_dim(
         weights(Signals(hidden_M, tokens_M, jnp.zeros_like(tokens_M))), start,
         deltas_MxN.shape[1], axis=1)
-    total = a_MxN.sum(0)
-    return (a_MxN * deltas_MxN).sum(0) / jnp.where(total > 0, total, 1.0)
+    return weighted.weighted_mean(a_MxN, deltas_MxN)
 
   return mean
 
@@ -227,7 +226,7 @@ def make_shard_divide(sync, *, layout: ParamLayout, fragment: int):
     total = jax.lax.dynamic_slice_in_dim(
         weights(Signals(hidden_M, tokens_M, jnp.zeros_like(tokens_M))), start,
         sums_GxN.shape[1], axis=1).sum(0)
-    return sums_GxN.sum(0) / jnp.where(total > 0, total, 1.0)
+    return weighted.divide_by_weight(sums_GxN.sum(0), total)
 
   return divide
 

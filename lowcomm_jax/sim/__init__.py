@@ -5,7 +5,6 @@ lowcomm_jax/runtimes/simulator/backend.py, driven by lowcomm_jax/runtimes/simula
 from lowcomm_jax.sim.async_schedules import AsyncWorkers
 from lowcomm_jax.sim.events import Event, EventLoop
 from lowcomm_jax.sim.network import Network
-from lowcomm_jax.sim.schedules import (GLOBAL, Accounting, Backend, Job, Plan, Schedule,
-                                       region_server)
+from lowcomm_jax.sim.schedules import Accounting, Backend, Job, Plan, Schedule
 from lowcomm_jax.sim.speeds import HETEROGENEITY, SpeedModel, level_speeds
 from lowcomm_jax.sim.sync_schedules import GossipRounds, StreamingRounds, SyncRounds

@@ -7,7 +7,8 @@ import dataclasses
 from lowcomm_jax.sim.collectives import SERVER, node
 from lowcomm_jax.sim.events import Event, EventLoop
 from lowcomm_jax.sim.flows import TICK, Flows
-from lowcomm_jax.sim.schedules import GLOBAL, Backend, Job, Plan, Schedule
+from lowcomm_jax.parallel.server_names import GLOBAL
+from lowcomm_jax.sim.schedules import Backend, Job, Plan, Schedule
 
 
 class AsyncWorkers(Schedule):

@@ -9,7 +9,8 @@ simulation's times come from its schedule alone.
 """
 
 from lowcomm_jax.sim.events import EventLoop
-from lowcomm_jax.sim.schedules import GLOBAL, Plan
+from lowcomm_jax.parallel.server_names import GLOBAL
+from lowcomm_jax.sim.schedules import Plan
 
 
 class CountingBackend:

@@ -23,13 +23,6 @@ from lowcomm_jax.sim.events import Event, EventLoop
 from lowcomm_jax.sim.network import Network
 from lowcomm_jax.sim.speeds import SpeedModel
 
-GLOBAL = "global"
-
-
-def region_server(region: int) -> str:
-  return f"region{region}"
-
-
 @dataclasses.dataclass
 class Job:
   id: int

@@ -8,7 +8,8 @@ from lowcomm_jax.sim import collectives
 from lowcomm_jax.sim.collectives import SERVER, node
 from lowcomm_jax.sim.events import Event, EventLoop
 from lowcomm_jax.sim.flows import deliveries
-from lowcomm_jax.sim.schedules import GLOBAL, Backend, Job, Plan, Schedule
+from lowcomm_jax.parallel.server_names import GLOBAL
+from lowcomm_jax.sim.schedules import Backend, Job, Plan, Schedule
 
 
 def collective_seconds(plan: Plan, nbytes: float) -> tuple[float, str]:

@@ -16,7 +16,8 @@ from conftest import load_config
 from lowcomm_jax import algorithms
 from lowcomm_jax.programs import steps
 from lowcomm_jax.parallel import mesh as mesh_lib
-from lowcomm_jax.sim import GLOBAL, Job, Network, Plan, SpeedModel
+from lowcomm_jax.parallel.server_names import GLOBAL
+from lowcomm_jax.sim import Job, Network, Plan, SpeedModel
 from lowcomm_jax.runtimes.simulator.backend import SimBackend
 
 THETA0 = np.array([1.0, -2.0, 0.5], np.float32)

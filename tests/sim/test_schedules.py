@@ -4,7 +4,8 @@ import pytest
 
 from lowcomm_jax import algorithms
 from lowcomm_jax.algorithms.base import ExchangeRule
-from lowcomm_jax.sim import GLOBAL, EventLoop, Network, Plan, SpeedModel
+from lowcomm_jax.parallel.server_names import GLOBAL
+from lowcomm_jax.sim import EventLoop, Network, Plan, SpeedModel
 from lowcomm_jax.sim.replay import CountingBackend
 
 

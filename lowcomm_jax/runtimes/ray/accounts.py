@@ -4,7 +4,7 @@ checkpointed as JSON)."""
 import dataclasses
 import time
 
-from lowcomm_jax.sim import GLOBAL
+from lowcomm_jax.parallel.server_names import GLOBAL
 
 
 @dataclasses.dataclass

@@ -18,7 +18,7 @@ import numpy as np
 
 from lowcomm_jax.programs import steps
 from lowcomm_jax.programs import sync_program
-from lowcomm_jax.sim import GLOBAL
+from lowcomm_jax.parallel.server_names import GLOBAL
 
 
 def server_view(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

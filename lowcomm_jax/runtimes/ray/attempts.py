@@ -44,6 +44,7 @@ class Attempts:
       common["form"] = form.name
     if self.d.c.ray.transport == "sockets":
       common["addresses"] = self._addresses_of()
+      common["sends_in_flight"] = self.d.c.ray.sends_in_flight
     refs = [getattr(pool.actors[w], method).remote({**common, **messages[w]})
             for w in members]
     self.d.counts.collective_calls += len(members)

@@ -29,7 +29,7 @@ import jax
 from lowcomm_jax.run import checkpoint_parts
 from lowcomm_jax.runtimes.ray.actors import initial_rule_state, server_view
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
-from lowcomm_jax.sim import GLOBAL
+from lowcomm_jax.parallel.server_names import GLOBAL
 
 # Of the meta; a checkpoint of another format is refused, not misread. 3: the state in
 # parts written by the actors that hold it.

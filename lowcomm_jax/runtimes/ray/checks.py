@@ -60,6 +60,11 @@ def _check_fields(c, check) -> None:
         "default 600 also covers a big model's shards over slow links")
   check(y.transport in ("sockets", "objects"), "ray.transport",
         "'sockets' (straight over TCP, the default) or 'objects' (through Ray's object store)")
+  check(y.sends_in_flight >= 0, "ray.sends_in_flight",
+        "must be >= 0 (0: a member sends all its values at once)")
+  check(y.sends_in_flight == 0 or y.transport == "sockets", "ray.sends_in_flight",
+        "paces sends over ray.transport='sockets' only (through the object store receivers "
+        "pull); set it to 0 or use sockets")
   sizes = list(y.batch_sizes)
   check(not sizes or (len(sizes) == c.num_workers and min(sizes) >= 1), "ray.batch_sizes",
         f"give one batch size >= 1 per worker ({c.num_workers}), or () for data.batch_size")
@@ -169,6 +174,9 @@ def config_defaults() -> ml_collections.ConfigDict:
   # | 'sockets' straight over TCP (ZeroMQ, a port per worker on its node's address) |
   # | 'objects' through Ray's object store (where only Ray's own ports are open; each
   # | value is asked for, then pulled: slower on slow links, BENCHMARKS issue 70)
+  s.sends_in_flight = 0  # the peer form over sockets: at most this many of a member's
+  # | values in flight at once, each sent once the ones before it are receipted, to the
+  # | members after it in turn (fewer TCP flows filling its uplink at once) | 0: all at once
   s.standby_server = False  # keep a server process built and idle: a dead server's
   # | successor skips the process start (one more process and θ's memory on its node)
   s.chaos = ()  # failures on cue (tests, benchmarks), each 'what@N' (N pushes applied):

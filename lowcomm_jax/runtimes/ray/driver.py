@@ -43,7 +43,7 @@ from lowcomm_jax.runtimes.ray.pushes import Pushes
 from lowcomm_jax.runtimes.ray.quorum import QuorumRounds
 from lowcomm_jax.runtimes.ray.replicas import Replicas
 from lowcomm_jax.runtimes.ray.regions import Regions
-from lowcomm_jax.sim import GLOBAL
+from lowcomm_jax.parallel.server_names import GLOBAL
 from lowcomm_jax.run.files import RunFiles
 from lowcomm_jax.assemble.plan import make_plan, one_device
 from lowcomm_jax.run.workdir import holds_lock

@@ -35,6 +35,7 @@ committed); checkpoints hold a replica's θ, and there is no server to die.
 
 import time
 
+from lowcomm_jax.programs.epochs import EpochTally, collab_summary, epoch_figures
 from lowcomm_jax.runtimes.ray.progress import Progress
 
 
@@ -48,7 +49,7 @@ class Epochs(Progress):
     self.c, self.pool, self.counts, self.ray = d.c, d.pool, d.counts, d.ray
     self.target = d.c.collab.target_batch_size
     self.theta = None  # (version, ObjectRef of θ) of the open epoch, while it takes samples
-    self.epoch_samples: dict[int, int] = {}  # peer -> samples counted in the open epoch
+    self.tally = EpochTally(self.target)  # the open epoch's samples counted, by peer
     self.last_epoch: dict = {}  # the last closed epoch's figures (metrics rows)
     # (peer, version): the peers asked for their sums, every epoch (a micro-batch that ends
     # later was in what its peer sent, or is lost if it was not asked)
@@ -56,19 +57,16 @@ class Epochs(Progress):
 
   # --- an epoch ---------------------------------------------------------------------------
 
-  def _open_samples(self) -> int:
-    return sum(self.epoch_samples.values())
-
   def start_next(self, worker: int, clock: int | None = None) -> None:
     """`worker`'s next micro-batch, while the open epoch is short of its target."""
     del clock
     if (self.theta is not None and worker in self.pool.actors and worker not in self.pool.jobs
-        and self._open_samples() < self.target):
+        and not self.tally.full):
       self.form.dispatch_micro(worker, self.theta)
 
   def on_lose(self, worker: int) -> None:
     """A peer died: its samples of the open epoch are gone with it."""
-    self.counts.samples_lost += self.epoch_samples.pop(worker, 0)
+    self.counts.samples_lost += self.tally.drop(worker)
     self.form.on_lose(worker)
 
   def _take(self, job) -> bool:
@@ -80,7 +78,7 @@ class Epochs(Progress):
       return False
     n = self.counts
     if meta["counted"] and self.theta is not None and meta["version"] == self.theta[0]:
-      self.epoch_samples[job.worker] = self.epoch_samples.get(job.worker, 0) + meta["samples"]
+      self.tally.add(job.worker, meta["samples"])
       n.micro_batches += 1
       n.compute_seconds[str(job.worker)] = (n.compute_seconds.get(str(job.worker), 0.0)
                                             + meta["compute_seconds"])
@@ -99,9 +97,9 @@ class Epochs(Progress):
     start = time.perf_counter()
     self.theta = self.form.open_theta()
     version = self.theta[0]
-    self.epoch_samples = {}
+    self.tally = EpochTally(self.target)
     self.d.idle_start()
-    while self._open_samples() < self.target:
+    while not self.tally.full:
       if not pool.jobs:
         self.d.idle_start()  # (a peer that was still finishing an earlier epoch's micro-batch)
         if not pool.jobs:
@@ -126,8 +124,7 @@ class Epochs(Progress):
     self.d.timeline.applied(n.applied_steps)
     n.samples += contributed
     wall = time.perf_counter() - start
-    self.last_epoch = {"samples": contributed, "epoch_seconds": wall,
-                       "target_reached_s": reached, "samples_per_s": contributed / wall,
+    self.last_epoch = {**epoch_figures(contributed, wall), "target_reached_s": reached,
                        "micro_batches_late": late,
                        **{f"samples_peer_{w}": s for w, s in sorted(by_peer.items())}}
     return n.rounds >= c.rounds
@@ -139,7 +136,7 @@ class Epochs(Progress):
     samples with it)."""
     pool, n = self.pool, self.counts
     asked = {w: pool.actors[w].collect.options(num_returns=2).remote(version)
-             for w in sorted(self.epoch_samples) if w in pool.actors}
+             for w in sorted(self.tally.by_peer) if w in pool.actors}
     self.asked |= {(w, version) for w in asked}
     sent = {}
     for w, (meta_ref, sent_ref) in asked.items():
@@ -151,7 +148,7 @@ class Epochs(Progress):
         continue
       # Samples past the driver's count (a micro-batch that ended after the grace window,
       # before the collect) were computed at this θ: they count.
-      counted = self.epoch_samples.get(w, 0)
+      counted = self.tally.by_peer.get(w, 0)
       n.samples_lost += max(counted - meta["samples"], 0)
       n.micro_batches += (max(meta["samples"] - counted, 0)
                           // meta.get("batch_size", self.c.data.batch_size))
@@ -185,5 +182,4 @@ class Epochs(Progress):
 
   def summary(self) -> dict:
     return {"rounds_closed": self.counts.rounds, **self.form.summary(),
-            "collab": {"target_batch_size": self.target, "epochs": self.counts.rounds,
-                       "samples": self.counts.samples}}
+            "collab": collab_summary(self.target, self.counts.rounds, self.counts.samples)}

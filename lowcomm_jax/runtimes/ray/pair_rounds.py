@@ -9,7 +9,7 @@ from lowcomm_jax.runtimes.ray import checkpoints
 from lowcomm_jax.runtimes.ray.actors import initial_rule_state
 from lowcomm_jax.runtimes.ray.replicas import Replicas
 from lowcomm_jax.runtimes.ray.replica import own_rows
-from lowcomm_jax.sim import GLOBAL
+from lowcomm_jax.parallel.server_names import GLOBAL
 
 
 class PairReplicas(Replicas):

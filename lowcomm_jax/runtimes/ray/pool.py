@@ -20,7 +20,7 @@ from lowcomm_jax.runtimes.ray.accounts import Counts, Job
 from lowcomm_jax.runtimes.ray.rows import WorkerRows
 from lowcomm_jax.runtimes.ray.server import ServerProcess
 from lowcomm_jax.runtimes.ray.worker import WorkerProcess
-from lowcomm_jax.sim import GLOBAL
+from lowcomm_jax.parallel.server_names import GLOBAL
 
 
 class Pool:

@@ -11,8 +11,7 @@ transfers, so no push is ever in flight when a checkpoint is taken. When the bud
 spent, a regional server whose workers are all done pushes what it has left.
 """
 
-from lowcomm_jax.sim import GLOBAL
-from lowcomm_jax.sim.schedules import region_server
+from lowcomm_jax.parallel.server_names import GLOBAL, region_server
 
 
 class Regions:

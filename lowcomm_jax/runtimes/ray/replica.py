@@ -39,7 +39,7 @@ from lowcomm_jax.runtimes.ray.actors import (initial_rule_state, round_inputs, r
                                              round_syncs)
 from lowcomm_jax.runtimes.ray.robust_shards import RobustShards
 from lowcomm_jax.runtimes.ray.scatter_shards import ScatterShards
-from lowcomm_jax.sim import GLOBAL
+from lowcomm_jax.parallel.server_names import GLOBAL
 
 
 def shard_bounds(n: int, members: int) -> list[tuple[int, int]]:

@@ -33,7 +33,7 @@ from lowcomm_jax.runtimes.ray import forms
 from lowcomm_jax.runtimes.ray.attempts import Attempt, Attempts, timeout_covers_bytes
 from lowcomm_jax.runtimes.ray.forms.base import signals_of
 from lowcomm_jax.runtimes.ray.heals import Heals
-from lowcomm_jax.sim import GLOBAL
+from lowcomm_jax.parallel.server_names import GLOBAL
 
 
 class Replicas:

@@ -14,7 +14,7 @@ from lowcomm_jax.runtimes.ray.actors import (built, initial_rule_state, initial_
                                              server_view)
 from lowcomm_jax.runtimes.ray import checkpoints
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
-from lowcomm_jax.sim import GLOBAL
+from lowcomm_jax.parallel.server_names import GLOBAL
 
 
 class ServerProcess:

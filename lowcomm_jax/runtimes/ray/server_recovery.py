@@ -6,7 +6,7 @@ started again as they were. A dead worker is told from a dead server by pool.py.
 import collections
 import time
 
-from lowcomm_jax.sim import GLOBAL
+from lowcomm_jax.parallel.server_names import GLOBAL
 
 
 def recover(pool, why: str, server: str = GLOBAL) -> None:

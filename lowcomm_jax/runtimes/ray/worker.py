@@ -21,7 +21,7 @@ from lowcomm_jax.runtimes.ray.actors import built, initial_params
 from lowcomm_jax.runtimes.ray.chaos import with_worker_slots
 from lowcomm_jax.runtimes.ray.cluster import import_ray
 from lowcomm_jax.runtimes.ray.sender import Sender
-from lowcomm_jax.sim import GLOBAL
+from lowcomm_jax.parallel.server_names import GLOBAL
 
 
 class WorkerProcess:

@@ -23,7 +23,8 @@ from lowcomm_jax.programs import servers
 from lowcomm_jax.programs import steps
 from lowcomm_jax.assemble.spec import Programs, Run
 from lowcomm_jax.parallel import mesh as mesh_lib
-from lowcomm_jax.sim import GLOBAL, Job, Plan
+from lowcomm_jax.parallel.server_names import GLOBAL
+from lowcomm_jax.sim import Job, Plan
 
 
 def _without_empty(tree: dict) -> dict:

@@ -53,7 +53,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from lowcomm_jax.run import loop
 from lowcomm_jax.programs import steps
-from lowcomm_jax.programs.epochs import PeerEpoch
+from lowcomm_jax.programs.epochs import (EpochTally, PeerEpoch, collab_summary, epoch_figures,
+                                         reached)
 from lowcomm_jax.runtimes.spmd.driver import RoundDriver
 from lowcomm_jax.runtimes.spmd.rounds import worker_ids
 from lowcomm_jax.run.metrics import JsonlWriter, announce_compile
@@ -106,8 +107,12 @@ class VirtualProgress:
   def begin(self, epoch: int) -> None:
     del epoch
     self.micro = [0] * len(self.samples)
-    self.total = 0
+    self.tally = EpochTally(self.target)
     self.closed_at = math.inf
+
+  @property
+  def total(self) -> int:
+    return self.tally.total
 
   def next_host(self) -> int | None:
     """The local host whose micro-batch ends next, or None: the epoch is full."""
@@ -119,8 +124,8 @@ class VirtualProgress:
 
   def done(self, host: int) -> None:
     self.micro[host] += 1
-    self.total += self.samples[host]
-    if self.total >= self.target and self.closed_at == math.inf:
+    self.tally.add(host, self.samples[host])
+    if self.tally.full and self.closed_at == math.inf:
       self.closed_at = self.micro[host] / self.speeds[host]
 
   def live(self) -> list[int]:
@@ -160,7 +165,8 @@ class StoreProgress:
     if self.quota is not None:
       return 0 if self.micro < self.quota else None
     if not self.closed:  # an increment by 0 reads the counter (0 before anyone wrote it)
-      self.closed = self.client.key_value_increment(self.prefix + "samples", 0) >= self.target
+      self.closed = reached(self.client.key_value_increment(self.prefix + "samples", 0),
+                            self.target)
     return None if self.closed else 0
 
   def done(self, host: int) -> None:
@@ -169,7 +175,7 @@ class StoreProgress:
     total = self.client.key_value_increment(self.prefix + "samples", self.samples)
     self.client.key_value_set(f"{self.prefix}peer/{self.host}", str(self.micro * self.samples),
                               allow_overwrite=True)
-    self.closed = total >= self.target
+    self.closed = reached(total, self.target)
 
   def live(self) -> list[int]:
     counts = dict(self.client.key_value_dir_get(self.prefix + "peer/"))
@@ -342,8 +348,8 @@ class CollabDriver(RoundDriver):
                                               metrics=mark_due.metrics)
     total = sum(s.samples for s in shares)
     self.sched.tokens += total * c.data.seq_len
-    extra = {"tokens": self.sched.tokens, "samples": total, "epoch_seconds": wall,
-             "samples_per_s": total / wall if wall else 0.0, "link_seconds": self.link_s,
+    extra = {"tokens": self.sched.tokens, **epoch_figures(total, wall),
+             "link_seconds": self.link_s,
              "train_loss": sum(s.loss_sum for s in shares) / max(total, 1)}
     for i, s in enumerate(shares):
       self.sched.compute_seconds[i] += s.seconds
@@ -359,9 +365,8 @@ class CollabDriver(RoundDriver):
 
   def summary(self, eval_loss: float, scalars: dict, wall: float) -> dict:
     out = super().summary(eval_loss, scalars, wall)
-    out["collab"] = {"target_batch_size": self.c.collab.target_batch_size,
-                     "epochs": self.c.rounds,
-                     "samples": self.sched.tokens // self.c.data.seq_len}
+    out["collab"] = collab_summary(self.c.collab.target_batch_size, self.c.rounds,
+                                   self.sched.tokens // self.c.data.seq_len)
     return out
 
   def close(self) -> None:

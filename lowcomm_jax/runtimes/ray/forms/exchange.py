@@ -14,6 +14,13 @@ tests') the mailboxes are shared.
 A member stops waiting, and its attempt ends staging nothing, when the driver calls the
 attempt off (`abort`: another member died), when a peer's object is lost with its owner,
 or past the attempt's deadline; its outcome then names the members it still waited for.
+
+A member may keep a few of its values in flight at once rather than all
+(`ray.sends_in_flight`, over sockets): each value then asks its receiver for a receipt, and
+the member sends its next only once all but `in_flight − 1` of those before it are
+receipted, to the members after it in turn. Sent all at once, a member's W − 1 values
+leave through W − 1 TCP connections whose starts together overflow its uplink's queue
+(BENCHMARKS, issue 71: the scatter's losses are at the uplinks).
 """
 
 import threading
@@ -79,17 +86,25 @@ class Mailbox:
         self._arrived.wait(left)
 
 
-class LocalTransport:
-  """Members in one process (the tests' rounds, one thread each): values go as they are."""
+def receipt_tag(tag: tuple) -> tuple:
+  """The tag under which a receiver acknowledges the value sent under `tag`."""
+  return (*tag[:2], f"{tag[2]}/receipt")
 
-  def __init__(self, mailboxes: dict[int, Mailbox]):
-    self.mailboxes = mailboxes
+
+class LocalTransport:
+  """Members in one process (the tests' rounds, one thread each): values go as they are;
+  with `in_flight`, each is receipted as it is filed."""
+
+  def __init__(self, mailboxes: dict[int, Mailbox], in_flight: int = 0):
+    self.mailboxes, self.in_flight = mailboxes, in_flight
 
   def pack(self, value):
     return value
 
   def deliver(self, to: int, tag: tuple, sender: int, box) -> None:
     self.mailboxes[to].put(tag, sender, box)
+    if self.in_flight:
+      self.mailboxes[sender].put(receipt_tag(tag), to, None)
 
   def unpack(self, boxes: list, deadline: float) -> list:
     del deadline
@@ -99,6 +114,8 @@ class LocalTransport:
 class RayTransport:
   """Members as Ray actors (`handles`: worker -> actor handle): a value is put once in the
   sender's object store, and each receiver's `deliver` gets its reference."""
+
+  in_flight = 0  # (receivers pull: nothing to pace)
 
   def __init__(self, ray, handles: dict):
     self.ray, self.handles = ray, handles
@@ -129,18 +146,40 @@ class Exchange:
     self.index = self.members.index(me)
     self.mailbox, self.transport = mailbox, transport
     self.deadline = time.monotonic() + timeout_s
+    self.in_flight = transport.in_flight  # (0: every value sent at once)
+    self._unreceipted: list[tuple[tuple, int]] = []  # (tag, receiver), oldest first
     mailbox.open(version, attempt)
 
   def _tag(self, phase: str) -> tuple:
     return (self.version, self.attempt, phase)
 
   def send(self, to: list[int], phase: str, value) -> None:
-    """`value` to each member of `to` (itself excepted: it keeps its own)."""
-    others = [w for w in to if w != self.me]
+    """`value` to each member of `to` (itself excepted: it keeps its own), to the members
+    after it first where it keeps only `in_flight` values in flight."""
+    others = [w for w in self._in_turn(to) if w != self.me]
     if others:
       box = self.transport.pack(value)
       for w in others:
-        self.transport.deliver(w, self._tag(phase), self.me, box)
+        self._deliver(w, phase, box)
+
+  def _in_turn(self, to: list[int]) -> list[int]:
+    """`to` from the member after this one on, round the members' order (so that, sent in
+    turn, each member's first value goes to another receiver)."""
+    if not self.in_flight:
+      return list(to)
+    n = len(self.members)
+    place = lambda w: ((self.members.index(w) - self.index) % n if w in self.members else n)
+    return sorted(to, key=place)
+
+  def _deliver(self, to: int, phase: str, box) -> None:
+    """One value out, once at most `in_flight` − 1 sent before it await their receipts."""
+    tag = self._tag(phase)
+    if self.in_flight:
+      while len(self._unreceipted) >= self.in_flight:
+        oldest, receiver = self._unreceipted.pop(0)
+        self.mailbox.take(receipt_tag(oldest), [receiver], self.deadline)
+      self._unreceipted.append((tag, to))
+    self.transport.deliver(to, tag, self.me, box)
 
   def gather(self, phase: str, senders: list[int], own=None) -> list:
     """What each of `senders` sent under `phase`, in their order (`own` in its own place)."""
@@ -158,8 +197,9 @@ class Exchange:
   def all_to_all(self, phase: str, pieces: list, among: list[int] | None = None) -> list:
     """Piece k of `pieces` to the k-th of `among`: what each of them sent this member."""
     among = self.members if among is None else among
-    for w, piece in zip(among, pieces):
-      self.send([w], phase, piece)
+    piece_of = dict(zip(among, pieces))
+    for w in self._in_turn(among):
+      self.send([w], phase, piece_of[w])
     return self.gather(phase, among, own=pieces[among.index(self.me)])
 
   def arrived(self, phase: str) -> dict:

@@ -7,14 +7,18 @@ A value crosses its link once, with no request before it: Ray's object store, by
 asks the owner where the object is and then pulls it, several small messages that wait
 behind the phase's bulk data in the same link queue (BUILD_NOTES: "The members' transport").
 
-A message is [the receiver's token, tag, sender, value's pickle, its buffers]. The token is
-random per postbox and handed out only with its address (through the driver's message), so
-a stray connection to the port is dropped before anything of it is unpickled.
+A message is [the receiver's token, (tag, sender[, receiver, reply address]), value's
+pickle, its buffers]. The token is random per postbox and handed out only with its address
+(through the driver's message), so a stray connection to the port is dropped before
+anything of it is unpickled. A message with a reply address (`ray.sends_in_flight`) is
+receipted once filed: a small message back, under the tag's receipt (exchange.py).
 """
 
 import pickle
 import secrets
 import threading
+
+from lowcomm_jax.runtimes.ray.forms.exchange import receipt_tag
 
 _STOP = b"stop"
 
@@ -56,16 +60,22 @@ class Postbox:
       if len(frames) == 2 and frames[1].bytes == _STOP:
         self._inbox.close(linger=0)
         return
-      tag, sender = pickle.loads(frames[1].bytes)
+      tag, sender, *receipt = pickle.loads(frames[1].bytes)
       value = pickle.loads(frames[2].bytes, buffers=[f.buffer for f in frames[3:]])
       self.mailbox.put(tuple(tag), int(sender), value)
+      if receipt:  # (receiver, the sender's address): it has what it was sent
+        receiver, reply = receipt
+        self.send(tuple(reply), receipt_tag(tuple(tag)), receiver, None)
 
-  def send(self, address: tuple[str, bytes], tag: tuple, sender: int, value) -> None:
-    """`value` to the postbox at `address` (queued: ZeroMQ's thread sends it)."""
+  def send(self, address: tuple[str, bytes], tag: tuple, sender: int, value,
+           receipt: tuple | None = None) -> None:
+    """`value` to the postbox at `address` (queued: ZeroMQ's thread sends it); with
+    `receipt` (the receiver's id, this postbox's address), receipted once filed."""
     endpoint, token = address
     buffers = []
     body = pickle.dumps(value, protocol=5, buffer_callback=buffers.append)
-    frames = [token, pickle.dumps((tag, sender)), body, *(b.raw() for b in buffers)]
+    header = pickle.dumps((tag, sender, *(receipt or ())))
+    frames = [token, header, body, *(b.raw() for b in buffers)]
     with self._send_lock:
       self._outbox(endpoint).send_multipart(frames, copy=True)
 
@@ -98,10 +108,11 @@ class Postbox:
 class SocketTransport:
   """A collective's values through the members' postboxes (`addresses`: every live
   worker's (endpoint, token), from the driver's message: the sockets to any other are
-  closed, so nothing stays queued for a worker that is gone)."""
+  closed, so nothing stays queued for a worker that is gone). `in_flight` > 0: each value
+  asks for a receipt (the member paces its sends by them: exchange.py)."""
 
-  def __init__(self, postbox: Postbox, addresses: dict):
-    self.postbox, self.addresses = postbox, addresses
+  def __init__(self, postbox: Postbox, addresses: dict, in_flight: int = 0):
+    self.postbox, self.addresses, self.in_flight = postbox, addresses, in_flight
     postbox.forget({endpoint for endpoint, _ in addresses.values()})
 
   def pack(self, value):
@@ -109,7 +120,8 @@ class SocketTransport:
 
   def deliver(self, to: int, tag: tuple, sender: int, box) -> None:
     if to in self.addresses:  # (else it was gone when the driver asked: the attempt fails)
-      self.postbox.send(self.addresses[to], tag, sender, box)
+      receipt = (to, self.addresses[sender]) if self.in_flight else None
+      self.postbox.send(self.addresses[to], tag, sender, box, receipt)
 
   def unpack(self, boxes: list, deadline: float) -> list:
     del deadline
@@ -121,5 +133,5 @@ def transport_for(message: dict, postbox: Postbox | None, ray):
   carries their addresses (ray.transport='sockets'), else Ray's object store."""
   from lowcomm_jax.runtimes.ray.forms.exchange import RayTransport
   if "addresses" in message:
-    return SocketTransport(postbox, message["addresses"])
+    return SocketTransport(postbox, message["addresses"], message.get("sends_in_flight", 0))
   return RayTransport(ray, message["handles"])
