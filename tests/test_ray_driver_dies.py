@@ -43,10 +43,11 @@ def _env() -> dict:
   return dict(os.environ, RAY_AUTH_MODE="disabled", RAY_worker_niceness="0")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def cluster():
   """A Ray head started apart from any driver (`ray start --head --block`, its own process
-  group), stopped at the end."""
+  group), stopped at the end; shared by the module's tests (each run is in a namespace of
+  its own workdir, and each test checks that nothing of its run is left)."""
   port, temp = _free_port(), tempfile.mkdtemp(prefix="rd", dir="/tmp")
   head = subprocess.Popen(
       [str(os.path.join(os.path.dirname(sys.executable), "ray")), "start", "--head",

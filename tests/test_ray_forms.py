@@ -213,6 +213,9 @@ def test_sockets_carry_a_collective_between_members_and_drop_a_strangers_message
     assert bool(mailboxes[0]._items) == bool(in_flight)
     boxes[1].send(addresses[0], (4, 1, "p"), 1, np.ones(3))
     assert mailboxes[0].take((4, 1, "p"), [1], time.monotonic() + 10)[0].sum() == 3.0
+    # The driver's message names the pacing (attempts.py puts ray.sends_in_flight there).
+    assert forms.transport_for({"addresses": addresses, "sends_in_flight": in_flight},
+                               boxes[0], None).in_flight == in_flight
     # Member 2 left: the next transport closes the socket to it.
     assert addresses[2][0] in boxes[0]._outboxes
     forms.SocketTransport(boxes[0], {w: addresses[w] for w in (0, 1)})

@@ -390,9 +390,11 @@ def test_the_ray_server_applies_pushes_as_the_simulator_does(cluster, tmp_path):
      "aggregate.signal": "cosine", "aggregate.warmup_rounds": 0},
     # the values through Ray's object store (the direct form: 'auto' takes no ring there)
     {"num_workers": 3, "ray.transport": "objects"},
-    # a codec's payloads reduce-scattered: each shard's owner re-encodes its mean once
-    {"num_workers": 4, "compress.codec": "int8", "compress.reduce": "scatter"},
-], ids=["mean", "median+attack+int8", "clip+cosine", "mean-objects", "int8-scatter"])
+    # a codec's payloads reduce-scattered: each shard's owner re-encodes its mean once;
+    # each member's values sent one at a time, each once the one before it is receipted
+    {"num_workers": 4, "compress.codec": "int8", "compress.reduce": "scatter",
+     "ray.sends_in_flight": 1},
+], ids=["mean", "median+attack+int8", "clip+cosine", "mean-objects", "int8-scatter-paced"])
 def test_diloco_in_full_quorum_rounds_trains_as_the_runner_does(cluster, tmp_path, overrides):
   """Every live worker in every round (min_quorum 0, no failures): the rounds are DiLoCo's,
   through the same Sync (codec, attack, robust rule, outer rule) as the lockstep runner's.
