@@ -124,6 +124,20 @@ def test_the_collective_timeout_is_held_against_a_rounds_bytes(gbps, covered):
       timeout_covers_bytes(r.config, plan, reduces=True)
 
 
+def _mean_in_threads(members, message, mailboxes, transport_of, vectors) -> dict:
+  """Each member's real part of a dense mean of `vectors`, one thread a member, through
+  `transport_of(w)`: {member: its outcome}."""
+  steps = _mean_steps(vectors)
+  outcome = {}
+  threads = [threading.Thread(target=lambda w=w: outcome.__setitem__(w, forms.take_part(
+      w, message, mailboxes[w], transport_of(w), steps[w], None))) for w in members]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(60)
+  return outcome
+
+
 class _SlowTransport(forms.LocalTransport):
   """Each value filed (and receipted) `delay` s after it is sent, as over a slow link;
   `sent`: (time, sender, receiver) of each value a member handed over."""
@@ -148,14 +162,7 @@ def test_a_member_keeps_at_most_its_sends_in_flight_and_sends_to_the_next_first(
   transport = _SlowTransport(mailboxes, in_flight, delay)
   vectors = {w: np.arange(8, dtype=np.float32) * (w + 1) for w in members}
   message = {"version": 1, "attempt": 1, "members": members, "timeout_s": 30.0}
-  steps = _mean_steps(vectors)
-  outcome = {}
-  threads = [threading.Thread(target=lambda w=w: outcome.__setitem__(w, forms.take_part(
-      w, message, mailboxes[w], transport, steps[w], None))) for w in members]
-  for t in threads:
-    t.start()
-  for t in threads:
-    t.join(60)
+  outcome = _mean_in_threads(members, message, mailboxes, lambda w: transport, vectors)
   for w in members:
     np.testing.assert_allclose(outcome[w]["mean"], np.arange(8) * 2.5)
   first_phase = {w: [(t, to) for t, a, to in transport.sent if a == w][:3] for w in members}
@@ -187,15 +194,9 @@ def test_sockets_carry_a_collective_between_members_and_drop_a_strangers_message
     vectors = {w: np.arange(10, dtype=np.float32) * (w + 1) for w in members}
     message = {"version": 3, "attempt": 1, "members": members, "timeout_s": 30.0,
                "crash": None}
-    steps = _mean_steps(vectors)
-    outcome = {}
-    threads = [threading.Thread(target=lambda w=w: outcome.__setitem__(w, forms.take_part(
-        w, message, mailboxes[w], forms.SocketTransport(boxes[w], addresses, in_flight),
-        steps[w], None))) for w in members]
-    for t in threads:
-      t.start()
-    for t in threads:
-      t.join(60)
+    outcome = _mean_in_threads(
+        members, message, mailboxes,
+        lambda w: forms.SocketTransport(boxes[w], addresses, in_flight), vectors)
     for w in members:
       np.testing.assert_allclose(outcome[w]["mean"], np.arange(10) * 2.0)
     # A stranger's message, well formed but without the receiver's token, is never filed
