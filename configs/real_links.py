@@ -46,7 +46,8 @@ def get_config(arg: str = "diloco,10,20"):
     raise ValueError(f"config argument {arg!r}: use METHOD,H,MBPS[,PLACE[,MODEL]] with METHOD "
                      f"in {METHODS}, PLACE in {PLACES} and MODEL in {sorted(PRESETS)}")
   method, h, mbps = parts[0], int(parts[1]), float(parts[2])
-  place, model = (parts[3:] + ["flat", "small"][len(parts) - 3:])[:2]
+  place = parts[3] if len(parts) > 3 else "flat"
+  model = parts[4] if len(parts) > 4 else "small"
   c = _base["get_config"]()
   c.runtime = "ray"
   c.model.name = model

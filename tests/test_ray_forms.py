@@ -140,16 +140,22 @@ def _mean_in_threads(members, message, mailboxes, transport_of, vectors) -> dict
 
 class _SlowTransport(forms.LocalTransport):
   """Each value filed (and receipted) `delay` s after it is sent, as over a slow link;
-  `sent`: (time, sender, receiver) of each value a member handed over."""
+  `sent`: (time, sender, receiver, tag) of each value a member handed over, `filed`: when
+  each was filed, by (sender, receiver, tag)."""
 
   def __init__(self, mailboxes, in_flight, delay):
     super().__init__(mailboxes, in_flight)
-    self.delay, self.sent, self._lock = delay, [], threading.Lock()
+    self.delay, self.sent, self.filed, self._lock = delay, [], {}, threading.Lock()
 
   def deliver(self, to, tag, sender, box):
     with self._lock:
-      self.sent.append((time.monotonic(), sender, to))
-    threading.Timer(self.delay, super().deliver, (to, tag, sender, box)).start()
+      self.sent.append((time.monotonic(), sender, to, tag))
+    threading.Timer(self.delay, self._file, (to, tag, sender, box)).start()
+
+  def _file(self, to, tag, sender, box):
+    with self._lock:
+      self.filed[(sender, to, tag)] = time.monotonic()
+    super().deliver(to, tag, sender, box)
 
 
 @pytest.mark.parametrize("in_flight", [0, 1, 2])
@@ -157,7 +163,7 @@ def test_a_member_keeps_at_most_its_sends_in_flight_and_sends_to_the_next_first(
   """ray.sends_in_flight (forms/exchange.py): each value out waits for the receipts of all
   but in_flight − 1 sent before it, in turn from the member after the sender; all at once
   with 0. Every member ends with the same mean either way."""
-  members, delay = [0, 1, 2, 3], 0.3
+  members, delay = [0, 1, 2, 3], 0.5
   mailboxes = {w: forms.Mailbox() for w in members}
   transport = _SlowTransport(mailboxes, in_flight, delay)
   vectors = {w: np.arange(8, dtype=np.float32) * (w + 1) for w in members}
@@ -165,17 +171,18 @@ def test_a_member_keeps_at_most_its_sends_in_flight_and_sends_to_the_next_first(
   outcome = _mean_in_threads(members, message, mailboxes, lambda w: transport, vectors)
   for w in members:
     np.testing.assert_allclose(outcome[w]["mean"], np.arange(8) * 2.5)
-  first_phase = {w: [(t, to) for t, a, to in transport.sent if a == w][:3] for w in members}
-  for w, sends in first_phase.items():
+  for w in members:  # its first phase: a piece to each other member
+    sends = [(t, (a, to, tag)) for t, a, to, tag in transport.sent if a == w][:3]
     if in_flight:  # in turn from the next member
-      assert [to for _, to in sends] == [(w + k) % 4 for k in (1, 2, 3)], sends
-    gaps = [b[0] - a[0] for a, b in zip(sends, sends[1:])]
-    if in_flight == 1:  # each after the one before it was filed
-      assert min(gaps) >= delay * 0.9, gaps
-    elif in_flight == 2:  # the second at once, the third after the first was filed
-      assert gaps[0] < delay / 2 and gaps[0] + gaps[1] >= delay * 0.9, gaps
-    else:
-      assert max(gaps) < delay / 2, gaps
+      assert [value[1] for _, value in sends] == [(w + k) % 4 for k in (1, 2, 3)], sends
+    filed = [transport.filed[value] for _, value in sends]
+    times = [t for t, _ in sends]
+    if in_flight == 1:  # each only once the one before it was filed
+      assert times[1] >= filed[0] and times[2] >= filed[1], (times, filed)
+    elif in_flight == 2:  # the second before the first was filed, the third only after
+      assert times[1] < filed[0] <= times[2], (times, filed)
+    else:  # all three before any was filed
+      assert times[2] < filed[0], (times, filed)
 
 
 @pytest.mark.parametrize("in_flight", [0, 1])
